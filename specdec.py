@@ -1,0 +1,1527 @@
+"""specdec.py - speculative decoding for the Qwen3.6 hybrid models (Gated DeltaNet + gated attention).
+
+One file, read top to bottom: configs -> tokenizer -> model -> state -> proposers -> verification &
+sampling -> engine -> loading -> API -> CLI.
+
+    python specdec.py --model PATH --prompt "def fib(n):" --max-tokens 64
+    python specdec.py --model PATH --speculative-config '{"method":"mtp","num_speculative_tokens":2}' ...
+
+    from specdec import LLM, SamplingParams
+    llm = LLM(model=PATH, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    print(llm.generate(["hello"], SamplingParams(max_tokens=16))[0].outputs[0].text)
+"""
+import argparse
+import codecs
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+import unicodedata
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import tiktoken
+import torch.nn.functional as F
+
+import kernels as K
+
+
+class ConfigError(ValueError):
+    """A bad model config, speculative config, checkpoint or request: the message says what and why."""
+
+
+# ==============================================================================================
+# Configs
+# ==============================================================================================
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+@dataclass
+class ModelConfig:
+    """The text decoder's hyper-parameters, as in a Qwen3.5/3.6 `text_config`."""
+    moe: bool
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: list                 # "linear_attention" (GDN) or "full_attention", per layer
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    intermediate_size: int = 0        # dense MLP
+    num_experts: int = 0              # MoE
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    max_position_embeddings: int = 262144
+    eos_token_ids: list = field(default_factory=list)
+    model_type: str = "qwen3_5_text"
+
+    def __post_init__(self):
+        self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        self.key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        self.value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                              f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_dict(cls, cfg, top=None):
+        """From a text_config dict (`top` = the wrapper config, for fields it may carry instead)."""
+        top = top or {}
+        mt = cfg.get("model_type", "qwen3_5_text")
+        if mt not in ("qwen3_5_text", "qwen3_5_moe_text"):
+            raise ConfigError(f"unsupported text model_type {mt!r}; supported: qwen3_5_text, qwen3_5_moe_text")
+        moe = mt == "qwen3_5_moe_text"
+        for key, want in (("attn_output_gate", True), ("attention_bias", False)):
+            if cfg.get(key, want) != want:
+                raise ConfigError(f"unsupported config: {key}={cfg[key]!r} (only {want} is implemented)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is implemented")
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if types is None:
+            every = cfg.get("full_attention_interval", 4)
+            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+        if len(types) != n or set(types) - {"full_attention", "linear_attention"}:
+            raise ConfigError(f"layer_types must list {n} entries of full_attention/linear_attention, got {types}")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ConfigError(f"unsupported rope_type {rope_type!r}; only default (M-)RoPE is implemented")
+        eos = cfg.get("eos_token_id", top.get("eos_token_id"))
+        tie = cfg.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+        if moe and cfg.get("mlp_only_layers"):
+            raise ConfigError("unsupported config: mlp_only_layers (every layer of qwen3_5_moe is MoE)")
+        return cls(
+            moe=moe, model_type=mt, hidden_size=cfg["hidden_size"], num_hidden_layers=n, layer_types=list(types),
+            vocab_size=cfg["vocab_size"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            linear_num_key_heads=cfg["linear_num_key_heads"], linear_num_value_heads=cfg["linear_num_value_heads"],
+            linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
+            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+            intermediate_size=0 if moe else cfg["intermediate_size"],
+            num_experts=cfg.get("num_experts", 0) if moe else 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if moe else 0,
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e7)),
+            partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
+            mtp_num_hidden_layers=cfg.get("mtp_num_hidden_layers", 0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 262144),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+    @classmethod
+    def from_hf(cls, path):
+        """Read `config.json` (multimodal wrapper or text-only) and `generation_config.json` from a directory."""
+        f = os.path.join(path, "config.json")
+        if not os.path.isfile(f):
+            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a .gguf file)")
+        with open(f) as fh:
+            top = json.load(fh)
+        mt = top.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        text = top["text_config"] if mt in ("qwen3_5", "qwen3_5_moe") else top
+        if mt in ("qwen3_5", "qwen3_5_moe") and "model_type" not in text:
+            text = dict(text, model_type=mt + "_text")
+        cfg = cls.from_dict(text, top)
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as fh:
+                eos = json.load(fh).get("eos_token_id")
+            for e in [eos] if isinstance(eos, int) else (eos or []):
+                if e not in cfg.eos_token_ids:
+                    cfg.eos_token_ids.append(e)
+        return cfg
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling, as vLLM's SamplingParams (the subset specdec implements)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list = None
+    stop_token_ids: list = None
+    ignore_eos: bool = False
+    seed: int = None
+    logprobs: int = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ConfigError(f"logprobs must be non-negative, got {self.logprobs}")
+
+    @property
+    def greedy(self):
+        return self.temperature < 1e-5
+
+
+# ==============================================================================================
+# Speculative config: vLLM's --speculative-config JSON object
+# ==============================================================================================
+
+SPEC_METHODS = ("mtp", "dflash", "dspark", "ngram", "draft_model")
+VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "ngram_gpu", "custom_class",
+                     "extract_hidden_states")
+# vLLM keys that specdec accepts only at their default value (a different value is refused by name)
+UNSUPPORTED_KEYS = {"moe_backend": None, "attention_backend": None, "kv_cache_dtype": None, "code_revision": None,
+                    "index_share_for_mtp_iteration": None, "disable_padded_drafter_batch": False,
+                    "disable_eagle_block_drop": False, "use_local_argmax_reduction": False,
+                    "use_heterogeneous_vocab": False, "parallel_drafting": False,
+                    "num_speculative_tokens_per_batch_size": None, "enable_adaptive_verification": False,
+                    "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
+                    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+                    "suffix_decoding_min_token_prob": 0.1}
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative config (same keys, same validation rules, same meaning)."""
+    method: str = None
+    model: str = None
+    num_speculative_tokens: int = None
+    prompt_lookup_min: int = None
+    prompt_lookup_max: int = None
+    draft_tensor_parallel_size: int = None
+    quantization: str = None
+    max_model_len: int = None
+    revision: str = None
+    enforce_eager: bool = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list = None
+    synthetic_acceptance_length: float = None
+    draft_sample_method: str = "greedy"
+    dspark_draft_topk: int = None
+
+    @classmethod
+    def from_json(cls, obj):
+        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message."""
+        if isinstance(obj, SpeculativeConfig) or obj is None:
+            return obj
+        if isinstance(obj, str):
+            try:
+                obj = json.loads(obj)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"speculative config must be a JSON object, got {type(obj).__name__}")
+        obj = dict(obj)
+        if "tensor_parallel_size" in obj:
+            raise ConfigError("'tensor_parallel_size' is not a valid argument in the speculative_config. "
+                              "Please pass 'draft_tensor_parallel_size' instead.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in list(obj):
+            if key in UNSUPPORTED_KEYS:
+                if obj[key] != UNSUPPORTED_KEYS[key]:
+                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not support "
+                                      f"(only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
+                del obj[key]
+            elif key not in known:
+                raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in vLLM); "
+                                  f"accepted keys: {', '.join(sorted(known))}")
+        return cls(**obj)
+
+    def __post_init__(self):
+        m = self.method
+        if m is None:  # vLLM's inference: "ngram" model -> ngram, a dotted class path -> custom_class, else draft_model
+            if self.model in ("ngram", "[ngram]"):
+                m = "ngram"
+            elif self.model and "/" not in self.model and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", self.model) \
+                    and not os.path.exists(self.model):
+                m = "custom_class"
+            else:
+                m = "draft_model"
+        if not isinstance(m, str):
+            raise ConfigError(f"speculative method must be a string, got {m!r}")
+        if m.endswith("_mtp"):
+            warnings.warn(f"method `{m}` is deprecated and replaced with mtp.")
+            m = "mtp"
+        if m in VLLM_ONLY_METHODS:
+            raise ConfigError(f"speculative method {m!r} is a vLLM method that specdec does not implement; "
+                              f"accepted methods: {', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
+        if m not in SPEC_METHODS:
+            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: {', '.join(SPEC_METHODS)} "
+                              f"(and the *_mtp aliases of mtp)")
+        self.method = m
+        k = self.num_speculative_tokens
+        if self.model is None and k is not None:
+            if m in ("dflash", "draft_model"):
+                raise ConfigError("num_speculative_tokens was provided but without speculative model.")
+            self.model = m if m == "ngram" else None  # mtp / dspark: the target checkpoint itself
+        if k is None:
+            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the draft "
+                              "model config contains an n_predict parameter.")
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+        if m == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if lo > hi:
+                raise ConfigError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ConfigError("prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} cannot be other value "
+                              "than 1 or target model tensor_parallel_size (1 in specdec)")
+        if self.quantization not in (None, "none", "None"):
+            raise ConfigError(f"draft quantization {self.quantization!r} is not supported; specdec runs drafts "
+                              "in the target's dtype")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.rejection_sample_method not in ("standard", "synthetic"):
+            raise ConfigError(f"rejection_sample_method must be 'standard' or 'synthetic', got "
+                              f"{self.rejection_sample_method!r}")
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        if self.rejection_sample_method == "synthetic":
+            if (rates is None) == (length is None):
+                raise ConfigError("rejection_sample_method 'synthetic' needs exactly one of "
+                                  "synthetic_acceptance_rates and synthetic_acceptance_length")
+            if rates is not None:
+                if not isinstance(rates, list) or len(rates) != k or any(not 0 <= r <= 1 for r in rates):
+                    raise ConfigError(f"synthetic_acceptance_rates must be a list of {k} numbers in [0, 1], got {rates!r}")
+                if any(b > a for a, b in zip(rates, rates[1:])):
+                    raise ConfigError(f"synthetic_acceptance_rates must be non-increasing, got {rates!r}")
+            elif not 1 <= length <= k + 1:
+                raise ConfigError(f"synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k + 1}], "
+                                  f"got {length!r}")
+        elif rates is not None or length is not None:
+            raise ConfigError("synthetic_acceptance_rates / synthetic_acceptance_length need "
+                              "rejection_sample_method 'synthetic'")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ConfigError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {self.draft_sample_method!r}")
+        if self.dspark_draft_topk is not None:
+            if m != "dspark":
+                raise ConfigError("dspark_draft_topk is only valid with method 'dspark'")
+            if not isinstance(self.dspark_draft_topk, int) or self.dspark_draft_topk < 1:
+                raise ConfigError(f"dspark_draft_topk must be an integer >= 1, got {self.dspark_draft_topk!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+
+    def conditional_rates(self):
+        """Synthetic mode: the probability of accepting position i given that positions < i were accepted."""
+        if self.synthetic_acceptance_rates is not None:
+            return list(self.synthetic_acceptance_rates)
+        L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
+        whole = int(math.floor(L - 1))
+        return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
+
+#@@TOKENIZER-BEGIN@@
+# ---- tokenizer ----
+# Qwen3.5/3.6 use a byte-level BPE (HF `tokenizers` layout). We run it on tiktoken: the pre-tokenizer
+# regex is tiktoken's pat_str, the BPE vocab its mergeable ranks, the added tokens its special tokens.
+
+QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def _gpt2_byte_chars():
+    # GPT-2 byte-level alphabet: printable bytes stand for themselves, the other 68 map to U+0100..
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+BYTE_OF_CHAR = {c: b for b, c in _gpt2_byte_chars().items()}
+
+
+class Tokenizer:
+    def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
+                 special=None, nfc=True, ignore_merges=False):
+        """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
+        (None: ids are the merge ranks, as in tiktoken files); added_tokens: text -> id, matched whole;
+        special: the added tokens that decode(skip_special=True) drops (default: all of them);
+        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole even if no merge makes it."""
+        added_tokens = dict(added_tokens or {})
+        self.nfc, self._vocab = nfc, vocab
+        try:
+            tok_bytes = {t: bytes(BYTE_OF_CHAR[c] for c in t) for t in vocab}
+        except KeyError as e:
+            raise ValueError(f"vocab is not byte-level BPE: character {e.args[0]!r} is outside the GPT-2 "
+                             "byte alphabet") from None
+        if len({b for b in tok_bytes.values() if len(b) == 1}) != 256:
+            raise ValueError("vocab is not byte-level BPE: it lacks some of the 256 single-byte tokens")
+        # id -> bytes for every id we know; ids nobody uses decode to b"" (HF skips unknown ids too)
+        self.vocab_size = max([*vocab.values(), *added_tokens.values()]) + 1
+        self._bytes = [b""] * self.vocab_size
+        for t, i in vocab.items():
+            self._bytes[i] = tok_bytes[t]
+        for t, i in added_tokens.items():
+            self._bytes[i] = t.encode("utf-8")
+        self.special_ids = dict(added_tokens)  # every added token, e.g. "<think>" too
+        self._special = set(added_tokens) if special is None else set(special) & set(added_tokens)
+        self._special_id_set = {added_tokens[t] for t in self._special}
+        self._nonspecial = set(added_tokens) - self._special  # HF always matches these, like <think>
+
+        # tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the
+        # merge with the lowest *merge index*. So a token's tiktoken rank must be its merge priority.
+        if merges is None:  # tiktoken-style vocab: ids are the ranks
+            order = sorted(vocab, key=vocab.get)
+        else:
+            prio = {}
+            for p, m in enumerate(merges):
+                a, b = m.split(" ") if isinstance(m, str) else m
+                if a not in vocab or b not in vocab or a + b not in vocab:
+                    raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
+                prio.setdefault(a + b, p)  # several merges making one token: the first one wins
+            # tokens no merge makes (besides single bytes) are unreachable in HF BPE: leave them out, unless
+            # ignore_merges (tiktoken then takes them only as whole pieces, in practice: nothing merges into them)
+            order = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get) + sorted(prio, key=prio.get)
+            if ignore_merges:
+                order += sorted((t for t in vocab if len(tok_bytes[t]) > 1 and t not in prio), key=vocab.get)
+        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1]
+        if all(i < j for i, j in zip(merged_ids, merged_ids[1:])):  # ids follow merge order: rank = id
+            self._rank_to_id = None
+            ranks = {tok_bytes[t]: vocab[t] for t in order}
+            specials = added_tokens
+        else:  # ranks follow merge order, and a table maps them back to ids
+            self._rank_to_id = [vocab[t] for t in order] + list(added_tokens.values())
+            ranks = {tok_bytes[t]: r for r, t in enumerate(order)}
+            specials = {t: len(order) + k for k, t in enumerate(added_tokens)}
+        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        if eos_token is None:
+            eos_token = next((t for t in ("<|im_end|>", "<|endoftext|>") if t in added_tokens), None)
+        self.eos_token_id = None if eos_token is None else self.id_of(eos_token)
+
+    @classmethod
+    def from_dir(cls, path):
+        """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+            tj = json.load(f)
+        model = tj.get("model") or {}
+        if model.get("type") != "BPE":
+            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only byte-level BPE")
+        for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(key):
+                raise ValueError(f"tokenizer.json: BPE option {key}={model[key]!r} is not supported")
+        pre = tj.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = [s.get("type") for s in steps]
+        if (kinds != ["Split", "ByteLevel"] or "Regex" not in steps[0].get("pattern", {})
+                or steps[0].get("behavior") != "Isolated" or steps[0].get("invert")
+                or steps[1].get("add_prefix_space") or steps[1].get("use_regex")):
+            raise ValueError(f"tokenizer.json: pre-tokenizer {kinds} is not the byte-level "
+                             "Split(regex, isolated) + ByteLevel(no prefix space, no regex) layout")
+        if (tj.get("decoder") or {}).get("type") != "ByteLevel":
+            raise ValueError("tokenizer.json: decoder is not ByteLevel")
+        norm = (tj.get("normalizer") or {}).get("type")
+        if norm not in (None, "NFC"):
+            raise ValueError(f"tokenizer.json: normalizer {norm!r} is not supported (only NFC or none)")
+        added, special = {}, set()
+        for t in tj.get("added_tokens", []):
+            if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
+                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses lstrip/rstrip/single_word")
+            added[t["content"]] = t["id"]
+            if t.get("special"):
+                special.add(t["content"])
+        eos = None
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+        return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
+                   special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
+
+    def encode(self, text, allow_special=True):
+        """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
+        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        allowed = self._nonspecial | self._special if allow_special else self._nonspecial
+        ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
+        return ids if self._rank_to_id is None else [self._rank_to_id[r] for r in ids]
+
+    def token_bytes(self, i):
+        return self._bytes[i] if 0 <= i < self.vocab_size else b""
+
+    def decode_bytes(self, ids, skip_special=False):
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
+        skip = self._special_id_set if skip_special else ()
+        return b"".join(self.token_bytes(i) for i in ids if i not in skip)
+
+    def decode(self, ids, skip_special=False):
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def id_of(self, token):
+        """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
+        text that is exactly one token (" the")."""
+        if token in self.special_ids:
+            return self.special_ids[token]
+        if token in self._vocab:
+            return self._vocab[token]
+        try:
+            r = self._enc.encode_single_token(token.encode("utf-8"))
+        except KeyError:
+            raise KeyError(f"{token!r} is not a single token") from None
+        return r if self._rank_to_id is None else self._rank_to_id[r]
+
+
+class IncrementalDecoder:
+    """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
+
+    def __init__(self, tokenizer, skip_special=False):
+        self.tok, self.skip_special = tokenizer, skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # everything emitted so far, for the caller's stop-string checks
+
+    def add(self, ids):
+        new = self._utf8.decode(self.tok.decode_bytes([ids] if isinstance(ids, int) else ids, self.skip_special))
+        self.text += new
+        return new
+
+    def flush(self):
+        new = self._utf8.decode(b"", final=True)  # a dangling partial character becomes U+FFFD
+        self.text += new
+        return new
+
+
+def _content_text(content):
+    # message content: a string, None, or a list of {"type": "text", "text": ...} parts
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any("text" not in part for part in content):
+        raise ValueError("only text content parts are supported (no images, video or audio)")
+    return "".join(part["text"] for part in content)
+
+
+def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, preserve_thinking=False,
+                        tools=None):
+    """Qwen3.5/3.6 chat prompt (ChatML), following the published chat_template.jinja for text-only chats."""
+    if tools:
+        raise ValueError("tool definitions are not supported by this chat template")
+    texts = [_content_text(m.get("content")).strip() for m in messages]
+    # the last real user query: assistant turns after it keep their reasoning, older ones lose it
+    last_query = next((i for i in reversed(range(len(messages))) if messages[i]["role"] == "user"
+                       and not (texts[i].startswith("<tool_response>") and texts[i].endswith("</tool_response>"))), None)
+    if last_query is None:
+        raise ValueError("no user query found in messages")
+    out = []
+    for i, (m, text) in enumerate(zip(messages, texts)):
+        role = m["role"]
+        if role == "system" and i > 0:
+            raise ValueError("a system message must be the first message")
+        if role in ("system", "user"):
+            out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
+        elif role == "assistant":
+            if m.get("tool_calls"):
+                raise ValueError("assistant tool_calls are not supported by this chat template")
+            reasoning = m.get("reasoning_content")
+            if not isinstance(reasoning, str):
+                reasoning = ""
+                if "</think>" in text:  # reasoning written inline as <think>...</think>
+                    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                    text = text.split("</think>")[-1].lstrip("\n")
+            if preserve_thinking or i > last_query:
+                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip()}\n</think>\n\n{text}<|im_end|>\n")
+            else:
+                out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
+        elif role == "tool":  # consecutive tool results share one user turn
+            first = i > 0 and messages[i - 1]["role"] != "tool"
+            last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+            out.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{text}\n</tool_response>"
+                       + ("<|im_end|>\n" if last else ""))
+        else:
+            raise ValueError(f"unexpected message role {role!r}")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
+    return "".join(out)
+#@@TOKENIZER-END@@
+
+# ==============================================================================================
+# Model
+# ==============================================================================================
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: the stored weight w scales by (1 + w)."""
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class Ctx:
+    """What one forward step needs besides the tokens: which state slots, at which positions, how."""
+    state: "State"
+    slots: torch.Tensor          # [B] long, state slot of each row
+    pos: torch.Tensor            # [B] long, position of each row's first token
+    kv_len: int                  # cache prefix attention must look at (>= max(pos) + T)
+    mode: str = "decode"         # "prefill" (chunked GDN), "decode" (T tokens, commit all), "verify"
+
+
+def rope(x, pos, T, inv_freq):
+    """Partial NeoX RoPE on the first rotary_dim channels of each head. x [B, T, h, d]; pos [B]."""
+    rd = inv_freq.numel() * 2
+    p = (pos[:, None] + torch.arange(T, device=x.device)[None]).float()          # [B, T]
+    freqs = p[..., None] * inv_freq                                              # [B, T, rd/2]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)[:, :, None]      # [B, T, 1, rd]
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)[:, :, None]
+    xr, xp = x[..., :rd], x[..., rd:]
+    rot = torch.cat([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
+    return torch.cat([xr * cos + rot * sin, xp], -1)
+
+
+class Attention(nn.Module):
+    """Gated full attention: per-head [query | gate] from q_proj, q/k RMSNorm, partial RoPE, GQA."""
+    def __init__(self, cfg, layer_id):
+        super().__init__()
+        self.layer_id, self.nh, self.nkv, self.hd = layer_id, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, 2 * self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        rd = cfg.rotary_dim
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd), persistent=False)
+
+    def forward(self, x, ctx):
+        B, T, _ = x.shape
+        qg = self.q_proj(x).view(B, T, self.nh, 2 * self.hd)
+        q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(B, T, -1)              # [B,T,nh,hd], [B,T,nh*hd]
+        q = rope(self.q_norm(q), ctx.pos, T, self.inv_freq)
+        k = rope(self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)), ctx.pos, T, self.inv_freq)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        k_cache, v_cache = ctx.state.kv[self.layer_id]
+        at = ctx.pos[:, None] + torch.arange(T, device=x.device)[None]              # [B, T] positions
+        k_cache[ctx.slots[:, None], at] = k.to(k_cache.dtype)
+        v_cache[ctx.slots[:, None], at] = v.to(v_cache.dtype)
+        o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
+        return self.o_proj(o.reshape(B, T, -1) * torch.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule; its state is a conv window plus a d_k x d_v matrix per head."""
+    def __init__(self, cfg, layer_id):
+        super().__init__()
+        self.layer_id, self.cfg = layer_id, cfg
+        H, C, Kc = cfg.hidden_size, cfg.conv_dim, cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, cfg.linear_num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, cfg.linear_num_value_heads, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(C, 1, Kc))
+        self.dt_bias = nn.Parameter(torch.ones(cfg.linear_num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.linear_num_value_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
+        self.out_proj = nn.Linear(cfg.value_dim, H, bias=False)
+
+    def split(self, y, B, T):
+        c = self.cfg
+        q, k, v = y.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        return (q.reshape(B, T, c.linear_num_key_heads, -1), k.reshape(B, T, c.linear_num_key_heads, -1),
+                v.reshape(B, T, c.linear_num_value_heads, -1))
+
+    def forward(self, x, ctx):
+        B, T, _ = x.shape
+        st = ctx.state
+        mixed = self.in_proj_qkv(x)                                                  # [B, T, C] pre-conv
+        z = self.in_proj_z(x).view(B, T, -1, self.cfg.linear_value_head_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))                                      # [B, T, H_v]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        verify = ctx.mode == "verify"
+        no_write = torch.zeros(B, dtype=torch.long, device=x.device) if verify else None
+        w = self.conv1d.weight[:, 0]
+        y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, w, no_write)
+        q, k, v = self.split(y, B, T)
+        if ctx.mode == "prefill" and T > 1:
+            o = K.gdn_chunked(q, k, v, g, beta, st.rec[self.layer_id], ctx.slots)
+        else:
+            o = K.gdn_recurrent(q, k, v, g, beta, st.rec[self.layer_id], ctx.slots, no_write)
+        if verify:  # keep the per-token inputs: commit() replays the accepted prefix from the untouched state
+            st.stash[self.layer_id] = (mixed, q, k, v, g, beta)
+        o = K.gated_rms_norm(o, z, self.norm.weight, self.cfg.rms_norm_eps)
+        return self.out_proj(o.reshape(B, T, -1))
+
+    def commit(self, ctx, n_keep):
+        """After a verify: advance the conv window and recurrent state by the first n_keep[b] tokens."""
+        mixed, q, k, v, g, beta = ctx.state.stash.pop(self.layer_id)
+        K.causal_conv(mixed, ctx.state.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], n_keep)
+        K.gdn_recurrent(q, k, v, g, beta, ctx.state.rec[self.layer_id], ctx.slots, n_keep)
+
+
+class MLP(nn.Module):
+    def __init__(self, H, I):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (fp32 softmax, renormalised) plus one shared expert behind a sigmoid gate."""
+    def __init__(self, cfg):
+        super().__init__()
+        H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, then up rows
+        self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))         # [E, H, I]
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                                # [N, H]
+        w, idx = K.moe_route(self.gate(x), self.top_k)
+        y = K.moe_experts(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj)
+        y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id, full_attention):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if full_attention:
+            self.self_attn = Attention(cfg, layer_id)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, layer_id)
+        self.mlp = MoE(cfg) if cfg.moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, ctx):
+        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+        x = x + mixer(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPHead(nn.Module):
+    """The checkpoint's multi-token-prediction head: fc(cat[norm(embed(x_{t+1})), norm(h_t)]) -> one
+    full-attention layer (own KV cache, state layer id "mtp") -> norm; shares embedding and lm_head."""
+    def __init__(self, cfg):
+        super().__init__()
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "mtp", full_attention=True)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, emb, hidden, ctx):
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], -1))
+        return self.norm(self.layers[0](x, ctx))
+
+
+class Qwen36(nn.Module):
+    """The text decoder. forward() returns final-norm hidden states; logits() applies the lm_head
+    only where logits are needed. Parameter names are the checkpoint's, minus `model.[language_model.]`."""
+    def __init__(self, cfg, with_mtp=True):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t == "full_attention") for i, t in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPHead(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
+
+    def forward(self, ids, ctx):
+        x = self.embed_tokens(ids)                                                   # [B, T, H]
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def logits(self, h):
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()
+
+    def commit(self, ctx, n_keep):
+        """Bring every GDN layer's state to the end of the accepted prefix of the last verify."""
+        for layer in self.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.commit(ctx, n_keep)
+
+
+# ==============================================================================================
+# State: allocated once per engine
+# ==============================================================================================
+
+class State:
+    """All per-sequence state, for `num_slots` sequences plus one dummy slot (the last) for padding rows.
+
+    kv[i]   = (K, V) caches [slots, max_len, n_kv, head_dim] of attention layer i (and "mtp")
+    conv[i] = the last K-1 pre-conv inputs [slots, conv_dim, K-1] of GDN layer i (model dtype)
+    rec[i]  = the recurrent state [slots, H_v, d_k, d_v] of GDN layer i (fp32)
+    stash   = per-token GDN inputs of the last verify step, replayed by commit() for the accepted prefix
+    """
+    def __init__(self, cfg, num_slots, max_len, dtype, device, mtp=False):
+        S = num_slots + 1
+        self.dummy_slot, self.max_len = num_slots, max_len
+        self.kv, self.conv, self.rec, self.stash = {}, {}, {}, {}
+        kv_shape = (S, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        ids = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] + (["mtp"] if mtp else [])
+        for i in ids:
+            self.kv[i] = (torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device))
+        for i, t in enumerate(cfg.layer_types):
+            if t == "linear_attention":
+                self.conv[i] = torch.zeros(S, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+                self.rec[i] = torch.zeros(S, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                          cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+
+    def reset(self, slot):
+        """A new sequence starts from zero GDN state (stale KV beyond its length is never read)."""
+        for t in (*self.conv.values(), *self.rec.values()):
+            t[slot].zero_()
+
+
+# ==============================================================================================
+# Proposers: draft k tokens per sequence. One interface:
+#   prefill(engine, req, hidden, ids, pos)   see the prompt (model drafters fill their caches)
+#   propose(engine, reqs) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
+#   commit(engine, reqs, hidden, ids, n_acc, tokens)   see the verified step, keep the accepted prefix
+# ==============================================================================================
+
+def ngram_lookup(ctx, k, lo, hi):
+    """vLLM's prompt lookup: find the longest suffix n-gram (lo <= n <= hi) of ctx that occurred earlier,
+    take its earliest occurrence and propose up to k tokens that followed it."""
+    N = len(ctx)
+    for n in range(min(hi, N - 1), lo - 1, -1):
+        tail = ctx[N - n:]
+        for start in range(0, N - n):
+            if ctx[start:start + n] == tail:
+                return ctx[start + n:start + n + k]
+    return []
+
+
+class NgramProposer:
+    def __init__(self, spec):
+        self.k, self.lo, self.hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    def prefill(self, engine, req, hidden, ids, pos):
+        pass
+
+    def propose(self, engine, reqs):
+        drafts = torch.full((len(reqs), self.k), -1, dtype=torch.long)
+        for b, r in enumerate(reqs):
+            room = engine.max_model_len - len(r.tokens)
+            d = ngram_lookup(r.tokens, min(self.k, room), self.lo, self.hi) if room > 0 else []
+            drafts[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+        return drafts.to(engine.device), None
+
+    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+        pass
+
+
+def draft_pick(logits, reqs, greedy_drafts):
+    """Greedy drafting (argmax, verified as one-hot q) or probabilistic drafting (sample from the
+    temperature-scaled draft distribution, which is returned as q)."""
+    if greedy_drafts:
+        return logits.argmax(-1), None
+    t = torch.tensor([max(r.params.temperature, 1e-5) if not r.params.greedy else 1e-5 for r in reqs],
+                     device=logits.device)
+    q = (logits / t[:, None]).softmax(-1)
+    u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(logits.device)
+    return sample_from(q, u), q
+
+
+class MTPProposer:
+    """The target's own MTP layer, chained k times. Its KV cache ("mtp") gets one entry per target
+    position: (h_t, embed(x_{t+1})) at position t, written over the prompt at prefill and over the
+    accepted tokens after each verify. The MTP output hidden at the last committed position is kept
+    per slot; propose() turns it into d1 and feeds its own output back for d2..dk."""
+    def __init__(self, engine, spec):
+        self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
+        m = engine.model
+        self.hidden = torch.zeros(engine.max_num_seqs + 1, m.cfg.hidden_size, dtype=engine.dtype, device=engine.device)
+
+    def _run(self, engine, ids, hidden, slots, pos, mode):
+        m = engine.model
+        T = ids.shape[1]
+        ctx = Ctx(engine.state, slots, pos, int(pos.max()) + T, mode)
+        return m.mtp(m.embed_tokens(ids), hidden, ctx)
+
+    def prefill(self, engine, req, hidden, ids, pos):
+        # ids: the chunk's tokens shifted left by one (the next token of each position)
+        out = self._run(engine, ids, hidden, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), "decode")
+        self.hidden[req.slot] = out[0, -1]
+
+    def propose(self, engine, reqs):
+        m, B = engine.model, len(reqs)
+        slots = engine.slot_tensor(reqs)
+        h = self.hidden[slots]                                                       # [B, H]
+        pos = torch.tensor([len(r.tokens) - 2 for r in reqs], device=engine.device)  # position of h
+        drafts, probs = [], []
+        for j in range(self.k):
+            if j > 0:
+                h = self._run(engine, drafts[-1][:, None], h[:, None], slots, pos + j, "decode")[:, 0]
+            d, q = draft_pick(m.logits(h), reqs, self.greedy)
+            drafts.append(d)
+            probs.append(q)
+        return torch.stack(drafts, 1), None if self.greedy else torch.stack(probs, 1)
+
+    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+        # position p+i gets (h_{p+i}, x_{p+i+1}): the drafts, with the correction/bonus token at n_acc
+        B, T = ids.shape
+        rows = torch.arange(B, device=ids.device)
+        nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+        nxt[rows, n_acc] = tokens[rows, n_acc]
+        pos = torch.tensor([r.verify_pos for r in reqs], device=ids.device)
+        out = self._run(engine, nxt, hidden, engine.slot_tensor(reqs), pos, "decode")
+        self.hidden[engine.slot_tensor(reqs)] = out[rows, n_acc]
+
+# ==============================================================================================
+# Verification & sampling
+# ==============================================================================================
+
+def target_probs(logits, temperature, top_k, top_p):
+    """The target distribution p that sampling and verification draw from: temperature, then top-k,
+    then top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N]
+    tensors (temperature 0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32."""
+    t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
+    x = logits / t[:, None]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        srt, order = x.sort(dim=-1, descending=True)
+        V = x.shape[-1]
+        rank = torch.arange(V, device=x.device)[None]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+        drop = rank >= k[:, None]                                                    # top-k
+        p = srt.masked_fill(drop, float("-inf")).softmax(-1)
+        drop |= (p.cumsum(-1) - p) > top_p[:, None]                                  # top-p: keep the set reaching p
+        drop[:, 0] = False
+        x = x.scatter(-1, order, srt.masked_fill(drop, float("-inf")))
+    return x.softmax(-1)
+
+
+def sample_from(probs, u):
+    """Inverse-CDF sampling: one uniform u [N] in [0, 1) per row of probs [N, V] (need not sum to 1)."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample):
+    """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
+
+    logits [B, k+1, V] fp32 target logits at [last token, d1..dk]; drafts [B, k] long (-1 = padding,
+    always rejected); draft_probs [B, k, V] or None (= one-hot q at the draft); temperature, top_k,
+    top_p [B]; u_accept [B, k], u_sample [B, k+1] uniforms in [0, 1).
+    Greedy rows (temperature 0) accept while draft == argmax, then emit the argmax. Random rows accept
+    d_i with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
+    norm(max(0, p_i - q_i)); when all k are accepted a bonus token is drawn from p_{k+1}.
+    Returns tokens [B, k+1] (-1 after the emitted ones) and num_accepted [B] (bonus excluded).
+    """
+    B, k1, V = logits.shape
+    k = k1 - 1
+    greedy = temperature < 1e-5
+    rep = lambda t: t.repeat_interleave(k1)
+    p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p)).view(B, k1, V)
+    argmax = logits.argmax(-1)                                                       # [B, k+1]
+    d = drafts.clamp(min=0)
+    p_d = p[:, :k].gather(-1, d[..., None])[..., 0]                                  # [B, k]
+    q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.gather(-1, d[..., None])[..., 0]
+    ok = torch.where(greedy[:, None], drafts == argmax[:, :k], (q_d > 0) & (u_accept * q_d < p_d))
+    ok &= drafts >= 0
+    n = torch.cumprod(ok.long(), dim=1).sum(1)                                       # accepted prefix length
+    # the token after the accepted prefix: greedy -> argmax; random -> residual at a rejection, p at the bonus
+    rows = torch.arange(B, device=logits.device)
+    p_n = p[rows, n]                                                                 # [B, V]
+    d_n = drafts[rows, n.clamp(max=k - 1)]                                          # draft at the stop (if any)
+    q_n = F.one_hot(d_n.clamp(min=0), V).to(p.dtype) if draft_probs is None else draft_probs[rows, n.clamp(max=k - 1)]
+    q_n = q_n * (d_n >= 0)[:, None]                                                  # padding has q = 0
+    resid = torch.where((n < k)[:, None], (p_n - q_n).clamp(min=0), p_n)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)                 # p == q: any draw from p
+    extra = torch.where(greedy, argmax[rows, n], sample_from(resid, u_sample[rows, n]))
+    pos = torch.arange(k1, device=logits.device)[None]
+    tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
+    tokens[rows, n] = extra
+    return tokens, n
+
+
+# ==============================================================================================
+# Engine: slots, requests, the step loop, stops, metrics
+# ==============================================================================================
+
+@dataclass
+class SpecStats:
+    """vLLM's spec-decode counters: a draft = one verify step of one request with k > 0 drafts."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list = field(default_factory=list)
+
+    def add(self, n_draft, n_acc):
+        if n_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += n_draft
+        self.num_accepted_tokens += n_acc
+        self.accepted_per_pos += [0] * (n_draft - len(self.accepted_per_pos))
+        for i in range(n_acc):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self):
+        return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def draft_acceptance_rate(self):
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    def summary(self):
+        per_pos = ", ".join(f"{a / max(self.num_drafts, 1):.3f}" for a in self.accepted_per_pos)
+        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+                f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
+
+
+class Request:
+    """One sequence: its tokens, sampling parameters, output so far, slot and stop state."""
+    def __init__(self, rid, prompt_ids, params, tokenizer, seed):
+        self.id, self.prompt_ids, self.params = rid, list(prompt_ids), params
+        self.output_ids, self.text = [], ""
+        self.logprobs = [] if params.logprobs is not None else None
+        self.finish_reason = self.stop_reason = self.slot = None
+        self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
+        self.detok = IncrementalDecoder(tokenizer)
+        self.spec = SpecStats()
+        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.on_update = None  # callback(req, n_new_tokens), e.g. the server's stream
+
+    @property
+    def tokens(self):
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0, enforce_eager=False):
+        self.model, self.tokenizer, self.spec = model, tokenizer, spec
+        self.max_num_seqs, self.max_model_len, self.dtype, self.device, self.seed = max_num_seqs, max_model_len, dtype, device, seed
+        self.k = spec.num_speculative_tokens if spec else 0
+        self.stop_ids = set(model.cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.state = State(model.cfg, max_num_seqs, max_model_len + self.k + 1, dtype, device, mtp=spec is not None and spec.method == "mtp")
+        self.slots = [None] * max_num_seqs
+        self.waiting = deque()
+        self.stats = SpecStats()
+        self.prefill_chunk = 2048
+        self.proposer = None
+        if spec is not None:
+            self.proposer = {"ngram": NgramProposer, "mtp": lambda s: MTPProposer(self, s)}[spec.method](spec)
+            self.synthetic = spec.conditional_rates() if spec.rejection_sample_method == "synthetic" else None
+        self.num_requests = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_ids, params, rid=None):
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty: at least one prompt token is needed")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.model.cfg.vocab_size})")
+        n, m = len(prompt_ids), params.max_tokens or (self.max_model_len - len(prompt_ids))
+        if n + m > self.max_model_len:
+            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {n + m} tokens ({n} in the messages, {m} in the completion). Please reduce "
+                              f"the length of the messages or completion.")
+        params = dataclasses.replace(params, max_tokens=m)
+        self.num_requests += 1
+        req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
+                      self.seed + self.num_requests)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req):
+        """Cancel a request (e.g. its client went away): its slot frees at once."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if not req.finished:
+            req.finish_reason = "abort"
+        self._release(req)
+
+    def _release(self, req):
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+        req.slot = None
+
+    def has_work(self):
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def slot_tensor(self, reqs):
+        return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self):
+        """Admit waiting requests into free slots (prefill each), then one decode or speculative step for
+        every running request. Returns the requests that got new tokens."""
+        touched = []
+        while self.waiting and None in self.slots:
+            req = self.waiting.popleft()
+            req.slot = self.slots.index(None)
+            self.slots[req.slot] = req
+            self._prefill(req)
+            touched.append(req)
+        running = [r for r in self.slots if r is not None and r not in touched]
+        if running:
+            (self._spec_step if self.spec else self._decode_step)(running)
+            touched += running
+        return touched
+
+    def _prefill(self, req):
+        self.state.reset(req.slot)
+        ids, n = req.prompt_ids, len(req.prompt_ids)
+        slots = self.slot_tensor([req])
+        for s in range(0, n, self.prefill_chunk):
+            chunk = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)
+            T = chunk.shape[1]
+            h = self.model(chunk, Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T, "prefill"))
+            if s + T == n:
+                logits = self.model.logits(h[:, -1])                                  # [1, V]
+                tok = self._sample(logits, [req])
+            if self.proposer is not None:
+                nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
+                self.proposer.prefill(self, req, h, torch.tensor([nxt], device=self.device), s)
+        self._emit(req, [int(tok[0])], logits)
+
+    def _sample(self, logits, reqs):
+        """Sample one token per row of logits [B, V] with each request's own generator."""
+        B = len(reqs)
+        f = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=self.device)
+        if bool(greedy.all()):
+            return logits.argmax(-1)
+        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float())
+        u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(self.device)
+        return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
+
+    def _decode_step(self, reqs):
+        ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
+        pos = torch.tensor([len(r.tokens) - 1 for r in reqs], device=self.device)
+        h = self.model(ids, Ctx(self.state, self.slot_tensor(reqs), pos, int(pos.max()) + 1, "decode"))
+        logits = self.model.logits(h[:, 0])
+        toks = self._sample(logits, reqs).tolist()
+        for b, r in enumerate(reqs):
+            self._emit(r, [toks[b]], logits[b:b + 1])
+
+    def _spec_step(self, reqs):
+        B, k = len(reqs), self.k
+        drafts, q = self.proposer.propose(self, reqs)                                 # [B, k]
+        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
+        ids = torch.cat([last, drafts.clamp(min=0)], 1)                               # [B, k+1]
+        pos = torch.tensor([len(r.tokens) - 1 for r in reqs], device=self.device)
+        for r, p in zip(reqs, pos.tolist()):
+            r.verify_pos = p
+        ctx = Ctx(self.state, self.slot_tensor(reqs), pos, int(pos.max()) + k + 1, "verify")
+        h = self.model(ids, ctx)                                                      # [B, k+1, H]
+        logits = self.model.logits(h)                                                 # [B, k+1, V]
+        f = lambda name, dt: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device, dtype=dt)
+        u_acc = torch.stack([torch.rand(k, generator=r.gen) for r in reqs]).to(self.device)
+        u_smp = torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]).to(self.device)
+        if self.synthetic is not None:  # benchmark mode: accept by the given rates, whatever the tokens are
+            rates = torch.tensor(self.synthetic, device=self.device)
+            n = torch.cumprod((u_acc < rates).long(), 1).sum(1)
+            tokens = torch.cat([drafts, drafts[:, :1]], 1).clone()
+            tokens[torch.arange(B), n] = logits[torch.arange(B), n].argmax(-1)
+        else:
+            tokens, n = rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
+                                         f("top_p", torch.float32), u_acc, u_smp)
+        self.model.commit(ctx, n + 1)
+        self.proposer.commit(self, reqs, h, ids, n, tokens)
+        n_draft = (drafts >= 0).sum(1).tolist()
+        tokens, n = tokens.tolist(), n.tolist()
+        for b, r in enumerate(reqs):
+            r.spec.add(n_draft[b], n[b])
+            self.stats.add(n_draft[b], n[b])
+            self._emit(r, tokens[b][:n[b] + 1], logits[b])
+
+    # -- output --------------------------------------------------------------------------------
+    def _emit(self, req, toks, logits):
+        """Append tokens one by one, stopping exactly where plain decoding would stop. logits [n, V]."""
+        p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        emitted = 0
+        for i, t in enumerate(toks):
+            req.output_ids.append(t)
+            emitted += 1
+            if req.logprobs is not None:
+                lp = logits[i].float().log_softmax(-1)
+                top = lp.topk(p.logprobs) if p.logprobs else None
+                d = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+                d[t] = float(lp[t])
+                req.logprobs.append(d)
+            if not (t in self.stop_ids or t in self.tokenizer.special_ids.values()):
+                old = len(req.text)
+                req.text += req.detok.add([t])
+                for s in p.stop:
+                    j = req.text.find(s, max(0, old - len(s) + 1))
+                    if j >= 0:
+                        req.text, req.finish_reason, req.stop_reason = req.text[:j], "stop", s
+                        break
+            if req.finished:
+                break
+            if t in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", t
+            elif t in self.stop_ids and not p.ignore_eos:
+                req.finish_reason = "stop"
+            elif len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.finished:
+                break
+        if req.finished:
+            req.text += req.detok.flush() if req.stop_reason is None or isinstance(req.stop_reason, int) else ""
+            req.finish_time = time.perf_counter()
+            self._release(req)
+        if req.on_update is not None:
+            req.on_update(req, emitted)
+
+
+# ==============================================================================================
+# Loading: safetensors (sharded, multimodal names, fused or per-expert MoE) and GGUF
+# ==============================================================================================
+
+def checkpoint_tensors(path):
+    """{name: (file, dtype-str, shape)} for a directory of model.safetensors or sharded model-*.safetensors."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no model.safetensors, model-*.safetensors or model.safetensors.index.json found")
+    out = {}
+    for f in files:
+        full = os.path.join(path, f)
+        if not os.path.isfile(full):
+            raise ConfigError(f"{path}: shard {f} listed in the index is missing")
+        with safe_open(full, "pt") as st:
+            for name in st.keys():
+                out[name] = full
+    return out
+
+
+SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")  # the vision tower: not used
+
+
+def internal_name(name):
+    """Checkpoint name -> our parameter name (None = skipped by a named rule)."""
+    if name.startswith(SKIP_PREFIXES):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    if name.startswith(("lm_head.", "mtp.")):
+        return name
+    return "?" + name
+
+
+def load_model(path, dtype, device, want_mtp=False):
+    """Build the model from a checkpoint directory or .gguf file; every parameter is checked by name and shape."""
+    if str(path).endswith(".gguf"):
+        cfg, tensors, tok = read_gguf_model(path, dtype)
+        get = lambda n: tensors[n]
+        names = {internal_name(n): n for n in tensors}
+    else:
+        cfg = ModelConfig.from_hf(path)
+        files = checkpoint_tensors(path)
+        from safetensors import safe_open
+        handles = {}
+
+        def get(n):
+            f = files[n]
+            if f not in handles:
+                handles[f] = safe_open(f, "pt")
+            return handles[f].get_tensor(n)
+        names = {}
+        for n in files:
+            m = internal_name(n)
+            if m is not None and m.startswith("?"):
+                raise ConfigError(f"unexpected tensor {n!r} in {path} (not a Qwen3.5/3.6 text-decoder weight)")
+            if m is not None:
+                names[m] = n
+        tok = Tokenizer.from_dir(path)
+    has_mtp = any(n.startswith("mtp.") for n in names)
+    if want_mtp and not has_mtp:
+        raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* tensors "
+                          "(the MTP head is missing)")
+    if not has_mtp or cfg.mtp_num_hidden_layers == 0:
+        names = {m: n for m, n in names.items() if not m.startswith("mtp.")}
+    # per-expert MoE tensors (experts.{e}.{gate,up,down}_proj.weight) are stacked into the fused layout
+    per_expert = {}
+    for m in list(names):
+        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", m)
+        if hit:
+            per_expert.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = names.pop(m)
+    with torch.device("meta"):
+        model = Qwen36(cfg, with_mtp=has_mtp)
+    expected = dict(model.named_parameters())
+    for prefix, parts in per_expert.items():
+        E = cfg.num_experts
+        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down") if (e, w) not in parts]
+        if missing:
+            raise ConfigError(f"missing tensor {missing[0]!r} in {path}")
+        names[prefix + ".gate_up_proj"] = [(parts[(e, "gate")], parts[(e, "up")]) for e in range(E)]
+        names[prefix + ".down_proj"] = [parts[(e, "down")] for e in range(E)]
+    for m in names:
+        if m not in expected:
+            raise ConfigError(f"unexpected tensor {m!r} in {path} for this config")
+    for m in expected:
+        if m not in names:
+            raise ConfigError(f"missing tensor {m!r} in {path}")
+    items = list(expected.items())
+    bar = None
+    if len(items) > 200:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(items), desc="loading weights", unit="tensor", file=sys.stderr)
+        except ImportError:
+            pass
+    for m, p in items:
+        src = names[m]
+        if isinstance(src, list):  # per-expert checkpoints
+            t = torch.stack([torch.cat([get(s[0]), get(s[1])], 0) if isinstance(s, tuple) else get(s) for s in src])
+        else:
+            t = get(src)
+        if tuple(t.shape) != tuple(p.shape):
+            raise ConfigError(f"tensor {src if isinstance(src, str) else m!r} has shape {tuple(t.shape)}, "
+                              f"expected {tuple(p.shape)}")
+        keep_fp32 = m.endswith("A_log")  # the GDN decay stays fp32 (fp32 in the checkpoint)
+        t = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        mod = model.get_submodule(m.rsplit(".", 1)[0]) if "." in m else model
+        mod._parameters[m.rsplit(".", 1)[-1]] = nn.Parameter(t, requires_grad=False)
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    for mod in model.modules():  # non-checkpoint buffers (RoPE frequencies) are computed on the device
+        if isinstance(mod, Attention):
+            rd = cfg.rotary_dim
+            mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
+    return model.eval(), cfg, tok
+
+
+#@@GGUF@@
+
+# ==============================================================================================
+# API: LLM(...).generate / .chat, shaped like vLLM's offline API
+# ==============================================================================================
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list
+    cumulative_logprob: float
+    logprobs: list
+    finish_reason: str
+    stop_reason: object = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list
+    outputs: list
+    finished: bool = True
+    metrics: dict = None
+
+
+def resolve_device_dtype(device, dtype):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype in (None, "auto"):
+        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+              "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+    if dtype not in dtypes and not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unsupported dtype {dtype!r}; choose one of auto, bfloat16, float16, float32")
+    return torch.device(device), dtypes.get(dtype, dtype)
+
+
+class LLM:
+    def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
+                 max_num_seqs=8, seed=0, enforce_eager=False):
+        spec = SpeculativeConfig.from_json(speculative_config)
+        if spec is not None and spec.method not in ("ngram", "mtp"):
+            raise ConfigError(f"speculative method {spec.method!r} is not available in this build yet")
+        model = model or default_model_path()
+        if not os.path.exists(model):
+            raise ConfigError(f"model path {model!r} does not exist")
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device,
+                                                          want_mtp=spec is not None and spec.method == "mtp")
+        max_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
+        if max_len > self.cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                              f"{self.cfg.max_position_embeddings}")
+        if spec is not None and spec.max_model_len is not None:
+            max_len = min(max_len, spec.max_model_len)
+        self.model_path, self.max_model_len, self.spec = model, max_len, spec
+        self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device, seed,
+                             enforce_eager)
+
+    def encode_prompt(self, prompt):
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            return self.encode_prompt(prompt.get("prompt_token_ids", prompt.get("prompt")))
+        return None, list(prompt)
+
+    def generate(self, prompts, sampling_params=None):
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = []
+        for p, sp in zip(prompts, params):
+            text, ids = self.encode_prompt(p)
+            reqs.append((text, self.engine.add_request(ids, sp)))
+        while any(not r.finished for _, r in reqs):
+            self.engine.step()
+        return [self._output(text, r) for text, r in reqs]
+
+    def chat(self, messages, sampling_params=None, enable_thinking=True, add_generation_prompt=True):
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(m, add_generation_prompt, enable_thinking) for m in convs]
+        return self.generate(prompts, sampling_params)
+
+    def _output(self, text, r):
+        cum = sum(d[t] for d, t in zip(r.logprobs, r.output_ids)) if r.logprobs is not None else None
+        s = r.spec
+        metrics = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                   "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_pos": list(s.accepted_per_pos),
+                   "mean_acceptance_length": s.mean_acceptance_length} if self.spec else None
+        out = CompletionOutput(0, r.text, list(r.output_ids), cum, r.logprobs, r.finish_reason, r.stop_reason)
+        return RequestOutput(r.id, text, r.prompt_ids, [out], True, metrics)
+
+    def get_metrics(self):
+        return self.engine.stats
+
+
+def default_model_path():
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")
+    if os.path.isdir(here):
+        return here
+    raise ConfigError("no --model given and no shipped model at models/toy; pass --model PATH "
+                      "(python tools/make_tiny.py /tmp/tiny makes a tiny random checkpoint)")
+
+
+# ==============================================================================================
+# CLI
+# ==============================================================================================
+
+def add_engine_args(ap):
+    """Flags shared by specdec.py, server.py and bench.py (vLLM's names)."""
+    ap.add_argument("--model", default=None, help="checkpoint directory (HF safetensors) or .gguf file "
+                                                   "(default: the shipped toy model in models/)")
+    ap.add_argument("--speculative-config", default=None, help="vLLM's speculative config as JSON, e.g. "
+                    '\'{"method":"mtp","num_speculative_tokens":2}\' (methods: ' + ", ".join(SPEC_METHODS) + ")")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens (default min(model, 4096))")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="max concurrent sequences (slots)")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed derive theirs from it)")
+    ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+
+
+def llm_from_args(a):
+    return LLM(model=a.model, speculative_config=a.speculative_config, dtype=a.dtype, device=a.device,
+               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed, enforce_eager=a.enforce_eager)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="specdec: generate text with a Qwen3.6 model, optionally speculating")
+    add_engine_args(ap)
+    ap.add_argument("--prompt", default="def fib(n):", help="the prompt text")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
+    ap.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact argmax)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    ap.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1 = all)")
+    ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    a = ap.parse_args(argv)
+    try:
+        llm = llm_from_args(a)
+        prompt = a.prompt
+        if a.chat:
+            prompt = apply_chat_template([{"role": "user", "content": prompt}], True, not a.no_thinking)
+        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                                seed=a.seed, ignore_eos=a.ignore_eos)
+        eng = llm.engine
+        req = eng.add_request(llm.tokenizer.encode(prompt), params)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shown = [0]
+
+    def show(r, n):
+        sys.stdout.write(r.text[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = len(r.text)
+    req.on_update = show
+    t0 = time.perf_counter()
+    while not req.finished:
+        eng.step()
+    t1 = time.perf_counter()
+    n = len(req.output_ids)
+    ttft = req.first_token_time - t0
+    rate = (n - 1) / (t1 - req.first_token_time) if n > 1 and t1 > req.first_token_time else float("nan")
+    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {n}, time to first token: {ttft * 1e3:.1f} ms, "
+          f"{rate:.1f} tok/s, finish: {req.finish_reason}]", file=sys.stderr)
+    if llm.spec is not None:
+        print(f"[{req.spec.summary()}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

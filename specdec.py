@@ -23,7 +23,9 @@ import unicodedata
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import tiktoken
@@ -1288,6 +1290,8 @@ def load_model(path, dtype, device, want_mtp=False):
                 names[m] = n
         tok = Tokenizer.from_dir(path)
     has_mtp = any(n.startswith("mtp.") for n in names)
+    if want_mtp and not has_mtp and str(path).endswith(".gguf"):
+        raise ConfigError(f"{path}: {GGUF_NO_MTP_MESSAGE}")
     if want_mtp and not has_mtp:
         raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* tensors "
                           "(the MTP head is missing)")
@@ -1347,7 +1351,302 @@ def load_model(path, dtype, device, want_mtp=False):
     return model.eval(), cfg, tok
 
 
-#@@GGUF@@
+#@@GGUF-BEGIN@@
+# ---- GGUF loading ----
+# llama.cpp GGUF files (arch `qwen35` / `qwen35moe`) <-> HF text-only names and layouts. read_gguf undoes every
+# transform of llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel), so its tensors
+# go into the same loader as safetensors; write_gguf applies them (used by tests). ggml lists dims innermost first
+# (`ne`); the gguf reader hands back numpy arrays in PyTorch order (reversed ne): 2-D [out, in], experts
+# [E, I, H] (gate, up) and [E, H, I] (down), as HF stores them.
+
+GGUF_NO_MTP_MESSAGE = (
+    "this GGUF file has no MTP block (no blk.N.nextn.* tensors), so `method: mtp` cannot run on it. Re-export it "
+    "with llama.cpp's convert_hf_to_gguf.py WITHOUT `--no-mtp`, from a Hugging Face checkpoint that has the mtp.* "
+    "tensors (older converters drop them: use a recent llama.cpp), or pick another speculative method.")
+
+_GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}  # no output.weight = tied embeddings
+_GGUF_BLK = {  # blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary tensors -> mtp.layers.0.<value>
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight", "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # only with --fuse-gate-up-exps: cat([gate, up], 1)
+}  # the default ffn_gate_exps + ffn_up_exps [E, I, H] are re-fused into mlp.experts.gate_up_proj [E, 2I, H]
+_GGUF_NEXTN = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+               "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+               "nextn.shared_head_norm.weight": "mtp.norm.weight"}  # in block num_hidden_layers
+_GGUF_SKIP = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # optional; the shared ones are used
+_HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (_GGUF_TOP, _GGUF_BLK, _GGUF_NEXTN))
+
+_PRETOKENIZE = {  # split regex by tokenizer.ggml.pre (\p{..} needs the `regex` module)
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+"}
+
+
+def _vhead_perm(t, dim, a, b, d):
+    """View `dim` as [a, b, d] and swap a and b. HF grouped -> GGUF tiled value heads: a = H_k, b = R = H_v / H_k
+    (head g*R + r moves to r*H_k + g, where ggml's broadcast repeat pairs it with key head g);
+    GGUF -> HF: a = R, b = H_k."""
+    dim, s = dim % t.ndim, list(t.shape)
+    return t.reshape(s[:dim] + [a, b, d] + s[dim + 1:]).transpose(dim, dim + 1).reshape(s)
+
+
+def _gdn_reorder(name, t, cfg, to_gguf):
+    """The converter's V-head reorder (when H_k != H_v) or its inverse, on a tensor under its HF name."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if hk == hv or ".linear_attn." not in name:
+        return t
+    a, b = (hk, hv // hk) if to_gguf else (hv // hk, hk)
+    dv, qk = cfg["linear_value_head_dim"], 2 * hk * cfg["linear_key_head_dim"]
+    leaf = name.rsplit(".linear_attn.", 1)[1]
+    if leaf in ("in_proj_qkv.weight", "conv1d.weight"):  # q, k rows (channels) stay; v rows are reordered
+        return torch.cat([t[:qk], _vhead_perm(t[qk:], 0, a, b, dv)])
+    if leaf in ("in_proj_z.weight", "out_proj.weight"):  # rows of z; columns of out_proj
+        return _vhead_perm(t, 0 if leaf == "in_proj_z.weight" else 1, a, b, dv)
+    if leaf in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+        return _vhead_perm(t, 0, a, b, 1)
+    return t  # linear_attn.norm.weight [d_v] is shared by all heads
+
+
+def _is_shifted_norm(name):
+    """Zero-centred RMSNorm weights, stored by the converter as 1 + w (the GDN gated norm is not). The MTP pre-fc
+    norms count: the converter tests `endswith("norm.weight")` after renaming them to enorm / hnorm."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") or "pre_fc_norm_" in name
+
+
+def _gguf_tensor(rt):
+    """ReaderTensor -> torch, PyTorch order. F32 / F16 / BF16 stay views of the file mapping; quantised types
+    (Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantised to fp32 by gguf.quants."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    if rt.tensor_type in (Q.F32, Q.F16):
+        return torch.from_numpy(rt.data)
+    if rt.tensor_type == Q.BF16:  # the reader gives raw bytes [..., 2n]
+        return torch.from_numpy(rt.data.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type))
+
+
+def _f32(x):  # GGUF floats are float32: give back the shortest repr (1e-06, not 9.99999997e-07)
+    return float(str(np.float32(x)))
+
+
+def read_gguf(path, dtype=torch.float32):
+    """-> (text_config in HF form, {HF text-only name: tensor in `dtype`}, tokenizer dict) from a qwen35 /
+    qwen35moe GGUF. The MTP block (blk.<num_hidden_layers>) comes back as mtp.*."""
+    import gguf
+    r = gguf.GGUFReader(path, "c")  # copy-on-write mmap: torch views need no copy of the file
+    meta = lambda key, default=None: r.fields[key].contents() if key in r.fields else default  # noqa: E731
+    arch = meta("general.architecture")
+    if arch not in ("qwen35", "qwen35moe"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (specdec reads 'qwen35' and 'qwen35moe')")
+    k = lambda key, default=None: meta(f"{arch}.{key}", default)  # noqa: E731
+    byname = {t.name: t for t in r.tensors}
+    nextn = k("nextn_predict_layers", 0)
+    n = k("block_count") - nextn  # block_count includes the MTP layers
+    hd, hv = k("attention.key_length"), k("ssm.time_step_rank")
+    cfg = dict(
+        model_type="qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text", hidden_size=k("embedding_length"),
+        num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
+        num_key_value_heads=k("attention.head_count_kv"), head_dim=hd,
+        linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=hv, linear_key_head_dim=k("ssm.state_size"),
+        linear_value_head_dim=k("ssm.inner_size") // hv, linear_conv_kernel_dim=k("ssm.conv_kernel"),
+        full_attention_interval=k("full_attention_interval", 4),
+        layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention" for i in range(n)],
+        rope_parameters=dict(rope_type="default", rope_theta=_f32(k("rope.freq_base")),
+                             partial_rotary_factor=k("rope.dimension_count") / hd,
+                             mrope_section=list(k("rope.dimension_sections", [11, 11, 10, 0]))[:3],
+                             mrope_interleaved=True),
+        rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
+        vocab_size=int(byname["token_embd.weight"].shape[1]),  # ne = {H, V}
+        tie_word_embeddings="output.weight" not in byname,
+        mtp_num_hidden_layers=nextn if any(x.startswith(f"blk.{n}.nextn.") for x in byname) else 0,
+        max_position_embeddings=k("context_length"), eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+        hidden_act="silu", attn_output_gate=True, attention_bias=False)
+    if k("feed_forward_length") is not None:
+        cfg["intermediate_size"] = k("feed_forward_length")
+    if arch == "qwen35moe":
+        cfg.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
+                   moe_intermediate_size=k("expert_feed_forward_length"),
+                   shared_expert_intermediate_size=k("expert_shared_feed_forward_length"))
+
+    tensors, split = {}, {}
+    for name, rt in byname.items():
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        i, leaf = (int(m[1]), m[2]) if m else (-1, name)
+        pre = f"model.layers.{i}." if i < n else f"mtp.layers.{i - n}."
+        if leaf in _GGUF_SKIP or (leaf.startswith("nextn.") and i != n):  # nextn.* is copied into every MTP block
+            continue
+        if leaf in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            split.setdefault(pre, {})[leaf] = _gguf_tensor(rt).to(dtype)  # [E, I, H]
+            continue
+        hf = _GGUF_TOP.get(name) if m is None else _GGUF_NEXTN.get(leaf) or (
+            pre + _GGUF_BLK[leaf] if leaf in _GGUF_BLK else None)
+        if hf is None:
+            raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
+        t = _gguf_tensor(rt)
+        if _is_shifted_norm(hf):
+            t = t.float() - 1.0
+        elif hf.endswith(".A_log"):  # stored as -exp(A_log)
+            t = torch.log(-t.double())
+        t = _gdn_reorder(hf, t, cfg, to_gguf=False)
+        if hf.endswith(".conv1d.weight"):
+            t = t.unsqueeze(1)  # [C, K] -> [C, 1, K]
+        tensors[hf] = t.to(torch.float32 if hf.endswith(".A_log") else dtype)  # the GDN decay stays fp32
+    for pre, d in split.items():  # gate rows first, then up
+        tensors[pre + "mlp.experts.gate_up_proj"] = torch.cat([d["ffn_gate_exps.weight"], d["ffn_up_exps.weight"]], 1)
+
+    toks = meta("tokenizer.ggml.tokens", [])
+    types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user-defined, 5 unused
+    eos, pre_tok = meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.pre")
+    added = {t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty in (3, 4)}
+    stops = {eos, meta("tokenizer.ggml.eot_token_id"), added.get("<|im_end|>"), added.get("<|endoftext|>")}
+    tok = dict(model=meta("tokenizer.ggml.model"), pre=pre_tok, pattern=_PRETOKENIZE.get(pre_tok), tokens=toks,
+               token_types=types, merges=meta("tokenizer.ggml.merges", []), eos_token_id=eos,
+               eos_token=toks[eos] if eos is not None and eos < len(toks) else None,
+               bos_token_id=meta("tokenizer.ggml.bos_token_id"), pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+               chat_template=meta("tokenizer.chat_template"), added_tokens=added,
+               special_tokens=[t for t, ty in zip(toks, types) if ty == 3],  # dropped by skip_special decoding
+               vocab={t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty not in (3, 4, 5)},
+               stop_token_ids=sorted(s for s in stops if s is not None))
+    return cfg, tensors, tok
+
+
+def gguf_has_mtp(src):
+    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block; else GGUF_NO_MTP_MESSAGE."""
+    if isinstance(src, dict):
+        return src.get("mtp_num_hidden_layers", 0) > 0
+    import gguf
+    return any(".nextn." in t.name for t in gguf.GGUFReader(src).tensors)
+
+
+def write_gguf(hf_config, tensors, out_path, ftype="F16", tokenizer_json_path=None, with_mtp=True):
+    """Write HF text-only tensors as llama.cpp's converter does (for tests). ftype: F32 | F16 | BF16 | Q8_0;
+    with_mtp=False is the converter's --no-mtp. Without a tokenizer.json, a byte-level vocab is written."""
+    import gguf
+    Q, c, g = gguf.GGMLQuantizationType, hf_config, hf_config.get
+    qtype, ftype_id = {"F32": (Q.F32, 0), "F16": (Q.F16, 1), "BF16": (Q.BF16, 32), "Q8_0": (Q.Q8_0, 7)}[ftype]
+    n, n_mtp = c["num_hidden_layers"], g("mtp_num_hidden_layers", 0) if with_mtp else 0
+    hf = {k.replace("model.language_model.", "model."): t for k, t in tensors.items()
+          if "visual." not in k and (n_mtp or not k.startswith("mtp."))}
+    for k in [k for k in hf if k.endswith(".experts.0.gate_proj.weight")]:  # per-expert checkpoints -> fused
+        p = k[: -len("0.gate_proj.weight")]
+        st = lambda w: torch.stack([hf.pop(f"{p}{e}.{w}_proj.weight") for e in range(c["num_experts"])])  # noqa
+        hf[p + "gate_up_proj"], hf[p + "down_proj"] = torch.cat([st("gate"), st("up")], 1), st("down")
+
+    w = gguf.GGUFWriter(out_path, "qwen35moe" if "num_experts" in c else "qwen35")
+    rp, hd = g("rope_parameters") or {}, c["head_dim"]
+    for add, v in [  # the converter's keys, in its order; None = not written
+            (w.add_type, gguf.GGUFType.MODEL), (w.add_block_count, n + n_mtp),
+            (w.add_context_length, c["max_position_embeddings"]), (w.add_embedding_length, c["hidden_size"]),
+            (w.add_feed_forward_length, g("intermediate_size")), (w.add_head_count, c["num_attention_heads"]),
+            (w.add_head_count_kv, c["num_key_value_heads"]),
+            (w.add_rope_dimension_sections, (list(rp.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4]),
+            (w.add_rope_freq_base, rp.get("rope_theta", g("rope_theta"))),
+            (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
+            (w.add_expert_count, g("num_experts")), (w.add_expert_used_count, g("num_experts_per_tok")),
+            (w.add_key_length, hd), (w.add_value_length, hd), (w.add_file_type, ftype_id),
+            (w.add_expert_feed_forward_length, g("moe_intermediate_size")),
+            (w.add_expert_shared_feed_forward_length, g("shared_expert_intermediate_size")),
+            (w.add_ssm_conv_kernel, c["linear_conv_kernel_dim"]), (w.add_ssm_state_size, c["linear_key_head_dim"]),
+            (w.add_ssm_group_count, c["linear_num_key_heads"]), (w.add_ssm_time_step_rank, c["linear_num_value_heads"]),
+            (w.add_ssm_inner_size, c["linear_value_head_dim"] * c["linear_num_value_heads"]),
+            (w.add_full_attention_interval, g("full_attention_interval", 4)),
+            (w.add_rope_dimension_count, int(hd * rp.get("partial_rotary_factor", g("partial_rotary_factor", 0.25)))),
+            (w.add_nextn_predict_layers, n_mtp or None), (w.add_quantization_version, gguf.GGML_QUANT_VERSION)]:
+        if v is not None:
+            add(v)
+    _write_vocab(w, c, tokenizer_json_path)
+
+    for name, t in hf.items():
+        t = t.float()
+        if _is_shifted_norm(name):
+            t = t + 1.0
+        elif name.endswith(".A_log"):
+            t = -torch.exp(t)
+        t = _gdn_reorder(name, t.squeeze(1) if name.endswith(".conv1d.weight") else t, c, to_gguf=True)
+        m = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.(.+)", name)
+        b = m and int(m[2]) + (n if m[1] == "mtp" else 0)
+        if m is None:  # mtp.fc and the 3 MTP norms go into every MTP block
+            out = [(_HF_TOP[name], t)] if name in _HF_TOP else [
+                (f"blk.{j}.{_HF_NEXTN[name]}", t) for j in range(n, n + n_mtp)]
+        elif m[3] == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up [E, I, H] (ne {H, I, E})
+            i = t.shape[1] // 2
+            out = [(f"blk.{b}.ffn_gate_exps.weight", t[:, :i]), (f"blk.{b}.ffn_up_exps.weight", t[:, i:])]
+        else:
+            out = [(f"blk.{b}.{_HF_BLK[m[3]]}", t)]
+        for gname, t in out:  # the converter keeps 1-D tensors, norms, routers and the conv in F32
+            a = t.contiguous().numpy()
+            f32 = a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") or re.search(
+                r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$", gname)
+            q = Q.F32 if f32 else qtype
+            try:
+                data = gguf.quants.quantize(a, q)
+            except gguf.QuantError:  # row length not a multiple of the block: F16, as the converter does
+                q, data = Q.F16, a.astype(np.float16)
+            w.add_tensor(gname, data, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_vocab(w, c, tokenizer_json_path):
+    """tokenizer.ggml.* as the converter writes them: model gpt2, pre qwen35, ids up to vocab_size, gaps [PADi]."""
+    eos = c.get("eos_token_id")
+    eos, merges, template = eos[0] if isinstance(eos, list) else eos, [], None
+    if tokenizer_json_path is None:  # GPT-2 byte alphabet (printable bytes as themselves, others from U+0100 on)
+        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        other = iter(range(256, 512))
+        vocab = {chr(b if b in keep else next(other)): b for b in range(256)}
+        special = {s: True for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+        vocab.update({s: 256 + j for j, s in enumerate(special)})
+    else:
+        tj = json.loads(Path(tokenizer_json_path).read_text(encoding="utf-8"))
+        vocab = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+        special = {a["content"]: a.get("special", False) for a in tj.get("added_tokens", [])}
+        tc = Path(tokenizer_json_path).with_name("tokenizer_config.json")
+        tc = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
+        e = tc.get("eos_token")  # the converter's SpecialVocab takes eos from tokenizer_config.json first
+        eos, template = vocab.get(e.get("content") if isinstance(e, dict) else e, eos), tc.get("chat_template")
+    rev = {i: t for t, i in vocab.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(c["vocab_size"])]
+    types = [5 if i not in rev else 1 if t not in special else 3 if special[t] or (t[:2], t[-2:]) == ("<|", "|>")
+             else 4 for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for add, v in ((w.add_token_merges, merges), (w.add_eos_token_id, eos), (w.add_chat_template, template)):
+        if v or v == 0:
+            add(v)
+
+
+def read_gguf_model(path, dtype):
+    """A .gguf file -> (ModelConfig, tensors under HF text-only names, Tokenizer)."""
+    try:
+        text, tensors, tok = read_gguf(path, dtype)
+        cfg = ModelConfig.from_dict(text)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok["stop_token_ids"]))
+    tokenizer = Tokenizer(tok["vocab"], tok["merges"], tok["added_tokens"], tok["pattern"] or QWEN_PATTERN,
+                          tok["eos_token"], special=tok["special_tokens"])
+    return cfg, tensors, tokenizer
+#@@GGUF-END@@
 
 # ==============================================================================================
 # API: LLM(...).generate / .chat, shaped like vLLM's offline API
@@ -1389,9 +1688,13 @@ class LLM:
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False):
         spec = SpeculativeConfig.from_json(speculative_config)
+        model = model or default_model_path()
+        if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
+            raise ConfigError("method 'dspark' is refused for a GGUF target: the drafter needs the target's "
+                              "intermediate hidden-state taps, which specdec's GGUF path does not provide; "
+                              "use the safetensors checkpoint")
         if spec is not None and spec.method not in ("ngram", "mtp"):
             raise ConfigError(f"speculative method {spec.method!r} is not available in this build yet")
-        model = model or default_model_path()
         if not os.path.exists(model):
             raise ConfigError(f"model path {model!r} does not exist")
         if max_num_seqs < 1:

@@ -298,3 +298,197 @@ def test_greedy_matches_transformers_generate(moe, tiny, tiny_moe):
                           pad_token_id=0)[0, len(ids):].tolist()
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref
+
+
+# ==============================================================================================
+# Speculative decoding: lossless, rollback, rejection sampler, configs
+# ==============================================================================================
+
+SPEC_PROMPTS = ["def fib(n):\n    return fib(n-1) + fib(n-2)\n\ndef fib(", "hello", "a b c a b c a b",
+                "import os\nimport sys\nimport os\n", "x = 1\ny = 2\nx = 1\ny = 2\nx ="]
+SPEC_CONFIGS = [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}] + \
+               [{"method": "mtp", "num_speculative_tokens": k} for k in (1, 2, 4)]
+
+
+@pytest.fixture(scope="session")
+def spec_off(tiny):
+    llm = LLM(model=tiny, device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    return sp, llm.generate(SPEC_PROMPTS, sp), llm.generate(SPEC_PROMPTS[:1], sp)
+
+
+@pytest.mark.parametrize("cfg", SPEC_CONFIGS, ids=lambda c: f"{c['method']}{c['num_speculative_tokens']}")
+def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
+    sp, ref, ref1 = spec_off
+    llm = LLM(model=tiny, device="cpu", speculative_config=cfg)
+    one = llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0]
+    assert one.token_ids == ref1[0].outputs[0].token_ids
+    outs = llm.generate(SPEC_PROMPTS, sp)  # a batch of 5 prompts of different lengths
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
+            assert abs(a[t] - b[t]) <= 1e-5 * max(1.0, abs(b[t]))
+            assert set(a) == set(b)
+    assert llm.get_metrics().num_drafts > 0
+
+
+class OracleProposer:
+    """Proposes the true greedy continuation with planted mistakes: exercises full acceptance (bonus
+    tokens), partial acceptance and rejection at position 0, whatever the draft model's quality."""
+    def __init__(self, k, truth):
+        self.k, self.truth, self.step = k, truth, 0
+
+    def prefill(self, *a):
+        pass
+
+    def commit(self, *a):
+        pass
+
+    def propose(self, engine, reqs):
+        d = torch.full((len(reqs), self.k), -1)
+        for b, r in enumerate(reqs):
+            n = len(r.output_ids)
+            seq = self.truth[r.prompt_ids[0]][n:n + self.k]
+            d[b, :len(seq)] = torch.tensor(seq)
+            wrong = (self.step + b) % (self.k + 2)  # position of a planted wrong token (none if >= k)
+            if wrong < len(seq):
+                d[b, wrong] = (d[b, wrong] + 1) % engine.model.cfg.vocab_size
+        self.step += 1
+        return d, None
+
+
+def test_verify_commit_with_oracle_drafts(tiny, spec_off):
+    sp, ref, _ = spec_off
+    llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
+    truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+    assert len(truth) == len(prompts)
+    llm.engine.proposer = OracleProposer(4, truth)
+    outs = llm.generate(prompts, sp)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    s = llm.get_metrics()
+    assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
+
+
+def test_rollback_equals_token_by_token(tiny):
+    """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
+    llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    m, st = llm.model, llm.engine.state
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 500, (1, 9), generator=g)
+    tail = torch.randint(0, 500, (2, 5), generator=g)  # rows 0, 1: [last token, d1..d4]
+    n_keep = torch.tensor([3, 1])
+    with torch.inference_mode():
+        for s in (0, 1):
+            st.reset(s)
+            m(prompt, sd.Ctx(st, torch.tensor([s]), torch.tensor([0]), 9, "prefill"))
+        ctx = sd.Ctx(st, torch.tensor([0, 1]), torch.tensor([9, 9]), 14, "verify")
+        m(tail, ctx)
+        m.commit(ctx, n_keep)
+        spec = {i: (st.conv[i][:2].clone(), st.rec[i][:2].clone()) for i in st.conv}
+        for s in (0, 1):
+            st.reset(s)
+            m(prompt, sd.Ctx(st, torch.tensor([s]), torch.tensor([0]), 9, "prefill"))
+            for t in range(int(n_keep[s])):
+                m(tail[s:s + 1, t:t + 1], sd.Ctx(st, torch.tensor([s]), torch.tensor([9 + t]), 10 + t, "decode"))
+    for i in st.conv:
+        assert torch.allclose(spec[i][0], st.conv[i][:2], atol=1e-6)
+        assert torch.allclose(spec[i][1], st.rec[i][:2], atol=1e-5)
+
+
+def test_rejection_sampler_greedy():
+    logits = torch.randn(3, 4, 10)
+    am = logits.argmax(-1)
+    drafts = torch.stack([am[0, :3], torch.tensor([am[1, 0], (am[1, 1] + 1) % 10, am[1, 2]]), torch.tensor([-1, -1, -1])])
+    z = torch.zeros(3)
+    tok, n = sd.rejection_sample(logits, drafts, None, z, torch.full((3,), -1), torch.ones(3), torch.rand(3, 3), torch.rand(3, 4))
+    assert n.tolist() == [3, 1, 0]
+    assert tok[0].tolist() == am[0].tolist()                                   # all accepted + bonus
+    assert tok[1].tolist() == [am[1, 0], am[1, 1], -1, -1]                     # correction = argmax
+    assert tok[2].tolist() == [am[2, 0], -1, -1, -1]
+
+
+@pytest.mark.parametrize("full_q", [False, True])
+def test_rejection_sampler_preserves_distribution(full_q):
+    """Emitted first token ~ p for random p, q: chi-square over 200k trials (fixed seed)."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 6, 200_000
+    p_logits = torch.randn(V, generator=g) * 1.5
+    p = p_logits.softmax(-1)
+    q = (torch.randn(V, generator=g) * 1.5).softmax(-1)
+    if full_q:
+        drafts = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
+        draft_probs = q.expand(N, 1, V)
+    else:
+        drafts = torch.full((N, 1), 2)            # a deterministic draft: one-hot q
+        draft_probs = None
+    logits = p_logits.expand(N, 2, V).clone()
+    tok, n = sd.rejection_sample(logits, drafts, draft_probs, torch.ones(N), torch.full((N,), -1), torch.ones(N),
+                                 torch.rand(N, 1, generator=g), torch.rand(N, 2, generator=g))
+    counts = torch.bincount(tok[:, 0], minlength=V).double()
+    chi2 = float(((counts - N * p.double()) ** 2 / (N * p.double())).sum())
+    assert chi2 < 20.5, chi2  # 99.9% quantile of chi-square with 5 dof
+    assert 0 < float(n.float().mean()) < 1
+
+
+def test_sampled_distribution_same_with_speculation(tiny):
+    """temperature 1, top-p 0.9: the first 3 generated tokens follow the same law with and without speculation."""
+    import collections
+    prompt = "a b c a b c a b"
+    counts = []
+    for cfg in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        llm = LLM(model=tiny, device="cpu", speculative_config=cfg, max_num_seqs=8)
+        ps = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, seed=s, ignore_eos=True) for s in range(600)]
+        outs = llm.generate([prompt] * len(ps), ps)
+        counts.append(collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs))
+    keys = [k for k in set(counts[0]) | set(counts[1]) if counts[0][k] + counts[1][k] >= 10]
+    a = torch.tensor([counts[0][k] for k in keys], dtype=torch.float64)
+    b = torch.tensor([counts[1][k] for k in keys], dtype=torch.float64)
+    chi2 = float(((a - b) ** 2 / (a + b)).sum())  # two-sample chi-square, dof = len(keys) - 1
+    dof = len(keys) - 1
+    assert dof >= 3 and chi2 < dof + 4 * math.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+# ==============================================================================================
+# GGUF targets
+# ==============================================================================================
+
+def gguf_from_checkpoint(path, out, ftype, with_mtp=True):
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as fh:
+        top = json.load(fh)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    sd.write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
+    return out
+
+
+@pytest.mark.parametrize("ftype,bound", [("F32", 1e-4), ("BF16", 1e-2), ("Q8_0", 3e-2)])
+@pytest.mark.parametrize("moe", [False, True])
+def test_gguf_logits_equal_safetensors(ftype, bound, moe, tiny, tiny_moe, tmp_path):
+    """Same logits as the safetensors load: max abs difference <= 1e-4 in F32 (it is exact); for BF16 and Q8_0
+    the bound is on the relative error ||ours - ref|| / ||ref||: bf16 rounds each weight by <= 2^-9 relative and
+    Q8_0 by <= (block max)/254, compounded over the layers: 1e-2 and 3e-2 (measured 0.007 and 0.023)."""
+    src = tiny_moe if moe else tiny
+    f = gguf_from_checkpoint(src, str(tmp_path / f"m-{ftype}.gguf"), ftype)
+    a, b = LLM(model=src, device="cpu"), LLM(model=f, device="cpu")
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = our_logits(a, ids, "prefill")
+    out = our_logits(b, ids, "prefill")
+    err = (out - ref).abs().max().item() if ftype == "F32" else ((out - ref).norm() / ref.norm()).item()
+    assert err <= bound, err
+    assert b.tokenizer.encode("def f(x):\n  return 'é'") == a.tokenizer.encode("def f(x):\n  return 'é'")
+
+
+def test_gguf_mtp_greedy_lossless_and_refusals(tiny, tmp_path):
+    f = gguf_from_checkpoint(tiny, str(tmp_path / "m.gguf"), "F32")
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=f, device="cpu").generate(["a b c a b"], sp)[0].outputs[0].token_ids
+    spec = LLM(model=f, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert spec.generate(["a b c a b"], sp)[0].outputs[0].token_ids == ref
+    nomtp = gguf_from_checkpoint(tiny, str(tmp_path / "nomtp.gguf"), "F32", with_mtp=False)
+    with pytest.raises(ConfigError, match="no MTP block"):
+        LLM(model=nomtp, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ConfigError, match="'dspark' is refused for a GGUF target"):
+        LLM(model=f, device="cpu", speculative_config={"method": "dspark", "model": tiny, "num_speculative_tokens": 7})

@@ -9,6 +9,8 @@ import math
 import os
 import subprocess
 import sys
+import sysconfig
+import unicodedata
 
 import pytest
 import torch
@@ -492,3 +494,730 @@ def test_gguf_mtp_greedy_lossless_and_refusals(tiny, tmp_path):
         LLM(model=nomtp, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ConfigError, match="'dspark' is refused for a GGUF target"):
         LLM(model=f, device="cpu", speculative_config={"method": "dspark", "model": tiny, "num_speculative_tokens": 7})
+
+
+# ==============================================================================================
+# Errors: loader and speculative config (each with its message)
+# ==============================================================================================
+
+def _edit_config(path, fn):
+    f = os.path.join(path, "config.json")
+    with open(f) as fh:
+        c = json.load(fh)
+    fn(c)
+    with open(f, "w") as fh:
+        json.dump(c, fh)
+
+
+LOADER_ERRORS = {
+    "missing tensor": (dict(drop=["model.language_model.layers.0.linear_attn.A_log"]),
+                       "missing tensor 'layers.0.linear_attn.A_log'"),
+    "unexpected tensor": (dict(extra={"model.language_model.layers.0.foo.weight": torch.zeros(2)}),
+                          "unexpected tensor 'layers.0.foo.weight'"),
+    "unknown prefix": (dict(extra={"encoder.weight": torch.zeros(2)}), "unexpected tensor 'encoder.weight'"),
+    "wrong shape": (dict(extra={"model.language_model.norm.weight": torch.zeros(63)}),
+                    r"tensor 'model.language_model.norm.weight' has shape \(63,\), expected \(64,\)"),
+    "model type": (dict(edit=lambda c: c.update(model_type="llama")), "unsupported model_type 'llama'"),
+    "text model type": (dict(edit=lambda c: c["text_config"].update(model_type="qwen3_next")),
+                        "unsupported text model_type 'qwen3_next'"),
+    "rope type": (dict(edit=lambda c: c["text_config"]["rope_parameters"].update(rope_type="yarn")),
+                  "unsupported rope_type 'yarn'"),
+    "no gate": (dict(edit=lambda c: c["text_config"].update(attn_output_gate=False)),
+                "unsupported config: attn_output_gate=False"),
+    "no weights": (dict(edit="rm-weights"), "no model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOADER_ERRORS))
+def test_loader_errors(case, tmp_path):
+    kw, msg = LOADER_ERRORS[case]
+    kw = dict(kw)
+    edit = kw.pop("edit", None)
+    path = write_tiny_checkpoint(str(tmp_path / "c"), **kw)
+    if edit == "rm-weights":
+        os.remove(os.path.join(path, "model.safetensors"))
+    elif edit:
+        _edit_config(path, edit)
+    with pytest.raises(ConfigError, match=msg):
+        LLM(model=path, device="cpu")
+
+
+def test_fp32_a_log_in_bf16_model_and_vision_skipped(tiny):
+    llm = LLM(model=tiny, device="cpu", dtype="bfloat16")
+    gdn = llm.model.layers[0].linear_attn
+    assert gdn.A_log.dtype == torch.float32 and gdn.in_proj_qkv.weight.dtype == torch.bfloat16
+    assert llm.model.mtp is not None  # the mtp.* head is built and loaded
+    assert len(llm.generate("hi", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids) == 4
+
+
+SPEC_ERRORS = [
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "'eagle3' is a vLLM method that specdec does not implement; accepted methods: mtp, dflash, dspark, ngram, draft_model"),
+    ({"method": "ngram_gpu", "num_speculative_tokens": 2}, "'ngram_gpu' is a vLLM method"),
+    ({"method": "foo", "num_speculative_tokens": 2}, "unknown speculative method 'foo'; accepted methods: mtp, dflash"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "bogus": 1}, "unknown speculative config key 'bogus'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "tensor_parallel_size": 1}, "Please pass 'draft_tensor_parallel_size' instead"),
+    ({"method": "mtp"}, "num_speculative_tokens must be provided"),
+    ({"method": "ngram"}, "num_speculative_tokens must be provided"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
+    ({"method": "mtp", "num_speculative_tokens": -1}, "must be a positive integer, got -1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be a positive integer"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "only valid with method 'ngram'"),
+    ({"method": "dflash", "num_speculative_tokens": 2}, "num_speculative_tokens was provided but without speculative model."),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "cannot be other value than 1"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "quantization": "fp8"}, "draft quantization 'fp8' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"}, "must be 'standard' or 'synthetic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "needs exactly one of"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2.0}, "need rejection_sample_method 'synthetic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5]}, "must be a list of 2 numbers"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5, 0.9]}, "must be non-increasing"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.5}, r"must be in \[1, num_speculative_tokens \+ 1 = 3\]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "beam"}, "draft_sample_method must be 'greedy' or 'probabilistic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "dspark_draft_topk": 4}, "dspark_draft_topk is only valid with method 'dspark'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch' is a vLLM option specdec does not support"),
+    ({"model": "my.pkg.Proposer", "num_speculative_tokens": 2}, "'custom_class' is a vLLM method"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("cfg,msg", SPEC_ERRORS, ids=[m[:40] for _, m in SPEC_ERRORS])
+def test_spec_config_errors(cfg, msg):
+    with pytest.raises(ConfigError, match=msg):
+        sd.SpeculativeConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))
+
+
+def test_spec_config_inference_and_aliases():
+    c = sd.SpeculativeConfig.from_json({"model": "ngram", "num_speculative_tokens": 3})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
+    c = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 7})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (7, 7)
+    assert sd.SpeculativeConfig.from_json({"model": "some/draft", "num_speculative_tokens": 3}).method == "draft_model"
+    for alias in ("qwen3_5_mtp", "qwen3_next_mtp", "deepseek_mtp"):
+        with pytest.warns(UserWarning, match=f"method `{alias}` is deprecated and replaced with mtp"):
+            assert sd.SpeculativeConfig.from_json({"method": alias, "num_speculative_tokens": 1}).method == "mtp"
+    c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 4, "rejection_sample_method": "synthetic",
+                                        "synthetic_acceptance_length": 2.5})
+    assert c.conditional_rates() == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_mtp_without_head_fails_at_load(tmp_path):
+    path = write_tiny_checkpoint(str(tmp_path / "nomtp"), mtp=False)
+    with pytest.raises(ConfigError, match="no mtp.\\* tensors \\(the MTP head is missing\\)"):
+        LLM(model=path, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_request_errors(tiny):
+    llm = LLM(model=tiny, device="cpu", max_model_len=64)
+    with pytest.raises(ConfigError, match="maximum context length is 64 tokens. However, you requested 70 tokens"):
+        llm.generate([[1] * 60], SamplingParams(max_tokens=10))
+    with pytest.raises(ConfigError, match="prompt is empty"):
+        llm.generate([[]], SamplingParams())
+    for bad, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+                     (dict(top_k=0), "top_k")):
+        with pytest.raises(ConfigError, match=msg):
+            SamplingParams(**bad)
+
+
+def test_stops_inside_speculative_steps(tiny, spec_off):
+    """EOS / stop ids / stop strings / max_tokens cut the accepted run where plain decoding stops."""
+    sp, ref, _ = spec_off
+    full = ref[0].outputs[0]
+    plain = LLM(model=tiny, device="cpu")
+    spec = LLM(model=tiny, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 4})
+    stop_id = full.token_ids[7]
+    text = full.text
+    stop_str = text[len(text) // 2: len(text) // 2 + 3]
+    for p in (SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]),
+              SamplingParams(temperature=0, max_tokens=40, stop=[stop_str], ignore_eos=True)):
+        a, b = plain.generate([SPEC_PROMPTS[0]], p)[0].outputs[0], spec.generate([SPEC_PROMPTS[0]], p)[0].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+    assert b.finish_reason == "stop" and b.stop_reason == stop_str and stop_str not in b.text
+
+
+# ==============================================================================================
+# CLI
+# ==============================================================================================
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(HERE, "specdec.py"), *args], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def test_cli_generates_with_stats_and_speculation(tiny):
+    base = ["--model", tiny, "--prompt", "a b c a b", "--max-tokens", "8", "--device", "cpu", "--ignore-eos"]
+    plain = run_cli(*base)
+    assert plain.returncode == 0, plain.stderr
+    assert "prompt tokens:" in plain.stderr and "generated tokens: 8" in plain.stderr and "tok/s" in plain.stderr
+    spec = run_cli(*base, "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}')
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert "Mean acceptance length" in spec.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--speculative-config", '{"method":"eagle","num_speculative_tokens":1}'], "'eagle' is a vLLM method"),
+    (["--speculative-config", '{"method":"mtp"}'], "num_speculative_tokens must be provided"),
+    (["--model", "/nonexistent/dir"], "does not exist"),
+    (["--dtype", "int3"], "unsupported dtype"),
+])
+def test_cli_errors_are_one_line(args, msg, tiny):
+    r = run_cli("--model", tiny, "--device", "cpu", *args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_help_documents_every_flag():
+    r = run_cli("--help")
+    for flag in ("--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype",
+                 "--device", "--max-model-len", "--chat", "--speculative-config", "--enforce-eager"):
+        assert flag in r.stdout
+
+
+# ==============================================================================================
+# Tokenizer (vs HF tokenizers) and chat template
+# ==============================================================================================
+
+from specdec import QWEN_PATTERN, IncrementalDecoder, Tokenizer, apply_chat_template  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, 'tools'))
+from make_tokenizer import EXTRA_TEXT, NONSPECIAL, SPECIAL, make_tiny_tokenizer  # noqa: E402
+
+SAMPLES = EXTRA_TEXT + [
+    "def foo(x):\n    return x ** 2  # square\n\n\nclass Bar:\n\tpass\n",
+    "It's, I'm, we'll, they've, you'd, IT'S, She'LL 'twas",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm</think>\n\nok<|endoftext|>",
+    "x<|im_end|>y <think>z</think>", "<|im_end", "<<|im_start|>>", "", " ", "\n", "   \n\t \n  ", "a\u0301\u0302",
+    "\u00a0nbsp\u2003em\u3000ideographic", "mixed日本語and English123漢字", "e\u0301\u0301\u0301", "ǅungla ﬁ ①②",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return Tokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_dir):
+    from tokenizers import Tokenizer as HFTokenizer
+    return HFTokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json"))
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _long_sample():
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "difflib.py"), encoding="utf-8") as f:
+        return f.read()[:30000]  # not in the training corpus
+
+
+def test_matches_hf_ids_and_decode(tok, hf):
+    for text in SAMPLES + [_long_sample()]:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text[:80]
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+        assert tok.decode(ids, skip_special=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_allow_special_false_matches_hf(tok, hf, tiny_dir):
+    from tokenizers import Tokenizer as HFTokenizer
+    hf2 = HFTokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json"))
+    hf2.encode_special_tokens = True  # HF: special added tokens are encoded as text, others still matched
+    for text in SAMPLES:
+        assert tok.encode(text, allow_special=False) == hf2.encode(text, add_special_tokens=False).ids, text
+    ids = tok.encode("a<|im_end|>b<think>", allow_special=False)
+    assert tok.special_ids["<|im_end|>"] not in ids and tok.special_ids["<think>"] in ids
+
+
+def test_roundtrip_nfc(tok):
+    for text in SAMPLES + [_long_sample()]:
+        assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
+    assert tok.encode("Cafe\u0301") == tok.encode("Caf\u00e9")
+
+
+def test_attributes(tok, hf, tiny_dir):
+    assert tok.vocab_size == hf.get_vocab_size(with_added_tokens=True)
+    assert tok.eos_token_id == tok.special_ids["<|im_end|>"] == hf.token_to_id("<|im_end|>")
+    assert set(tok.special_ids) == set(SPECIAL + NONSPECIAL)
+    assert tok.id_of("<think>") == hf.token_to_id("<think>")
+    assert tok.id_of("Ġ") == tok.id_of(" ") == hf.token_to_id("Ġ")
+    assert tok.token_bytes(tok.id_of("Ġ")) == b" " and tok.token_bytes(10 ** 9) == b""
+    with pytest.raises(KeyError):
+        tok.id_of("definitely not one token")
+    # decode(skip_special) drops <|im_end|> (special) but keeps <think> (an added, non-special token)
+    ids = tok.encode("<think>a</think><|im_end|>")
+    assert tok.decode(ids, skip_special=True) == "<think>a</think>"
+    os.remove(os.path.join(tiny_dir, "tokenizer_config.json"))  # eos falls back to <|im_end|>
+    try:
+        assert Tokenizer.from_dir(tiny_dir).eos_token_id == tok.special_ids["<|im_end|>"]
+    finally:
+        with open(os.path.join(tiny_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<|im_end|>"}, f)
+    t2 = Tokenizer(_read_json(os.path.join(tiny_dir, "tokenizer.json"))["model"]["vocab"], None,
+                   {"<|endoftext|>": 5000})
+    assert t2.eos_token_id == 5000 and t2.vocab_size == 5001
+
+
+def test_ids_not_in_merge_order(tiny_dir, tmp_path):
+    """Permute the ids of merged tokens (merges unchanged), write merges as "a b" strings and add an orphan
+    token that no merge makes: HF must still be matched id for id."""
+    from tokenizers import Tokenizer as HFTokenizer
+    tj = _read_json(os.path.join(tiny_dir, "tokenizer.json"))
+    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
+    merged = [a + b for a, b in merges]
+    ids = sorted(vocab[t] for t in merged)
+    vocab.update({t: i for t, i in zip(merged, reversed(ids))})  # reverse the merge order
+    # an orphan X+Y: tiktoken would merge X, Y into it (and take it whole as a piece); HF BPE never does
+    x, y = "Ġthe", "re"
+    assert x in vocab and y in vocab and x + y not in vocab
+    vocab[orphan := x + y] = len(vocab)
+    for t in tj["added_tokens"]:
+        t["id"] += 1
+    tj["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    tok, hf = Tokenizer.from_dir(str(tmp_path)), HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok._rank_to_id is not None  # the merge-priority rank table is in use
+    for text in SAMPLES + [_long_sample(), " there", "in there, theres"]:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text[:80]
+        assert tok.decode(ids) == unicodedata.normalize("NFC", text)
+    assert tok.decode([vocab[orphan]]) == " there" and tok.id_of(orphan) == vocab[orphan]
+    assert tok.id_of("<|im_end|>") == hf.token_to_id("<|im_end|>")
+    # with HF's ignore_merges a pre-token that is a vocab token is taken whole, also an orphan that no two
+    # mergeable tokens spell, like "俱乐部" in Qwen3.5 (one that two tokens spell, like " there", can't be exact)
+    tj["model"]["ignore_merges"] = True
+    vocab[whole := "ĠÅĭÃ¶Å¾"] = vocab.pop(orphan)  # " ŋöž"
+    assert not any(whole[:k] in vocab and whole[k:] in vocab for k in range(1, len(whole)))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    tok, hf = Tokenizer.from_dir(str(tmp_path)), HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in SAMPLES + [_long_sample(), "in theres", " ŋöž", "a ŋöž, ŋöžu ŋö"]:
+        assert tok.encode(text) == hf.encode(text, add_special_tokens=False).ids, text[:80]
+    assert tok.encode(" ŋöž") == [vocab[whole]]
+
+
+def test_gguf_style_constructor(tok, hf, tiny_dir):
+    """GGUF gives a token list by id + "a b" merges + token types; merges=None means rank = id."""
+    tj = _read_json(os.path.join(tiny_dir, "tokenizer.json"))
+    tokens = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
+    added = {t["content"]: t["id"] for t in tj["added_tokens"]}
+    for merges in ([" ".join(m) for m in tj["model"]["merges"]], None):
+        t = Tokenizer({s: i for i, s in enumerate(tokens)}, merges, added, special=SPECIAL)
+        for text in SAMPLES:
+            assert t.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+def test_rejects_unknown_structure(tiny_dir, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    base = _read_json(os.path.join(tiny_dir, "tokenizer.json"))
+
+    def load(tj):
+        (tmp_path / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+        return Tokenizer.from_dir(str(tmp_path))
+
+    wp = HFTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match="WordPiece"):
+        load(json.loads(wp.to_str()))
+    meta = json.loads(wp.to_str())
+    meta["model"] = {"type": "BPE", "vocab": {"▁a": 0}, "merges": []}
+    meta["pre_tokenizer"] = json.loads(pre_tokenizers.Metaspace().__getstate__())
+    with pytest.raises(ValueError, match="pre-tokenizer"):
+        load(meta)
+    for patch, msg in [({"byte_fallback": True}, "byte_fallback"), ({"vocab": {"a": 0, "b": 1}}, "single-byte"),
+                       ({"vocab": {**base["model"]["vocab"], "▁x": 9999}}, "byte alphabet"),
+                       ({"merges": [["Ġ", "zzz"]]}, "not in the vocab")]:
+        tj = json.loads(json.dumps(base))
+        tj["model"].update(patch)
+        with pytest.raises(ValueError, match=msg):
+            load(tj)
+    tj = json.loads(json.dumps(base))
+    tj["normalizer"] = {"type": "NFKC"}
+    with pytest.raises(ValueError, match="normalizer"):
+        load(tj)
+
+
+def test_incremental_decoder(tok):
+    text = "Emoji 😀😃😄 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ 中文 é<|im_end|>🚀 done"
+    ids = tok.encode(text)
+    assert any(not tok.token_bytes(i).decode("utf-8", "ignore") for i in ids)  # some ids are partial chars
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.add(i) for i in ids] + [dec.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == dec.text == tok.decode(ids) == text == tok.decode(torch.tensor(ids))
+    dec = IncrementalDecoder(tok, skip_special=True)  # lists of ids work too
+    assert dec.add(ids[:3]) + dec.add(ids[3:]) + dec.flush() == text.replace("<|im_end|>", "")
+    dec = IncrementalDecoder(tok)  # a truncated character comes out as one U+FFFD on flush
+    part = tok.encode("😀")[:-1]
+    assert dec.add(part) == "" and dec.flush() == "\ufffd" == tok.decode(part)
+
+
+def test_chat_template_system_user():
+    msgs = [{"role": "system", "content": "You are helpful. "}, {"role": "user", "content": "Hi!\n"}]
+    base = "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+    assert apply_chat_template(msgs) == base + "<|im_start|>assistant\n<think>\n"
+    assert apply_chat_template(msgs, enable_thinking=False) == base + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert apply_chat_template(msgs, add_generation_prompt=False) == base
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert apply_chat_template(parts, add_generation_prompt=False) == "<|im_start|>user\nab<|im_end|>\n"
+
+
+def test_chat_template_multi_turn_reasoning():
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "<think>\nR2\n</think>\n\nA2"},
+        {"role": "user", "content": "Q3"},
+    ]
+    head = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
+            "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
+            "<|im_start|>assistant\nA2<|im_end|>\n<|im_start|>user\nQ3<|im_end|>\n")
+    assert apply_chat_template(msgs) == head + "<|im_start|>assistant\n<think>\n"
+    # preserve_thinking (Qwen3.6) keeps all historical reasoning
+    kept = apply_chat_template(msgs, preserve_thinking=True, add_generation_prompt=False)
+    assert "<|im_start|>assistant\n<think>\nR1\n</think>\n\nA1<|im_end|>\n" in kept
+    assert "<|im_start|>assistant\n<think>\nR2\n</think>\n\nA2<|im_end|>\n" in kept
+    # assistant turns after the last user query keep their reasoning (an empty one still gets the block)
+    tail = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": " R "},
+            {"role": "assistant", "content": "B"}]
+    assert apply_chat_template(tail, add_generation_prompt=False) == (
+        "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nR\n</think>\n\nA<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nB<|im_end|>\n")
+
+
+def test_chat_template_tool_results_and_errors():
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "calling"},
+            {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}]
+    assert apply_chat_template(msgs, add_generation_prompt=False) == (
+        "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\ncalling<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response><|im_end|>\n")
+    with pytest.raises(ValueError, match="tool"):
+        apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(ValueError, match="system"):
+        apply_chat_template([{"role": "user", "content": "Q"}, {"role": "system", "content": "S"}])
+    with pytest.raises(ValueError, match="user query"):
+        apply_chat_template([{"role": "system", "content": "S"}])
+    with pytest.raises(ValueError, match="text"):
+        apply_chat_template([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}])
+
+
+# ==============================================================================================
+# GGUF reader / writer round trips
+# ==============================================================================================
+
+import numpy as np  # noqa: E402
+from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, gguf_has_mtp, read_gguf, write_gguf  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+DENSE = dict(
+    model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4,
+    intermediate_size=48,  # ffn_down rows of 48: Q8_0 falls back to F16
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, full_attention_interval=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.5, mrope_section=[3, 3, 2],
+                         mrope_interleaved=True),
+    rms_norm_eps=1e-6, vocab_size=300, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+    max_position_embeddings=4096, eos_token_id=258, hidden_act="silu", attn_output_gate=True, attention_bias=False)
+MOE = {k: v for k, v in DENSE.items() if k != "intermediate_size"}
+MOE.update(model_type="qwen3_5_moe_text", tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def hf_tensors(c, seed=0, mtp=True):
+    """Random tensors in HF text-only names and shapes (§3); asymmetric values so any wrong permutation shows."""
+    g = torch.Generator().manual_seed(seed)
+    R = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    H, hd, nh, nkv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    hk, hv, dk, dv = (c[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                      "linear_key_head_dim", "linear_value_head_dim"))
+    C = 2 * hk * dk + hv * dv
+
+    def layer(p, kind):
+        t = {p + "input_layernorm.weight": 0.1 * R(H), p + "post_attention_layernorm.weight": 0.1 * R(H)}
+        if kind == "full_attention":
+            a = p + "self_attn."
+            t.update({a + "q_proj.weight": R(2 * nh * hd, H), a + "k_proj.weight": R(nkv * hd, H),
+                      a + "v_proj.weight": R(nkv * hd, H), a + "o_proj.weight": R(H, nh * hd),
+                      a + "q_norm.weight": 0.1 * R(hd), a + "k_norm.weight": 0.1 * R(hd)})
+        else:
+            a = p + "linear_attn."
+            t.update({a + "in_proj_qkv.weight": R(C, H), a + "in_proj_z.weight": R(hv * dv, H),
+                      a + "in_proj_b.weight": R(hv, H), a + "in_proj_a.weight": R(hv, H),
+                      a + "conv1d.weight": R(C, 1, c["linear_conv_kernel_dim"]), a + "dt_bias": R(hv),
+                      a + "A_log": R(hv), a + "norm.weight": 1 + 0.1 * R(dv), a + "out_proj.weight": R(H, hv * dv)})
+        m = p + "mlp."
+        if "num_experts" in c:
+            E, I, Is = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+            t.update({m + "gate.weight": R(E, H), m + "experts.gate_up_proj": R(E, 2 * I, H),
+                      m + "experts.down_proj": R(E, H, I), m + "shared_expert.gate_proj.weight": R(Is, H),
+                      m + "shared_expert.up_proj.weight": R(Is, H), m + "shared_expert.down_proj.weight": R(H, Is),
+                      m + "shared_expert_gate.weight": R(1, H)})
+        else:
+            I = c["intermediate_size"]
+            t.update({m + "gate_proj.weight": R(I, H), m + "up_proj.weight": R(I, H),
+                      m + "down_proj.weight": R(H, I)})
+        return t
+
+    t = {"model.embed_tokens.weight": R(c["vocab_size"], H), "model.norm.weight": 0.1 * R(H)}
+    if not c["tie_word_embeddings"]:
+        t["lm_head.weight"] = R(c["vocab_size"], H)
+    for i, kind in enumerate(c["layer_types"]):
+        t.update(layer(f"model.layers.{i}.", kind))
+    if mtp:
+        t.update({"mtp.fc.weight": R(H, 2 * H), "mtp.pre_fc_norm_embedding.weight": 0.1 * R(H),
+                  "mtp.pre_fc_norm_hidden.weight": 0.1 * R(H), "mtp.norm.weight": 0.1 * R(H)})
+        t.update(layer("mtp.layers.0.", "full_attention"))
+    return t
+
+
+def assert_close(name, got, ref, ftype):
+    """Round-trip bounds: F32 exact (norms stored as 1 + w and A_log stored as -exp(A_log): 1e-6);
+    F16 / BF16: unit roundoff 2^-11 / 2^-8 relative; Q8_0: 0.6 * row amax / 127 (half a step + f16 scale)."""
+    got, ref = got.float(), ref.float()
+    assert got.shape == ref.shape, name
+    err = (got - ref).abs()
+    if ftype == "F32":
+        shifted = name.endswith(("norm.weight", "A_log")) or "pre_fc_norm" in name
+        bound = torch.full_like(ref, 1e-6 if shifted else 0.0)
+    elif ftype == "Q8_0" and ref.shape[-1] % 32 == 0:  # row amax: out_proj's blocks run over permuted columns
+        bound = 0.6 * ref.abs().amax(-1, keepdim=True) / 127 + 1e-6
+    else:  # F16, BF16 (and Q8_0 tensors that fell back to F16)
+        bound = ref.abs() * (2.0 ** -8 if ftype == "BF16" else 2.0 ** -11) + 1e-6
+    assert bool((err <= bound).all()), f"{name}: max err {err.max():.3g}"
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16", "Q8_0"])
+def test_roundtrip(tmp_path, cfg, ftype):
+    ref = hf_tensors(cfg)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(cfg, ref, path, ftype)
+    got_cfg, got, tok = read_gguf(path)
+    assert got_cfg == cfg
+    assert set(got) == set(ref)
+    for k in ref:
+        assert got[k].dtype == torch.float32
+        assert_close(k, got[k], ref[k], ftype)
+    assert gguf_has_mtp(got_cfg) and gguf_has_mtp(path)
+
+
+def test_stored_layout_follows_converter(tmp_path):
+    """Look inside the file: names, V-head tiling (head g*R + r at r*H_k + g), norm +1, -exp(A_log), conv squeeze,
+    expert split and ne order, metadata keys, and which tensors stay F32 / fall back to F16 at Q8_0."""
+    c, ref = DENSE, hf_tensors(DENSE)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(c, ref, path, "Q8_0")
+    r = gguf.GGUFReader(path)
+    raw = {t.name: t for t in r.tensors}
+    meta = lambda k: r.fields[k].contents()  # noqa: E731
+    assert meta("general.architecture") == "qwen35" and meta("qwen35.block_count") == 5
+    assert meta("qwen35.nextn_predict_layers") == 1 and meta("qwen35.rope.dimension_sections") == [3, 3, 2, 0]
+    assert meta("qwen35.ssm.inner_size") == 64 and meta("qwen35.ssm.group_count") == 2
+    assert meta("qwen35.ssm.time_step_rank") == 4 and meta("qwen35.rope.dimension_count") == 16
+    assert meta("tokenizer.ggml.model") == "gpt2" and meta("tokenizer.ggml.pre") == "qwen35"
+    types = {n: t.tensor_type for n, t in raw.items()}
+    assert types["blk.0.attn_norm.weight"] == Q.F32 and types["blk.0.ssm_conv1d.weight"] == Q.F32
+    assert types["blk.0.ssm_a"] == Q.F32 and types["blk.0.ssm_dt.bias"] == Q.F32
+    assert types["blk.0.ffn_down.weight"] == Q.F16 and types["blk.0.ffn_gate.weight"] == Q.Q8_0  # 48 % 32 != 0
+    assert types["blk.4.nextn.eh_proj.weight"] == Q.Q8_0 and types["blk.4.nextn.enorm.weight"] == Q.F32
+    assert list(raw["blk.0.ssm_conv1d.weight"].shape) == [4, 128]  # ne order
+    # exact F32 values for the transforms that stay F32
+    hk, R, dv = 2, 2, 16
+    tiled = [g * R + r_ for r_ in range(R) for g in range(hk)]  # tiled position r*hk+g holds grouped head g*R+r
+    L = "model.layers.0.linear_attn."
+    f32 = lambda n: torch.from_numpy(np.array(raw[n].data))  # noqa: E731
+    assert torch.allclose(f32("blk.0.ssm_a"), -torch.exp(ref[L + "A_log"][tiled]))
+    assert torch.equal(f32("blk.0.ssm_dt.bias"), ref[L + "dt_bias"][tiled])
+    assert torch.equal(f32("blk.0.ssm_norm.weight"), ref[L + "norm.weight"])  # gated norm: not shifted
+    assert torch.allclose(f32("blk.0.attn_norm.weight"), ref["model.layers.0.input_layernorm.weight"] + 1)
+    assert torch.allclose(f32("blk.4.nextn.enorm.weight"), ref["mtp.pre_fc_norm_embedding.weight"] + 1)
+    assert torch.allclose(f32("blk.4.nextn.shared_head_norm.weight"), ref["mtp.norm.weight"] + 1)
+    conv = f32("blk.0.ssm_conv1d.weight")  # [C, 4]; q, k channels untouched, v channels tiled by head
+    w = ref[L + "conv1d.weight"][:, 0]
+    assert torch.equal(conv[:64], w[:64])
+    assert torch.equal(conv[64:].reshape(4, dv, 4), w[64:].reshape(4, dv, 4)[tiled])
+
+    # the file's tensor names are what gguf-py's own name map gives for the HF names
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 5)
+    expect = {tmap.get_name(k.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
+              for k in ref if not k.startswith("mtp.")}
+    assert expect == {n for n in raw if not n.startswith("blk.4.")}
+
+
+def test_moe_experts_and_vhead_rows(tmp_path):
+    c, ref = MOE, hf_tensors(MOE)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(c, ref, path, "F32")
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert "output.weight" not in raw  # tied
+    E, I, H = 4, 32, 64
+    gu, down = ref["model.layers.0.mlp.experts.gate_up_proj"], ref["model.layers.0.mlp.experts.down_proj"]
+    assert list(raw["blk.0.ffn_gate_exps.weight"].shape) == [H, I, E]  # ne {H, I, E}
+    assert list(raw["blk.0.ffn_down_exps.weight"].shape) == [I, H, E]  # ne {I, H, E}
+    assert np.array_equal(raw["blk.0.ffn_gate_exps.weight"].data, gu[:, :I].numpy())
+    assert np.array_equal(raw["blk.0.ffn_up_exps.weight"].data, gu[:, I:].numpy())
+    assert np.array_equal(raw["blk.0.ffn_down_exps.weight"].data, down.numpy())
+    mtp_gu = ref["mtp.layers.0.mlp.experts.gate_up_proj"]
+    assert np.array_equal(raw["blk.4.ffn_gate_exps.weight"].data, mtp_gu[:, :I].numpy())
+    tiled = [0, 2, 1, 3]
+    L = "model.layers.1.linear_attn."
+    z = torch.from_numpy(np.array(raw["blk.1.attn_gate.weight"].data)).reshape(4, 16, H)
+    assert torch.equal(z, ref[L + "in_proj_z.weight"].reshape(4, 16, H)[tiled])
+    out = torch.from_numpy(np.array(raw["blk.1.ssm_out.weight"].data)).reshape(H, 4, 16)
+    assert torch.equal(out, ref[L + "out_proj.weight"].reshape(H, 4, 16)[:, tiled])
+    qkv = torch.from_numpy(np.array(raw["blk.1.attn_qkv.weight"].data))
+    assert torch.equal(qkv[:64], ref[L + "in_proj_qkv.weight"][:64])
+    assert torch.equal(qkv[64:].reshape(4, 16, H), ref[L + "in_proj_qkv.weight"][64:].reshape(4, 16, H)[tiled])
+    b = torch.from_numpy(np.array(raw["blk.1.ssm_beta.weight"].data))
+    assert torch.equal(b, ref[L + "in_proj_b.weight"][tiled])
+
+
+def test_vhead_perm_formula():
+    hk, R, d = 3, 2, 2  # grouped head g*R + r -> tiled position r*hk + g (§5.4)
+    x = torch.arange(hk * R * d)
+    y = _vhead_perm(x, 0, hk, R, d).view(hk * R, d)
+    for g in range(hk):
+        for r in range(R):
+            assert torch.equal(y[r * hk + g], x.view(hk * R, d)[g * R + r])
+    assert torch.equal(_vhead_perm(y.flatten(), 0, R, hk, d), x)  # inverse
+    m = torch.randn(5, hk * R * d)  # along columns (out_proj)
+    assert torch.equal(_vhead_perm(_vhead_perm(m, 1, hk, R, d), 1, R, hk, d), m)
+    g, r = 2, 1
+    assert torch.equal(_vhead_perm(m, 1, hk, R, d).view(5, hk * R, d)[:, r * hk + g], m.view(5, hk * R, d)[:, g * R + r])
+
+
+def test_no_mtp(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(DENSE, hf_tensors(DENSE), path, "F16", with_mtp=False)  # = convert_hf_to_gguf.py --no-mtp
+    cfg, t, _ = read_gguf(path)
+    assert cfg["num_hidden_layers"] == 4 and cfg["mtp_num_hidden_layers"] == 0
+    assert not any(k.startswith("mtp.") for k in t)
+    assert not gguf_has_mtp(cfg) and not gguf_has_mtp(path)
+    assert "--no-mtp" in GGUF_NO_MTP_MESSAGE and "mtp.*" in GGUF_NO_MTP_MESSAGE
+    path2 = str(tmp_path / "m2.gguf")  # a checkpoint without mtp.* tensors, exported without --no-mtp
+    write_gguf(DENSE, hf_tensors(DENSE, mtp=False), path2, "F16")
+    cfg2, t2, _ = read_gguf(path2)
+    assert cfg2["num_hidden_layers"] == 4 and cfg2["mtp_num_hidden_layers"] == 0 and set(t2) == set(t)
+
+
+def test_dtype_and_per_expert_input(tmp_path):
+    ref = hf_tensors(MOE)
+    per_expert = {}
+    for k, v in ref.items():  # transformers' save_pretrained form: per-expert 2-D tensors
+        if k.endswith("experts.gate_up_proj"):
+            p = k[: -len("gate_up_proj")]
+            for e in range(4):
+                per_expert[f"{p}{e}.gate_proj.weight"], per_expert[f"{p}{e}.up_proj.weight"] = v[e].chunk(2)
+        elif k.endswith("experts.down_proj"):
+            for e in range(4):
+                per_expert[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
+        else:
+            per_expert[k.replace("model.", "model.language_model.", 1)] = v.to(torch.bfloat16)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(MOE, per_expert, path, "BF16")
+    _, got, _ = read_gguf(path, dtype=torch.bfloat16)
+    assert set(got) == set(ref)
+    assert all(v.dtype == (torch.float32 if k.endswith("A_log") else torch.bfloat16) for k, v in got.items())
+    k = "model.layers.2.mlp.experts.gate_up_proj"
+    assert torch.equal(got[k], ref[k].bfloat16())
+
+
+def test_tokenizer(tmp_path):
+    tj = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "\u0120": 3, "\u0120ab": 4},
+                    "merges": ["a b", ["\u0120", "ab"]]},
+          "added_tokens": [{"id": 5, "content": "<|endoftext|>", "special": True},
+                           {"id": 6, "content": "<|im_end|>", "special": True},
+                           {"id": 7, "content": "<think>", "special": False}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    tc = {"eos_token": "<|im_end|>", "chat_template": "{{x}}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tc))
+    path = str(tmp_path / "m.gguf")
+    write_gguf(DENSE, hf_tensors(DENSE), path, "F16", str(tmp_path / "tokenizer.json"))
+    cfg, _, tok = read_gguf(path)
+    assert tok["tokens"][:8] == ["a", "b", "ab", "\u0120", "\u0120ab", "<|endoftext|>", "<|im_end|>", "<think>"]
+    assert len(tok["tokens"]) == 300 and tok["tokens"][299] == "[PAD299]"
+    assert tok["token_types"][:8] == [1, 1, 1, 1, 1, 3, 3, 4] and tok["token_types"][8] == 5
+    assert tok["merges"] == ["a b", "\u0120 ab"]
+    assert tok["model"] == "gpt2" and tok["pre"] == "qwen35" and tok["chat_template"] == "{{x}}"
+    assert tok["eos_token_id"] == 6 == cfg["eos_token_id"] and tok["eos_token"] == "<|im_end|>"
+    assert tok["vocab"] == tj["model"]["vocab"]
+    assert tok["added_tokens"] == {"<|endoftext|>": 5, "<|im_end|>": 6, "<think>": 7}
+    assert tok["special_tokens"] == ["<|endoftext|>", "<|im_end|>"]
+    assert tok["stop_token_ids"] == [5, 6] and r"[\p{L}\p{M}]+" in tok["pattern"]
+    path3 = str(tmp_path / "m3.gguf")
+    write_gguf(DENSE, hf_tensors(DENSE), path3, "F16")
+    _, _, tok3 = read_gguf(path3)
+    assert len(tok3["vocab"]) == 256 and tok3["tokens"][32] == "\u0120" and tok3["tokens"][65] == "A"
+    assert tok3["eos_token_id"] == 258 and tok3["eos_token"] == "<|im_end|>"
+
+
+def test_k_quants_and_bad_arch(tmp_path):
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "q.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for qt, off, scales in ((Q.Q4_K, 0, [0.01, 0.001]), (Q.Q5_K, 0, [0.01, 0.001]), (Q.Q6_K, 208, [0.01])):
+        ts = gguf.GGML_QUANT_SIZES[qt][1]  # bytes per 256-value super-block; f16 scales at `off`
+        blocks = rng.integers(0, 256, size=(3, 2, ts), dtype=np.uint8)  # 3 rows x 2 super-blocks
+        blocks[..., off:off + 2 * len(scales)] = np.array(scales, np.float16).view(np.uint8)
+        w.add_tensor(qt.name, blocks.reshape(3, 2 * ts), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for rt in gguf.GGUFReader(path).tensors:
+        t = _gguf_tensor(rt)
+        assert t.shape == (3, 512) and t.dtype == torch.float32 and torch.isfinite(t).all()
+        assert np.array_equal(t.numpy(), gguf.quants.dequantize(rt.data, rt.tensor_type))
+    with pytest.raises(ValueError, match="llama"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_transformers_logits_roundtrip(tmp_path, moe):
+    """A real transformers Qwen3.5 model's state_dict -> GGUF -> read_gguf -> load_state_dict(strict): same logits."""
+    tf = pytest.importorskip("transformers")
+    kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              vocab_size=300, max_position_embeddings=512, tie_word_embeddings=False)
+    if moe:
+        cfg, M = tf.Qwen3_5MoeTextConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32), tf.Qwen3_5MoeForCausalLM
+    else:
+        cfg, M = tf.Qwen3_5TextConfig(**kw, intermediate_size=48), tf.Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    m = M(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in n else 0.3))
+    path = str(tmp_path / "m.gguf")
+    write_gguf({**cfg.to_dict(), "mtp_num_hidden_layers": 0}, m.state_dict(), path, "F32")
+    got_cfg, tensors, _ = read_gguf(path)
+    assert got_cfg["layer_types"] == cfg.layer_types
+    m2 = M(cfg).eval()
+    m2.load_state_dict(tensors, strict=True)
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="write a tiny random Qwen3.6 checkpoint (published layout)")
+    ap.add_argument("cmd", choices=["make-tiny"])
+    ap.add_argument("dir")
+    ap.add_argument("--moe", action="store_true")
+    a = ap.parse_args()
+    print(write_tiny_checkpoint(a.dir, moe=a.moe))

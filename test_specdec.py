@@ -15,6 +15,12 @@ import unicodedata
 import pytest
 import torch
 
+try:
+    import gguf
+except ImportError:  # the GPU image has no gguf package: the GGUF tests skip there
+    gguf = None
+needs_gguf = pytest.mark.skipif(gguf is None, reason="needs the gguf package")
+
 import kernels as K
 import specdec as sd
 from specdec import LLM, SamplingParams, ConfigError
@@ -466,6 +472,7 @@ def gguf_from_checkpoint(path, out, ftype, with_mtp=True):
     return out
 
 
+@needs_gguf
 @pytest.mark.parametrize("ftype,bound", [("F32", 1e-4), ("BF16", 1e-2), ("Q8_0", 3e-2)])
 @pytest.mark.parametrize("moe", [False, True])
 def test_gguf_logits_equal_safetensors(ftype, bound, moe, tiny, tiny_moe, tmp_path):
@@ -483,6 +490,7 @@ def test_gguf_logits_equal_safetensors(ftype, bound, moe, tiny, tiny_moe, tmp_pa
     assert b.tokenizer.encode("def f(x):\n  return 'é'") == a.tokenizer.encode("def f(x):\n  return 'é'")
 
 
+@needs_gguf
 def test_gguf_mtp_greedy_lossless_and_refusals(tiny, tmp_path):
     f = gguf_from_checkpoint(tiny, str(tmp_path / "m.gguf"), "F32")
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -918,8 +926,7 @@ def test_chat_template_tool_results_and_errors():
 import numpy as np  # noqa: E402
 from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, gguf_has_mtp, read_gguf, write_gguf  # noqa: E402
 
-gguf = pytest.importorskip("gguf")
-Q = gguf.GGMLQuantizationType
+Q = gguf.GGMLQuantizationType if gguf else None
 
 DENSE = dict(
     model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4,
@@ -999,6 +1006,7 @@ def assert_close(name, got, ref, ftype):
     assert bool((err <= bound).all()), f"{name}: max err {err.max():.3g}"
 
 
+@needs_gguf
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("ftype", ["F32", "F16", "BF16", "Q8_0"])
 def test_roundtrip(tmp_path, cfg, ftype):
@@ -1014,6 +1022,7 @@ def test_roundtrip(tmp_path, cfg, ftype):
     assert gguf_has_mtp(got_cfg) and gguf_has_mtp(path)
 
 
+@needs_gguf
 def test_stored_layout_follows_converter(tmp_path):
     """Look inside the file: names, V-head tiling (head g*R + r at r*H_k + g), norm +1, -exp(A_log), conv squeeze,
     expert split and ne order, metadata keys, and which tensors stay F32 / fall back to F16 at Q8_0."""
@@ -1057,6 +1066,7 @@ def test_stored_layout_follows_converter(tmp_path):
     assert expect == {n for n in raw if not n.startswith("blk.4.")}
 
 
+@needs_gguf
 def test_moe_experts_and_vhead_rows(tmp_path):
     c, ref = MOE, hf_tensors(MOE)
     path = str(tmp_path / "m.gguf")
@@ -1085,6 +1095,7 @@ def test_moe_experts_and_vhead_rows(tmp_path):
     assert torch.equal(b, ref[L + "in_proj_b.weight"][tiled])
 
 
+@needs_gguf
 def test_vhead_perm_formula():
     hk, R, d = 3, 2, 2  # grouped head g*R + r -> tiled position r*hk + g (§5.4)
     x = torch.arange(hk * R * d)
@@ -1099,6 +1110,7 @@ def test_vhead_perm_formula():
     assert torch.equal(_vhead_perm(m, 1, hk, R, d).view(5, hk * R, d)[:, r * hk + g], m.view(5, hk * R, d)[:, g * R + r])
 
 
+@needs_gguf
 def test_no_mtp(tmp_path):
     path = str(tmp_path / "m.gguf")
     write_gguf(DENSE, hf_tensors(DENSE), path, "F16", with_mtp=False)  # = convert_hf_to_gguf.py --no-mtp
@@ -1113,6 +1125,7 @@ def test_no_mtp(tmp_path):
     assert cfg2["num_hidden_layers"] == 4 and cfg2["mtp_num_hidden_layers"] == 0 and set(t2) == set(t)
 
 
+@needs_gguf
 def test_dtype_and_per_expert_input(tmp_path):
     ref = hf_tensors(MOE)
     per_expert = {}
@@ -1135,6 +1148,7 @@ def test_dtype_and_per_expert_input(tmp_path):
     assert torch.equal(got[k], ref[k].bfloat16())
 
 
+@needs_gguf
 def test_tokenizer(tmp_path):
     tj = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "\u0120": 3, "\u0120ab": 4},
                     "merges": ["a b", ["\u0120", "ab"]]},
@@ -1164,6 +1178,7 @@ def test_tokenizer(tmp_path):
     assert tok3["eos_token_id"] == 258 and tok3["eos_token"] == "<|im_end|>"
 
 
+@needs_gguf
 def test_k_quants_and_bad_arch(tmp_path):
     rng = np.random.default_rng(0)
     path = str(tmp_path / "q.gguf")
@@ -1185,6 +1200,7 @@ def test_k_quants_and_bad_arch(tmp_path):
         read_gguf(path)
 
 
+@needs_gguf
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_transformers_logits_roundtrip(tmp_path, moe):
     """A real transformers Qwen3.5 model's state_dict -> GGUF -> read_gguf -> load_state_dict(strict): same logits."""
@@ -1211,6 +1227,34 @@ def test_transformers_logits_roundtrip(tmp_path, moe):
     ids = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+
+# ==============================================================================================
+# GPU (skipped without CUDA)
+# ==============================================================================================
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [None, {"method": "mtp", "num_speculative_tokens": 2},
+                                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
+def test_gpu_graphs_equal_eager(cfg, tiny):
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = []
+    for eager in (True, False):
+        llm = LLM(model=tiny, device="cuda", dtype="float32", speculative_config=cfg, enforce_eager=eager)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, sp)])
+    assert outs[0] == outs[1]
+
+
+@cuda
+def test_gpu_bf16_spec_equals_plain(tiny):
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cuda").generate(SPEC_PROMPTS[:1], sp)]
+    llm = LLM(model=tiny, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:1], sp)] == ref
 
 
 if __name__ == "__main__":

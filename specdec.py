@@ -1040,7 +1040,7 @@ class Request:
         self.logprobs = [] if params.logprobs is not None else None
         self.finish_reason = self.stop_reason = self.slot = None
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
-        self.detok = IncrementalDecoder(tokenizer)
+        self.detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # None: token ids only
         self.spec = SpecStats()
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
         self.on_update = None  # callback(req, n_new_tokens), e.g. the server's stream
@@ -1054,12 +1054,74 @@ class Request:
         return self.finish_reason is not None
 
 
+class GraphRunner:
+    """CUDA graphs captured by hand for the target's decode (T = 1) and verify (T = k+1) steps, one per batch
+    bucket (1, 2, 4, 8), sharing one memory pool. Inputs are copied into static buffers; padding rows point at
+    the dummy slot. A verify graph's GDN stash and the commit graph that replays it use the same tensors."""
+    def __init__(self, engine):
+        self.e = engine
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < engine.max_num_seqs] + [engine.max_num_seqs]
+        self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, B, T, mode):
+        e, st = self.e, self.e.state
+        dev = e.device
+        g = dataclasses.make_dataclass("G", ["ids", "pos", "slots", "n_keep", "h", "logits", "graph", "commit", "stash"])
+        g.ids, g.pos = torch.zeros(B, T, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
+        g.slots = torch.full((B,), st.dummy_slot, dtype=torch.long, device=dev)
+        g.n_keep = torch.zeros(B, dtype=torch.long, device=dev)
+        ctx = Ctx(st, g.slots, g.pos, st.max_len, mode)
+        for _ in range(2):  # warm every kernel (Triton compiles, cuBLAS picks) on this shape before capture
+            g.h = e.model(g.ids, ctx)
+            g.logits = e.model.logits(g.h)
+            if mode == "verify":
+                e.model.commit(ctx, g.n_keep)
+        torch.cuda.synchronize()
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.h = e.model(g.ids, ctx)
+            g.logits = e.model.logits(g.h)
+        g.stash, g.commit = dict(st.stash), None
+        if mode == "verify":
+            g.commit = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.commit, pool=self.pool):
+                e.model.commit(ctx, g.n_keep)
+        st.stash.clear()
+        self.graphs[(B, T)] = g
+        return g
+
+    def run(self, ids, pos, slots, mode):
+        """Replay the smallest bucket that fits, or return None (the caller runs eagerly)."""
+        B, T = ids.shape
+        Bp = next((b for b in self.buckets if b >= B), None)
+        if Bp is None:
+            return None
+        g = self.graphs.get((Bp, T)) or self.capture(Bp, T, mode)
+        g.ids[:B].copy_(ids)
+        g.pos[:B].copy_(pos)
+        g.slots[:B].copy_(slots)
+        if Bp > B:
+            g.ids[B:].zero_()
+            g.pos[B:].zero_()
+            g.slots[B:].fill_(self.e.state.dummy_slot)
+        g.graph.replay()
+        return g
+
+    def commit(self, g, n_keep):
+        g.n_keep.zero_()
+        g.n_keep[:n_keep.shape[0]].copy_(n_keep)
+        g.commit.replay()
+
+
 class Engine:
     def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0, enforce_eager=False):
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
         self.max_num_seqs, self.max_model_len, self.dtype, self.device, self.seed = max_num_seqs, max_model_len, dtype, device, seed
         self.k = spec.num_speculative_tokens if spec else 0
-        self.stop_ids = set(model.cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
+        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # skipped in text
         self.state = State(model.cfg, max_num_seqs, max_model_len + self.k + 1, dtype, device, mtp=spec is not None and spec.method == "mtp")
         self.slots = [None] * max_num_seqs
         self.waiting = deque()
@@ -1070,6 +1132,7 @@ class Engine:
             self.proposer = {"ngram": NgramProposer, "mtp": lambda s: MTPProposer(self, s)}[spec.method](spec)
             self.synthetic = spec.conditional_rates() if spec.rejection_sample_method == "synthetic" else None
         self.num_requests = 0
+        self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params, rid=None):
@@ -1154,11 +1217,22 @@ class Engine:
         u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(self.device)
         return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
 
+    def _target(self, reqs, ids, mode):
+        """One target forward over ids [B, T] at each request's next position: (hidden, logits, commit-fn)."""
+        B, T = ids.shape
+        pos_list = [len(r.tokens) - 1 for r in reqs]
+        pos, slots = torch.tensor(pos_list, device=self.device), self.slot_tensor(reqs)
+        g = self.graphs.run(ids, pos, slots, mode) if self.graphs is not None else None
+        if g is not None:
+            return g.h[:B], g.logits[:B], lambda n_keep: self.graphs.commit(g, n_keep)
+        ctx = Ctx(self.state, slots, pos, max(pos_list) + T, mode)
+        h = self.model(ids, ctx)
+        return h, self.model.logits(h), lambda n_keep: self.model.commit(ctx, n_keep)
+
     def _decode_step(self, reqs):
         ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
-        pos = torch.tensor([len(r.tokens) - 1 for r in reqs], device=self.device)
-        h = self.model(ids, Ctx(self.state, self.slot_tensor(reqs), pos, int(pos.max()) + 1, "decode"))
-        logits = self.model.logits(h[:, 0])
+        h, logits, _ = self._target(reqs, ids, "decode")
+        logits = logits[:, 0]
         toks = self._sample(logits, reqs).tolist()
         for b, r in enumerate(reqs):
             self._emit(r, [toks[b]], logits[b:b + 1])
@@ -1168,12 +1242,9 @@ class Engine:
         drafts, q = self.proposer.propose(self, reqs)                                 # [B, k]
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
         ids = torch.cat([last, drafts.clamp(min=0)], 1)                               # [B, k+1]
-        pos = torch.tensor([len(r.tokens) - 1 for r in reqs], device=self.device)
-        for r, p in zip(reqs, pos.tolist()):
-            r.verify_pos = p
-        ctx = Ctx(self.state, self.slot_tensor(reqs), pos, int(pos.max()) + k + 1, "verify")
-        h = self.model(ids, ctx)                                                      # [B, k+1, H]
-        logits = self.model.logits(h)                                                 # [B, k+1, V]
+        for r in reqs:
+            r.verify_pos = len(r.tokens) - 1
+        h, logits, commit = self._target(reqs, ids, "verify")                         # [B, k+1, H], [B, k+1, V]
         f = lambda name, dt: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device, dtype=dt)
         u_acc = torch.stack([torch.rand(k, generator=r.gen) for r in reqs]).to(self.device)
         u_smp = torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]).to(self.device)
@@ -1185,7 +1256,7 @@ class Engine:
         else:
             tokens, n = rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
                                          f("top_p", torch.float32), u_acc, u_smp)
-        self.model.commit(ctx, n + 1)
+        commit(n + 1)
         self.proposer.commit(self, reqs, h, ids, n, tokens)
         n_draft = (drafts >= 0).sum(1).tolist()
         tokens, n = tokens.tolist(), n.tolist()
@@ -1210,7 +1281,7 @@ class Engine:
                 d = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
                 d[t] = float(lp[t])
                 req.logprobs.append(d)
-            if not (t in self.stop_ids or t in self.tokenizer.special_ids.values()):
+            if req.detok is not None and not (t in self.stop_ids or t in self.special_ids):
                 old = len(req.text)
                 req.text += req.detok.add([t])
                 for s in p.stop:
@@ -1229,7 +1300,8 @@ class Engine:
             if req.finished:
                 break
         if req.finished:
-            req.text += req.detok.flush() if req.stop_reason is None or isinstance(req.stop_reason, int) else ""
+            if req.detok is not None and not isinstance(req.stop_reason, str):
+                req.text += req.detok.flush()
             req.finish_time = time.perf_counter()
             self._release(req)
         if req.on_update is not None:

@@ -338,7 +338,8 @@ def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
             assert abs(a[t] - b[t]) <= 1e-5 * max(1.0, abs(b[t]))
             assert set(a) == set(b)
-    assert llm.get_metrics().num_drafts > 0
+    if cfg["method"] == "mtp" or cfg.get("prompt_lookup_min") == 1:  # these always find a draft
+        assert llm.get_metrics().num_drafts > 0
 
 
 class OracleProposer:

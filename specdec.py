@@ -783,11 +783,16 @@ class Qwen36(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
 
-    def forward(self, ids, ctx):
+    def forward(self, ids, ctx, taps=()):
+        """Final-norm hidden states [B, T, H]; with `taps` (layer ids, "output of layer i", -1 = the
+        embeddings) also the list of those layers' outputs, for drafters that read them (DFlash, DSpark)."""
         x = self.embed_tokens(ids)                                                   # [B, T, H]
-        for layer in self.layers:
+        aux = [x] if -1 in taps else []
+        for i, layer in enumerate(self.layers):
             x = layer(x, ctx)
-        return self.norm(x)
+            if i in taps:
+                aux.append(x)
+        return (self.norm(x), aux) if taps else self.norm(x)
 
     def logits(self, h):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -833,10 +838,13 @@ class State:
 
 
 # ==============================================================================================
-# Proposers: draft k tokens per sequence. One interface:
-#   prefill(engine, req, hidden, ids, pos)   see the prompt (model drafters fill their caches)
+# Proposers: draft k tokens per sequence. One interface (a class taking (engine, spec)):
+#   prefill(engine, req, hidden, ids, pos)   see a prompt chunk (model drafters fill their caches):
+#       hidden [1, T, H] final-norm target states at positions pos.., ids [1, T] the next token of each
 #   propose(engine, reqs) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
-#   commit(engine, reqs, hidden, ids, n_acc, tokens)   see the verified step, keep the accepted prefix
+#   commit(engine, reqs, hidden, ids, n_acc, tokens)   see the verified step [B, k+1], keep the accepted prefix
+#   taps (optional attribute): target layers whose outputs the proposer reads; after every target forward
+#       (prefill chunk or verify) engine.aux holds them, [B, T, H] each, in the same order
 # ==============================================================================================
 
 def ngram_lookup(ctx, k, lo, hi):
@@ -852,7 +860,7 @@ def ngram_lookup(ctx, k, lo, hi):
 
 
 class NgramProposer:
-    def __init__(self, spec):
+    def __init__(self, engine, spec):
         self.k, self.lo, self.hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
 
     def prefill(self, engine, req, hidden, ids, pos):
@@ -926,6 +934,9 @@ class MTPProposer:
         pos = torch.tensor([r.verify_pos for r in reqs], device=ids.device)
         out = self._run(engine, nxt, hidden, engine.slot_tensor(reqs), pos, "decode")
         self.hidden[engine.slot_tensor(reqs)] = out[rows, n_acc]
+
+
+PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
 
 # ==============================================================================================
 # Verification & sampling
@@ -1067,20 +1078,22 @@ class GraphRunner:
     def capture(self, B, T, mode):
         e, st = self.e, self.e.state
         dev = e.device
-        g = dataclasses.make_dataclass("G", ["ids", "pos", "slots", "n_keep", "h", "logits", "graph", "commit", "stash"])
+        g = dataclasses.make_dataclass("G", ["ids", "pos", "slots", "n_keep", "h", "aux", "logits", "graph", "commit",
+                                             "stash"])
         g.ids, g.pos = torch.zeros(B, T, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
         g.slots = torch.full((B,), st.dummy_slot, dtype=torch.long, device=dev)
         g.n_keep = torch.zeros(B, dtype=torch.long, device=dev)
         ctx = Ctx(st, g.slots, g.pos, st.max_len, mode)
+        fwd = lambda: e.model(g.ids, ctx, e.taps) if e.taps else (e.model(g.ids, ctx), None)
         for _ in range(2):  # warm every kernel (Triton compiles, cuBLAS picks) on this shape before capture
-            g.h = e.model(g.ids, ctx)
+            g.h, g.aux = fwd()
             g.logits = e.model.logits(g.h)
             if mode == "verify":
                 e.model.commit(ctx, g.n_keep)
         torch.cuda.synchronize()
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool):
-            g.h = e.model(g.ids, ctx)
+            g.h, g.aux = fwd()
             g.logits = e.model.logits(g.h)
         g.stash, g.commit = dict(st.stash), None
         if mode == "verify":
@@ -1129,10 +1142,12 @@ class Engine:
         self.prefill_chunk = 2048
         self.proposer = None
         if spec is not None:
-            self.proposer = {"ngram": NgramProposer, "mtp": lambda s: MTPProposer(self, s)}[spec.method](spec)
+            self.proposer = PROPOSERS[spec.method](self, spec)
             self.synthetic = spec.conditional_rates() if spec.rejection_sample_method == "synthetic" else None
         self.num_requests = 0
         self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
+        # target layers whose outputs the proposer reads (DFlash/DSpark taps); the last forward's are in self.aux
+        self.taps, self.aux = tuple(getattr(self.proposer, "taps", ())), None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params, rid=None):
@@ -1197,7 +1212,8 @@ class Engine:
         for s in range(0, n, self.prefill_chunk):
             chunk = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)
             T = chunk.shape[1]
-            h = self.model(chunk, Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T, "prefill"))
+            ctx = Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T, "prefill")
+            h, self.aux = self.model(chunk, ctx, self.taps) if self.taps else (self.model(chunk, ctx), None)
             if s + T == n:
                 logits = self.model.logits(h[:, -1])                                  # [1, V]
                 tok = self._sample(logits, [req])
@@ -1224,9 +1240,10 @@ class Engine:
         pos, slots = torch.tensor(pos_list, device=self.device), self.slot_tensor(reqs)
         g = self.graphs.run(ids, pos, slots, mode) if self.graphs is not None else None
         if g is not None:
+            self.aux = [a[:B] for a in g.aux] if g.aux is not None else None
             return g.h[:B], g.logits[:B], lambda n_keep: self.graphs.commit(g, n_keep)
         ctx = Ctx(self.state, slots, pos, max(pos_list) + T, mode)
-        h = self.model(ids, ctx)
+        h, self.aux = self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), None)
         return h, self.model.logits(h), lambda n_keep: self.model.commit(ctx, n_keep)
 
     def _decode_step(self, reqs):
@@ -1780,8 +1797,9 @@ class LLM:
             raise ConfigError("method 'dspark' is refused for a GGUF target: the drafter needs the target's "
                               "intermediate hidden-state taps, which specdec's GGUF path does not provide; "
                               "use the safetensors checkpoint")
-        if spec is not None and spec.method not in ("ngram", "mtp"):
-            raise ConfigError(f"speculative method {spec.method!r} is not available in this build yet")
+        if spec is not None and spec.method not in PROPOSERS:
+            raise ConfigError(f"speculative method {spec.method!r} is not implemented yet; available now: "
+                              f"{', '.join(PROPOSERS)}")
         if not os.path.exists(model):
             raise ConfigError(f"model path {model!r} does not exist")
         if max_num_seqs < 1:

@@ -78,7 +78,8 @@ def linear_weights(model, moe_active=None):
         elif isinstance(mod, sd.MoE):
             for e in range(moe_active):
                 ws += [mod.experts.gate_up_proj[e], mod.experts.down_proj[e]]
-    ws.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    if model.lm_head is None:  # tied: the embedding is the lm_head (an untied lm_head is a Linear, counted above)
+        ws.append(model.embed_tokens.weight)
     return ws
 
 

@@ -11,11 +11,16 @@ and the GEMM-only floor (every linear layer's GEMM chained in one CUDA graph, as
 TPOT as a ratio of it. A table first, then one JSON line last.
 """
 import argparse
+import http.client
 import json
 import math
+import os
+import random
 import statistics
 import sys
+import threading
 import time
+from urllib.parse import urlsplit
 
 import torch
 
@@ -143,10 +148,257 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
                 draft_acceptance_rate=st.draft_acceptance_rate if st.num_drafts else None)
 
 
+# ==============================================================================================
+# Serving benchmark: `vllm bench serve`'s numbers against a running OpenAI-compatible server
+# (standard library only; the same request bodies and metric definitions as vLLM)
+# ==============================================================================================
+
+WORDS = ("the of and to in is it that for on with as was at by be this from or have an are not but what all were "
+         "when we there can one your which their said if do will each about how up out them then she many some so "
+         "these would other into has more her two like him see time could no make than first been its who now "
+         "people my made over did down only way find use may water long little very after words called just where "
+         "most know get through back much before go good new write our used me man too any day same right look "
+         "think also around another came come work three word must because does part even place well").split()
+
+
+def connect(url, timeout):
+    u = urlsplit(url)
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    return cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=timeout)
+
+
+def http_get(url, path, headers, timeout=30):
+    conn = connect(url, timeout)
+    try:
+        conn.request("GET", path, headers=headers)
+        r = conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {r.status} {data[:200]!r}")
+        return data
+    finally:
+        conn.close()
+
+
+def scrape_spec(url, headers):
+    """Sum the vllm:spec_decode_* counters over their label sets (None if /metrics cannot be read)."""
+    try:
+        text = http_get(url, "/metrics", headers).decode()
+    except (OSError, RuntimeError):
+        return None
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+    for line in text.splitlines():
+        if not line.startswith("vllm:spec_decode_"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name = head.split("{")[0]
+        if name in names:
+            out[names[name]] += float(value)
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = int(head.split('position="')[1].split('"')[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+    return out
+
+
+def send(url, endpoint, body, headers, timeout):
+    """One streaming request, timed as vllm bench serve times it."""
+    rec = {"ok": False, "ttft": 0.0, "itl": [], "latency": 0.0, "output_tokens": None, "prompt_tokens": None,
+           "chunks": 0, "error": ""}
+    conn = connect(url, timeout)
+    st = time.perf_counter()
+    try:
+        conn.request("POST", endpoint, body=json.dumps(body), headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            rec["error"] = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+            return rec
+        last = None
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            now = time.perf_counter()
+            line = line.strip()
+            if not line.startswith(b"data:"):  # blank separators and ": ping" comments
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                rec["error"] = str(chunk["error"])
+                return rec
+            if chunk.get("choices"):  # TTFT at the first chunk with choices, even if its text is empty
+                if last is None:
+                    rec["ttft"] = now - st
+                else:
+                    rec["itl"].append(now - last)
+                last = now
+                rec["chunks"] += 1
+            elif chunk.get("usage"):
+                rec["output_tokens"] = chunk["usage"].get("completion_tokens")
+                rec["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
+        if last is None:
+            rec["error"] = "no content chunk received"
+            return rec
+        rec["latency"] = last - st  # the usage-only chunk does not advance E2EL
+        if rec["output_tokens"] is None:  # no usage chunk: count chunks (exact without speculation)
+            rec["output_tokens"] = rec["chunks"]
+        rec["ok"] = True
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    return rec
+
+
+def summarize(xs):
+    """mean / median / std / p99 in ms; numpy's linear-interpolation percentile; zeros for an empty list."""
+    if not xs:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+    s = sorted(xs)
+    k = (len(s) - 1) * 0.99
+    lo, hi = math.floor(k), min(math.floor(k) + 1, len(s) - 1)
+    p99 = s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return {"mean": 1e3 * statistics.fmean(s), "median": 1e3 * statistics.median(s),
+            "std": 1e3 * statistics.pstdev(s), "p99": 1e3 * p99}
+
+
+def serve_benchmark(argv=None):
+    ap = argparse.ArgumentParser(prog="bench.py serve", description="vllm bench serve's metrics against a server")
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    ap.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    ap.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (inf: all at once)")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
+    ap.add_argument("--gen-len", type=int, default=128, help="max_tokens of every request")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--temperature", type=float, default=None, help="sent only if given (else the server default)")
+    ap.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    a = ap.parse_args(argv)
+    url = a.url.rstrip("/")
+    headers = {"Content-Type": "application/json"}
+    if a.api_key:
+        headers["Authorization"] = f"Bearer {a.api_key}"
+    try:
+        model = a.model or json.loads(http_get(url, "/v1/models", headers))["data"][0]["id"]
+    except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
+        print(f"error: cannot reach {url}/v1/models: {e}", file=sys.stderr)
+        return 1
+    chat = "chat" in a.endpoint
+    rng = random.Random(a.seed)
+    bodies = []
+    for _ in range(a.num_prompts):  # the bodies vllm bench serve sends (openai / openai-chat backends)
+        if chat:
+            text = " ".join(rng.choice(WORDS) for _ in range(a.prompt_len))
+            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_completion_tokens": a.gen_len}
+        else:
+            body = {"model": model, "prompt": [rng.randrange(1000) for _ in range(a.prompt_len)],
+                    "repetition_penalty": 1.0, "max_tokens": a.gen_len, "logprobs": None}
+        body.update(stream=True, stream_options={"include_usage": True})
+        if a.ignore_eos:
+            body["ignore_eos"] = True
+        if a.temperature is not None:
+            body["temperature"] = a.temperature
+        body.update(json.loads(a.extra_body) if a.extra_body else {})
+        bodies.append(body)
+
+    results = [None] * a.num_prompts
+    slots = threading.Semaphore(a.max_concurrency or a.num_prompts)
+
+    def worker(i):
+        try:
+            results[i] = send(url, a.endpoint, bodies[i], headers, a.timeout)
+        finally:
+            slots.release()
+
+    before = scrape_spec(url, headers)
+    t0 = arrival = time.perf_counter()
+    threads = []
+    for i in range(a.num_prompts):
+        if i and math.isfinite(a.request_rate):  # Poisson process: exponential gaps
+            arrival += rng.expovariate(a.request_rate)
+            time.sleep(max(0.0, arrival - time.perf_counter()))
+        slots.acquire()
+        threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    duration = time.perf_counter() - t0
+    after = scrape_spec(url, headers)
+
+    ok = [r for r in results if r["ok"]]
+    n_in = sum(r["prompt_tokens"] if r["prompt_tokens"] is not None else a.prompt_len for r in ok)
+    n_out = sum(r["output_tokens"] for r in ok)
+    res = {"bench": "serve", "endpoint": a.endpoint, "model": model, "num_prompts": a.num_prompts,
+           "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
+           "max_concurrency": a.max_concurrency, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+           "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
+           "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration}
+    series = {"ttft": [r["ttft"] for r in ok],
+              "tpot": [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
+              "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
+    for name, xs in series.items():
+        for stat, v in summarize(xs).items():
+            res[f"{stat}_{name}_ms"] = v
+    if before is not None and after is not None and after["drafts"] > before["drafts"]:
+        d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+        res.update(spec_decode_acceptance_rate=100 * d["accepted"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+                   spec_decode_acceptance_length=1 + d["accepted"] / d["drafts"],
+                   spec_decode_num_drafts=int(d["drafts"]), spec_decode_draft_tokens=int(d["draft_tokens"]),
+                   spec_decode_accepted_tokens=int(d["accepted"]),
+                   spec_decode_per_position_acceptance_rates=[(after["per_pos"][p] - before["per_pos"].get(p, 0.0))
+                                                              / d["drafts"] for p in sorted(after["per_pos"])])
+    errors = sorted({r["error"] for r in results if not r["ok"]})
+
+    # vLLM's table, then one JSON line
+    line = lambda label, v, f="": print(f"{label:<40} {v:<10{f}}")
+    head = lambda s, c="-": print(f"{s:{c}^50}")
+    head(" Serving Benchmark Result ", "=")
+    line("Successful requests:", len(ok))
+    line("Failed requests:", res["failed"])
+    if a.max_concurrency:
+        line("Maximum request concurrency:", a.max_concurrency)
+    line("Request rate configured (RPS):", a.request_rate, ".2f")
+    line("Benchmark duration (s):", duration, ".2f")
+    line("Total input tokens:", n_in)
+    line("Total generated tokens:", n_out)
+    line("Request throughput (req/s):", res["request_throughput"], ".2f")
+    line("Output token throughput (tok/s):", res["output_throughput"], ".2f")
+    line("Total token throughput (tok/s):", res["total_token_throughput"], ".2f")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        head(title)
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            line(f"{label} {name.upper()} (ms):", res[f"{stat}_{name}_ms"], ".2f")
+    if "spec_decode_num_drafts" in res:
+        head("Speculative Decoding")
+        line("Acceptance rate (%):", res["spec_decode_acceptance_rate"], ".2f")
+        line("Acceptance length:", res["spec_decode_acceptance_length"], ".2f")
+        line("Drafts:", res["spec_decode_num_drafts"])
+        line("Draft tokens:", res["spec_decode_draft_tokens"])
+        line("Accepted tokens:", res["spec_decode_accepted_tokens"])
+        print("Per-position acceptance (%):")
+        for p, r in enumerate(res["spec_decode_per_position_acceptance_rates"]):
+            line(f"  Position {p}:", 100 * r, ".2f")
+    head("", "=")
+    for e in errors[:5]:
+        print(f"error: {e}", file=sys.stderr)
+    print(json.dumps(res), flush=True)
+    return 0 if ok else 1  # an exit status; the results are the JSON line
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
-        from bench_serve import serve_benchmark  # noqa  (the HTTP client lives beside the offline bench)
         return serve_benchmark(argv[1:])
     ap = argparse.ArgumentParser(description="specdec offline benchmark")
     src = ap.add_mutually_exclusive_group()

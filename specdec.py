@@ -878,15 +878,19 @@ class NgramProposer:
         pass
 
 
-def draft_pick(logits, reqs, greedy_drafts):
-    """Greedy drafting (argmax, verified as one-hot q) or probabilistic drafting (sample from the
-    temperature-scaled draft distribution, which is returned as q)."""
-    if greedy_drafts:
+def draft_noise(engine, reqs, k):
+    """Per-request inputs of probabilistic drafting: temperatures [B] and uniforms [B, k] from each
+    request's generator (drawn on the host so a captured graph can take them as inputs)."""
+    t = torch.tensor([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs], device=engine.device)
+    return t, torch.stack([torch.rand(k, generator=r.gen) for r in reqs]).to(engine.device)
+
+
+def draft_pick(logits, temp=None, u=None):
+    """Greedy drafting (temp None: argmax, verified as one-hot q) or probabilistic drafting (sample with the
+    uniforms u [B] from softmax(logits / temp), which is returned as q)."""
+    if temp is None:
         return logits.argmax(-1), None
-    t = torch.tensor([max(r.params.temperature, 1e-5) if not r.params.greedy else 1e-5 for r in reqs],
-                     device=logits.device)
-    q = (logits / t[:, None]).softmax(-1)
-    u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(logits.device)
+    q = (logits / temp[:, None]).softmax(-1)
     return sample_from(q, u), q
 
 
@@ -894,46 +898,57 @@ class MTPProposer:
     """The target's own MTP layer, chained k times. Its KV cache ("mtp") gets one entry per target
     position: (h_t, embed(x_{t+1})) at position t, written over the prompt at prefill and over the
     accepted tokens after each verify. The MTP output hidden at the last committed position is kept
-    per slot; propose() turns it into d1 and feeds its own output back for d2..dk."""
+    per slot; propose() turns it into d1 and feeds its own output back for d2..dk. On the GPU the
+    whole chain, and the commit pass, run as captured graphs."""
     def __init__(self, engine, spec):
         self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
         m = engine.model
         self.hidden = torch.zeros(engine.max_num_seqs + 1, m.cfg.hidden_size, dtype=engine.dtype, device=engine.device)
 
-    def _run(self, engine, ids, hidden, slots, pos, mode):
+    def _run(self, engine, ids, hidden, slots, pos, kv_len):
         m = engine.model
-        T = ids.shape[1]
-        ctx = Ctx(engine.state, slots, pos, int(pos.max()) + T, mode)
-        return m.mtp(m.embed_tokens(ids), hidden, ctx)
+        return m.mtp(m.embed_tokens(ids), hidden, Ctx(engine.state, slots, pos, kv_len, "decode"))
 
     def prefill(self, engine, req, hidden, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
-        out = self._run(engine, ids, hidden, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), "decode")
+        T = ids.shape[1]
+        out = self._run(engine, ids, hidden, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), pos + T)
         self.hidden[req.slot] = out[0, -1]
 
-    def propose(self, engine, reqs):
-        m, B = engine.model, len(reqs)
-        slots = engine.slot_tensor(reqs)
+    def _chain(self, kv_len, slots, pos, temp=None, u=None):
+        m, drafts, probs = self.engine_model, [], []
         h = self.hidden[slots]                                                       # [B, H]
-        pos = torch.tensor([len(r.tokens) - 2 for r in reqs], device=engine.device)  # position of h
-        drafts, probs = [], []
         for j in range(self.k):
             if j > 0:
-                h = self._run(engine, drafts[-1][:, None], h[:, None], slots, pos + j, "decode")[:, 0]
-            d, q = draft_pick(m.logits(h), reqs, self.greedy)
+                h = self._run(self.engine, drafts[-1][:, None], h[:, None], slots, pos + j, kv_len)[:, 0]
+            d, q = draft_pick(m.logits(h), temp, None if u is None else u[:, j])
             drafts.append(d)
             probs.append(q)
-        return torch.stack(drafts, 1), None if self.greedy else torch.stack(probs, 1)
+        return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
+
+    def propose(self, engine, reqs):
+        self.engine, self.engine_model = engine, engine.model
+        pos_list = [len(r.tokens) - 2 for r in reqs]                                  # position of the kept hidden
+        inputs = dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(pos_list, device=engine.device))
+        if not self.greedy:
+            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
+        return engine.call("mtp-propose", self._chain, max(pos_list) + self.k, inputs)
+
+    def _commit(self, kv_len, slots, pos, nxt, hidden, n_acc):
+        out = self._run(self.engine, nxt, hidden, slots, pos, kv_len)                 # [B, k+1, H]
+        self.hidden[slots] = out[torch.arange(out.shape[0], device=out.device), n_acc]
+        return ()
 
     def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
         # position p+i gets (h_{p+i}, x_{p+i+1}): the drafts, with the correction/bonus token at n_acc
-        B, T = ids.shape
-        rows = torch.arange(B, device=ids.device)
+        self.engine = engine
+        rows = torch.arange(ids.shape[0], device=ids.device)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         nxt[rows, n_acc] = tokens[rows, n_acc]
-        pos = torch.tensor([r.verify_pos for r in reqs], device=ids.device)
-        out = self._run(engine, nxt, hidden, engine.slot_tensor(reqs), pos, "decode")
-        self.hidden[engine.slot_tensor(reqs)] = out[rows, n_acc]
+        pos_list = [r.verify_pos for r in reqs]
+        engine.call("mtp-commit", self._commit, max(pos_list) + ids.shape[1],
+                    dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(pos_list, device=ids.device), nxt=nxt,
+                         hidden=hidden, n_acc=n_acc))
 
 
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
@@ -1121,6 +1136,33 @@ class GraphRunner:
         g.graph.replay()
         return g
 
+    def call(self, name, fn, inputs):
+        """Replay (capturing on first use) fn(kv_len, **inputs) for the smallest bucket that fits, with
+        static input buffers: rows beyond the batch get slot = dummy, temperature 1, everything else 0.
+        Returns fn's outputs (a tuple of tensors or None) cut to the batch, or None if no bucket fits."""
+        B = next(iter(inputs.values())).shape[0]
+        Bp = next((b for b in self.buckets if b >= B), None)
+        if Bp is None:
+            return None
+        key = (name, Bp) + tuple(t.shape[1:] for t in inputs.values())
+        pad = lambda n: self.e.state.dummy_slot if n == "slots" else (1 if n == "temp" else 0)
+        if key not in self.graphs:
+            static = {n: torch.full((Bp, *t.shape[1:]), pad(n), dtype=t.dtype, device=t.device) for n, t in inputs.items()}
+            for _ in range(2):
+                fn(self.e.state.max_len, **static)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(self.e.state.max_len, **static)
+            self.graphs[key] = (graph, static, out)
+        graph, static, out = self.graphs[key]
+        for n, t in inputs.items():
+            static[n][:B].copy_(t)
+            if Bp > B:
+                static[n][B:].fill_(pad(n))
+        graph.replay()
+        return tuple(None if o is None else o[:B] for o in out)
+
     def commit(self, g, n_keep):
         g.n_keep.zero_()
         g.n_keep[:n_keep.shape[0]].copy_(n_keep)
@@ -1156,6 +1198,9 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.cfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.model.cfg.vocab_size})")
+        if params.max_tokens is None and len(prompt_ids) >= self.max_model_len:
+            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                              f"request has {len(prompt_ids)} input tokens. Please reduce the length of the input messages.")
         n, m = len(prompt_ids), params.max_tokens or (self.max_model_len - len(prompt_ids))
         if n + m > self.max_model_len:
             raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -1183,6 +1228,11 @@ class Engine:
 
     def has_work(self):
         return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def call(self, name, fn, kv_len, inputs):
+        """Run a drafter step fn(kv_len, **inputs) -> tuple of tensors: as a captured graph on the GPU, else eagerly."""
+        out = self.graphs.call(name, fn, inputs) if self.graphs is not None else None
+        return out if out is not None else fn(kv_len, **inputs)
 
     def slot_tensor(self, reqs):
         return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)

@@ -4,13 +4,19 @@ written here in the real published layouts. Run: python -m pytest -q test_specde
 
 Also a tool: `python test_specdec.py make-tiny DIR [--moe]` writes a tiny random checkpoint.
 """
+import http.client
 import json
 import math
 import os
+import re
+import socket
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 import unicodedata
+import urllib.request
 
 import pytest
 import torch
@@ -25,7 +31,7 @@ import kernels as K
 import specdec as sd
 from specdec import LLM, SamplingParams, ConfigError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # ==============================================================================================
 # Tiny checkpoints in the published layouts
@@ -1256,6 +1262,464 @@ def test_gpu_bf16_spec_equals_plain(tiny):
     ref = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cuda").generate(SPEC_PROMPTS[:1], sp)]
     llm = LLM(model=tiny, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:1], sp)] == ref
+
+
+# ==============================================================================================
+# Server (server.py in a subprocess) and the serving benchmark
+# ==============================================================================================
+
+NGRAM = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,"prompt_lookup_max":2}'
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model: intra-op threads only spin against the HTTP threads
+
+
+# ==============================================================================================
+# Server processes and raw HTTP
+# ==============================================================================================
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, log_dir, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = os.path.join(log_dir, f"server-{self.port}.log")
+        with open(self.log, "w") as fh:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--device",
+                                          "cpu", "--port", str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT,
+                                         cwd=ROOT, env=ENV)
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("server did not start:\n" + open(self.log).read())
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=1).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def request(self, method, path, body=None, headers=None, timeout=60):
+        """-> (status, headers, body bytes); a dict body is sent as JSON."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            if isinstance(body, (dict, list)):
+                body = json.dumps(body)
+                headers = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def post(self, path, body, **kw):
+        status, _, data = self.request("POST", path, body, **kw)
+        return status, json.loads(data) if data else None
+
+    def metrics(self):
+        status, headers, data = self.request("GET", "/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return parse_prometheus(data.decode())
+
+
+def sse_events(data):
+    """The bench's framing: split on blank lines, strip 'data: ', stop at [DONE]."""
+    events = [e for e in data.decode().split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]" and data.endswith(b"data: [DONE]\n\n")
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def open_stream(srv, body):
+    """Start a streaming completion; returns (connection, response) once the headers are in."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
+
+
+def parse_prometheus(text):
+    """Text format 0.0.4 -> {(name, ((label, value), ...)): float}; checks TYPE lines and histogram invariants."""
+    types, out = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram") and name not in types
+            types[name] = kind
+            continue
+        if not line or line.startswith("# HELP "):
+            continue
+        m = SAMPLE.match(line)
+        assert m, f"not a Prometheus sample line: {line!r}"
+        name, labels, value = m[1], tuple(re.findall(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"', m[2] or "")), float(m[3])
+        family = next(n for n in (name, re.sub(r"_(total|bucket|sum|count)$", "", name)) if n in types)
+        assert types[family] != "counter" or name.endswith("_total")
+        out[(name, labels)] = value
+    for name, kind in types.items():  # cumulative buckets, +Inf == _count
+        if kind == "histogram":
+            buckets = [v for (n, _), v in out.items() if n == name + "_bucket"]
+            assert buckets == sorted(buckets) and buckets[-1] == metric(out, name + "_count")
+    return out
+
+
+def wait_idle(srv, timeout=5):
+    """/metrics once the gauges (a snapshot taken after each engine step) show nothing running or waiting."""
+    t0 = time.time()
+    while True:
+        m = srv.metrics()
+        if metric(m, "vllm:num_requests_running") == metric(m, "vllm:num_requests_waiting") == 0:
+            return m
+        assert time.time() - t0 < timeout, "requests still running or waiting"
+        time.sleep(0.05)
+
+
+def metric(samples, name, **labels):
+    """Sum of a metric's samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, str(x)) in ls for k, x in labels.items()))
+
+
+def srv_model(srv):
+    return json.loads(srv.request("GET", "/v1/models")[2])["data"][0]["root"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_server")))
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "4", "--served-model-name", "tiny")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def srv_small(tiny_model, tmp_path_factory):
+    """One slot, a queue of one, an API key."""
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "1", "--max-queue", "1",
+               "--api-key", "sekrit")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def srv_spec(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--speculative-config", NGRAM, "--served-model-name",
+               "tiny")
+    yield s
+    s.stop()
+
+
+# ==============================================================================================
+# Endpoints through the official client
+# ==============================================================================================
+
+def test_health_and_models(srv, tiny_model):
+    status, headers, data = srv.request("GET", "/health")
+    assert status == 200 and data == b""
+    status, _, data = srv.request("GET", "/v1/models")
+    card = json.loads(data)["data"][0]
+    assert status == 200 and json.loads(data)["object"] == "list"
+    assert card["id"] == "tiny" and card["object"] == "model" and card["owned_by"] == "specdec"
+    assert card["root"] == tiny_model and card["parent"] is None and card["max_model_len"] == 4096
+
+
+def test_openai_client_completions(srv):
+    import openai
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+    full = client.completions.create(model="tiny", prompt="def fib(n):", max_tokens=12, temperature=0)
+    assert full.id.startswith("cmpl-") and full.object == "text_completion" and full.model == "tiny"
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    assert full.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="tiny", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]].count("length") == 1
+    assert chunks[-2].choices[0].finish_reason == "length"
+    # token-id prompt, echo, logprobs
+    ids = [10, 20, 30, 40]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.usage.prompt_tokens == 4 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(5)]
+    assert all(len(t) >= 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    e = client.completions.create(model="tiny", prompt="hello there", max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("hello there") and len(e.choices[0].text) > len("hello there")
+
+
+def test_openai_client_chat(srv):
+    import openai
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_completion_tokens=10, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion" and msg.role == "assistant"
+    assert full.usage.completion_tokens == 10 and full.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]].count("length") == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    thinking = client.chat.completions.create(**dict(kw, extra_body={"ignore_eos": True}))  # enable_thinking default
+    from specdec import Tokenizer, apply_chat_template
+    tok = Tokenizer.from_dir(srv_model(srv))
+    n_prompt = lambda think: len(tok.encode(apply_chat_template(kw["messages"], True, think)))
+    assert (full.usage.prompt_tokens, thinking.usage.prompt_tokens) == (n_prompt(False), n_prompt(True))
+    lp = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(lp) == 10 and all(len(t.top_logprobs) == 2 and t.bytes for t in lp)
+    assert lp[0].top_logprobs[0].logprob >= lp[0].top_logprobs[1].logprob
+    no_gen = srv.post("/v1/chat/completions", dict(kw["extra_body"], messages=kw["messages"], max_tokens=2,
+                                                   add_generation_prompt=False))[1]
+    assert no_gen["usage"]["prompt_tokens"] < full.usage.prompt_tokens
+
+
+def test_sse_framing_and_stop_strings(srv):
+    body = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = srv.post("/v1/completions", body)[1]["choices"][0]["text"]
+    status, headers, data = srv.request("POST", "/v1/completions", dict(body, stream=True,
+                                                                         stream_options={"include_usage": True}))
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    chunks = sse_events(data)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks[:-1]) == 1
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == full
+    # a stop string inside the greedy output: text ends before it, and no prefix of it was streamed
+    stop = full[10:13]
+    want = full[:full.index(stop)]
+    r = srv.post("/v1/completions", dict(body, stop=["never-matches", stop]))[1]["choices"][0]
+    assert (r["text"], r["finish_reason"], r["stop_reason"]) == (want, "stop", stop)
+    chunks = sse_events(srv.request("POST", "/v1/completions", dict(body, stop=stop, stream=True))[2])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want and chunks[-1]["choices"][0]["stop_reason"] == stop
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # a stop token id: generation ends on (and includes) its first occurrence, stop_reason is the id
+    from specdec import Tokenizer
+    tok = Tokenizer.from_dir(srv_model(srv))
+    tokens = srv.post("/v1/completions", dict(body, logprobs=0))[1]["choices"][0]["logprobs"]["tokens"]
+    t = next(t for t in tokens[3:] if t.isascii() and len(tok.encode(t)) == 1)
+    r = srv.post("/v1/completions", dict(body, stop_token_ids=[tok.encode(t)[0]]))[1]
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == tok.encode(t)[0]
+    assert r["usage"]["completion_tokens"] == tokens.index(t) + 1
+
+
+# ==============================================================================================
+# Errors
+# ==============================================================================================
+
+BAD = [  # (path, body, status, param or None, message fragment)
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "must be an integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "non-negative"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_k": 0}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
+    ("/v1/completions", {"prompt": []}, 400, None, "empty"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "only one prompt per request is supported"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": [5000]}, 400, None, "out of range"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None,
+     "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream=True"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "between"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "stop"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "`logprobs` must be set to true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}, 400,
+     "messages", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, 400,
+     None, "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model",
+     "The model `nope` does not exist."),
+]
+
+
+def check_error(status, body, want_status, param, fragment):
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == want_status
+    assert fragment in err["message"] and (param is None or err["param"] == param), err
+
+
+def test_errors_do_not_disturb_running_requests(srv):
+    conn, resp = open_stream(srv, {"prompt": "busy", "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                                   "stream_options": {"include_usage": True}})
+    try:
+        for path, body, status, param, fragment in BAD:
+            check_error(*srv.post(path, body), status, param, fragment)
+        for raw, ctype, frag in ((b'{"prompt": "x",', "application/json", "not valid JSON"),
+                                 (b'["x"]', "application/json", "JSON object"),
+                                 (b'{"prompt": NaN}', "application/json", "not valid JSON"),
+                                 (b'{"prompt": "x"}', "text/plain", "application/json")):
+            status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": ctype})
+            check_error(status, json.loads(data), 400, None, frag)
+        status, _, data = srv.request("GET", "/v1/nope")
+        assert status == 404 and json.loads(data)["error"]["code"] == 404
+        assert srv.request("GET", "/v1/completions")[0] == 405
+        ok = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "unknown_field": {"a": 1}, "user": "u"})
+        assert ok[0] == 200 and ok[1]["usage"]["completion_tokens"] == 2
+        events = sse_events(resp.read())
+        assert events[-1]["usage"]["completion_tokens"] == 300
+    finally:
+        conn.close()
+
+
+def test_auth_and_queue_full(srv_small):
+    s, key = srv_small, {"Authorization": "Bearer sekrit"}
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert s.post("/v1/completions", body) == (401, {"error": "Unauthorized"})
+    assert s.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert s.request("GET", "/v1/models")[0] == 401 and s.request("GET", "/v1/nope")[0] == 401
+    assert s.request("GET", "/health")[0] == 200 and s.request("GET", "/metrics")[0] == 200
+    assert s.request("GET", "/v1/models", headers=key)[0] == 200
+    assert s.post("/v1/completions", body, headers=key)[0] == 200
+    # one slot + a queue of one: a third request gets 503 while two long ones are in
+    long = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    conns = []
+    try:
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json", **key})
+            assert conn.getresponse().status == 200  # headers come once the engine has queued it
+            conns.append(conn)
+        check_error(*s.post("/v1/completions", body, headers=key), 503, None, "capacity")
+    finally:
+        for conn in conns:  # both clients leave: the running one and the waiting one are aborted
+            conn.close()
+    t0 = time.time()  # the server notices within a poll interval (0.5 s) and frees both places
+    while (status := s.post("/v1/completions", body, headers=key)[0]) == 503 and time.time() - t0 < 5:
+        time.sleep(0.1)
+    assert status == 200
+    assert metric(wait_idle(s), "vllm:request_success_total", finished_reason="abort") == 2
+
+
+# ==============================================================================================
+# Concurrency, disconnects, metrics
+# ==============================================================================================
+
+def test_concurrent_streams_match_sequential(srv):
+    bodies = [{"prompt": f"request number {i}: " + "abc " * i, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}} for i in range(12)]
+    out = [None] * 12
+
+    def run(i):
+        status, _, data = srv.request("POST", "/v1/completions", bodies[i])
+        out[i] = (status, sse_events(data))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, (status, events) in enumerate(out):
+        assert status == 200 and events[-1]["usage"]["completion_tokens"] == 16
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        alone = srv.post("/v1/completions", dict(bodies[i], stream=False, stream_options=None))[1]
+        assert text == alone["choices"][0]["text"] and alone["usage"]["completion_tokens"] == 16
+
+
+def test_disconnect_frees_slot(srv):
+    before = wait_idle(srv)
+    streams = [open_stream(srv, {"prompt": f"long {i}", "max_tokens": 4000, "ignore_eos": True}) for i in range(4)]
+    for conn, resp in streams:
+        assert resp.readline().startswith(b"data: ")  # generating (chunked-encoding framing is read by http.client)
+    quiet = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)  # non-streaming: noticed while waiting
+    quiet.request("POST", "/v1/completions", json.dumps({"prompt": "q", "max_tokens": 4000, "ignore_eos": True}),
+                  {"Content-Type": "application/json"})
+    time.sleep(0.3)
+    for conn, resp in streams:
+        conn.close()
+        resp.close()
+    quiet.close()
+    t0 = time.time()
+    r = srv.post("/v1/completions", {"prompt": "quick", "max_tokens": 8})
+    assert r[0] == 200 and time.time() - t0 < 4  # 4 x 4000 tokens would take far longer
+    after = wait_idle(srv)
+    aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")
+    assert aborted(after) - aborted(before) == 5
+
+
+def test_metrics_counters(srv):
+    before = wait_idle(srv)
+    r = srv.post("/v1/completions", {"prompt": "count me", "max_tokens": 7, "ignore_eos": True})[1]
+    after = wait_idle(srv)
+    d = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)
+    assert d("vllm:prompt_tokens_total") == r["usage"]["prompt_tokens"]
+    assert d("vllm:generation_tokens_total") == 7
+    assert d("vllm:request_success_total", finished_reason="length") == 1
+    assert d("vllm:time_to_first_token_seconds_count") == 1 and d("vllm:e2e_request_latency_seconds_count") == 1
+    assert d("vllm:inter_token_latency_seconds_count") == 6  # one per later step (no speculation: 1 token each)
+    assert all(ls[:2] == (("model_name", "tiny"), ("engine", "0")) for (_, ls) in after)
+    assert not any(n.startswith("vllm:spec_decode") for n, _ in after)  # only with a speculative config
+
+
+def test_spec_decode_metrics(srv_spec, srv):
+    before = wait_idle(srv_spec)
+    body = {"prompt": "one two three one two three one two three one two", "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True}
+    r = srv_spec.post("/v1/completions", body)[1]
+    after = wait_idle(srv_spec)
+    d = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)
+    drafts, accepted = d("vllm:spec_decode_num_drafts_total"), d("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [d("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=i) for i in range(3)]
+    assert drafts > 0 and d("vllm:spec_decode_num_draft_tokens_total") >= drafts
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert sum(1 for n, _ in after if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total") == 3
+    assert r["usage"]["completion_tokens"] == 32
+    assert r["choices"][0]["text"] == srv.post("/v1/completions", dict(body, model="tiny"))[1]["choices"][0]["text"]
+
+
+def test_bench_serve(srv_spec):
+    bench = os.path.join(ROOT, "bench.py")
+    cmd = [bench, "serve"]
+    env = ENV
+    p = subprocess.run([sys.executable, *cmd, "--url", srv_spec.url, "--num-prompts", "8", "--max-concurrency", "4",
+                        "--prompt-len", "24", "--gen-len", "12", "--seed", "1"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "Serving Benchmark Result" in p.stdout
+    assert res["completed"] == 8 and res["failed"] == 0
+    assert res["total_input_tokens"] == 8 * 24 and res["total_output_tokens"] == 8 * 12
+    assert res["output_throughput"] == pytest.approx(96 / res["duration"])
+    assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"] and res["mean_tpot_ms"] > 0 and res["mean_itl_ms"] > 0
+    assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
+    n, acc = res["spec_decode_num_drafts"], res["spec_decode_accepted_tokens"]
+    assert n > 0 and res["spec_decode_acceptance_length"] == pytest.approx(1 + acc / n)
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(100 * acc / res["spec_decode_draft_tokens"])
+    assert len(res["spec_decode_per_position_acceptance_rates"]) == 3
+    assert sum(res["spec_decode_per_position_acceptance_rates"]) == pytest.approx(acc / n)
+
+
+def test_bad_startup_is_one_line(tiny_model, tmp_path):
+    for args in (["--model", tiny_model, "--speculative-config", '{"method":"eagle","num_speculative_tokens":2}'],
+                 ["--model", str(tmp_path / "missing")],
+                 ["--model", str(tmp_path)]):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--port", str(free_port()), *args],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
 
 
 if __name__ == "__main__":

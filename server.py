@@ -1,0 +1,620 @@
+"""server.py - specdec's OpenAI-compatible HTTP server (vLLM's wire format), standard library only.
+
+    python server.py --model PATH [--speculative-config JSON] [--port 8000] [--api-key KEY] [--max-num-seqs 8]
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics
+(Prometheus text). Request fields, response and SSE shapes, errors and metric names follow vLLM's server.
+
+Threads. The engine is not thread-safe, so one engine thread alone calls add_request / abort / step. Handler
+threads (one per connection) parse, validate and tokenize a request, put ("add", job) on the engine thread's
+inbox and wait on the job's own queue: first "accepted" (or an error, e.g. the context-length 400), then one
+update per engine step that gave the request tokens, pushed by Request.on_update on the engine thread. The
+engine thread sleeps on its inbox only when it has no work and never waits on a client. A client that goes
+away (a failed write, or a closed socket noticed while waiting) puts ("abort", job) on the inbox: its slot is
+free by the next step.
+"""
+import argparse
+import hmac
+import json
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import namedtuple
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from specdec import ConfigError, SamplingParams, add_engine_args, apply_chat_template, llm_from_args
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_BODY = 1 << 26  # bytes of one request body
+
+
+# ==============================================================================================
+# Errors and request fields
+# ==============================================================================================
+
+class ApiError(Exception):
+    """Answered as {"error": {"message", "type", "param", "code"}} with HTTP status `status`."""
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, status, message, param=None):
+        super().__init__(message)
+        self.status, self.body = status, {"error": {"message": message, "type": self.TYPES[status], "param": param,
+                                                    "code": status}}
+
+
+def bad(message, param=None):
+    return ApiError(400, message, param)
+
+
+JSON_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict)}
+
+
+def get(body, name, kind, default=None):
+    """body[name] checked against a JSON type; absent or null gives `default`."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not JSON_TYPES[kind](v):
+        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {json.dumps(v)[:40]}", name)
+    return v
+
+
+def parse_json(raw, headers):
+    if (headers.get("Content-Type") or "").split(";")[0].strip().lower() != "application/json":
+        raise bad("Unsupported Media Type: Only 'application/json' is allowed")
+
+    def no_nan(c):
+        raise ValueError(f"{c} is not valid JSON")
+    try:
+        body = json.loads(raw, parse_constant=no_nan)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+# OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (other unknown fields: ignored)
+UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+               "best_of": 1, "logit_bias": {}, "suffix": "", "include_stop_str_in_output": False,
+               "skip_special_tokens": True, "continue_final_message": False, "tools": [],
+               "response_format": {"type": "text"}, "prompt_embeds": None}
+
+
+def sampling_params(body, max_tokens, logprobs, logprobs_field):
+    for name, ok in UNSUPPORTED.items():
+        if body.get(name) not in (None, ok):
+            raise bad(f"'{name}' is not supported by this server (only {json.dumps(ok)} is accepted)", name)
+    if get(body, "n", "integer", 1) != 1:
+        raise bad("only n=1 is supported", "n")
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop")
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(JSON_TYPES["integer"](t) for t in ids)):
+        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad(f"'{logprobs_field}' must be between 0 and {MAX_LOGPROBS}, got {logprobs}", logprobs_field)
+    try:
+        return SamplingParams(temperature=get(body, "temperature", "number", 1.0), max_tokens=max_tokens,
+                              top_p=get(body, "top_p", "number", 1.0), top_k=get(body, "top_k", "integer", -1),
+                              stop=[s for s in stop or [] if s], stop_token_ids=ids, logprobs=logprobs,
+                              ignore_eos=get(body, "ignore_eos", "boolean", False), seed=get(body, "seed", "integer"))
+    except ConfigError as e:  # "temperature must be ...": the first word names the field
+        raise bad(str(e), str(e).split()[0]) from None
+
+
+def parse_completion(tok, body):
+    """A /v1/completions body -> (prompt ids, echo text, SamplingParams)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise bad("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, list) and all(JSON_TYPES["integer"](t) for t in prompt):
+        ids, prompt = prompt, None
+    else:
+        raise bad("'prompt' is required" if prompt is None else "'prompt' must be a string or a list of token ids",
+                  "prompt")
+    logprobs, echo = get(body, "logprobs", "integer"), get(body, "echo", "boolean", False)
+    if echo and logprobs is not None:
+        raise bad("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+    echo = (tok.decode(ids) if prompt is None else prompt) if echo else ""
+    max_tokens = get(body, "max_tokens", "integer") if "max_tokens" in body else 16
+    return ids, echo, sampling_params(body, max_tokens, logprobs, "logprobs")
+
+
+def parse_chat(tok, body):
+    """A /v1/chat/completions body -> (prompt ids, "" (no echo), SamplingParams)."""
+    msgs = body.get("messages")
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                    for m in msgs)):
+        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+    kwargs = get(body, "chat_template_kwargs", "object", {})
+    try:
+        prompt = apply_chat_template(msgs, get(body, "add_generation_prompt", "boolean", True),
+                                     bool(kwargs.get("enable_thinking", True)))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise bad(f"invalid messages: {e}", "messages") from None
+    max_tokens = get(body, "max_completion_tokens", "integer")
+    max_tokens = get(body, "max_tokens", "integer") if max_tokens is None else max_tokens  # None: up to the context
+    want, top = get(body, "logprobs", "boolean", False), get(body, "top_logprobs", "integer")
+    if top is not None and not want:
+        raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    return tok.encode(prompt), "", sampling_params(body, max_tokens, (top or 0) if want else None, "top_logprobs")
+
+
+# ==============================================================================================
+# Metrics: vLLM's Prometheus names, kept by hand (text format 0.0.4)
+# ==============================================================================================
+
+TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0],
+           ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0],
+           E2E: [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                 960.0, 1920.0, 7680.0]}
+
+
+class Metrics:
+    """Written by the engine thread, read by GET /metrics, under one lock."""
+
+    def __init__(self, model_name, num_spec_tokens):
+        esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        self.labels, self.k, self.lock = f'model_name="{esc}",engine="0"', num_spec_tokens, threading.Lock()
+        self.running = self.waiting = self.prompt_tokens = self.generation_tokens = 0
+        self.success = dict.fromkeys(("stop", "length", "abort"), 0)
+        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, count
+        self.spec = (0, 0, 0, [0] * self.k)  # drafts, draft tokens, accepted tokens, accepted per position
+
+    def _observe(self, name, v):
+        h = self.hist[name]
+        h[0] = [c + (v <= b) for c, b in zip(h[0], BUCKETS[name])]
+        h[1] += v
+        h[2] += 1
+
+    def on_update(self, job, req, n_new, now):
+        """Once per step that gave `req` tokens: TTFT on the first, then one ITL per step (as vLLM)."""
+        with self.lock:
+            self.generation_tokens += n_new
+            if job.t_last is None:
+                self.prompt_tokens += len(req.prompt_ids)
+                self._observe(TTFT, now - job.t_arrival)
+            else:
+                self._observe(ITL, now - job.t_last)
+            if req.finished:
+                self.success[req.finish_reason] = self.success.get(req.finish_reason, 0) + 1
+                self._observe(E2E, now - job.t_arrival)
+        job.t_last = now
+
+    def after_step(self, eng):
+        per_pos = list(eng.stats.accepted_per_pos)
+        spec = (eng.stats.num_drafts, eng.stats.num_draft_tokens, eng.stats.num_accepted_tokens,
+                per_pos + [0] * (self.k - len(per_pos)))
+        with self.lock:
+            self.running, self.waiting, self.spec = sum(r is not None for r in eng.slots), len(eng.waiting), spec
+
+    def count_abort(self):
+        with self.lock:
+            self.success["abort"] += 1
+
+    def render(self):
+        out = []
+
+        def family(name, kind, doc, samples):  # samples: (name suffix, extra labels, value)
+            out.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}"])
+            out.extend(f"{name}{sfx}{{{self.labels}{extra}}} {float(v)!r}" for sfx, extra, v in samples)
+        with self.lock:
+            family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+                   [("", "", self.running)])
+            family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+                   [("", "", self.waiting)])
+            family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
+                   [("_total", "", self.prompt_tokens)])
+            family("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+                   [("_total", "", self.generation_tokens)])
+            family("vllm:request_success", "counter", "Count of successfully processed requests.",
+                   [("_total", f',finished_reason="{r}"', n) for r, n in self.success.items()])
+            for name, (counts, total, n) in self.hist.items():
+                family(name, "histogram", f"Histogram of {name[5:-8].replace('_', ' ')} in seconds.",
+                       [("_bucket", f',le="{b!r}"', c) for b, c in zip(BUCKETS[name], counts)]
+                       + [("_bucket", ',le="+Inf"', n), ("_sum", "", total), ("_count", "", n)])
+            if self.k:  # as in vLLM, only with a speculative config
+                for what, v in zip(("drafts", "draft_tokens", "accepted_tokens"), self.spec):
+                    family(f"vllm:spec_decode_num_{what}", "counter", f"Number of spec decoding {what}.",
+                           [("_total", "", v)])
+                family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+                       [("_total", f',position="{i}"', v) for i, v in enumerate(self.spec[3])])
+        return "\n".join(out) + "\n"
+
+
+# ==============================================================================================
+# The engine thread
+# ==============================================================================================
+
+# What a handler learns from one engine step: the request's text so far (an immutable str, so a consistent
+# snapshot), the new token ids and their logprobs (None if not asked for), output tokens so far, finish state.
+Update = namedtuple("Update", "text ids logprobs n finish_reason stop_reason")
+
+
+class Job:
+    """One HTTP request's link to the engine."""
+
+    def __init__(self, prompt_ids, params):
+        self.prompt_ids, self.params, self.t_arrival = prompt_ids, params, time.perf_counter()
+        self.events = queue.Queue()  # engine thread -> handler: ("accepted" | "update" | "error", payload)
+        self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
+
+
+class EngineLoop:
+    def __init__(self, llm, max_queue, metrics):
+        self.engine, self.metrics, self.max_queue = llm.engine, metrics, max_queue
+        self.inbox = queue.Queue()      # handler threads -> engine thread: ("add" | "abort", job)
+        self.lock = threading.Lock()    # guards inflight and dead
+        self.inflight = 0               # submitted and not finished: running + waiting
+        self.dead = None                # why the engine thread stopped
+        self.live = set()               # jobs inside the engine (engine thread only)
+        threading.Thread(target=self.run, name="engine", daemon=True).start()
+
+    def submit(self, job):
+        """(Handler thread) Queue a job in the engine; raises ApiError 400 (e.g. too long) or 503 (full)."""
+        with self.lock:
+            if self.dead:
+                raise ApiError(503, f"the engine has stopped ({self.dead})")
+            if self.inflight >= self.engine.max_num_seqs + self.max_queue:
+                raise ApiError(503, f"the server is at capacity: {self.inflight} requests are running or waiting "
+                                    f"(--max-num-seqs {self.engine.max_num_seqs} + --max-queue {self.max_queue}); "
+                                    "retry later")
+            self.inflight += 1
+            self.inbox.put(("add", job))
+        kind, err = job.events.get()
+        if kind == "error":
+            raise err
+
+    def abort(self, job):
+        """(Handler thread) The client left: free the job's slot (a no-op once it finished)."""
+        self.inbox.put(("abort", job))
+
+    def run(self):
+        eng = self.engine
+        try:
+            while True:
+                cmds = [] if eng.has_work() else [self.inbox.get()]  # idle: sleep until a command comes
+                for kind, job in cmds + list(drain(self.inbox)):
+                    self._add(job) if kind == "add" else self._abort(job)
+                if eng.has_work():
+                    eng.step()
+                self.metrics.after_step(eng)
+        except BaseException as e:
+            traceback.print_exc()
+            with self.lock:
+                self.dead = f"{type(e).__name__}: {e}"
+                pending = [job for kind, job in drain(self.inbox) if kind == "add"]
+            for job in list(self.live) + pending:
+                job.events.put(("error", ApiError(500, f"the engine failed: {self.dead}")))
+
+    def _add(self, job):
+        try:
+            job.req = self.engine.add_request(job.prompt_ids, job.params)
+        except Exception as e:  # ConfigError: too long for the context, a token id out of range, an empty prompt
+            if not isinstance(e, ConfigError):
+                traceback.print_exc()
+            self._release(job)
+            return job.events.put(("error", bad(str(e)) if isinstance(e, ConfigError)
+                                   else ApiError(500, "internal server error; see the server log")))
+        job.req.on_update = lambda req, n_new: self._on_update(job, req, n_new)
+        self.live.add(job)
+        job.events.put(("accepted", None))
+
+    def _on_update(self, job, req, n_new):
+        self.metrics.on_update(job, req, n_new, time.perf_counter())
+        k, job.n_seen = job.n_seen, len(req.output_ids)
+        lps = None if req.logprobs is None else req.logprobs[k:]
+        job.events.put(("update", Update(req.text, req.output_ids[k:], lps, job.n_seen, req.finish_reason,
+                                         req.stop_reason)))
+        if req.finished:
+            self._release(job)
+
+    def _abort(self, job):
+        if not job.done:
+            self.engine.abort(job.req)
+            self.metrics.count_abort()
+            self._release(job)
+
+    def _release(self, job):
+        job.done = True
+        self.live.discard(job)
+        with self.lock:
+            self.inflight -= 1
+
+
+def drain(q):
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
+
+
+# ==============================================================================================
+# Response bodies
+# ==============================================================================================
+
+def usage(n_prompt, n_out):
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": None}
+
+
+def choice(chat, stream, text, logprobs, finish_reason, stop_reason, role=False):
+    if chat and stream:
+        c = {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
+    elif chat:
+        c = {"message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []}}
+    else:
+        c = {"text": text}
+    return {"index": 0, **c, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+class LogprobFormat:
+    """The engine's per-token {token_id: logprob} (top-N first, then the chosen token) in OpenAI's shapes:
+    completions {tokens, token_logprobs, top_logprobs, text_offset}, chat {content: [{token, logprob, bytes,
+    top_logprobs}]}. Called once per stream chunk (text_offset keeps counting) or once for the whole answer."""
+
+    def __init__(self, tok, chat, n_top):
+        self.tok, self.chat, self.n_top, self.offset = tok, chat, n_top, 0
+
+    def __call__(self, ids, lps):
+        if self.n_top is None:
+            return None
+        text, lp = lambda t: self.tok.decode([t]), lambda v: max(v, -9999.0)  # -inf is not JSON
+        if self.chat:
+            entry = lambda t, v: {"token": text(t), "logprob": lp(v), "bytes": list(self.tok.token_bytes(t))}
+            return {"content": [dict(entry(t, d[t]), top_logprobs=[entry(i, v) for i, v in list(d.items())[:self.n_top]
+                                                                   ]) for t, d in zip(ids, lps)]}
+        out = {"tokens": [text(t) for t in ids], "token_logprobs": [lp(d[t]) for t, d in zip(ids, lps)],
+               "top_logprobs": [{text(i): lp(v) for i, v in d.items()} for d in lps], "text_offset": []}
+        for s in out["tokens"]:
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+# ==============================================================================================
+# HTTP
+# ==============================================================================================
+
+ROUTES = {"/health": ("GET", "health"), "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
+          "/v1/completions": ("POST", "completions"), "/v1/chat/completions": ("POST", "chat")}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
+    server_version = "specdec"
+
+    def do_GET(self):
+        self.dispatch("GET")
+
+    def do_POST(self):
+        self.dispatch("POST")
+
+    def dispatch(self, method):
+        app, path, self.streaming = self.server.app, urlsplit(self.path).path, False
+        try:
+            n = self.headers.get("Content-Length", "0")
+            if self.headers.get("Transfer-Encoding") or not n.isdigit() or int(n) > MAX_BODY:  # drop the connection
+                self.close_connection = True
+                raise bad(f"send the request body with a valid Content-Length of at most {MAX_BODY} bytes "
+                          "(chunked request bodies are not supported)")
+            raw = self.rfile.read(int(n))
+            if path.startswith("/v1") and not app.authorized(self.headers.get("Authorization")):
+                return self.send(401, {"error": "Unauthorized"})
+            if path not in ROUTES:
+                raise ApiError(404, f"Not Found: {path}")
+            if ROUTES[path][0] != method:
+                raise ApiError(405, f"Method Not Allowed: {method} {path}")
+            getattr(self, ROUTES[path][1])(app, raw)
+        except (BrokenPipeError, ConnectionResetError):  # the client left
+            self.close_connection = True
+        except Exception as e:
+            if not isinstance(e, ApiError):  # a bug: the traceback goes to the log, never to the client
+                traceback.print_exc()
+                e = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
+            try:
+                if self.streaming:  # the headers are out: report in the stream, as vLLM does
+                    self.end_stream(e.body)
+                else:
+                    self.send(e.status, e.body)
+            except OSError:
+                self.close_connection = True
+
+    def send(self, status, body, ctype="application/json"):
+        data = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def health(self, app, raw):
+        self.send(503 if app.loop.dead else 200, b"", "text/plain")
+
+    def models(self, app, raw):
+        card = {"id": app.name, "object": "model", "created": app.created, "owned_by": "specdec",
+                "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len}
+        self.send(200, {"object": "list", "data": [card]})
+
+    def metrics(self, app, raw):
+        self.send(200, app.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def completions(self, app, raw):
+        body = app.check_model(parse_json(raw, self.headers))
+        self.generate(app, body, *parse_completion(app.tokenizer, body), chat=False)
+
+    def chat(self, app, raw):
+        body = app.check_model(parse_json(raw, self.headers))
+        self.generate(app, body, *parse_chat(app.tokenizer, body), chat=True)
+
+    def generate(self, app, body, ids, echo, params, chat):
+        stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
+        if opts is not None and not stream:
+            raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
+        job = Job(ids, params)
+        app.loop.submit(job)
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),
+                "created": int(time.time()), "model": app.name}
+        fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
+        try:
+            if stream:
+                self.stream(job, head, chat, fmt, opts or {}, echo)
+            else:
+                ids, lps = [], []
+                for text, new_ids, new_lps, n, finish, stop in self.updates(job):
+                    ids, lps = ids + new_ids, lps + (new_lps or [])
+                c = choice(chat, False, echo + text, fmt(ids, lps), finish, stop)
+                self.send(200, dict(head, choices=[c], usage=usage(len(job.prompt_ids), n)))
+        except BaseException:  # the client left, or a failure: free the slot now
+            app.loop.abort(job)
+            raise
+
+    def updates(self, job):
+        """Yield the job's updates, merging any that queued up while we were writing; ends after the last."""
+        check = time.monotonic() + 0.5  # a non-streaming client that leaves is only seen by looking, twice a second
+        while True:
+            try:
+                kind, up = job.events.get(timeout=0.5)
+            except queue.Empty:
+                kind = None
+            if time.monotonic() >= check:
+                if self.client_gone():
+                    raise ConnectionResetError("the client closed the connection")
+                check = time.monotonic() + 0.5
+            if kind is None:
+                continue
+            while kind == "update" and up.finish_reason is None:  # merge what else is already there
+                try:
+                    kind, more = job.events.get_nowait()
+                except queue.Empty:
+                    break
+                up = more if kind == "error" else more._replace(
+                    ids=up.ids + more.ids, logprobs=None if more.logprobs is None else up.logprobs + more.logprobs)
+            if kind == "error":
+                raise up
+            yield up
+            if up.finish_reason is not None:
+                return
+
+    def client_gone(self):
+        """The peer closed its socket: readable, with nothing to read."""
+        try:
+            return bool(select.select([self.connection], [], [], 0)[0]) and not self.connection.recv(1, socket.MSG_PEEK)
+        except (OSError, ValueError):
+            return True
+
+    def stream(self, job, head, chat, fmt, opts, echo):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.streaming = True
+        with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+        hold = max(map(len, job.params.stop), default=1) - 1  # may be the start of a stop string a later token ends
+        sent, n_prompt, first = 0, len(job.prompt_ids), True
+        for text, ids, lps, n, finish, stop in self.updates(job):
+            end = len(text) if finish else max(sent, len(text) - hold)
+            delta, sent = text[sent:end], max(sent, end)
+            extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
+            if first:  # vLLM sends the chat role with the first output, not before
+                if chat:
+                    self.sse(dict(head, choices=[choice(True, True, "", None, None, None, role=True)], **extra))
+                delta, first = echo + delta, False
+            self.sse(dict(head, choices=[choice(chat, True, delta, fmt(ids, lps), finish, stop)], **extra))
+        self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n)) if with_usage else None)
+
+    def sse(self, obj):
+        self.chunk(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+    def chunk(self, data):  # one piece of the chunked transfer encoding
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def end_stream(self, last=None):
+        if last is not None:
+            self.sse(last)
+        self.chunk(b"data: [DONE]\n\n")
+        self.chunk(b"")
+
+
+class App:
+    """What the handlers share: the model, its name, the engine loop and the metrics."""
+
+    def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64):
+        self.llm, self.tokenizer, self.api_key = llm, llm.tokenizer, api_key
+        self.name, self.created = served_model_name or llm.model_path, int(time.time())
+        self.metrics = Metrics(self.name, llm.spec.num_speculative_tokens if llm.spec else 0)
+        self.loop = EngineLoop(llm, max_queue, self.metrics)
+
+    def authorized(self, header):
+        return not self.api_key or hmac.compare_digest((header or "").encode(), f"Bearer {self.api_key}".encode())
+
+    def check_model(self, body):
+        if body.get("model") is not None and body["model"] != self.name:
+            raise ApiError(404, f"The model `{body['model']}` does not exist.", "model")
+        return body
+
+
+# ==============================================================================================
+# CLI
+# ==============================================================================================
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="specdec OpenAI-compatible server (vLLM's HTTP API)")
+    add_engine_args(ap)
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
+                                                              "more get 503")
+    a = ap.parse_args(argv)
+    if a.max_queue < 0:
+        ap.error("--max-queue must be >= 0")
+    try:
+        llm = llm_from_args(a)
+        app = App(llm, a.served_model_name, a.api_key, a.max_queue)
+        httpd = ThreadingHTTPServer((a.host, a.port), Handler, bind_and_activate=False)
+        httpd.daemon_threads, httpd.request_queue_size, httpd.app = True, 256, app  # a deep accept backlog
+        httpd.server_bind()
+        httpd.server_activate()
+    except Exception as e:  # a bad config or checkpoint, a busy port: one line, no traceback
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {msg}" if isinstance(e, ConfigError) else f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 1
+    print(f"specdec server: {app.name!r} on http://{a.host}:{httpd.server_address[1]} (max_num_seqs="
+          f"{llm.engine.max_num_seqs}, max_model_len={llm.max_model_len}, speculative={llm.spec and llm.spec.method})",
+          file=sys.stderr, flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    httpd.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

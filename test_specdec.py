@@ -1722,6 +1722,35 @@ def test_bad_startup_is_one_line(tiny_model, tmp_path):
         assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
 
 
+
+# ==============================================================================================
+# The shipped toy model: real acceptance on held-out stdlib files (tools/eval_toy.py, fewer prompts)
+# ==============================================================================================
+
+TOY = os.path.join(HERE, "models", "toy")
+
+
+@pytest.mark.skipif(not os.path.isdir(TOY), reason="models/toy not present")
+def test_toy_model_acceptance_and_lossless():
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import eval_toy
+    methods = {k: v for k, v in eval_toy.METHODS.items() if v["method"] in sd.PROPOSERS}
+    prompts, rows = eval_toy.evaluate(TOY, "cpu", "float32", 3, 128, 96, methods)
+    assert len(prompts) == 3
+    for name, r in rows.items():
+        if name != "off":
+            assert r["equal_to_off"], name
+    assert rows["mtp k=1"]["mean_acceptance_length"] >= 1.5
+    assert rows["mtp k=3"]["mean_acceptance_length"] >= 2.0
+
+
+def test_default_model_is_the_shipped_toy():
+    if not os.path.isdir(TOY):
+        pytest.skip("models/toy not present")
+    r = run_cli("--prompt", "def fib(n):", "--max-tokens", "12", "--device", "cpu")
+    assert r.returncode == 0 and "generated tokens: 12" in r.stderr, r.stderr
+
+
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="write a tiny random Qwen3.6 checkpoint (published layout)")

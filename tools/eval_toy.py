@@ -1,0 +1,93 @@
+"""Acceptance of every speculative method on the shipped toy model, on held-out stdlib files.
+
+    python tools/eval_toy.py [--device cpu|cuda] [--dtype float32|bfloat16] [--prompts 8] [--gen 128]
+
+Prompts: the first 128 tokens of windows taken from the held-out files listed in models/train_log.json (read
+from this machine's stdlib; files missing here are skipped). Greedy, 128 generated tokens. For each method:
+mean acceptance length, draft acceptance rate, and whether the tokens equal speculation-off's. Prints a
+markdown table, then one JSON line.
+"""
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import specdec as sd  # noqa: E402
+
+METHODS = {
+    "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
+    "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
+    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "draft_model k=4": {"method": "draft_model", "model": os.path.join(ROOT, "models", "toy-draft"),
+                        "num_speculative_tokens": 4},
+}
+
+
+def held_out_prompts(tok, n, plen, models_dir):
+    with open(os.path.join(models_dir, "train_log.json")) as fh:
+        files = json.load(fh)["held_out_files"]
+    root = sysconfig.get_paths()["stdlib"]
+    prompts = []
+    for f in files:
+        p = os.path.join(root, f)
+        if not os.path.isfile(p) or f.startswith("encodings/cp"):  # code-page tables are not code
+            continue
+        ids = tok.encode(open(p, encoding="utf-8").read(), allow_special=False)
+        for s in range(0, len(ids) - plen - 128, max(1, (len(ids) - plen) // 3))[:2]:
+            prompts.append(ids[s:s + plen])
+    return prompts[:n]
+
+
+def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods):
+    base = sd.LLM(model=model_dir, device=device, dtype=dtype)
+    prompts = held_out_prompts(base.tokenizer, n_prompts, plen, os.path.dirname(model_dir))
+    sp = sd.SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    t = time.perf_counter()
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, sp)]
+    rows = {"off": dict(seconds=time.perf_counter() - t)}
+    for name, cfg in methods.items():
+        try:
+            llm = sd.LLM(model=model_dir, device=device, dtype=dtype, speculative_config=cfg)
+        except sd.ConfigError as e:
+            rows[name] = dict(error=str(e))
+            continue
+        t = time.perf_counter()
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        s = llm.get_metrics()
+        rows[name] = dict(mean_acceptance_length=s.mean_acceptance_length, draft_acceptance_rate=s.draft_acceptance_rate,
+                          per_position=[a / max(s.num_drafts, 1) for a in s.accepted_per_pos],
+                          equal_to_off=outs == ref, seconds=time.perf_counter() - t)
+    return prompts, rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "toy"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    a = ap.parse_args()
+    prompts, rows = evaluate(a.model, a.device, a.dtype, a.prompts, a.prompt_len, a.gen, METHODS)
+    print(f"| method | mean acceptance length | draft acceptance rate | per position | == spec off | seconds |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name} | not run: {r['error']} | | | | |")
+        elif name == "off":
+            print(f"| off | 1 | | | | {r['seconds']:.1f} |")
+        else:
+            pp = ", ".join(f"{x:.2f}" for x in r["per_position"])
+            print(f"| {name} | {r['mean_acceptance_length']:.2f} | {r['draft_acceptance_rate']:.2f} | {pp} | "
+                  f"{r['equal_to_off']} | {r['seconds']:.1f} |")
+    print(json.dumps({"device": a.device, "dtype": a.dtype, "prompts": len(prompts), "prompt_len": a.prompt_len,
+                      "gen": a.gen, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

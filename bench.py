@@ -11,6 +11,7 @@ and the GEMM-only floor (every linear layer's GEMM chained in one CUDA graph, as
 TPOT as a ratio of it. A table first, then one JSON line last.
 """
 import argparse
+import dataclasses
 import http.client
 import json
 import math
@@ -396,6 +397,28 @@ def serve_benchmark(argv=None):
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
 
+def verify_costs(model, Ts, device, dtype):
+    """ms per target step over T tokens at batch 1 (captured graph, mode verify for T > 1, decode for T = 1)."""
+    eng = sd.Engine(model, None, None, 1, 1024, dtype, device)
+    runner = sd.GraphRunner(eng)
+    out = {}
+    for T in Ts:
+        g = runner.capture(1, T, "verify" if T > 1 else "decode")
+        times = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.graph.replay()
+            if g.commit is not None:
+                g.commit.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        out[T] = statistics.median(times)
+    del eng, runner
+    return out
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
@@ -404,7 +427,8 @@ def main(argv=None):
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory or .gguf")
     src.add_argument("--random-weights", choices=list(PRESETS), help="real-shape model with random weights")
-    ap.add_argument("--speculative-config", default=None)
+    ap.add_argument("--speculative-config", action="append", default=None,
+                    help="JSON; repeat it to compare several in one run; 'off' = no speculation (default: off)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -413,42 +437,55 @@ def main(argv=None):
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM-only floor")
     ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels")
+    ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
+                    help="also time one target step over each of these token counts (batch 1), vs T = 1")
     a = ap.parse_args(argv)
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     sd.K.USE_TRITON = not a.no_triton
-    spec = sd.SpeculativeConfig.from_json(a.speculative_config)
+    specs = [None if c in (None, "off") else sd.SpeculativeConfig.from_json(c) for c in (a.speculative_config or ["off"])]
     if a.random_weights or not a.model:
         model, cfg = random_model(a.random_weights or "tiny", dtype, device)
         label = a.random_weights or "tiny"
     else:
-        model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=spec is not None and spec.method == "mtp")
+        want_mtp = any(s is not None and s.method == "mtp" for s in specs)
+        model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp)
         label = a.model
-    k = spec.num_speculative_tokens if spec else 0
     ws = linear_weights(model, cfg.num_experts_per_tok)
     wbytes = sum(w.numel() * w.element_size() for w in ws)
+    floors = {}
+    floor = lambda M: floors.setdefault(M, gemm_floor(ws, M))
     rows = []
-    for B in a.batch:
-        r = run_batch(model, spec, B, a.prompt_len, a.gen_len, device, dtype, a.enforce_eager)
-        r.update(batch=B, method=spec.method if spec else "off", k=k)
-        if device.type == "cuda" and not a.no_floor:
-            r["floor_ms"] = gemm_floor(ws, B * (k + 1))
-            r["floor_ms_m1"] = gemm_floor(ws, B)
-            r["tpot_over_floor"] = r["tpot_ms"] / r["floor_ms_m1"]
-        rows.append(r)
-    # acceptance from a separate small engine is not needed: the last run's stats are on the rows
-    print(f"# bench {label} dtype={dtype} prompt={a.prompt_len} gen={a.gen_len} spec={a.speculative_config} "
-          f"weights read/step={wbytes / 1e9:.2f} GB")
-    hdr = ["batch", "TTFT ms", "TPOT ms", "tok/s/seq", "tok/s agg", "GB/s weights", "floor ms", "TPOT/floor", "accept len"]
-    print(" | ".join(f"{h:>11}" for h in hdr))
+    for spec in specs:
+        k = spec.num_speculative_tokens if spec else 0
+        for B in a.batch:
+            r = run_batch(model, spec, B, a.prompt_len, a.gen_len, device, dtype, a.enforce_eager)
+            r.update(batch=B, method=spec.method if spec else "off", k=k,
+                     spec=dataclasses.asdict(spec) if spec else None)
+            if device.type == "cuda" and not a.no_floor:
+                r["floor_ms"] = floor(B)
+                r["tpot_over_floor"] = r["tpot_ms"] / r["floor_ms"]
+            off = next((x for x in rows if x["method"] == "off" and x["batch"] == B), None)
+            r["speedup_vs_off"] = off["tpot_ms"] / r["tpot_ms"] if off else None
+            r["weight_GBps"] = wbytes / (r["tpot_ms"] * 1e-3) / 1e9
+            rows.append(r)
+    print(f"# bench {label} dtype={dtype} prompt={a.prompt_len} gen={a.gen_len} weights read/step={wbytes / 1e9:.2f} GB")
+    hdr = ["method", "k", "batch", "TTFT ms", "TPOT ms", "tok/s/seq", "tok/s agg", "GB/s wts", "floor ms",
+           "TPOT/floor", "x off", "accept len"]
+    print(" | ".join(f"{h:>10}" for h in hdr))
+    nan = float("nan")
     for r in rows:
-        bw = wbytes / (r["tpot_ms"] * 1e-3) / 1e9
-        r["weight_GBps"] = bw
-        vals = [r["batch"], r["ttft_ms"], r["tpot_ms"], r["tok_s_per_seq"], r["decode_tok_s_aggregate"], bw,
-                r.get("floor_ms_m1", float("nan")), r.get("tpot_over_floor", float("nan")),
-                r["mean_acceptance_length"] or float("nan")]
-        print(" | ".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in vals))
-    print(json.dumps({"model": label, "dtype": str(dtype), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-                      "speculative_config": a.speculative_config, "weight_bytes": wbytes, "rows": rows}))
+        vals = [r["method"], r["k"], r["batch"], r["ttft_ms"], r["tpot_ms"], r["tok_s_per_seq"],
+                r["decode_tok_s_aggregate"], r["weight_GBps"], r.get("floor_ms", nan), r.get("tpot_over_floor", nan),
+                r["speedup_vs_off"] or nan, r["mean_acceptance_length"] or nan]
+        print(" | ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}" for v in vals))
+    result = {"model": label, "dtype": str(dtype), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+              "weight_bytes": wbytes, "rows": rows}
+    if a.verify_cost and device.type == "cuda":
+        costs = verify_costs(model, sorted(set([1] + a.verify_cost)), device, dtype)
+        print("# target step cost at batch 1: " + ", ".join(f"T={T}: {ms:.2f} ms ({ms / costs[1]:.3f}x)"
+                                                              for T, ms in costs.items()))
+        result["verify_cost_ms"] = costs
+    print(json.dumps(result))
     return 0
 
 

@@ -1,55 +1,191 @@
-"""kernels.py - the hot paths of specdec, each as a plain PyTorch reference first.
+"""kernels.py - the hot paths of specdec: each a plain PyTorch reference, then a Triton kernel beside it.
 
-Every function here is called by the model in specdec.py. Each section holds the PyTorch
-reference (slow, obviously correct, the one the CPU tests and transformers comparisons use) and,
-where it pays on the GPU, a Triton kernel beside it with the same signature. `USE_TRITON` picks the
-fast path on CUDA tensors; tests flip it to compare both (on CPU through TRITON_INTERPRET=1).
+Every public function here is called by the model in specdec.py. Each section holds the PyTorch
+reference (`*_ref`: slow, obviously correct, the one the CPU tests and transformers comparisons use),
+then the Triton kernel(s), then the host wrapper (checks dtypes/strides, allocates, picks the grid).
+The public function dispatches: the kernel on CUDA tensors when `USE_TRITON`, else the reference.
+Tests flip `INTERPRET` to run the kernels on CPU through Triton's interpreter, which only works when
+TRITON_INTERPRET=1 was set before triton was first imported.
+
+Everything a decode/verify step launches here is CUDA-graph safe: no host syncs, no data-dependent
+allocation sizes, per-row positions/slots read from device tensors inside the kernels.
 
 Shapes: B = sequences in the batch, T = tokens per sequence in this step, S = state slots,
-H_k / H_v = GDN key / value heads, d_k / d_v = their head dims, C = GDN conv channels.
+H_k / H_v = GDN key / value heads, d_k / d_v = their head dims, C = GDN conv channels, N = tokens,
+E = experts, k = experts per token, I = expert intermediate size.
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
-USE_TRITON = True  # flipped by tests; only ever used for CUDA tensors (or under TRITON_INTERPRET=1)
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): the references serve everywhere
+    triton = None
+
+    class tl:  # just enough for the kernel signatures below to be defined
+        constexpr = None
+
+USE_TRITON = True  # the Triton kernels on CUDA tensors; False: references everywhere
+INTERPRET = False  # tests: also take the Triton path on CPU tensors (needs TRITON_INTERPRET=1 at import)
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+def _fast(x):
+    """Take the Triton path for this tensor?"""
+    return USE_TRITON and triton is not None and (x.is_cuda or INTERPRET)
+
+
+def _p2(n):
+    """Next power of two >= n (block sizes must be powers of two)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _empty(shape, dtype, device):
+    """Every output and scratch buffer of the wrappers (tests swap in a NaN-filled version to check
+    that the kernels write each element they return or read back)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _rows(x):
+    """View x [..., D] as rows [N, D] with unit stride along D, copying only if no such view exists."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.contiguous().view(-1, x.shape[-1])
+
+
+def _dot_dtype(t):
+    """The dtype tl.dot multiplies in: t's own, but fp32 under the interpreter (numpy has no bf16)."""
+    if t.dtype == torch.float32 or not t.is_cuda:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[t.dtype]
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device):
+    """Streaming multiprocessors of a CUDA device (cached: a host query, never inside a graph replay)."""
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so that tests still exercise several splits
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
 
 
 # ----------------------------------------------------------------------------------------------
 # RMSNorm variants
 # ----------------------------------------------------------------------------------------------
 
-def rms_norm(x, weight, eps):
-    """Zero-centred RMSNorm (Qwen3.5): y = x_f32 * rsqrt(mean(x^2) + eps) * (1 + w_f32), cast back.
-    x [..., D], weight [D]."""
+def rms_norm_ref(x, weight, eps):
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
-def gated_rms_norm(x, z, weight, eps):
-    """GDN output norm (plain weight, gate after the norm): w * norm(x).to(dtype) * silu(z_f32).
-    x, z [..., d_v], weight [d_v]."""
+def add_rms_norm_ref(x, residual, weight, eps):
+    h = x + residual
+    return rms_norm_ref(h, weight, eps), h
+
+
+def gated_rms_norm_ref(x, z, weight, eps):
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y
     return (y * F.silu(z.float())).to(x.dtype)
 
 
+@_jit
+def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z,
+                     BR: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr,
+                     ROUND_MID: tl.constexpr):
+    # one program normalises BR rows of length D (BD >= D); all statistics in fp32
+    i_r = tl.program_id(0)
+    o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m = (o_r < N)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(p_x + o_r[:, None] * s_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    if ADD:  # residual stream h = x + residual, rounded to the activation dtype like torch's add
+        b_x += tl.load(p_r + o_r[:, None] * s_r + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        b_x = b_x.to(p_h.dtype.element_ty)
+        tl.store(p_h + o_r[:, None] * D + o_d[None, :], b_x, mask=m)
+        b_x = b_x.to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)                               # [BR]
+    b_w = tl.load(p_w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+    if GATED:  # w * norm(x).to(dtype) * silu(z), with the reference's roundings
+        b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
+        if ROUND_MID:
+            b_y = b_y.to(p_y.dtype.element_ty).to(tl.float32)
+        b_z = tl.load(p_z + o_r[:, None] * s_z + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        b_y = b_y * (b_z * tl.sigmoid(b_z))
+    else:  # zero-centred weight: scale by (1 + w)
+        b_y = b_x * b_rstd[:, None] * (1.0 + b_w[None, :])
+    tl.store(p_y + o_r[:, None] * D + o_d[None, :], b_y.to(p_y.dtype.element_ty), mask=m)
+
+
+def _norm_launch(x, weight, eps, residual=None, z=None):
+    D = x.shape[-1]
+    assert weight.shape == (D,) and weight.is_contiguous(), "weight must be a contiguous [D] vector"
+    xr = _rows(x)
+    N = xr.shape[0]
+    y = _empty(x.shape, x.dtype, x.device)
+    h = rr = zr = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
+        rr, h = _rows(residual), _empty(x.shape, x.dtype, x.device)
+    if z is not None:
+        assert z.shape == x.shape, "x and z must have the same shape"
+        zr = _rows(z)
+    BD = _p2(D)
+    BR = max(1, min(16, 2048 // BD))
+    mid_round = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
+    _rms_norm_kernel[(_cdiv(N, BR),)](
+        xr, rr if rr is not None else xr, weight, y, h if h is not None else y, zr if zr is not None else xr,
+        N, D, eps, xr.stride(0), rr.stride(0) if rr is not None else 0, zr.stride(0) if zr is not None else 0,
+        BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round,
+        num_warps=min(8, max(1, BR * BD // 256)))
+    return y, h
+
+
+def rms_norm(x, weight, eps):
+    """Zero-centred RMSNorm (Qwen3.5): y = x_f32 * rsqrt(mean(x^2) + eps) * (1 + w_f32), cast back.
+    x [..., D] (any strides with a unit last stride, e.g. the query half of q_proj's output), weight [D].
+    Returns a new contiguous [..., D] tensor in x's dtype."""
+    if _fast(x):
+        return _norm_launch(x, weight, eps)[0]
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """The residual add fused with the next RMSNorm: h = x + residual (in x's dtype), returns
+    (rms_norm(h, weight, eps), h). x, residual [..., D] of one dtype; weight [D]."""
+    if _fast(x):
+        return _norm_launch(x, weight, eps, residual=residual)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def gated_rms_norm(x, z, weight, eps):
+    """GDN output norm (plain weight, gate after the norm): w * norm(x).to(dtype) * silu(z_f32).
+    x, z [..., d_v], weight [d_v]. Returns [..., d_v] in x's dtype."""
+    if _fast(x):
+        return _norm_launch(x, weight, eps, z=z)[0]
+    return gated_rms_norm_ref(x, z, weight, eps)
+
+
 # ----------------------------------------------------------------------------------------------
 # Causal depthwise conv over the GDN mixed_qkv channels, with its rolling window state
 # ----------------------------------------------------------------------------------------------
 
-def causal_conv(x, conv_pool, slots, weight, n_keep=None):
-    """silu(depthwise causal conv) over x, continuing from each slot's window of past inputs.
-
-    x [B, T, C] pre-conv inputs; conv_pool [S, C, K-1] past inputs (oldest first); slots [B] long;
-    weight [C, K] (tap K-1 multiplies the current token); n_keep [B] long or None.
-    Returns y [B, T, C]. The window of slot b becomes the last K-1 inputs after its first n_keep[b]
-    tokens (all T when n_keep is None; unchanged when n_keep[b] == 0) - that is how a verify step
-    leaves the window untouched and the commit after it keeps only the accepted tokens.
-    """
+def causal_conv_ref(x, conv_pool, slots, weight, n_keep=None):
     B, T, C = x.shape
     K = weight.shape[1]
     past = conv_pool[slots]                                     # [B, C, K-1]
@@ -63,6 +199,84 @@ def causal_conv(x, conv_pool, slots, weight, n_keep=None):
         idx = n_keep.view(B, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, K - 1)
         conv_pool[slots] = seq.gather(2, idx.expand(B, C, K - 1))
     return y
+
+
+@_jit
+def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
+                        s_xb, s_xt, s_ps, s_pc, s_pk, s_wc, s_wk,
+                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+                        HAS_KEEP: tl.constexpr):
+    # program (b, channel block, token block): y[t] = silu(sum_j w[j] * seq[t + j]), where seq is the
+    # slot's K-1 past inputs followed by x. Only token block 0 reads the past window (BT >= K-1 or a
+    # single block), so it alone may overwrite it afterwards.
+    i_b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_c, m_t = o_c < C, o_t < T
+    slot = tl.load(p_slots + i_b)
+    p_past = p_pool + slot * s_ps + o_c * s_pc                                      # [BC] window rows
+    p_xb = p_x + i_b * s_xb
+    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_w = tl.load(p_w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
+        src = o_t + j - (K - 1)                                                    # input index; < 0: the window
+        m_x = ((src >= 0) & m_t)[:, None] & m_c[None, :]
+        m_p = ((src < 0) & m_t)[:, None] & m_c[None, :]
+        b_in = tl.load(p_xb + src[:, None] * s_xt + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_in += tl.load(p_past[None, :] + (src + K - 1)[:, None] * s_pk, mask=m_p, other=0.0).to(tl.float32)
+        b_acc += b_in * b_w[None, :]
+    b_y = b_acc * tl.sigmoid(b_acc)
+    p_y_t = p_y + (i_b * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
+    tl.store(p_y_t, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if i_t == 0:
+        n = T
+        if HAS_KEEP:
+            n = tl.load(p_keep + i_b).to(tl.int32)
+        if n > 0:  # the new window: seq[n .. n+K-2]
+            o_w = tl.arange(0, BW)
+            w_src = n + o_w - (K - 1)
+            m_w = (o_w < K - 1)[None, :] & m_c[:, None]
+            m_wx = m_w & (w_src >= 0)[None, :]
+            m_wp = m_w & (w_src < 0)[None, :]
+            b_new = tl.load(p_xb + w_src[None, :] * s_xt + o_c[:, None], mask=m_wx, other=0.0).to(tl.float32)
+            b_new += tl.load(p_past[:, None] + (w_src + K - 1)[None, :] * s_pk, mask=m_wp, other=0.0).to(tl.float32)
+            tl.debug_barrier()  # every thread has read the old window before any writes the new one
+            tl.store(p_past[:, None] + o_w[None, :] * s_pk, b_new.to(p_pool.dtype.element_ty), mask=m_w)
+
+
+def _causal_conv_launch(x, conv_pool, slots, weight, n_keep):
+    B, T, C = x.shape
+    K = weight.shape[1]
+    assert conv_pool.shape[1:] == (C, K - 1) and weight.shape == (C, K), "conv_pool / weight shapes"
+    assert slots.dtype == torch.long and (n_keep is None or n_keep.dtype == torch.long)
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    y = _empty((B, T, C), x.dtype, x.device)
+    BT = min(_p2(T), 16)
+    assert BT >= K - 1 or BT >= T  # only token block 0 may read the old window (see the kernel)
+    BC = 128
+    grid = (B, _cdiv(C, BC), _cdiv(T, BT))
+    _causal_conv_kernel[grid](
+        x, conv_pool, slots, weight, n_keep if n_keep is not None else slots, y, T, C,
+        x.stride(0), x.stride(1), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
+        weight.stride(0), weight.stride(1),
+        K=K, BT=BT, BC=BC, BW=_p2(K - 1), HAS_KEEP=n_keep is not None, num_warps=4)
+    return y
+
+
+def causal_conv(x, conv_pool, slots, weight, n_keep=None):
+    """silu(depthwise causal conv) over x, continuing from each slot's window of past inputs.
+
+    x [B, T, C] pre-conv inputs; conv_pool [S, C, K-1] past inputs (oldest first); slots [B] long;
+    weight [C, K] (tap K-1 multiplies the current token); n_keep [B] long or None.
+    Returns y [B, T, C]. The window of slot b becomes the last K-1 inputs after its first n_keep[b]
+    tokens (all T when n_keep is None; unchanged when n_keep[b] == 0) - that is how a verify step
+    leaves the window untouched and the commit after it keeps only the accepted tokens.
+    The kernel accumulates in fp32 and rounds once (the reference rounds the conv and the silu).
+    """
+    if _fast(x):
+        return _causal_conv_launch(x, conv_pool, slots, weight, n_keep)
+    return causal_conv_ref(x, conv_pool, slots, weight, n_keep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,15 +296,7 @@ def _gdn_prep(q, k, v, g, beta):
     return q, k, v, g.float().transpose(1, 2), beta.float().transpose(1, 2)
 
 
-def gdn_recurrent(q, k, v, g, beta, state_pool, slots, n_keep=None):
-    """The gated delta rule, one token at a time (decode, verify, and the commit after a verify).
-
-    q, k [B, T, H_k, d_k]; v [B, T, H_v, d_v]; g (log decay, <= 0), beta [B, T, H_v];
-    state_pool [S, H_v, d_k, d_v] fp32; slots [B]. Per token and value head:
-        S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
-    Returns o [B, T, H_v, d_v] in v's dtype. Slot b's state becomes the state after its first
-    n_keep[b] tokens (after all T if n_keep is None; unchanged where n_keep[b] == 0).
-    """
+def gdn_recurrent_ref(q, k, v, g, beta, state_pool, slots, n_keep=None):
     B, T = q.shape[:2]
     dtype = v.dtype
     q, k, v, g, beta = _gdn_prep(q, k, v, g, beta)
@@ -109,16 +315,7 @@ def gdn_recurrent(q, k, v, g, beta, state_pool, slots, n_keep=None):
     return out.transpose(1, 2).to(dtype)
 
 
-def gdn_chunked(q, k, v, g, beta, state_pool, slots, chunk=64):
-    """The gated delta rule over a long sequence, in chunks (prefill). Same arguments and result as
-    gdn_recurrent with n_keep=None; it agrees with it up to fp32 rounding.
-
-    Within a chunk, with G = cumsum(g), the state update unrolls to
-        U = (I + A)^-1 [beta * (V - exp(G) K S0)],  A[t, j] = beta_t exp(G_t - G_j) k_t.k_j  (j < t)
-        O = exp(G) Q S0 + (exp(G_t - G_j) q_t.k_j)_{j<=t} U
-        S = exp(G_last) S0 + (K * exp(G_last - G))^T U
-    so each chunk costs a few matrix products and one triangular solve instead of C token steps.
-    """
+def gdn_chunked_ref(q, k, v, g, beta, state_pool, slots, chunk=64):
     B, T = q.shape[:2]
     dtype = v.dtype
     q, k, v, g, beta = _gdn_prep(q, k, v, g, beta)              # [B, H, T, d]
@@ -141,17 +338,241 @@ def gdn_chunked(q, k, v, g, beta, state_pool, slots, chunk=64):
     return out.transpose(1, 2).to(dtype)
 
 
+@_jit
+def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_slots, p_keep, p_o, T, scale,
+                          s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_bb, s_bt,
+                          HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, HAS_KEEP: tl.constexpr, GATES: tl.constexpr):
+    # program (b * H_v + h, d_v block): the [d_k, BV] slice of one head's fp32 state stays in
+    # registers over all T tokens; it is read once and written at most once (after token n_keep).
+    # With GATES, p_g / p_beta hold the raw projections a, b and the gates are computed here.
+    i_bh, i_v = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // GROUP                                                              # the shared key head
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < DK, o_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    slot = tl.load(p_slots + i_b)
+    n_keep = T
+    if HAS_KEEP:
+        n_keep = tl.load(p_keep + i_b).to(tl.int32)
+    if GATES:
+        b_decay = -tl.exp(tl.load(p_alog + i_h).to(tl.float32))
+        b_dtb = tl.load(p_dtb + i_h).to(tl.float32)
+    p_s = p_state + slot * (HV * DK * DV) + i_h * (DK * DV) + o_k[:, None] * DV + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0)                                          # [BK, BV] fp32
+    p_q = p_q + i_b * s_qb + i_hk * s_qh + o_k
+    p_k = p_k + i_b * s_kb + i_hk * s_kh + o_k
+    p_v = p_v + i_b * s_vb + i_h * s_vh + o_v
+    p_g = p_g + i_b * s_gb + i_h
+    p_beta = p_beta + i_b * s_bb + i_h
+    p_o = p_o + (i_b * T * HV + i_h) * DV + o_v
+    # token t's inputs are loaded during step t-1, so the loop never waits on global memory
+    n_q = tl.load(p_q, mask=m_k, other=0.0)
+    n_k = tl.load(p_k, mask=m_k, other=0.0)
+    n_v = tl.load(p_v, mask=m_v, other=0.0)
+    n_g = tl.load(p_g)
+    n_beta = tl.load(p_beta)
+    for t in range(T):
+        b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
+        b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
+        t_n = tl.minimum(t + 1, T - 1)                                               # (the last re-reads itself)
+        n_q = tl.load(p_q + t_n * s_qt, mask=m_k, other=0.0)
+        n_k = tl.load(p_k + t_n * s_kt, mask=m_k, other=0.0)
+        n_v = tl.load(p_v + t_n * s_vt, mask=m_v, other=0.0)
+        n_g = tl.load(p_g + t_n * s_gt)
+        n_beta = tl.load(p_beta + t_n * s_bt)
+        if GATES:  # g = -exp(A_log) softplus(a + dt_bias) (torch's threshold 20); beta = sigmoid(b) in b's dtype
+            b_x = b_g + b_dtb
+            b_sp = tl.where(b_x < -15.0, tl.exp(b_x), tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))  # ~log1p(e^x)
+            b_g = b_decay * tl.where(b_x > 20.0, b_x, b_sp)
+            b_beta = tl.sigmoid(b_beta).to(p_beta.dtype.element_ty).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_s = b_s * tl.exp(b_g)                                                      # decay before the read
+        b_d = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))                         # [BV] delta
+        b_s = b_s + b_k[:, None] * b_d[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], 0)                                          # [BV]
+        tl.store(p_o + t * (HV * DV), b_o.to(p_o.dtype.element_ty), mask=m_v)
+        if t + 1 == n_keep:
+            tl.store(p_s, b_s, mask=m_s)
+
+
+def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=None, dt_bias=None):
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    assert k.shape == q.shape and v.shape[:2] == (B, T) and g.shape == beta.shape == (B, T, Hv)
+    assert Hv % Hk == 0, "value heads must be a multiple of key heads"
+    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[1:] == (Hv, Dk, Dv)
+    assert slots.dtype == torch.long and (n_keep is None or n_keep.dtype == torch.long)
+    assert T >= 1
+    q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
+    o = _empty((B, T, Hv, Dv), v.dtype, v.device)
+    BK = _p2(Dk)
+    BV = min(_p2(Dv), 8)  # small value blocks: many programs in flight for a latency-bound loop
+    gates = A_log is not None
+    assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous() and A_log.shape == dt_bias.shape == (Hv,))
+    _gdn_recurrent_kernel[(B * Hv, _cdiv(Dv, BV))](
+        q, k, v, g, beta, A_log if gates else g, dt_bias if gates else g, state_pool, slots,
+        n_keep if n_keep is not None else slots, o, T, Dk ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, HAS_KEEP=n_keep is not None, GATES=gates,
+        num_warps=1 if BK * BV <= 1024 else 4)
+    return o
+
+
+def gdn_recurrent(q, k, v, g, beta, state_pool, slots, n_keep=None):
+    """The gated delta rule, one token at a time (decode, verify, and the commit after a verify).
+
+    q, k [B, T, H_k, d_k]; v [B, T, H_v, d_v]; g (log decay, <= 0), beta [B, T, H_v];
+    state_pool [S, H_v, d_k, d_v] fp32; slots [B]. Per token and value head:
+        S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+    Returns o [B, T, H_v, d_v] in v's dtype. Slot b's state becomes the state after its first
+    n_keep[b] tokens (after all T if n_keep is None; unchanged where n_keep[b] == 0).
+    q, k, v may be strided views (e.g. slices of the conv output) as long as their last stride is 1.
+    """
+    if _fast(q):
+        return _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep)
+    return gdn_recurrent_ref(q, k, v, g, beta, state_pool, slots, n_keep)
+
+
+def gdn_chunked(q, k, v, g, beta, state_pool, slots, chunk=64):
+    """The gated delta rule over a long sequence, in chunks (prefill). Same arguments and result as
+    gdn_recurrent with n_keep=None; it agrees with it up to fp32 rounding.
+
+    Within a chunk, with G = cumsum(g), the state update unrolls to
+        U = (I + A)^-1 [beta * (V - exp(G) K S0)],  A[t, j] = beta_t exp(G_t - G_j) k_t.k_j  (j < t)
+        O = exp(G) Q S0 + (exp(G_t - G_j) q_t.k_j)_{j<=t} U
+        S = exp(G_last) S0 + (K * exp(G_last - G))^T U
+    so each chunk costs a few matrix products and one triangular solve instead of C token steps.
+    The fast path is still the fused recurrent kernel (one launch, T sequential steps per program).
+    """
+    if _fast(q):
+        return _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, None)
+    return gdn_chunked_ref(q, k, v, g, beta, state_pool, slots, chunk)
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """The GDN gates from their raw projections, as Qwen3.5 computes them:
+    g = -exp(A_log) * softplus(a_f32 + dt_bias) (fp32), beta = sigmoid(b) (b's dtype).
+    a, b [B, T, H_v]; A_log, dt_bias [H_v]. Returns (g, beta)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None):
+    """gdn_recurrent(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep) in one launch:
+    the gates are computed inside the recurrent kernel (saves ~8 tiny launches per GDN layer and step).
+    a, b [B, T, H_v] raw projections in_proj_a(x), in_proj_b(x); A_log, dt_bias [H_v]."""
+    if _fast(q):
+        return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias)
+    return gdn_recurrent_ref(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention inputs: q/k RMSNorm + partial RoPE + KV-cache write, fused (optional entry point)
+# ----------------------------------------------------------------------------------------------
+
+def rope_ref(x, pos, T, inv_freq):
+    """Partial NeoX RoPE on the first rotary_dim channels of each head. x [B, T, h, d]; pos [B]."""
+    rd = inv_freq.numel() * 2
+    p = (pos[:, None] + torch.arange(T, device=x.device)[None]).float()          # [B, T]
+    freqs = p[..., None] * inv_freq                                              # [B, T, rd/2]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)[:, :, None]      # [B, T, 1, rd]
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)[:, :, None]
+    xr, xp = x[..., :rd], x[..., rd:]
+    rot = torch.cat([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
+    return torch.cat([xr * cos + rot * sin, xp], -1)
+
+
+def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos):
+    B, T, _, hd = k.shape
+    q = rope_ref(rms_norm_ref(qg[..., :hd], q_norm_w, eps), pos, T, inv_freq)
+    k = rope_ref(rms_norm_ref(k, k_norm_w, eps), pos, T, inv_freq)
+    at = pos[:, None] + torch.arange(T, device=k.device)[None]                   # [B, T] positions
+    k_cache[slots[:, None], at] = k.to(k_cache.dtype)
+    v_cache[slots[:, None], at] = v.to(v_cache.dtype)
+    return q
+
+
+@_jit
+def _attention_prep_kernel(p_qg, p_k, p_v, p_qw, p_kw, p_freq, p_kc, p_vc, p_slots, p_pos, p_q, T, eps,
+                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cs, s_cl, s_ch,
+                           s_vs, s_vl, s_vhh, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                           BD: tl.constexpr, RD: tl.constexpr):
+    # program (b * T + t, head): heads [0, NH) are queries -> p_q, [NH, NH+NKV) keys -> k cache,
+    # then values -> v cache. q/k rows: zero-centred RMSNorm, then RoPE on the first RD channels
+    # (out_j = y_j cos - y_{j+RD/2} sin, out_{j+RD/2} = y_{j+RD/2} cos + y_j sin), with the reference's
+    # roundings to the activation dtype after the norm, after cos/sin, each product and the sum.
+    i_bt, i_h = tl.program_id(0), tl.program_id(1)
+    i_b, i_t = i_bt // T, i_bt % T
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    slot = tl.load(p_slots + i_b)
+    at = tl.load(p_pos + i_b) + i_t                                                  # this token's position
+    if i_h >= NH + NKV:  # a value row: a plain copy into the cache
+        i_v = i_h - NH - NKV
+        b_v = tl.load(p_v + i_b * s_vb + i_t * s_vt + i_v * s_vh + o_d, mask=m_d, other=0.0)
+        tl.store(p_vc + slot * s_vs + at * s_vl + i_v * s_vhh + o_d, b_v.to(p_vc.dtype.element_ty), mask=m_d)
+    else:
+        if i_h < NH:
+            p_row = p_qg + i_b * s_qb + i_t * s_qt + i_h * s_qh
+            p_w = p_qw
+        else:
+            p_row = p_k + i_b * s_kb + i_t * s_kt + (i_h - NH) * s_kh
+            p_w = p_kw
+        o_p = tl.where(o_d < RD // 2, o_d + RD // 2, tl.where(o_d < RD, o_d - RD // 2, o_d))  # RoPE partner
+        b_x = tl.load(p_row + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_xp = tl.load(p_row + o_p, mask=m_d, other=0.0).to(tl.float32)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 0) / D + eps)
+        dt = p_k.dtype.element_ty
+        b_y = (b_x * b_rstd * (1.0 + tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
+        b_yp = (b_xp * b_rstd * (1.0 + tl.load(p_w + o_p, mask=m_d, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
+        b_f = at.to(tl.float32) * tl.load(p_freq + o_d % (RD // 2), mask=o_d < RD, other=0.0)
+        b_cos = tl.cos(b_f).to(dt).to(tl.float32)
+        b_sin = tl.sin(b_f).to(dt).to(tl.float32)
+        b_rot = tl.where(o_d < RD // 2, -b_yp, b_yp)
+        b_r = (b_y * b_cos).to(dt).to(tl.float32) + (b_rot * b_sin).to(dt).to(tl.float32)
+        b_out = tl.where(o_d < RD, b_r, b_y)
+        if i_h < NH:
+            tl.store(p_q + (i_bt * NH + i_h) * D + o_d, b_out.to(p_q.dtype.element_ty), mask=m_d)
+        else:
+            tl.store(p_kc + slot * s_cs + at * s_cl + (i_h - NH) * s_ch + o_d, b_out.to(p_kc.dtype.element_ty), mask=m_d)
+
+
+def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos):
+    """Everything between the q/k/v projections and attention(), in one launch (the unfused path is
+    ~35 small launches per attention layer and step):
+        q = rope(rms_norm(qg[..., :hd], q_norm_w)), k = rope(rms_norm(k, k_norm_w)),
+        k_cache[slots[b], pos[b] + t] = k[b, t], v_cache[slots[b], pos[b] + t] = v[b, t].
+    qg [B, T, nh, >= hd] (q_proj's output per head: query channels first, e.g. [query | gate]);
+    k, v [B, T, n_kv, hd]; q_norm_w, k_norm_w [hd] (zero-centred); inv_freq [rotary_dim / 2] fp32;
+    k_cache, v_cache [S, L, n_kv, hd]; slots, pos [B] long. Returns q [B, T, nh, hd] (contiguous)."""
+    if not _fast(qg):
+        return attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos)
+    B, T, nh, _ = qg.shape
+    nkv, hd = k.shape[2:]
+    assert v.shape == k.shape and k_cache.shape[2:] == (nkv, hd) and v_cache.shape == k_cache.shape
+    assert qg.dtype == k.dtype == v.dtype and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+    assert q_norm_w.is_contiguous() and k_norm_w.is_contiguous() and slots.dtype == pos.dtype == torch.long
+    qg, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qg, k, v))
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    q = _empty((B, T, nh, hd), qg.dtype, qg.device)
+    _attention_prep_kernel[(B * T, nh + 2 * nkv)](
+        qg, k, v, q_norm_w, k_norm_w, inv_freq, k_cache, v_cache, slots, pos, q, T, eps,
+        qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NH=nh, NKV=nkv, D=hd, BD=_p2(hd), RD=2 * inv_freq.numel(), num_warps=1 if hd <= 128 else 2)
+    return q
+
+
 # ----------------------------------------------------------------------------------------------
 # Attention over the position-indexed KV cache (prefill, decode and verify)
 # ----------------------------------------------------------------------------------------------
 
-def attention(q, k_cache, v_cache, slots, pos, kv_len):
-    """Causal GQA attention of T new queries per sequence over the slot's cached keys.
-
-    q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d] (the new tokens already written at
-    positions pos[b] .. pos[b]+T-1); slots, pos [B] long; kv_len: an int >= max(pos) + T, the cache
-    prefix to look at. Query t of sequence b sees keys 0 .. pos[b]+t. Returns [B, T, n_h, d].
-    """
+def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
     k = k_cache[slots, :kv_len].float()                         # [B, L, n_kv, d]
@@ -165,20 +586,139 @@ def attention(q, k_cache, v_cache, slots, pos, kv_len):
     return (p @ v).transpose(1, 2).to(q.dtype)
 
 
+@_jit
+def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, NSPLIT, qk_scale,
+                      s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh,
+                      NH: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    # program (b, kv head * NM + query tile, split). A query tile holds BM rows r = t * GROUP + g: the
+    # GROUP query heads sharing this KV head, for consecutive new tokens t, so each K/V tile loaded
+    # serves them all. Keys run up to the tile's own causal end pos + t_max + 1 (never kv_len); with
+    # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding) and the partial softmax
+    # states (acc, max, sum) go to p_part / p_ml for _attention_combine_kernel.
+    i_b, i_hm, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kv, i_m = i_hm // NM, i_hm % NM
+    o_r = i_m * BM + tl.arange(0, BM)
+    t_r, h_r = o_r // GROUP, i_kv * GROUP + o_r % GROUP
+    m_r = o_r < GROUP * T
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    slot = tl.load(p_slots + i_b)
+    pos = tl.load(p_pos + i_b)
+    p_qr = p_q + i_b * s_qb + t_r[:, None] * s_qt + h_r[:, None] * s_qh + o_d[None, :]
+    b_q = tl.load(p_qr, mask=m_r[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BM, BD]
+    b_qpos = pos + t_r                                                               # [BM] last visible key
+    end = pos + tl.minimum((i_m * BM + BM - 1) // GROUP, T - 1) + 1
+    lo = 0
+    hi = end
+    if SPLIT:
+        per = tl.cdiv(tl.cdiv(end, NSPLIT), BN) * BN
+        lo = tl.minimum(i_s * per, end)
+        hi = tl.minimum(lo + per, end)
+    p_kb = p_k + slot * s_ks + i_kv * s_kh + o_d[None, :]
+    p_vb = p_v + slot * s_vs + i_kv * s_vh + o_d[None, :]
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < hi
+        b_k = tl.load(p_kb + o_n[:, None] * s_kl, mask=m_n[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BN, BD]
+        b_sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale           # [BM, BN], log2 units
+        b_sc = tl.where(m_n[None, :] & (o_n[None, :] <= b_qpos[:, None]), b_sc, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_sc, 1))
+        b_mu = tl.where(b_mn == float("-inf"), 0.0, b_mn)                            # rows with nothing yet
+        b_p = tl.exp2(b_sc - b_mu[:, None])
+        b_alpha = tl.exp2(b_m - b_mu)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_vb + o_n[:, None] * s_vl, mask=m_n[:, None] & m_d[None, :], other=0.0).to(DOT)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT), b_v, input_precision=PREC)
+        b_m = b_mn
+    o_row = (i_b * T + t_r.to(tl.int64)) * NH + h_r                                   # [BM] output row
+    m_o = m_r[:, None] & m_d[None, :]
+    if SPLIT:
+        o_part = o_row * NSPLIT + i_s
+        tl.store(p_part + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_o)
+        tl.store(p_ml + o_part * 2, b_m, mask=m_r)
+        tl.store(p_ml + o_part * 2 + 1, b_l, mask=m_r)
+    else:
+        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        tl.store(p_o + o_row[:, None] * D + o_d[None, :], b_o.to(p_o.dtype.element_ty), mask=m_o)
+
+
+@_jit
+def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+    # program per output row (b, t, head): merge the NSPLIT partial softmax states
+    i_r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, BS)
+    o_d = tl.arange(0, BD)
+    m_s = o_s < NSPLIT
+    b_m = tl.load(p_ml + (i_r * NSPLIT + o_s) * 2, mask=m_s, other=float("-inf"))
+    b_l = tl.load(p_ml + (i_r * NSPLIT + o_s) * 2 + 1, mask=m_s, other=0.0)
+    b_w = tl.exp2(b_m - tl.max(b_m, 0))                                              # empty splits: 0
+    b_acc = tl.load(p_part + (i_r * NSPLIT + o_s)[:, None] * D + o_d[None, :],
+                    mask=m_s[:, None] & (o_d < D)[None, :], other=0.0)
+    b_o = tl.sum(b_acc * b_w[:, None], 0) / tl.sum(b_l * b_w, 0)
+    tl.store(p_o + i_r * D + o_d, b_o.to(p_o.dtype.element_ty), mask=o_d < D)
+
+
+def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
+    B, T, nh, d = q.shape
+    nkv = k_cache.shape[2]
+    assert nh % nkv == 0 and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.dtype == k_cache.dtype
+    assert slots.dtype == torch.long and pos.dtype == torch.long
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    G = nh // nkv
+    BM = max(16, min(64, _p2(G * T)))
+    NM = _cdiv(G * T, BM)
+    BN = 64 if d <= 128 or BM <= 32 else 32
+    if nsplit is None:  # enough programs to fill the GPU, at least 128 keys a split (kv_len: upper bound)
+        nsplit = max(1, min(64, _cdiv(kv_len, 128), _cdiv(2 * _sm_count(q.device), B * nkv * NM)))
+    o = _empty((B, T, nh, d), q.dtype, q.device)
+    part = ml = o
+    if nsplit > 1:
+        part = _empty((B * T * nh, nsplit, d), torch.float32, q.device)
+        ml = _empty((B * T * nh, nsplit, 2), torch.float32, q.device)
+    dot = _dot_dtype(q)
+    _attention_kernel[(B, nkv * NM, nsplit)](
+        q, k_cache, v_cache, slots, pos, o, part, ml, T, NM, nsplit, d ** -0.5 * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NH=nh, GROUP=G, D=d, BD=_p2(d), BM=BM, BN=BN, SPLIT=nsplit > 1, DOT=dot,
+        PREC="ieee" if dot == tl.float32 else "tf32",
+        num_warps=8 if BM * _p2(d) >= 64 * 256 else 4, num_stages=2)
+    if nsplit > 1:
+        _attention_combine_kernel[(B * T * nh,)](part, ml, o, nsplit, D=d, BD=_p2(d), BS=_p2(nsplit), num_warps=4)
+    return o
+
+
+def attention(q, k_cache, v_cache, slots, pos, kv_len):
+    """Causal GQA attention of T new queries per sequence over the slot's cached keys.
+
+    q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d] (the new tokens already written at
+    positions pos[b] .. pos[b]+T-1); slots, pos [B] long; kv_len: an int >= max(pos) + T, the cache
+    prefix to look at. Query t of sequence b sees keys 0 .. pos[b]+t. Returns [B, T, n_h, d].
+    The kernel reads keys only up to each row's own pos[b]+T, so kv_len may be any upper bound (e.g.
+    max_model_len inside CUDA graphs); it only sizes the split of long contexts.
+    """
+    if _fast(q):
+        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len)
+    return attention_ref(q, k_cache, v_cache, slots, pos, kv_len)
+
+
 # ----------------------------------------------------------------------------------------------
 # MoE routing and experts
 # ----------------------------------------------------------------------------------------------
 
-def moe_route(router_logits, top_k):
-    """fp32 softmax over experts, top-k, renormalised. router_logits [N, E] -> (w [N, k] fp32, idx [N, k])."""
+def moe_route_ref(router_logits, top_k):
     probs = router_logits.float().softmax(-1)
     w, idx = probs.topk(top_k, dim=-1)
     return w / w.sum(-1, keepdim=True), idx
 
 
-def moe_experts(x, w, idx, gate_up, down):
-    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for each token's chosen experts.
-    x [N, H]; w, idx [N, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns [N, H]."""
+def moe_experts_ref(x, w, idx, gate_up, down):
     out = torch.zeros_like(x)
     I = down.shape[2]
     for e in idx.unique().tolist():
@@ -187,3 +727,180 @@ def moe_experts(x, w, idx, gate_up, down):
         h = F.silu(h[:, :I]) * h[:, I:]
         out.index_add_(0, tok, ((h @ down[e].t()) * w[tok, slot, None].to(x.dtype)).to(x.dtype))
     return out
+
+
+@_jit
+def _moe_route_kernel(p_logits, p_w, p_idx, E, s_n, TOPK: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    # program per token: fp32 softmax over experts, top-k by repeated argmax (ties: lowest expert),
+    # renormalised over the chosen k
+    i_n = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BE)
+    b_x = tl.load(p_logits + i_n * s_n + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
+    b_p = tl.exp(b_x - tl.max(b_x, 0))
+    b_p = b_p / tl.sum(b_p, 0)
+    b_p = tl.where(o_e < E, b_p, -1.0)
+    o_k = tl.arange(0, BK)
+    b_w = tl.zeros([BK], dtype=tl.float32)
+    b_i = tl.zeros([BK], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        b_top = tl.max(b_p, 0)
+        i_top = tl.min(tl.where(b_p == b_top, o_e, BE), 0)
+        b_w = tl.where(o_k == j, b_top, b_w)
+        b_i = tl.where(o_k == j, i_top, b_i)
+        b_p = tl.where(o_e == i_top, -1.0, b_p)
+    b_w = b_w / tl.sum(b_w, 0)
+    tl.store(p_w + i_n * TOPK + o_k, b_w, mask=o_k < TOPK)
+    tl.store(p_idx + i_n * TOPK + o_k, b_i.to(tl.int64), mask=o_k < TOPK)
+
+
+def moe_route(router_logits, top_k):
+    """fp32 softmax over experts, top-k, renormalised. router_logits [N, E] -> (w [N, k] fp32, idx [N, k] long)."""
+    if _fast(router_logits):
+        N, E = router_logits.shape
+        lg = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        w = _empty((N, top_k), torch.float32, lg.device)
+        idx = _empty((N, top_k), torch.long, lg.device)
+        _moe_route_kernel[(N,)](lg, w, idx, E, lg.stride(0), TOPK=top_k, BE=_p2(E), BK=_p2(top_k), num_warps=2)
+        return w, idx
+    return moe_route_ref(router_logits, top_k)
+
+
+# The N*k (token, expert) pairs are first grouped by expert on the device (a counting sort, no host
+# sync): order [P] lists the pairs expert by expert, pairs of expert e at order[off[e] : off[e+1]].
+# Then each expert kernel program takes one expert and a block of its output features, and runs its
+# pairs BT at a time through tl.dot, so an expert's weights are read once however many tokens chose
+# it. With few pairs (P <= E) the grid runs over pairs, and only the first pair of each expert works;
+# otherwise over experts (most of which have no pairs at decode, and exit at once).
+_MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
+
+
+@_jit
+def _moe_group_kernel(p_idx, p_order, p_off, P, BP: tl.constexpr):
+    # program per expert e: its pairs go to order[off[e] + rank], off[e] = #pairs of experts < e
+    e = tl.program_id(0)
+    o_p = tl.arange(0, BP)
+    b_ids = tl.load(p_idx + o_p, mask=o_p < P, other=2147483647)
+    b_hit = b_ids == e
+    off = tl.sum((b_ids < e).to(tl.int32), 0)
+    b_rank = tl.cumsum(b_hit.to(tl.int32), 0) - 1
+    tl.store(p_order + off + b_rank, o_p, mask=b_hit)
+    tl.store(p_off + e, off)
+    tl.store(p_off + e + 1, off + tl.sum(b_hit.to(tl.int32), 0))  # (expert e+1 writes the same value)
+
+
+@_jit
+def _moe_gate_up_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
+                        TOPK: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
+                        BY_PAIR: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    # program (expert or leader pair, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T)
+    i_e, i_i = tl.program_id(0), tl.program_id(1)
+    e = i_e.to(tl.int64)
+    if BY_PAIR:
+        e = tl.load(p_idx + i_e)
+    start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
+    if BY_PAIR:  # a later pair of the same expert: nothing to do
+        end = tl.where(tl.load(p_order + start) == i_e, end, start)
+    o_i = i_i * BI + tl.arange(0, BI)
+    m_i = o_i < I
+    p_g = p_gu + e * s_ge + o_i[None, :] * s_gr                                     # [1, BI] gate rows
+    p_u = p_gu + e * s_ge + (I + o_i)[None, :] * s_gr                               # [1, BI] up rows
+    for r0 in range(start, end, BT):
+        o_t = r0 + tl.arange(0, BT)
+        m_t = o_t < end
+        b_pair = tl.load(p_order + o_t, mask=m_t, other=0).to(tl.int64)             # [BT]
+        b_tok = b_pair // TOPK
+        b_g = tl.zeros([BT, BI], dtype=tl.float32)
+        b_u = tl.zeros([BT, BI], dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            o_h = h0 + tl.arange(0, BH)
+            m_h = o_h < H
+            b_x = tl.load(p_x + b_tok[:, None] * s_x + o_h[None, :], mask=m_t[:, None] & m_h[None, :], other=0.0).to(DOT)
+            m_w = m_h[:, None] & m_i[None, :]
+            b_wg = tl.load(p_g + o_h[:, None], mask=m_w, other=0.0).to(DOT)          # [BH, BI]
+            b_wu = tl.load(p_u + o_h[:, None], mask=m_w, other=0.0).to(DOT)
+            b_g += tl.dot(b_x, b_wg, input_precision=PREC)
+            b_u += tl.dot(b_x, b_wu, input_precision=PREC)
+        b_h = b_g * tl.sigmoid(b_g) * b_u
+        tl.store(p_h + b_pair[:, None] * I + o_i[None, :], b_h.to(p_h.dtype.element_ty), mask=m_t[:, None] & m_i[None, :])
+
+
+@_jit
+def _moe_down_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
+                     BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                     BY_PAIR: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    # program (expert or leader pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T)
+    i_e, i_o = tl.program_id(0), tl.program_id(1)
+    e = i_e.to(tl.int64)
+    if BY_PAIR:
+        e = tl.load(p_idx + i_e)
+    start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
+    if BY_PAIR:
+        end = tl.where(tl.load(p_order + start) == i_e, end, start)
+    o_o = i_o * BO + tl.arange(0, BO)
+    m_o = o_o < H
+    p_d = p_dn + e * s_de + o_o[None, :] * s_dr                                     # [1, BO] down rows
+    for r0 in range(start, end, BT):
+        o_t = r0 + tl.arange(0, BT)
+        m_t = o_t < end
+        b_pair = tl.load(p_order + o_t, mask=m_t, other=0).to(tl.int64)
+        b_y = tl.zeros([BT, BO], dtype=tl.float32)
+        for i0 in range(0, I, BI):
+            o_i = i0 + tl.arange(0, BI)
+            m_i = o_i < I
+            b_h = tl.load(p_h + b_pair[:, None] * I + o_i[None, :], mask=m_t[:, None] & m_i[None, :], other=0.0)
+            b_wd = tl.load(p_d + o_i[:, None], mask=m_i[:, None] & m_o[None, :], other=0.0)  # [BI, BO]
+            b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
+        b_y *= tl.load(p_w + b_pair, mask=m_t, other=0.0)[:, None]
+        tl.store(p_y + b_pair[:, None] * H + o_o[None, :], b_y, mask=m_t[:, None] & m_o[None, :])
+
+
+@_jit
+def _moe_sum_kernel(p_y, p_out, H, TOPK: tl.constexpr, BH: tl.constexpr):
+    # out[n] = sum_j y[n, j] in a fixed order (deterministic, unlike atomics)
+    i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_h = i_h * BH + tl.arange(0, BH)
+    b_o = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        b_o += tl.load(p_y + (i_n * TOPK + j) * H + o_h, mask=o_h < H, other=0.0)
+    tl.store(p_out + i_n * H + o_h, b_o.to(p_out.dtype.element_ty), mask=o_h < H)
+
+
+def _moe_experts_launch(x, w, idx, gate_up, down):
+    N, H = x.shape
+    E, I2, _ = gate_up.shape
+    I, k = I2 // 2, idx.shape[1]
+    assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I) and w.shape == idx.shape
+    assert gate_up.stride(2) == 1 and down.stride(2) == 1 and idx.dtype == torch.long
+    x = x if x.stride(1) == 1 else x.contiguous()
+    idx, w = idx.contiguous(), w.float().contiguous()
+    out = _empty(x.shape, x.dtype, x.device)
+    dot = _dot_dtype(gate_up)
+    prec = "ieee" if dot == tl.float32 else "tf32"
+    for s in range(0, N, _MOE_CHUNK):
+        e_ = min(N, s + _MOE_CHUNK)
+        xs, ids, ws, P = x[s:e_], idx[s:e_], w[s:e_], (e_ - s) * k
+        order = _empty((P,), torch.int32, x.device)                                 # pairs, grouped by expert
+        off = _empty((E + 1,), torch.int32, x.device)                               # expert e: order[off[e]:off[e+1]]
+        h = _empty((P, I), x.dtype, x.device)                                        # [P, I]
+        y = _empty((P, H), torch.float32, x.device)                                  # [P, H]
+        by_pair = P <= E
+        BP = _p2(P)
+        _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
+        _moe_gate_up_kernel[(P if by_pair else E, _cdiv(I, 16))](
+            xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
+            TOPK=k, BT=16, BI=16, BH=min(256, max(16, _p2(H))), BY_PAIR=by_pair, DOT=dot, PREC=prec, num_warps=4)
+        _moe_down_kernel[(P if by_pair else E, _cdiv(H, 32))](
+            h, ids, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
+            BT=16, BO=32, BI=min(128, max(16, _p2(I))), BY_PAIR=by_pair, DOT=dot, PREC=prec, num_warps=4)
+        _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], H, TOPK=k, BH=512, num_warps=4)
+    return out
+
+
+def moe_experts(x, w, idx, gate_up, down):
+    """sum_k w_k * down_e(silu(gate_e x) * up_e x) for each token's chosen experts.
+    x [N, H]; w, idx [N, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns [N, H].
+    The kernels keep fp32 accumulators and sum the k experts in fp32; the reference rounds to x's
+    dtype after each product and accumulates the experts in x's dtype (and syncs with the host)."""
+    if _fast(x):
+        return _moe_experts_launch(x, w, idx, gate_up, down)
+    return moe_experts_ref(x, w, idx, gate_up, down)

@@ -21,6 +21,9 @@ import urllib.request
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # the Triton kernels run through the interpreter on CPU: set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:
     import gguf
 except ImportError:  # the GPU image has no gguf package: the GGUF tests skip there
@@ -1749,6 +1752,395 @@ def test_default_model_is_the_shipped_toy():
         pytest.skip("models/toy not present")
     r = run_cli("--prompt", "def fib(n):", "--max-tokens", "12", "--device", "cpu")
     assert r.returncode == 0 and "generated tokens: 12" in r.stderr, r.stderr
+
+
+# ==============================================================================================
+# Tier 2: kernels (Triton vs PyTorch reference; interpreted on CPU, compiled on the GPU)
+# ==============================================================================================
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _interpretable():
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(K._rms_norm_kernel, InterpretedFunction)
+
+
+KERNELS_RUN = K.triton is not None and (CUDA or _interpretable())
+needs_kernels = pytest.mark.skipif(not KERNELS_RUN, reason="Triton kernels cannot run here (see module doc)")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def fast(fn, *args, **kw):
+    """Call a public kernels.py function on its Triton path (interpreted on CPU), with every buffer the
+    wrapper allocates filled with NaN (or -7) first, so an element the kernel forgets shows up."""
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+    old = K.USE_TRITON, K.INTERPRET, K._empty
+    K.USE_TRITON, K.INTERPRET, K._empty = True, not CUDA, poisoned
+    try:
+        return fn(*args, **kw)
+    finally:
+        K.USE_TRITON, K.INTERPRET, K._empty = old
+
+
+def rel(out, ref):
+    """Relative error ||out - ref|| / ||ref|| in fp32 (inf when out has NaNs)."""
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # (the interpreter rounds fp32 -> bf16 by truncation)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, g, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+# ==============================================================================================
+# Small odd shapes (CPU interpreter or GPU)
+# ==============================================================================================
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [40, 256])
+def test_kernel_rms_norms(dtype, D):
+    g = gen(0)
+    x = randn(3, 5, D, g=g, dtype=dtype)
+    w = randn(D, g=g, dtype=dtype, scale=0.1)
+    assert rel(fast(K.rms_norm, x, w, 1e-6), K.rms_norm_ref(x, w, 1e-6)) <= TOL[dtype]
+    qg = randn(2, 3, 4, 2 * D, g=g, dtype=dtype)                                   # q half of q_proj: strided
+    q = qg[..., :D]
+    assert rel(fast(K.rms_norm, q, w, 1e-6), K.rms_norm_ref(q, w, 1e-6)) <= TOL[dtype]
+    r = randn(3, 5, D, g=g, dtype=dtype)
+    y, h = fast(K.add_rms_norm, x, r, w, 1e-6)
+    y_ref, h_ref = K.add_rms_norm_ref(x, r, w, 1e-6)
+    assert (torch.equal(h, h_ref) if CUDA else rel(h, h_ref) <= TOL[dtype]) and rel(y, y_ref) <= TOL[dtype]
+    z = randn(3, 5, D, g=g, dtype=dtype)
+    wg = 1 + randn(D, g=g, dtype=dtype, scale=0.1)
+    assert rel(fast(K.gated_rms_norm, x, z, wg, 1e-6), K.gated_rms_norm_ref(x, z, wg, 1e-6)) <= TOL[dtype]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 5, 63])
+def test_kernel_causal_conv(dtype, T):
+    g = gen(T)
+    B, C, Kc, S = 3, 300, 4, 6
+    x = randn(B, T, C + 8, g=g, dtype=dtype)[..., :C]                                # strided rows
+    w = randn(C, 1, Kc, g=g, dtype=dtype, scale=0.5)[:, 0]                           # [C, K] view, like the model
+    pool = randn(S, C, Kc - 1, g=g, dtype=dtype)
+    slots = torch.tensor([4, 0, 2], device=DEV)
+    keeps = [None, torch.zeros(B, dtype=torch.long, device=DEV),
+             torch.tensor([0, min(2, T), T], device=DEV)]
+    for n_keep in keeps:
+        p1, p2 = pool.clone(), pool.clone()
+        y = fast(K.causal_conv, x, p1, slots, w, n_keep)
+        y_ref = K.causal_conv_ref(x, p2, slots, w, n_keep)
+        assert rel(y, y_ref) <= TOL[dtype], n_keep
+        assert torch.equal(p1, p2), n_keep                                         # windows: exact copies
+
+
+def gdn_inputs(B, T, Hk, Hv, dk, dv, dtype, seed):
+    """q, k, v as strided slices of one conv output, like GatedDeltaNet.split; g fp32, beta in dtype."""
+    g_ = gen(seed)
+    y = randn(B, T, 2 * Hk * dk + Hv * dv, g=g_, dtype=dtype)
+    q, k, v = y.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+    q, k, v = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv)
+    g = -torch.rand(B, T, Hv, generator=g_, device=DEV) * 2
+    beta = torch.rand(B, T, Hv, generator=g_, device=DEV).to(dtype)
+    return q, k, v, g, beta
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 5])
+def test_kernel_gdn_recurrent(dtype, T):
+    B, Hk, Hv, dk, dv, S = 3, 2, 6, 24, 20, 5
+    q, k, v, g, beta = gdn_inputs(B, T, Hk, Hv, dk, dv, dtype, seed=T)
+    pool = randn(S, Hv, dk, dv, g=gen(99), scale=0.3)
+    slots = torch.tensor([3, 1, 4], device=DEV)
+    for n_keep in [None, torch.zeros(B, dtype=torch.long, device=DEV), torch.tensor([0, min(2, T), T], device=DEV)]:
+        p1, p2 = pool.clone(), pool.clone()
+        o = fast(K.gdn_recurrent, q, k, v, g, beta, p1, slots, n_keep)
+        o_ref = K.gdn_recurrent_ref(q, k, v, g, beta, p2, slots, n_keep)
+        assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+        assert rel(o, o_ref) <= TOL[dtype], n_keep
+        assert rel(p1, p2) <= 1e-5, n_keep                                         # states stay fp32
+        untouched = [s for s in range(S) if s not in slots.tolist()]
+        assert torch.equal(p1[untouched], pool[untouched])
+        if n_keep is not None:
+            for b in range(B):
+                if int(n_keep[b]) == 0:
+                    assert torch.equal(p1[slots[b]], pool[slots[b]])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_gdn_recurrent_gated(dtype):
+    B, T, Hk, Hv, dk, dv = 2, 5, 1, 3, 16, 12
+    q, k, v, _, _ = gdn_inputs(B, T, Hk, Hv, dk, dv, dtype, seed=3)
+    g_ = gen(4)
+    a = randn(B, T, Hv, g=g_, dtype=dtype, scale=8)                                # some past softplus' threshold 20
+    b = randn(B, T, Hv, g=g_, dtype=dtype, scale=2)
+    A_log, dt_bias = randn(Hv, g=g_, dtype=dtype, scale=0.5), randn(Hv, g=g_, dtype=dtype) + 10
+    pool = randn(B, Hv, dk, dv, g=g_, scale=0.3)
+    slots, n_keep = torch.tensor([1, 0], device=DEV), torch.tensor([4, 2], device=DEV)
+    p1, p2 = pool.clone(), pool.clone()
+    o = fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p1, slots, n_keep)
+    g, beta = K.gdn_gates(a, b, A_log, dt_bias)
+    o_ref = K.gdn_recurrent_ref(q, k, v, g, beta, p2, slots, n_keep)
+    assert rel(o, o_ref) <= TOL[dtype] and rel(p1, p2) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+def test_kernel_gdn_long_and_chunked():
+    B, T, Hk, Hv, dk, dv = 2, 63, 2, 4, 16, 16
+    q, k, v, g, beta = gdn_inputs(B, T, Hk, Hv, dk, dv, torch.float32, seed=7)
+    pool = randn(B + 1, Hv, dk, dv, g=gen(8), scale=0.3)
+    slots = torch.tensor([2, 0], device=DEV)
+    p1, p2, p3 = pool.clone(), pool.clone(), pool.clone()
+    o1 = fast(K.gdn_recurrent, q, k, v, g, beta, p1, slots)
+    o2 = fast(K.gdn_chunked, q, k, v, g, beta, p2, slots)
+    o_ref = K.gdn_chunked_ref(q, k, v, g, beta, p3, slots)
+    assert rel(o1, o_ref) <= 1e-5 and rel(p1, p3) <= 1e-5
+    assert rel(o2, o_ref) <= 1e-5 and rel(p2, p3) <= 1e-5
+    assert torch.equal(p1[1], pool[1])
+
+
+def kv_setup(B, L, nkv, d, pos, T, dtype, seed, S=None):
+    """A position-indexed cache with each row's keys 0 .. pos+T-1 filled, and a copy whose stale
+    positions (>= pos+T) hold NaN: a kernel that reads past a row's own end would produce NaN."""
+    g = gen(seed)
+    S = S or B + 1
+    kc, vc = randn(S, L, nkv, d, g=g, dtype=dtype), randn(S, L, nkv, d, g=g, dtype=dtype)
+    slots = torch.randperm(S, generator=torch.Generator().manual_seed(seed))[:B].to(DEV)
+    kp, vp = kc.clone(), vc.clone()
+    for b in range(B):
+        kp[slots[b], pos[b] + T:] = float("nan")
+        vp[slots[b], pos[b] + T:] = float("nan")
+    return kc, vc, kp, vp, slots
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 5])
+def test_kernel_attention_decode(dtype, T):
+    B, nh, nkv, d, L = 3, 6, 2, 32, 300
+    pos = [0, 70, 250]
+    kc, vc, kp, vp, slots = kv_setup(B, L, nkv, d, pos, T, dtype, seed=T)
+    q = randn(B, T, nh, d, g=gen(T + 10), dtype=dtype)
+    pos_t = torch.tensor(pos, device=DEV)
+    kv_len = max(pos) + T
+    ref = K.attention_ref(q, kc, vc, slots, pos_t, kv_len)
+    assert rel(fast(K.attention, q, kp, vp, slots, pos_t, kv_len), ref) <= TOL[dtype]
+    assert rel(fast(K.attention, q, kp, vp, slots, pos_t, L), ref) <= TOL[dtype]    # kv_len: any upper bound
+    for nsplit in (1, 3, 7):
+        o = fast(K._attention_launch, q, kp, vp, slots, pos_t, kv_len, nsplit=nsplit)
+        assert rel(o, ref) <= TOL[dtype], nsplit
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_attention_prefill(dtype):
+    B, T, nh, nkv, d, L = 1, 63, 4, 1, 32, 160
+    pos = [40]                                                                     # a second prefill chunk
+    kc, vc, kp, vp, slots = kv_setup(B, L, nkv, d, pos, T, dtype, seed=5)
+    q = randn(B, T, nh, d, g=gen(6), dtype=dtype)
+    pos_t = torch.tensor(pos, device=DEV)
+    ref = K.attention_ref(q, kc, vc, slots, pos_t, pos[0] + T)
+    assert rel(fast(K.attention, q, kp, vp, slots, pos_t, pos[0] + T), ref) <= TOL[dtype]
+    assert rel(fast(K._attention_launch, q, kp, vp, slots, pos_t, L, nsplit=2), ref) <= TOL[dtype]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_kernel_attention_prep(dtype, T):
+    B, nh, nkv, hd, L = 2, 6, 2, 32, 3000
+    g = gen(T)
+    qg = randn(B, T, nh, 2 * hd, g=g, dtype=dtype)                                 # [query | gate] per head
+    k, v = randn(B, T, nkv, hd, g=g, dtype=dtype), randn(B, T, nkv, hd, g=g, dtype=dtype)
+    qw, kw = randn(hd, g=g, dtype=dtype, scale=0.1), randn(hd, g=g, dtype=dtype, scale=0.1)
+    inv_freq = 1.0 / 1e7 ** (torch.arange(0, hd // 4, 2, device=DEV).float() / (hd // 4))  # partial: rd = hd/4
+    kc, vc = randn(B + 1, L, nkv, hd, g=g, dtype=dtype), randn(B + 1, L, nkv, hd, g=g, dtype=dtype)
+    slots, pos = torch.tensor([2, 0], device=DEV), torch.tensor([7, 2900], device=DEV)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q = fast(K.attention_prep, qg, k, v, qw, kw, 1e-6, inv_freq, k1, v1, slots, pos)
+    q_ref = K.attention_prep_ref(qg, k, v, qw, kw, 1e-6, inv_freq, k2, v2, slots, pos)
+    assert rel(q, q_ref) <= TOL[dtype] and rel(k1, k2) <= TOL[dtype] and torch.equal(v1, v2)
+    changed = (k1 != kc).any(-1).any(-1)                                            # [S, L]: rows written
+    for b in range(B):
+        assert changed[slots[b], pos[b]:pos[b] + T].all()
+    assert changed.sum() == B * T
+
+
+@needs_kernels
+@pytest.mark.parametrize("E,k", [(12, 3), (256, 8)])
+def test_kernel_moe_route(E, k):
+    for dtype in DTYPES:  # bf16 logits tie often: then only the chosen values must agree, not the order
+        logits = randn(7, E, g=gen(E), dtype=dtype, scale=2)
+        w, idx = fast(K.moe_route, logits, k)
+        w_ref, idx_ref = K.moe_route_ref(logits, k)
+        assert idx.dtype == torch.long and torch.equal(logits.gather(1, idx), logits.gather(1, idx_ref))
+        assert torch.equal(idx, idx_ref) or dtype != torch.float32
+        assert rel(w, w_ref) <= 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [1, 5, 17])
+def test_kernel_moe_experts(dtype, N):
+    E, k, H, I = 6, 2, 40, 24                                                      # N=1: by pair; else by expert
+    g = gen(N)
+    x = randn(N, H, g=g, dtype=dtype)
+    gate_up, down = randn(E, 2 * I, H, g=g, dtype=dtype, scale=0.2), randn(E, H, I, g=g, dtype=dtype, scale=0.2)
+    w, idx = K.moe_route_ref(randn(N, E, g=g), k)
+    ref = K.moe_experts_ref(x, w, idx, gate_up, down)
+    tol = TOL[dtype] * (3 if dtype == torch.bfloat16 else 1)                      # the reference rounds more often
+    assert rel(fast(K.moe_experts, x, w, idx, gate_up, down), ref) <= tol
+    old = K._MOE_CHUNK
+    K._MOE_CHUNK = 4                                                               # several launches per call
+    try:
+        assert rel(fast(K.moe_experts, x, w, idx, gate_up, down), ref) <= tol
+    finally:
+        K._MOE_CHUNK = old
+
+
+@pytest.mark.skipif(CUDA or K.triton is None or KERNELS_RUN, reason="kernel tests ran in this process")
+def test_kernels_interpreted_in_a_fresh_process():
+    """triton was imported before TRITON_INTERPRET=1 could be set: run the kernel tests again where it is."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-k", "test_kernel_", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(K.__file__)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# ==============================================================================================
+# Real model shapes and CUDA graphs (GPU only)
+# ==============================================================================================
+
+@needs_cuda
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 17), (8, 4)])
+def test_kernel_gpu_gdn_27b(B, T):
+    Hk, Hv, d = 16, 48, 128
+    q, k, v, g, beta = gdn_inputs(B, T, Hk, Hv, d, d, torch.bfloat16, seed=T)
+    pool = randn(B + 1, Hv, d, d, g=gen(1), scale=0.1)
+    slots = torch.arange(B, device=DEV) + 1
+    n_keep = torch.randint(0, T + 1, (B,), device=DEV)
+    for nk in (None, n_keep):
+        p1, p2 = pool.clone(), pool.clone()
+        o = fast(K.gdn_recurrent, q, k, v, g, beta, p1, slots, nk)
+        assert rel(o, K.gdn_recurrent_ref(q, k, v, g, beta, p2, slots, nk)) <= 1e-2
+        assert rel(p1, p2) <= 1e-5 and torch.equal(p1[0], pool[0])
+    a, b_ = randn(B, T, Hv, g=gen(5), dtype=torch.bfloat16), randn(B, T, Hv, g=gen(6), dtype=torch.bfloat16)
+    A_log, dt_bias = randn(Hv, g=gen(7), dtype=torch.bfloat16), randn(Hv, g=gen(8), dtype=torch.bfloat16)
+    p1, p2 = pool.clone(), pool.clone()
+    o = fast(K.gdn_recurrent_gated, q, k, v, a, b_, A_log, dt_bias, p1, slots, n_keep)
+    o_ref = K.gdn_recurrent_ref(q, k, v, *K.gdn_gates(a, b_, A_log, dt_bias), p2, slots, n_keep)
+    assert rel(o, o_ref) <= 1e-2 and rel(p1, p2) <= 1e-2                          # beta rounds to bf16
+    conv_x = randn(B, T, 2 * Hk * d + Hv * d, g=gen(2), dtype=torch.bfloat16)
+    cw = randn(conv_x.shape[-1], 4, g=gen(3), dtype=torch.bfloat16, scale=0.5)
+    cp = randn(B + 1, conv_x.shape[-1], 3, g=gen(4), dtype=torch.bfloat16)
+    c1, c2 = cp.clone(), cp.clone()
+    y = fast(K.causal_conv, conv_x, c1, slots, cw, n_keep)
+    assert rel(y, K.causal_conv_ref(conv_x, c2, slots, cw, n_keep)) <= 1e-2 and torch.equal(c1, c2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,T,pos0", [(1, 1, 3000), (2, 17, 5000), (1, 2048, 1000)])
+def test_kernel_gpu_attention_27b(B, T, pos0):
+    nh, nkv, d, L = 24, 4, 256, 8192
+    pos = [pos0 + 37 * b for b in range(B)]
+    kc, vc, kp, vp, slots = kv_setup(B, L, nkv, d, pos, T, torch.bfloat16, seed=B)
+    q = randn(B, T, nh, d, g=gen(0), dtype=torch.bfloat16)
+    pos_t = torch.tensor(pos, device=DEV)
+    ref = K.attention_ref(q, kc, vc, slots, pos_t, max(pos) + T)
+    assert rel(fast(K.attention, q, kp, vp, slots, pos_t, L), ref) <= 1e-2
+    qg, kx = randn(B, T, nh, 2 * d, g=gen(1), dtype=torch.bfloat16), randn(B, T, nkv, d, g=gen(2), dtype=torch.bfloat16)
+    w = randn(d, g=gen(3), dtype=torch.bfloat16, scale=0.1)
+    inv_freq = 1.0 / 1e7 ** (torch.arange(0, 64, 2, device=DEV).float() / 64)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q1 = fast(K.attention_prep, qg, kx, kx, w, w, 1e-6, inv_freq, k1, v1, slots, pos_t)
+    q2 = K.attention_prep_ref(qg, kx, kx, w, w, 1e-6, inv_freq, k2, v2, slots, pos_t)
+    assert rel(q1, q2) <= 1e-2 and rel(k1, k2) <= 1e-2 and torch.equal(v1, v2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 17, 136])
+def test_kernel_gpu_moe_35b(N):
+    E, k, H, I = 256, 8, 2048, 512
+    g = gen(N)
+    x = randn(N, H, g=g, dtype=torch.bfloat16)
+    gate_up = randn(E, 2 * I, H, g=g, dtype=torch.bfloat16, scale=0.02)
+    down = randn(E, H, I, g=g, dtype=torch.bfloat16, scale=0.02)
+    logits = randn(N, E, g=g, dtype=torch.bfloat16)
+    w, idx = fast(K.moe_route, logits, k)
+    w_ref, idx_ref = K.moe_route_ref(logits, k)
+    assert torch.equal(logits.gather(1, idx), logits.gather(1, idx_ref)) and rel(w, w_ref) <= 1e-6
+    assert rel(fast(K.moe_experts, x, w, idx, gate_up, down), K.moe_experts_ref(x, w, idx, gate_up, down)) <= 2e-2
+    r = randn(N, H, g=g, dtype=torch.bfloat16)
+    nw = randn(H, g=g, dtype=torch.bfloat16, scale=0.1)
+    y, h = fast(K.add_rms_norm, x, r, nw, 1e-6)
+    y_ref, h_ref = K.add_rms_norm_ref(x, r, nw, 1e-6)
+    assert torch.equal(h, h_ref) and rel(y, y_ref) <= 1e-2
+
+
+@needs_cuda
+def test_kernel_gpu_cuda_graph_capture():
+    """Every decode-step kernel captures into one CUDA graph (no host syncs, no dynamic sizes) and
+    the replay, after the inputs change in place, matches eager."""
+    B, T = 2, 5
+    q, k, v, g, beta = gdn_inputs(B, T, 16, 48, 128, 128, torch.bfloat16, seed=0)
+    pool = randn(B + 1, 48, 128, 128, g=gen(1), scale=0.1)
+    slots, n_keep = torch.tensor([2, 0], device=DEV), torch.tensor([3, 0], device=DEV)
+    kc, vc, _, _, _ = kv_setup(B, 4096, 4, 256, [100, 900], T, torch.bfloat16, seed=2, S=3)
+    qa = randn(B, T, 24, 256, g=gen(3), dtype=torch.bfloat16)
+    pos = torch.tensor([100, 900], device=DEV)
+    x = randn(B * T, 2048, g=gen(4), dtype=torch.bfloat16)
+    gate_up = randn(256, 1024, 2048, g=gen(5), dtype=torch.bfloat16, scale=0.02)
+    down = randn(256, 2048, 512, g=gen(6), dtype=torch.bfloat16, scale=0.02)
+    logits = randn(B * T, 256, g=gen(7), dtype=torch.bfloat16)
+    nw = randn(2048, g=gen(8), dtype=torch.bfloat16, scale=0.1)
+
+    def step(p):
+        o1 = K.gdn_recurrent(q, k, v, g, beta, p, slots, n_keep)
+        o2 = K.attention(qa, kc, vc, slots, pos, 4096)
+        w, idx = K.moe_route(logits, 8)
+        o3 = K.moe_experts(K.rms_norm(x, nw, 1e-6), w, idx, gate_up, down)
+        return o1, o2, o3
+
+    assert K.USE_TRITON
+    p_graph = pool.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(pool.clone())                                                         # compile before capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(p_graph)
+    for t in (q, qa, x, logits):
+        t.copy_(torch.randn_like(t))
+    pos.copy_(torch.tensor([2000, 300], device=DEV))
+    p_graph.copy_(pool)
+    graph.replay()
+    p_eager = pool.clone()
+    for o, e in zip(outs, step(p_eager)):
+        assert torch.equal(o, e)
+    assert torch.equal(p_graph, p_eager)
 
 
 if __name__ == "__main__":

@@ -943,6 +943,533 @@ class MTPProposer:
 
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
 
+
+# ---- model drafters ----
+# dflash, dspark: block drafters reading the target's hidden-state taps; draft_model: a separate small LM.
+# Facts from z-lab/dflash, deepseek-ai/DeepSpec, vllm-project/speculators and vLLM (shared/reference/
+# speculative-methods.md §5, §6, §8).
+#
+# A block drafter is a stack of plain Qwen3 layers (RMSNorm x*w, not zero-centred; no output gate; full NeoX RoPE)
+# with its own KV cache, indexed by position. Committed tokens enter it as "context" K/V: c = hidden_norm(fc(concat
+# taps)), then per layer k = RoPE(k_norm(k_proj(c))), v = v_proj(c) (no input_layernorm). A draft is one forward
+# over [anchor, mask x (Q-1)] at positions P..P+Q-1, each query seeing all context before P and the whole block.
+# DFlash: Q = K+1, mask slot j predicts position P+j. DSpark: Q = K, slot j predicts P+j+1 (the anchor predicts
+# too), then a low-rank Markov bias is added token by token. Rejected context needs no rollback: the next block
+# overwrites those positions before anything reads them.
+
+class Qwen3RMSNorm(nn.Module):
+    """Plain RMSNorm (Qwen3): y = w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype)."""
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+@dataclass
+class DraftConfig:
+    """A Qwen3 draft network: layer hyper-parameters, plus what a DFlash/DSpark drafter adds."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    windows: list = None              # per layer: sliding window or None
+    causal: list = None               # per layer: causal attention? (a plain LM: all)
+    block_size: int = 0
+    mask_token_id: int = None
+    target_layer_ids: list = None     # "output of layer i" of the target, -1 = its embeddings
+    from_anchor: bool = False         # DSpark: the anchor slot is a prediction position too
+    draft_vocab_size: int = None      # rows of the draft's own lm_head (reduced vocab needs d2t)
+    markov_rank: int = 0
+    confidence_with_markov: bool = False
+
+
+def qwen3_fields(d, where):
+    """DraftConfig fields of a Qwen3 config dict, and its layer_types."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: unsupported hidden_act {d['hidden_act']!r}; only silu is implemented")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: unsupported RoPE scaling {rope!r}; only default RoPE is implemented")
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["sliding_attention" if d.get("use_sliding_window") and
+                                     i >= d.get("max_window_layers", n) else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"{where}: layer_types must list {n} full_attention/sliding_attention entries, got {types}")
+    return dict(hidden_size=d["hidden_size"], num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
+                num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", d.get("rope_theta", 1e6)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False))), types
+
+
+def read_config(path, what):
+    f = os.path.join(str(path), "config.json")
+    if not os.path.isfile(f):
+        raise ConfigError(f"{what} {path}: no config.json (expected a Hugging Face checkpoint directory)")
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def read_block_config(path, method):
+    """config.json of a DFlash/DSpark draft in any published layout -> DraftConfig (ids in our tap convention)."""
+    top = read_config(path, f"{method} draft")
+    arch, smt = top.get("architectures") or [], top.get("speculators_model_type")
+    if smt in ("dflash", "dspark"):  # speculators: the layer config nested, aux ids in vLLM's "entering layer L"
+        kind, base, dc, layout = smt, top["transformer_layer_config"], {}, f"speculators {smt}"
+        ids = [i - 1 for i in top["aux_hidden_state_layer_ids"]]
+        from_anchor = top.get("sample_from_anchor", smt == "dspark")
+    elif "DFlashDraftModel" in arch:  # z-lab
+        kind, base, dc, layout = "dflash", top, top.get("dflash_config") or {}, "z-lab DFlashDraftModel"
+        ids, from_anchor = dc.get("target_layer_ids"), dc.get("sample_from_anchor", False)
+    elif "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and top.get("model_type") == "qwen3"):  # DeepSpec
+        kind, base, dc, layout = "dspark", top, top.get("dflash_config") or {}, "DeepSpec Qwen3DSparkModel"
+        ids, from_anchor = top.get("target_layer_ids"), True
+    else:
+        raise ConfigError(f"{method} draft {path}: not a DFlash/DSpark checkpoint (architectures {arch}); expected "
+                          "DFlashDraftModel (z-lab), Qwen3DSparkModel (DeepSpec) or speculators_model_type dflash/dspark")
+    where = f"{method} draft {path} ({layout})"
+    if kind != method:
+        raise ConfigError(f"{where} is a {kind} checkpoint: use method {kind!r}")
+    fields, types = qwen3_fields(base, where)
+    for key, ok in (("use_aux_hidden_state", (True,)), ("attention_sink_bias", (False,)),
+                    ("projector_type", (None, "linear")), ("markov_head_type", ("vanilla",))):
+        v = dc.get(key, top.get(key, ok[0]))
+        if v not in ok:
+            raise ConfigError(f"{where}: {key}={v!r} is not supported (only {ok[0]!r})")
+    if ids is None or (mask := dc.get("mask_token_id", top.get("mask_token_id"))) is None:
+        raise ConfigError(f"{where}: the config must give target_layer_ids and mask_token_id")
+    if method == "dflash" and from_anchor:
+        raise ConfigError(f"{where}: sample_from_anchor=true is not supported for dflash")
+    # attention per layer, vLLM's rule: sliding layers (or all with use_swa) get the window; is_causal, then
+    # dflash_config.causal, override the default "sliding layers are causal" (speculators: unless non-causal)
+    sliding = [t == "sliding_attention" for t in types]
+    if dc.get("use_swa") and not any(sliding):
+        sliding = [True] * len(types)
+    window = dc.get("swa_window_size", base.get("sliding_window"))
+    if any(sliding) and not window:
+        raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or sliding_window)")
+    forced = top.get("is_causal", dc.get("causal"))
+    causal = [bool(forced) if forced is not None else s and not top.get("sliding_window_non_causal", False)
+              for s in sliding]
+    return DraftConfig(**fields, windows=[window if s else None for s in sliding], causal=causal,
+                       block_size=int(top.get("block_size", dc.get("block_size", 16))), mask_token_id=int(mask),
+                       target_layer_ids=list(ids), from_anchor=bool(from_anchor),
+                       draft_vocab_size=top.get("draft_vocab_size"),
+                       markov_rank=int(dc.get("markov_rank", top.get("markov_rank", 0))),
+                       confidence_with_markov=bool(top.get("confidence_head_with_markov", False)))
+
+
+def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
+    """Attention of T queries at positions pos[b]..pos[b]+T-1 over the slot's cached keys (the block's own
+    keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal: keys up
+    to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and, when non-causal,
+    k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B]; kv_len >= max(pos)+T.
+    Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU kernel); else a masked reference."""
+    B, T, nh, d = q.shape
+    if window is None and causal:
+        return K.attention(q, k_cache, v_cache, slots, pos, kv_len)
+    if window is None:
+        # non-causal = every query placed at the block's last position: fold the T queries into the head axis
+        # (head h*T + t keeps KV head h // group), so the causal kernel serves it as one decode token
+        qf = q.transpose(1, 2).reshape(B, 1, nh * T, d)
+        return K.attention(qf, k_cache, v_cache, slots, pos + T - 1, kv_len).view(B, nh, T, d).transpose(1, 2)
+    g = nh // k_cache.shape[2]
+    k, v = (c[slots, :kv_len].float().repeat_interleave(g, 2).transpose(1, 2) for c in (k_cache, v_cache))
+    s = (q.float().transpose(1, 2) @ k.transpose(-1, -2)) * d ** -0.5                # [B, n_h, T, L]
+    qp = (pos[:, None] + torch.arange(T, device=q.device))[..., None]               # [B, T, 1]
+    kp = torch.arange(kv_len, device=q.device)                                       # [L]
+    seen = (kp <= qp if causal else kp < (pos + T)[:, None, None]) & (qp - kp < window)
+    if not causal:
+        seen &= kp - qp < window
+    p = s.masked_fill(~seen[:, None], float("-inf")).softmax(-1)
+    return (p @ v).transpose(1, 2).to(q.dtype)
+
+
+class Qwen3Attention(nn.Module):
+    """Qwen3 attention (per-head q/k RMSNorm, full NeoX RoPE, GQA, no output gate) over a position-indexed cache."""
+    def __init__(self, c, layer_id):
+        super().__init__()
+        self.layer_id, self.nh, self.nkv, self.hd = layer_id, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.causal, self.window = c.causal[layer_id], c.windows[layer_id]
+        H, b = c.hidden_size, c.attention_bias
+        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=b)
+        self.q_norm = Qwen3RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.hd, c.rms_norm_eps)
+        self.theta = c.rope_theta
+        self.register_buffer("inv_freq", torch.zeros(self.hd // 2), persistent=False)  # set by load_weights
+
+    def write_kv(self, x, ctx):
+        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H])."""
+        B, T, _ = x.shape
+        k = rope(self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)), ctx.pos, T, self.inv_freq)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        k_cache, v_cache = ctx.state.kv[self.layer_id]
+        at = ctx.pos[:, None] + torch.arange(T, device=x.device)                    # [B, T]
+        k_cache[ctx.slots[:, None], at] = k.to(k_cache.dtype)
+        v_cache[ctx.slots[:, None], at] = v.to(v_cache.dtype)
+
+    def forward(self, x, ctx):
+        B, T, _ = x.shape
+        q = rope(self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)), ctx.pos, T, self.inv_freq)
+        self.write_kv(x, ctx)
+        k_cache, v_cache = ctx.state.kv[self.layer_id]
+        o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
+        return self.o_proj(o.reshape(B, T, -1))                                     # [B, T, H]
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, c, layer_id):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Qwen3Attention(c, layer_id)
+        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3LM(nn.Module):
+    """A plain Qwen3 causal LM (draft_model), with Qwen36's interface: forward -> final-norm hidden, logits, commit."""
+    def __init__(self, c):
+        super().__init__()
+        self.cfg = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def forward(self, ids, ctx):
+        x = self.embed_tokens(ids)                                                   # [B, T, H]
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    logits = Qwen36.logits
+
+    def commit(self, ctx, n_keep):
+        pass  # attention only: the position-indexed cache needs no rollback
+
+
+class KVCache:
+    """Per-layer K, V caches [slots + 1, max_len, n_kv, head_dim] of a draft network (last slot: padding rows).
+    Shaped like State for the Qwen3 layers; nothing recurrent, so nothing to reset or roll back."""
+    def __init__(self, c, num_slots, max_len, dtype, device):
+        shape = (num_slots + 1, max_len, c.num_key_value_heads, c.head_dim)
+        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for i in range(c.num_hidden_layers)}
+        self.conv, self.rec, self.stash, self.dummy_slot, self.max_len = {}, {}, {}, num_slots, max_len
+
+    def reset(self, slot):
+        pass
+
+
+DRAFT_SKIP = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")  # training-only tensors (speculators)
+
+
+def load_weights(module, tensors, dtype, device, where, rename=lambda n: n):
+    """Fill a module built on the meta device from {checkpoint name: file}: every parameter found with its shape,
+    every tensor used (integer tensors such as d2t keep their dtype); RoPE frequencies computed on the device."""
+    from safetensors import safe_open
+    want, have, handles = dict(module.named_parameters()), {rename(n): n for n in tensors}, {}
+    for m, n in have.items():
+        if m not in want:
+            raise ConfigError(f"unexpected tensor {n!r} in {where}")
+    for m, p in want.items():
+        if m not in have:
+            raise ConfigError(f"missing tensor {m!r} in {where}")
+        f = tensors[have[m]]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt")
+        t = handles[f].get_tensor(have[m])
+        if tuple(t.shape) != tuple(p.shape):
+            raise ConfigError(f"tensor {have[m]!r} in {where} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        mod, _, leaf = m.rpartition(".")
+        module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+    for a in module.modules():
+        if isinstance(a, Qwen3Attention):
+            a.inv_freq = 1.0 / a.theta ** (torch.arange(0, a.hd, 2, device=device).float() / a.hd)
+    return module.eval()
+
+
+class BlockDrafter(nn.Module):
+    """The DFlash/DSpark draft network. Parameter names are the checkpoint's; the optional parts (own embed_tokens
+    and lm_head, d2t, Markov head, confidence head) exist iff the checkpoint has them (`shapes`)."""
+    def __init__(self, c, shapes):
+        super().__init__()
+        H, V, r = c.hidden_size, c.vocab_size, c.markov_rank
+        Vd = c.draft_vocab_size or (shapes["lm_head.weight"][0] if "lm_head.weight" in shapes else V)
+        self.fc = nn.Linear(shapes["fc.weight"][1], H, bias=False)                    # [H, n_taps * H_target]
+        self.hidden_norm = Qwen3RMSNorm(H, c.rms_norm_eps)
+        self.layers = nn.ModuleList(Qwen3Layer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(H, c.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(V, H) if "embed_tokens.weight" in shapes else None
+        self.lm_head = nn.Linear(H, Vd, bias=False) if "lm_head.weight" in shapes else None
+        self.d2t = nn.Parameter(torch.zeros(Vd, dtype=torch.long), requires_grad=False) if "d2t" in shapes else None
+        self.markov_head = self.confidence_head = None
+        if r:  # DSpark: bias_k = W2 . W1[prev]; W1 embeds target ids [V, r], W2 projects to draft logits [V_d, r]
+            self.markov_head = nn.Module()
+            self.markov_head.markov_w1 = nn.Embedding(V, r)
+            self.markov_head.markov_w2 = nn.Linear(r, Vd, bias=False)
+        if "confidence_head.proj.weight" in shapes:  # loaded, unused: fixed-block verification (no scheduler)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(H + (r if c.confidence_with_markov else 0), 1)
+        self.draft_vocab_size = Vd
+
+    def write_context(self, feats, ctx):
+        """Context K/V of committed tokens from their concatenated target taps feats [B, T, n_taps * H_target]."""
+        c = self.hidden_norm(self.fc(feats))                                         # [B, T, H]
+        for layer in self.layers:
+            layer.self_attn.write_kv(c, ctx)
+
+    def forward(self, x, ctx):
+        """x [B, Q, H] block embeddings at positions ctx.pos.. -> final-norm hidden [B, Q, H]."""
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+
+class BlockProposer:
+    """method dflash / dspark: the block drafter, its KV cache (context written at prefill and after each verify),
+    and drafting: one block forward, then argmax/sampling (DFlash) or the Markov stage (DSpark)."""
+    def __init__(self, engine, spec):
+        m, path, K, tcfg = spec.method, spec.model, spec.num_speculative_tokens, engine.model.cfg
+        if path is None:
+            raise ConfigError(f"method {m!r} needs 'model': the path of a {m} draft checkpoint "
+                              "(Qwen3.5/3.6 targets do not ship one)")
+        c, where = read_block_config(path, m), f"{m} draft {path}"
+        L, ids = tcfg.num_hidden_layers, c.target_layer_ids
+        if any(not -1 <= i < L for i in ids):
+            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the target "
+                              f"model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, 'output of layer i')")
+        if m == "dspark" and K < c.block_size:  # vLLM's message
+            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size ({c.block_size}); got {K}. "
+                              f"Smaller values produce incorrect output. Use num_speculative_tokens={c.block_size} "
+                              "or larger.")
+        if c.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's {tcfg.vocab_size}")
+        from safetensors import safe_open
+        tensors, shapes = {n: f for n, f in checkpoint_tensors(path).items() if n not in DRAFT_SKIP}, {}
+        for f in set(tensors.values()):  # the header's shapes decide the optional parts and fc's input size
+            with safe_open(f, "pt") as st:
+                shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys() if n in tensors})
+        if "fc.weight" not in shapes:
+            raise ConfigError(f"missing tensor 'fc.weight' in {where}")
+        got = len(ids) * tcfg.hidden_size
+        if shapes["fc.weight"][1] != got:  # vLLM's message
+            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden features but "
+                              f"received {got} ({len(ids)} taps x hidden {tcfg.hidden_size}). This usually means the "
+                              "draft model's target_layer_ids reference layers that do not exist in the target model "
+                              "(incompatible draft/target pair).")
+        with torch.device("meta"):
+            net = BlockDrafter(c, shapes)
+        self.net = load_weights(net, tensors, engine.dtype, engine.device, where)
+        Vd = net.draft_vocab_size
+        if Vd > tcfg.vocab_size or (Vd < tcfg.vocab_size and (net.d2t is None or net.lm_head is None)):
+            raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {tcfg.vocab_size}: a reduced draft "
+                              "vocabulary needs the draft's lm_head and d2t; a larger one is not supported")
+        if c.hidden_size != tcfg.hidden_size and (net.embed_tokens is None or net.lm_head is None):
+            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's {tcfg.hidden_size}, so "
+                              "the draft must ship its own embed_tokens and lm_head")
+        if not 0 <= c.mask_token_id < tcfg.vocab_size:
+            raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} is outside the vocabulary")
+        self.embed = net.embed_tokens or engine.model.embed_tokens
+        self.mask_vec = self.embed.weight[c.mask_token_id]                           # [H]
+        override = os.path.join(path, "mask_embedding.pt")  # some checkpoints ship a trained mask embedding
+        if os.path.isfile(override):
+            e = torch.load(override, weights_only=True)
+            e = e["embedding"] if isinstance(e, dict) else e
+            self.mask_vec = e.reshape(-1).to(engine.device, engine.dtype)
+        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else engine.model.logits
+        self.method, self.k, self.greedy = m, K, spec.draft_sample_method == "greedy"
+        self.topk, self.V = spec.dspark_draft_topk, tcfg.vocab_size
+        if self.topk is not None and self.topk > Vd:
+            raise ConfigError(f"dspark_draft_topk={self.topk} exceeds the draft vocabulary ({Vd})")
+        self.Q = K if c.from_anchor else K + 1                                       # block queries
+        self.out = slice(0, K) if c.from_anchor else slice(1, K + 1)                 # the slots that draft
+        self.taps = tuple(sorted(set(ids)))  # Qwen36.forward returns taps in layer order; self.order restores ours
+        self.order = [self.taps.index(i) for i in ids]
+        self.cache = KVCache(c, engine.max_num_seqs, engine.max_model_len + self.Q + K + 1, engine.dtype, engine.device)
+        self.cfg = c
+
+    # Drafting and the context write after a verify go through engine.call: captured graphs on the GPU (inputs
+    # are device tensors, batch first; kv_len is then the cache length), eager elsewhere.
+    def _context(self, kv_len, slots, pos, feats):
+        self.net.write_context(feats, Ctx(self.cache, slots, pos, kv_len))
+        return ()
+
+    def _feats(self, engine):
+        return torch.cat([engine.aux[i] for i in self.order], -1)                   # [B, T, n_taps * H_target]
+
+    def prefill(self, engine, req, hidden, ids, pos):  # eager: prompt chunks come in any length
+        self._context(0, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), self._feats(engine))
+
+    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+        # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next block,
+        # which overwrites them before any query reads them
+        pos = torch.tensor([r.verify_pos for r in reqs], device=engine.device)
+        engine.call(f"{self.method}-context", self._context, 0,
+                    dict(slots=engine.slot_tensor(reqs), pos=pos, feats=self._feats(engine)))
+
+    def propose(self, engine, reqs):
+        P = [len(r.tokens) - 1 for r in reqs]                                        # anchor positions
+        inputs = dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(P, device=engine.device),
+                      anchor=torch.tensor([r.tokens[-1] for r in reqs], device=engine.device))
+        if not self.greedy:
+            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
+        return engine.call(f"{self.method}-propose", self._draft, max(P) + self.Q, inputs)
+
+    def block_logits(self, kv_len, slots, pos, anchor):
+        """The block forward over [anchor, mask x (Q-1)] at pos..: base draft logits [B, K, V_d] (fp32)."""
+        x = torch.cat([self.embed(anchor)[:, None], self.mask_vec.expand(anchor.shape[0], self.Q - 1, -1)], 1)
+        return self.logits(self.net(x, Ctx(self.cache, slots, pos, kv_len))[:, self.out])
+
+    def _draft(self, kv_len, slots, pos, anchor, temp=None, u=None):
+        U = self.block_logits(kv_len, slots, pos, anchor)                           # [B, K, V_d]
+        if self.net.markov_head is None and self.topk is None:
+            d, q = self._pick(U, temp, u)
+        else:
+            d, q = self._markov(U, anchor, temp, u)
+        if self.net.d2t is not None and q is not None:                               # draft vocab -> target vocab
+            cols = self._tid(torch.arange(q.shape[-1], device=q.device))
+            q = q.new_zeros(*q.shape[:2], self.V).index_copy_(-1, cols, q)
+        return self._tid(d), q
+
+    def _tid(self, d):
+        return d if self.net.d2t is None else d + self.net.d2t[d]
+
+    def _pick(self, logits, temp, u):
+        """draft_pick over positions: logits [B, n, V_d]; temp [B] (None: greedy argmax, verified as one-hot q);
+        u [B, n] uniforms. Probabilistic: samples of softmax(logits / temp), returned as q [B, n, V_d]."""
+        if temp is None:
+            return logits.argmax(-1), None
+        q = (logits / temp[:, None, None]).softmax(-1)
+        return sample_from(q.flatten(0, 1), u.flatten()).view(u.shape), q
+
+    def _markov(self, U, anchor, temp, u):
+        """DSpark's sequential stage: logits_j = U_j + W2 . W1[prev], prev = the anchor, then each new draft (as a
+        target id). With dspark_draft_topk the bias goes on the top-k base logits only, the rest -inf. A fixed-length
+        loop of device ops without host syncs, so it runs inside the captured drafting graph."""
+        head = self.net.markov_head
+        if self.topk:
+            vals, idx = U.topk(self.topk, -1)                                        # [B, K, k]
+        prev, ds, qs = anchor, [], []
+        for j in range(U.shape[1]):
+            e = head.markov_w1(prev) if head is not None else None                   # [B, r]
+            if self.topk:
+                bias = 0 if e is None else (head.markov_w2.weight[idx[:, j]] @ e[..., None])[..., 0]  # [B, k]
+                lj = torch.full_like(U[:, j], float("-inf")).scatter_(-1, idx[:, j], (vals[:, j] + bias).float())
+            else:
+                lj = U[:, j] + head.markov_w2(e).float()                             # [B, V_d]
+            d, q = self._pick(lj[:, None], temp, None if u is None else u[:, j:j + 1])
+            ds.append(d[:, 0])
+            qs.append(q)
+            prev = self._tid(d[:, 0])
+        return torch.stack(ds, 1), None if temp is None else torch.cat(qs, 1)
+
+
+def load_draft_lm(path, engine, max_len):
+    """draft_model's LM and its state: a Qwen3.5/3.6 checkpoint (specdec's model, GDN states with stash/commit) or a
+    plain Qwen3 one (Qwen3Layer stack, KV cache only)."""
+    top, tv = read_config(path, "draft_model"), engine.model.cfg.vocab_size
+    mt = top.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES + ("qwen3",):
+        raise ConfigError(f"draft_model {path}: model_type {mt!r} is not supported; the draft must be a Qwen3.5/3.6 "
+                          f"({', '.join(SUPPORTED_MODEL_TYPES)}) or plain Qwen3 (qwen3) checkpoint")
+    fields, types = qwen3_fields(top, f"draft_model {path}") if mt == "qwen3" else (None, None)
+    dv = fields["vocab_size"] if fields else ModelConfig.from_hf(path).vocab_size
+    if dv != tv:  # vLLM's message
+        raise ConfigError(f"Target and draft model should have the same vocabulary size. Target model vocab_size={tv}. "
+                          f"Draft model vocab_size={dv}. Using models with different tokenizers can cause out-of-bounds "
+                          "errors during speculative decoding.")
+    args = (engine.max_num_seqs, max_len, engine.dtype, engine.device)
+    if fields is None:
+        try:
+            model, cfg, _ = load_model(path, engine.dtype, engine.device)
+        except FileNotFoundError as e:
+            raise ConfigError(f"draft_model {path}: {e}") from None
+        return model, State(cfg, *args)
+    c = DraftConfig(**fields, windows=[top.get("sliding_window") if t == "sliding_attention" else None for t in types],
+                    causal=[True] * len(types))
+    tensors = {n: f for n, f in checkpoint_tensors(path).items() if not (c.tie_word_embeddings and n == "lm_head.weight")}
+    with torch.device("meta"):
+        model = Qwen3LM(c)
+    model = load_weights(model, tensors, engine.dtype, engine.device, f"draft_model {path}",
+                         rename=lambda n: n[len("model."):] if n.startswith("model.") else n)
+    return model, KVCache(c, *args)
+
+
+class DraftModelProposer:
+    """method draft_model: a small LM drafts k tokens autoregressively with its own caches, one token behind the
+    target like vLLM. At each propose a first pass feeds it the tokens committed since the last one (right-padded to
+    k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the target does); d1 comes
+    from the last real position. Drafts d2..dk come from verify-mode passes that never write the GDN states (over
+    [d1..dj] for a hybrid draft, just d_j for an attention-only one), so nothing needs rolling back."""
+    def __init__(self, engine, spec):
+        self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
+        self.model, self.state = load_draft_lm(spec.model, engine, engine.max_model_len + 2 * self.k + 2)
+        self.recurrent = bool(self.state.rec)
+        self.done = [0] * (engine.max_num_seqs + 1)                                  # tokens each slot's draft has consumed
+
+    def prefill(self, engine, req, hidden, ids, pos):
+        T, slots = hidden.shape[1], engine.slot_tensor([req])
+        if pos == 0:
+            self.state.reset(req.slot)
+        chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=engine.device)
+        self.model(chunk, Ctx(self.state, slots, torch.tensor([pos], device=engine.device), pos + T, "prefill"))
+        self.done[req.slot] = pos + T
+
+    def propose(self, engine, reqs):
+        k, dev = self.k, engine.device
+        new = [r.tokens[self.done[r.slot]:] for r in reqs]                           # 1 .. k+1 tokens each
+        start = [self.done[r.slot] for r in reqs]
+        inputs = dict(slots=engine.slot_tensor(reqs), start=torch.tensor(start, device=dev),
+                      ids=torch.tensor([t + [0] * (k + 1 - len(t)) for t in new], device=dev),  # [B, k+1]
+                      n=torch.tensor([len(t) for t in new], device=dev))
+        if not self.greedy:
+            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, k)
+        for r in reqs:
+            self.done[r.slot] = len(r.tokens)
+        return engine.call("draft-propose", self._draft, max(start) + 2 * k + 1, inputs)
+
+    def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
+        ctx = Ctx(self.state, slots, start, kv_len, "verify")
+        h = self.model(ids, ctx)                                                     # [B, k+1, H]
+        self.model.commit(ctx, n)                                                    # keep exactly the new tokens
+        h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]                  # [B, H] at each anchor
+        p1, drafts, probs = start + n, [], []                                        # p1: position of d1
+        for j in range(self.k):
+            if j > 0:
+                x, pos = (torch.stack(drafts, 1), p1) if self.recurrent else (drafts[-1][:, None], p1 + j - 1)
+                h = self.model(x, Ctx(self.state, slots, pos, kv_len, "verify"))[:, -1]
+            d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
+            drafts.append(d)
+            probs.append(q)
+        return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
+
+    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+        pass  # the next propose's first pass consumes the accepted tokens
+
+
+PROPOSERS.update(dflash=BlockProposer, dspark=BlockProposer, draft_model=DraftModelProposer)
+
 # ==============================================================================================
 # Verification & sampling
 # ==============================================================================================
@@ -1834,9 +2361,9 @@ class LLM:
         spec = SpeculativeConfig.from_json(speculative_config)
         model = model or default_model_path()
         if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
-            raise ConfigError("method 'dspark' is refused for a GGUF target: the drafter needs the target's "
-                              "intermediate hidden-state taps, which specdec's GGUF path does not provide; "
-                              "use the safetensors checkpoint")
+            raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from a "
+                              "re-quantised copy of the model the drafter was not trained on; use the safetensors "
+                              "checkpoint as the target")
         if spec is not None and spec.method not in PROPOSERS:
             raise ConfigError(f"speculative method {spec.method!r} is not implemented yet; available now: "
                               f"{', '.join(PROPOSERS)}")

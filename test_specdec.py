@@ -14,12 +14,14 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import types
 import time
 import unicodedata
 import urllib.request
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # the Triton kernels run through the interpreter on CPU: set before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -2141,6 +2143,412 @@ def test_kernel_gpu_cuda_graph_capture():
     for o, e in zip(outs, step(p_eager)):
         assert torch.equal(o, e)
     assert torch.equal(p_graph, p_eager)
+
+
+# ==============================================================================================
+# Model drafters: dflash, dspark, draft_model (tiny drafter checkpoints in each published layout)
+# ==============================================================================================
+
+TARGET_LAYERS = 4  # write_tiny_checkpoint: 3 GDN layers + 1 full attention, hidden 64
+
+
+# ==============================================================================================
+# Tiny drafter checkpoints in the published layouts
+# ==============================================================================================
+
+def target_tensors(target):
+    from safetensors.torch import load_file
+    w = load_file(os.path.join(target, "model.safetensors"))
+    emb = w["model.language_model.embed_tokens.weight"]
+    return emb, w.get("lm_head.weight", emb)
+
+
+def qwen3_config(vocab, layers=2, types=None, **kw):
+    cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": layers,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+           "vocab_size": vocab, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+           "max_position_embeddings": 4096, "attention_bias": False, "tie_word_embeddings": False,
+           "layer_types": types or ["full_attention"] * layers, "sliding_window": None, "use_sliding_window": False}
+    return {**cfg, **kw}
+
+
+def qwen3_layers(cfg, g, prefix=""):
+    """Random Qwen3 decoder layers (plain norms: weights around 1)."""
+    H, nh, nkv, hd, I = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                          "intermediate_size"))
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1
+    one = lambda n: 1 + torch.randn(n, generator=g) * 0.1
+    w = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"{prefix}layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
+                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
+                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
+                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
+                  p + "mlp.down_proj.weight": r(H, I), p + "input_layernorm.weight": one(H),
+                  p + "post_attention_layernorm.weight": one(H)})
+    return w
+
+
+def save(path, cfg, w):
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def backbone(cfg, n_taps, seed, fc_in=None):
+    g = torch.Generator().manual_seed(seed)
+    H = cfg["hidden_size"]
+    return {"fc.weight": torch.randn(H, fc_in or n_taps * H, generator=g) * 0.1,
+            "hidden_norm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+            "norm.weight": 1 + torch.randn(H, generator=g) * 0.1, **qwen3_layers(cfg, g)}
+
+
+def write_dflash(path, target, ids=(0, 2), block=4, seed=0, reduced=False, fc_in=None):
+    """z-lab layout: model_type qwen3, DFlashDraftModel, dflash_config; a sliding (causal) + a full layer."""
+    emb, head = target_tensors(target)
+    V = emb.shape[0]
+    cfg = qwen3_config(V, types=["sliding_attention", "full_attention"], sliding_window=6, architectures=[
+        "DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"}, block_size=block,
+        num_target_layers=TARGET_LAYERS, dflash_config={"mask_token_id": V - 1, "target_layer_ids": list(ids)})
+    w = backbone(cfg, len(ids), seed, fc_in)
+    if reduced:  # a reduced draft vocab: its own lm_head rows and d2t offsets (target id = id + d2t[id])
+        keep = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:V // 2]).values
+        cfg["draft_vocab_size"] = len(keep)
+        w["lm_head.weight"], w["d2t"], w["t2d"] = head[keep], keep - torch.arange(len(keep)), torch.zeros(V, dtype=torch.bool)
+    return save(path, cfg, w)
+
+
+def dspark_parts(target, ids, block, rank, seed):
+    emb, head = target_tensors(target)
+    V = emb.shape[0]
+    layer_cfg = qwen3_config(V)
+    w = backbone(layer_cfg, len(ids), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    w.update({"markov_head.markov_w1.weight": torch.randn(V, rank, generator=g) * 0.5,
+              "markov_head.markov_w2.weight": torch.randn(V, rank, generator=g) * 0.5,
+              "confidence_head.proj.weight": torch.randn(1, 64 + rank, generator=g) * 0.1,
+              "confidence_head.proj.bias": torch.zeros(1)})
+    fields = {"block_size": block, "mask_token_id": V - 1, "markov_rank": rank, "markov_head_type": "vanilla",
+              "enable_confidence_head": True, "confidence_head_with_markov": True, "num_anchors": 512}
+    return layer_cfg, w, fields, emb, head
+
+
+def write_dspark_native(path, target, ids=(-1, 1, 3), block=4, rank=8, seed=0):
+    """DeepSpec layout: a Qwen3 config copy + top-level DSpark fields; full draft state dict (embed, lm_head)."""
+    layer_cfg, w, fields, emb, head = dspark_parts(target, ids, block, rank, seed)
+    cfg = {**layer_cfg, **fields, "architectures": ["Qwen3DSparkModel"], "num_target_layers": TARGET_LAYERS,
+           "target_layer_ids": list(ids)}
+    return save(path, cfg, {**w, "embed_tokens.weight": emb.clone(), "lm_head.weight": head.clone()})
+
+
+def write_dspark_speculators(path, target, ids=(-1, 1, 3), block=4, rank=8, seed=0):
+    """speculators layout: nested transformer_layer_config, aux ids in vLLM's semantics (= ours + 1)."""
+    layer_cfg, w, fields, emb, head = dspark_parts(target, ids, block, rank, seed)
+    cfg = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+           "transformer_layer_config": layer_cfg, "draft_vocab_size": emb.shape[0], "target_hidden_size": None,
+           "aux_hidden_state_layer_ids": [i + 1 for i in ids], "sample_from_anchor": True,
+           "sliding_window_non_causal": False, **fields,
+           "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block}],
+                                  "verifier": {"name_or_path": target, "architectures": ["Qwen3_5ForCausalLM"]}}}
+    return save(path, cfg, {**w, "verifier_norm.weight": torch.ones(64)})  # a training-only tensor, skipped
+
+
+def write_qwen3_lm(path, vocab, seed=0, tie=True):
+    """A plain Qwen3 causal LM in the HF layout (model.*, lm_head)."""
+    cfg = qwen3_config(vocab, tie_word_embeddings=tie)
+    g = torch.Generator().manual_seed(seed)
+    w = {"model.embed_tokens.weight": torch.randn(vocab, 64, generator=g) * 0.5,
+         "model.norm.weight": 1 + torch.randn(64, generator=g) * 0.1, **qwen3_layers(cfg, g, "model.")}
+    if not tie:
+        w["lm_head.weight"] = torch.randn(vocab, 64, generator=g) * 0.3
+    return save(path, cfg, w)
+
+
+# ==============================================================================================
+# Fixtures: the target, the drafters, spec-off references, one LLM per drafter config
+# ==============================================================================================
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("drafters")
+    t = write_tiny_checkpoint(str(d / "target"))
+    return {"target": t, "dflash": write_dflash(str(d / "dflash"), t),
+            "dflash_small_vocab": write_dflash(str(d / "dflash_v"), t, reduced=True, seed=3),
+            "dspark": write_dspark_native(str(d / "dspark"), t),
+            "dspark_spec": write_dspark_speculators(str(d / "dspark_spec"), t),
+            "hybrid_draft": write_tiny_checkpoint(str(d / "hybrid_draft"), mtp=False, seed=5),
+            "qwen3_draft": write_qwen3_lm(str(d / "qwen3_draft"), 1024)}
+
+
+CONFIGS = {  # name -> (checkpoint key, speculative config); the first of each method also runs the mixed batch
+    "dflash": ("dflash", {"method": "dflash", "num_speculative_tokens": 3}),
+    "dspark": ("dspark", {"method": "dspark", "num_speculative_tokens": 4}),
+    "draft_hybrid": ("hybrid_draft", {"method": "draft_model", "num_speculative_tokens": 2}),
+    "dspark_spec": ("dspark_spec", {"method": "dspark", "num_speculative_tokens": 4}),
+    "draft_self": ("target", {"method": "draft_model", "num_speculative_tokens": 3}),  # the target as its own draft
+    "draft_qwen3": ("qwen3_draft", {"method": "draft_model", "num_speculative_tokens": 3}),
+}
+MIXED = ("dflash", "dspark", "draft_hybrid")
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def make_llm(ckpts, name, **extra):
+    key, cfg = CONFIGS[name]
+    return LLM(model=ckpts["target"], device="cpu", speculative_config={**cfg, "model": ckpts[key], **extra})
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts):
+    llm = LLM(model=ckpts["target"], device="cpu")
+    return [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts):
+    """name -> (llm, batch-1 output, batch-5 outputs or None, batch-1 metrics), run lazily once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            llm = make_llm(ckpts, name)
+            one = llm.generate(SPEC_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+            before = sd.SpecStats(**vars(llm.get_metrics()))
+            before.accepted_per_pos = list(before.accepted_per_pos)
+            five = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)] if name in MIXED else None
+            cache[name] = llm, one, five, before
+        return cache[name]
+    return get
+
+
+# ==============================================================================================
+# Lossless greedy speculation, acceptance sanity, layouts
+# ==============================================================================================
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_drafters_greedy_spec_equals_plain(name, runs, reference):
+    llm, one, five, _ = runs(name)
+    assert one == reference[0]                                  # batch 1
+    assert five in (None, reference)                            # a mixed batch of 5 prompts of different lengths
+    s = llm.get_metrics()
+    assert s.num_drafts > 0
+    if name == "draft_self":  # the target as its own draft: every draft is accepted (tests the draft's rollback)
+        assert s.num_accepted_tokens == s.num_draft_tokens
+
+
+def test_dspark_layouts_load_to_the_same_drafter(runs):
+    native, _, _, m_native = runs("dspark")
+    spec, _, _, m_spec = runs("dspark_spec")
+    a, b = native.engine.proposer, spec.engine.proposer
+    assert a.taps == b.taps == (-1, 1, 3) and a.order == b.order and (a.Q, a.out) == (b.Q, b.out) == (4, slice(0, 4))
+    pa, pb = dict(a.net.named_parameters()), dict(b.net.named_parameters())
+    assert set(pa) - set(pb) == {"embed_tokens.weight", "lm_head.weight"}  # native ships copies of the target's
+    assert all(torch.equal(pa[n], pb[n]) for n in pb)
+    assert torch.equal(pa["embed_tokens.weight"], native.model.embed_tokens.weight)
+    assert vars(m_native) == vars(m_spec)                       # same drafts, hence the same acceptance
+
+
+def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = reference[0][:24]
+    llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
+        "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
+    assert llm.engine.proposer.net.d2t is not None
+    assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
+    # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
+    metrics = []
+    for topk in (None, 1024, 3):
+        llm = make_llm(ckpts, "dspark", dspark_draft_topk=topk)
+        assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
+        metrics.append(vars(llm.get_metrics()))
+    assert metrics[0] == metrics[1]
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark", "draft_self", "draft_qwen3"])
+def test_probabilistic_drafting_runs(name, ckpts):
+    llm = make_llm(ckpts, name, draft_sample_method="probabilistic")
+    ps = [SamplingParams(temperature=0.8, max_tokens=16, seed=s, ignore_eos=True) for s in range(3)]
+    outs = llm.generate(SPEC_PROMPTS[:3], ps)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    s = llm.get_metrics()
+    assert s.num_drafts > 0
+    if name == "draft_self":  # q == p: the ratio test accepts (almost) everything
+        assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
+
+
+@pytest.mark.parametrize("name,extra", [("dflash_small_vocab", {}), ("dspark", {"dspark_draft_topk": 5})])
+def test_probabilistic_q_is_the_sampled_distribution(name, extra, ckpts):
+    """q over the target vocab: rows sum to 1, zero off the draft vocab (d2t) or outside the top-k, > 0 at the draft."""
+    method = "dflash" if name.startswith("dflash") else "dspark"
+    llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
+        "method": method, "model": ckpts[name], "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
+        **extra})
+    e, prop = llm.engine, llm.engine.proposer
+    req = e.add_request(llm.tokenizer.encode(SPEC_PROMPTS[0]), SamplingParams(temperature=0.7, max_tokens=8, seed=1))
+    e.step()                                                    # prefill: context K/V for the prompt
+    with torch.inference_mode():
+        d, q = prop.propose(e, [req])
+    assert q.shape == (1, 4, 1024) and torch.allclose(q.sum(-1), torch.ones(1, 4))
+    assert bool((q.gather(-1, d[..., None]) > 0).all())
+    nonzero = (q > 0).sum(-1)
+    assert bool((nonzero <= (5 if extra else 512)).all())
+
+
+# ==============================================================================================
+# Rollback: draft caches / states after speculative steps == a from-scratch recompute
+# ==============================================================================================
+
+def rms(x, w, eps=1e-6):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rot(x, pos, theta):
+    """Full NeoX RoPE. x [1, T, h, d]; pos [T]."""
+    d = x.shape[-1]
+    f = pos[:, None].float() / theta ** (torch.arange(0, d, 2).float() / d)         # [T, d/2]
+    cos, sin = torch.cat([f.cos()] * 2, -1)[:, None], torch.cat([f.sin()] * 2, -1)[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+
+def zlab_block_hidden(net, cfg, feats, block):
+    """DFlash/DSpark drafting as z-lab/DeepSpec write it, with no cache: every layer's K/V = [context, block],
+    context = hidden_norm(fc(taps)) of the committed tokens (no input_layernorm); masks from z-lab's rule."""
+    P, Q = feats.shape[1], block.shape[1]
+    ctx, x = rms(F.linear(feats, net.fc.weight), net.hidden_norm.weight), block
+    qpos, kpos = torch.arange(P, P + Q)[:, None], torch.arange(P + Q)[None]
+    for i, layer in enumerate(net.layers):
+        a = layer.self_attn
+        h = rms(x, layer.input_layernorm.weight)
+        kv = torch.cat([ctx, h], 1)
+        q = rot(rms(F.linear(h, a.q_proj.weight).view(1, Q, a.nh, a.hd), a.q_norm.weight), qpos[:, 0], cfg.rope_theta)
+        k = rot(rms(F.linear(kv, a.k_proj.weight).view(1, P + Q, a.nkv, a.hd), a.k_norm.weight), kpos[0], cfg.rope_theta)
+        v = F.linear(kv, a.v_proj.weight).view(1, P + Q, a.nkv, a.hd)
+        seen = torch.ones(Q, P + Q, dtype=torch.bool)
+        if cfg.causal[i]:
+            seen &= kpos <= qpos
+        if cfg.windows[i]:
+            seen &= (qpos - kpos < cfg.windows[i]) & ((kpos - qpos < cfg.windows[i]) | cfg.causal[i])
+        g = a.nh // a.nkv
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1),
+                                           v.transpose(1, 2).repeat_interleave(g, 1), attn_mask=seen)
+        x = x + F.linear(o.transpose(1, 2).reshape(1, Q, -1), a.o_proj.weight)
+        x = x + layer.mlp(rms(x, layer.post_attention_layernorm.weight))
+    return rms(x, net.norm.weight)
+
+
+def committed(llm, five):
+    """(slot, prompt + generated tokens) of the 5-prompt batch run (admitted in order into slots 0..4)."""
+    return [(slot, llm.tokenizer.encode(p) + out) for slot, (p, out) in enumerate(zip(SPEC_PROMPTS, five))]
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
+    """After the 48-token batch run (mostly rejected drafts), each slot's context K/V over its committed tokens
+    equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation."""
+    llm, _, five, _ = runs(name)
+    e, prop = llm.engine, llm.engine.proposer
+    free = e.max_num_seqs - 1                                   # a slot the 5 prompts did not use
+    with torch.inference_mode():
+        for slot, toks in committed(llm, five):
+            n = len(toks) - 1                                   # all but the last token have context K/V
+            got = [prop.cache.kv[i][j][slot, :n].clone() for i in prop.cache.kv for j in (0, 1)]
+            e.state.reset(free)
+            ctx = sd.Ctx(e.state, torch.tensor([free]), torch.tensor([0]), n, "prefill")
+            h, e.aux = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
+            prop.prefill(e, types.SimpleNamespace(slot=free), h, None, 0)
+            want = [prop.cache.kv[i][j][free, :n] for i in prop.cache.kv for j in (0, 1)]
+            assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got, want))
+            anchor = torch.tensor([toks[-1]])
+            U = prop.block_logits(n + prop.Q, torch.tensor([slot]), torch.tensor([n]), anchor)
+            feats = torch.cat([e.aux[i] for i in prop.order], -1)
+            block = torch.cat([prop.embed(anchor)[:, None], prop.mask_vec.expand(1, prop.Q - 1, -1)], 1)
+            ref = prop.logits(zlab_block_hidden(prop.net, prop.cfg, feats, block)[:, prop.out])
+            assert torch.allclose(U, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_model_state_equals_fresh_prefill(runs):
+    """A hybrid draft's GDN conv/recurrent states and KV after the batch run == a prefill over the tokens it consumed."""
+    llm, _, five, _ = runs("draft_hybrid")
+    prop = llm.engine.proposer
+    m, st = prop.model, prop.state
+    free = llm.engine.max_num_seqs - 1
+    with torch.inference_mode():
+        for slot, toks in committed(llm, five):
+            n = prop.done[slot]
+            assert len(toks) - 3 <= n < len(toks)               # one step behind: at most k+1 = 3 tokens
+            st.reset(free)
+            m(torch.tensor([toks[:n]]), sd.Ctx(st, torch.tensor([free]), torch.tensor([0]), n, "prefill"))
+            for i in st.conv:
+                assert torch.allclose(st.conv[i][slot], st.conv[i][free], atol=1e-5)
+                assert torch.allclose(st.rec[i][slot], st.rec[i][free], atol=1e-4)
+            assert all(torch.allclose(st.kv[i][0][slot, :n], st.kv[i][0][free, :n], atol=1e-4) for i in st.kv)
+
+
+# ==============================================================================================
+# Building blocks
+# ==============================================================================================
+
+def test_block_attention_folded_kernel_equals_masked_reference():
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(3, 40, 2, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g)
+    q, slots, pos = torch.randn(2, 5, 4, 16, generator=g), torch.tensor([2, 0]), torch.tensor([17, 30])
+    fold = sd.block_attention(q, kc, vc, slots, pos, 35)               # the non-causal path through K.attention
+    ref = sd.block_attention(q, kc, vc, slots, pos, 35, window=10 ** 6)
+    assert torch.allclose(fold, ref, atol=1e-5)
+    assert torch.allclose(sd.block_attention(q, kc, vc, slots, pos, 35, causal=True),
+                          sd.block_attention(q, kc, vc, slots, pos, 35, causal=True, window=10 ** 6), atol=1e-5)
+
+
+def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
+    import transformers
+    path = write_qwen3_lm(str(tmp_path / "q3"), 256, seed=7, tie=False)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    from safetensors.torch import load_file
+    missing, unexpected = hf.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
+                                   max_num_seqs=1, dtype=torch.float32, device=torch.device("cpu"))
+    m, st = sd.load_draft_lm(path, engine, 64)
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ours = m.logits(m(ids, sd.Ctx(st, torch.tensor([0]), torch.tensor([0]), 11, "prefill")))
+        ref = hf.eval()(ids).logits
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+# ==============================================================================================
+# Refusals
+# ==============================================================================================
+
+def refusal_cases(ckpts, d):
+    t = ckpts["target"]
+    return {
+        "taps beyond depth": ({"method": "dflash", "model": write_dflash(d + "/deep", t, ids=(0, 4)),
+                               "num_speculative_tokens": 3}, "reference layers that do not exist in the target"),
+        "fc size": ({"method": "dflash", "model": write_dflash(d + "/fc", t, fc_in=3 * 64), "num_speculative_tokens": 3},
+                    "DFlash drafter expects 192 concatenated aux hidden features but received 128"),
+        "dspark K < block": ({"method": "dspark", "model": ckpts["dspark"], "num_speculative_tokens": 3},
+                             r"DSpark requires num_speculative_tokens >= dspark_block_size \(4\); got 3"),
+        "dspark no model": ({"method": "dspark", "num_speculative_tokens": 4}, "needs 'model'"),
+        "layout vs method": ({"method": "dflash", "model": ckpts["dspark_spec"], "num_speculative_tokens": 3},
+                             "is a dspark checkpoint: use method 'dspark'"),
+        "vocab": ({"method": "draft_model", "model": write_qwen3_lm(d + "/v", 512), "num_speculative_tokens": 2},
+                  "Target and draft model should have the same vocabulary size. Target model vocab_size=1024. Draft "
+                  "model vocab_size=512. Using models with different tokenizers"),
+        "draft type": ({"method": "draft_model", "model": save(d + "/llama", {"model_type": "llama"}, {}),
+                        "num_speculative_tokens": 2}, r"the draft must be a Qwen3.5/3.6 .* or plain Qwen3"),
+    }
+
+
+def test_drafter_refusals(ckpts, tmp_path):
+    for case, (cfg, msg) in refusal_cases(ckpts, str(tmp_path)).items():
+        with pytest.raises(ConfigError, match=msg):
+            LLM(model=ckpts["target"], device="cpu", speculative_config=cfg)
 
 
 if __name__ == "__main__":

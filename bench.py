@@ -72,6 +72,47 @@ def random_model(name, dtype, device, seed=0):
     return model.eval(), cfg
 
 
+def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
+    """A random DFlash (z-lab layout) or DSpark (DeepSpec layout) drafter shaped for the target preset: `layers`
+    Qwen3 layers of the target's hidden size, taps spread over the target's depth, block `block`."""
+    from safetensors.torch import save_file
+    t = PRESETS[target]
+    H, L, V = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
+    nh, nkv, hd, I = max(H // 160, 2), max(H // 640, 1), min(128, H // 2), t.get("intermediate_size", 4 * H)
+    ids = [1 + round(i * (L - 4) / (layers - 1)) for i in range(layers)]
+    cfg = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": layers, "num_attention_heads": nh,
+           "num_key_value_heads": nkv, "head_dim": hd, "intermediate_size": I, "vocab_size": V, "hidden_act": "silu",
+           "rms_norm_eps": 1e-6, "rope_theta": 10000000, "max_position_embeddings": 262144, "attention_bias": False,
+           "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers, "block_size": block,
+           "num_target_layers": L}
+    if method == "dflash":
+        cfg.update(architectures=["DFlashDraftModel"], dflash_config={"mask_token_id": V - 250, "target_layer_ids": ids})
+    else:
+        cfg.update(architectures=["Qwen3DSparkModel"], target_layer_ids=ids, mask_token_id=V - 250, markov_rank=rank,
+                   markov_head_type="vanilla", enable_confidence_head=False)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+    w = {"fc.weight": r(H, len(ids) * H), "hidden_norm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
+                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
+                  p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                  p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
+                  p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                  p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)})
+    if method == "dspark":
+        w.update({"markov_head.markov_w1.weight": r(V, rank), "markov_head.markov_w2.weight": r(V, rank)})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
 def linear_weights(model, moe_active=None):
     """The weight matrices one decode step reads: every linear layer and the lm_head (for MoE: the router,
     `moe_active` experts per layer and the shared expert). Returns a list of [out, in] tensors."""
@@ -119,7 +160,7 @@ def gemm_floor(ws, M, iters=20):
 def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0):
     """B concurrent requests of random prompts; returns per-request timings and acceptance stats."""
     k = spec.num_speculative_tokens if spec else 0
-    eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8, dtype, device, seed, enforce_eager)
+    eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager)
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.vocab_size
     sp = sd.SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
@@ -129,6 +170,7 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     while eng.has_work():
         eng.step()
     eng.stats = sd.SpecStats()
+    eng.time_drafts, eng.draft_seconds, eng.spec_steps = spec is not None, 0.0, 0
     reqs = [eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(), sp) for _ in range(B)]
     torch.cuda.synchronize() if device.type == "cuda" else None
     t0 = time.perf_counter()
@@ -141,10 +183,11 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     tpot = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs]
     n_out = sum(len(r.output_ids) for r in reqs)
     st = eng.stats
+    draft_ms = 1e3 * eng.draft_seconds / eng.spec_steps if eng.spec_steps else None
     del eng
     return dict(ttft_ms=1e3 * statistics.mean(ttft), tpot_ms=1e3 * statistics.mean(tpot), wall_s=t1 - t0,
                 tok_s_per_seq=1 / statistics.mean(tpot), tok_s_aggregate=n_out / (t1 - t0),
-                decode_tok_s_aggregate=B / statistics.mean(tpot), num_drafts=st.num_drafts,
+                decode_tok_s_aggregate=B / statistics.mean(tpot), num_drafts=st.num_drafts, draft_ms_per_step=draft_ms,
                 mean_acceptance_length=st.mean_acceptance_length if st.num_drafts else None,
                 draft_acceptance_rate=st.draft_acceptance_rate if st.num_drafts else None)
 
@@ -437,12 +480,20 @@ def main(argv=None):
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM-only floor")
     ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels")
+    ap.add_argument("--random-drafter", default=None, help="with --random-weights: write a random DFlash/DSpark "
+                    "drafter of the target's shape (5 layers, block 16) to this directory first; use it as the "
+                    "speculative config's model (its method picks the layout: the first dflash/dspark config)")
     ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
                     help="also time one target step over each of these token counts (batch 1), vs T = 1")
     a = ap.parse_args(argv)
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     sd.K.USE_TRITON = not a.no_triton
-    specs = [None if c in (None, "off") else sd.SpeculativeConfig.from_json(c) for c in (a.speculative_config or ["off"])]
+    raw = [None if c in (None, "off") else json.loads(c) for c in (a.speculative_config or ["off"])]
+    if a.random_drafter:
+        for c in raw:
+            if c and c.get("method") in ("dflash", "dspark"):
+                c["model"] = random_drafter(os.path.join(a.random_drafter, c["method"]), c["method"], a.random_weights)
+    specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
     if a.random_weights or not a.model:
         model, cfg = random_model(a.random_weights or "tiny", dtype, device)
         label = a.random_weights or "tiny"
@@ -470,13 +521,13 @@ def main(argv=None):
             rows.append(r)
     print(f"# bench {label} dtype={dtype} prompt={a.prompt_len} gen={a.gen_len} weights read/step={wbytes / 1e9:.2f} GB")
     hdr = ["method", "k", "batch", "TTFT ms", "TPOT ms", "tok/s/seq", "tok/s agg", "GB/s wts", "floor ms",
-           "TPOT/floor", "x off", "accept len"]
+           "TPOT/floor", "x off", "accept len", "draft ms"]
     print(" | ".join(f"{h:>10}" for h in hdr))
     nan = float("nan")
     for r in rows:
         vals = [r["method"], r["k"], r["batch"], r["ttft_ms"], r["tpot_ms"], r["tok_s_per_seq"],
                 r["decode_tok_s_aggregate"], r["weight_GBps"], r.get("floor_ms", nan), r.get("tpot_over_floor", nan),
-                r["speedup_vs_off"] or nan, r["mean_acceptance_length"] or nan]
+                r["speedup_vs_off"] or nan, r["mean_acceptance_length"] or nan, r["draft_ms_per_step"] or nan]
         print(" | ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}" for v in vals))
     result = {"model": label, "dtype": str(dtype), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
               "weight_bytes": wbytes, "rows": rows}

@@ -1704,6 +1704,7 @@ class Engine:
             self.proposer = PROPOSERS[spec.method](self, spec)
             self.synthetic = spec.conditional_rates() if spec.rejection_sample_method == "synthetic" else None
         self.num_requests = 0
+        self.time_drafts, self.draft_seconds, self.spec_steps = False, 0.0, 0
         self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
         # target layers whose outputs the proposer reads (DFlash/DSpark taps); the last forward's are in self.aux
         self.taps, self.aux = tuple(getattr(self.proposer, "taps", ())), None
@@ -1823,7 +1824,13 @@ class Engine:
 
     def _spec_step(self, reqs):
         B, k = len(reqs), self.k
+        if self.time_drafts:  # bench.py: the drafter's share of a step (costs two syncs per step)
+            torch.cuda.synchronize() if self.device.type == "cuda" else None
+            t0 = time.perf_counter()
         drafts, q = self.proposer.propose(self, reqs)                                 # [B, k]
+        if self.time_drafts:
+            torch.cuda.synchronize() if self.device.type == "cuda" else None
+            self.draft_seconds, self.spec_steps = self.draft_seconds + time.perf_counter() - t0, self.spec_steps + 1
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
         ids = torch.cat([last, drafts.clamp(min=0)], 1)                               # [B, k+1]
         for r in reqs:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The H200 benchmark set behind BENCHMARKS.md, in one device call (outputs under $OUT).
+#   bash tools/gpu_benchmarks.sh [27b] [35b] [toy] [serve]      (default: all four)
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+parts=${*:-27b 35b toy serve}
+MTP='"method":"mtp","rejection_sample_method":"synthetic"'
+SYN='"rejection_sample_method":"synthetic","synthetic_acceptance_length":6.5'
+for p in $parts; do case $p in
+27b|35b)  # synthetic acceptance at the published rates, concurrency 1-8, every method
+  w=$([ $p = 27b ] && echo 27b || echo 35b-a3b)
+  timeout 420 python3 bench.py --random-weights $w --batch 1 2 4 8 --prompt-len 512 --gen-len 64 \
+    --random-drafter /tmp/drafters-$p --verify-cost 2 4 16 \
+    --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":2,\"synthetic_acceptance_rates\":[0.85,0.82]}" \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":3,\"synthetic_acceptance_rates\":[0.85,0.82,0.82]}" \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
+    --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":16,$SYN}" 2>&1 | tee $OUT/bench-$p.log | grep -v '^{' ;;
+toy)  # the shipped model: real acceptance, bf16 on the GPU
+  timeout 300 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{'
+  timeout 200 python3 bench.py --model models/toy --batch 1 8 --prompt-len 128 --gen-len 128 --no-floor \
+    --speculative-config off --speculative-config '{"method":"mtp","num_speculative_tokens":1}' \
+    --speculative-config '{"method":"mtp","num_speculative_tokens":3}' \
+    --speculative-config '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2}' \
+    --speculative-config '{"method":"draft_model","model":"models/toy-draft","num_speculative_tokens":4}' \
+    2>&1 | tee $OUT/bench-toy.log | grep -v '^{' ;;
+serve)  # bench.py serve against server.py on the toy model, with and without MTP
+  for spec in off '{"method":"mtp","num_speculative_tokens":3}'; do
+    args=(); [ "$spec" != off ] && args=(--speculative-config "$spec")
+    python3 server.py --model models/toy --port 8123 "${args[@]}" > $OUT/server.log 2>&1 & pid=$!
+    for i in $(seq 60); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+    for c in 1 4 8; do
+      echo "=== serve spec=$spec concurrency=$c"
+      timeout 120 python3 bench.py serve --url http://127.0.0.1:8123 --num-prompts $((c * 8)) --max-concurrency $c \
+        --prompt-len 128 --gen-len 128 2>&1 | tail -3
+    done
+    kill $pid; wait $pid 2>/dev/null
+  done 2>&1 | tee $OUT/serve-toy.log ;;
+esac; done

@@ -69,7 +69,7 @@ def random_model(name, dtype, device, seed=0):
         if isinstance(mod, sd.Attention):
             rd = cfg.rotary_dim
             mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return model.eval(), cfg
+    return sd.fuse_projections(model.eval()), cfg
 
 
 def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):

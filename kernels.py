@@ -182,6 +182,40 @@ def gated_rms_norm(x, z, weight, eps):
 
 
 # ----------------------------------------------------------------------------------------------
+# SwiGLU activation over a fused [gate | up] projection
+# ----------------------------------------------------------------------------------------------
+
+def silu_mul_ref(h):
+    I = h.shape[-1] // 2
+    return F.silu(h[..., :I]) * h[..., I:]
+
+
+@_jit
+def _silu_mul_kernel(p_h, p_y, I, s_h, BI: tl.constexpr):
+    # program (row, block of I): y = silu(gate) * up in fp32, rounded once to the activation dtype
+    i_r, i_c = tl.program_id(0), tl.program_id(1)
+    o = i_c * BI + tl.arange(0, BI)
+    m = o < I
+    g = tl.load(p_h + i_r * s_h + o, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(p_h + i_r * s_h + I + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(p_y + i_r * I + o, (g / (1.0 + tl.exp(-g)) * u).to(p_y.dtype.element_ty), mask=m)
+
+
+def silu_mul(h):
+    """SwiGLU's silu(gate) * up from one fused projection h [..., 2I] (gate first). Returns [..., I].
+    The reference rounds silu(gate) to h's dtype before the multiply (as F.silu(g) * u does); the
+    kernel keeps it in fp32, so bf16 results may differ by one rounding."""
+    if not _fast(h):
+        return silu_mul_ref(h)
+    I = h.shape[-1] // 2
+    rows = _rows(h)
+    y = _empty((*h.shape[:-1], I), h.dtype, h.device)
+    BI = min(_p2(I), 1024)
+    _silu_mul_kernel[(rows.shape[0], _cdiv(I, BI))](rows, y, I, rows.stride(0), BI=BI, num_warps=4)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
 # Causal depthwise conv over the GDN mixed_qkv channels, with its rolling window state
 # ----------------------------------------------------------------------------------------------
 

@@ -623,9 +623,12 @@ class Attention(nn.Module):
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
-        qg = self.q_proj(x).view(B, T, self.nh, 2 * self.hd)                       # per head [query | gate]
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        if hasattr(self, "qkv"):  # fused after loading: one GEMM, views of its output
+            qg, k, v = F.linear(x, self.qkv).split([2 * self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg = qg.view(B, T, self.nh, 2 * self.hd)                                     # per head [query | gate]
+        k, v = k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         k_cache, v_cache = ctx.state.kv[self.layer_id]
         # q/k norm + RoPE, and k, v written into the cache at positions pos[b] + t (one kernel on the GPU)
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
@@ -661,9 +664,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, ctx):
         B, T, _ = x.shape
         st = ctx.state
-        mixed = self.in_proj_qkv(x)                                                  # [B, T, C] pre-conv
-        z = self.in_proj_z(x).view(B, T, -1, self.cfg.linear_value_head_dim)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)                                  # [B, T, H_v] raw gates
+        c = self.cfg
+        if hasattr(self, "in_proj"):  # fused after loading: one GEMM, views of its output
+            mixed, z, b, a = F.linear(x, self.in_proj).split(
+                [c.conv_dim, c.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        # mixed [B, T, C] pre-conv inputs; z [B, T, value_dim] output gate; a, b [B, T, H_v] raw decay / beta
+        z = z.reshape(B, T, -1, c.linear_value_head_dim)
         verify = ctx.mode == "verify"
         no_write = torch.zeros(B, dtype=torch.long, device=x.device) if verify else None
         y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], no_write)
@@ -701,6 +709,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=False)
 
     def forward(self, x):
+        if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation kernel
+            return self.down_proj(K.silu_mul(F.linear(x, self.gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -793,6 +803,28 @@ class Qwen36(nn.Module):
         for layer in self.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.commit(ctx, n_keep)
+
+
+def fuse_projections(model):
+    """For inference: concatenate the projections that read the same input (GDN in_proj_qkv/z/b/a, attention
+    q/k/v, MLP gate/up) into one weight each; the original parameters become views of it, so nothing is
+    stored twice. A decode step then launches one GEMM where it launched four, three or two."""
+    def fuse(mod, attr, linears):
+        w = torch.cat([l.weight for l in linears])
+        setattr(mod, attr, w)
+        at = 0
+        for l in linears:
+            n = l.weight.shape[0]
+            l.weight = nn.Parameter(w[at:at + n], requires_grad=False)
+            at += n
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            fuse(m, "in_proj", [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+        elif isinstance(m, Attention):
+            fuse(m, "qkv", [m.q_proj, m.k_proj, m.v_proj])
+        elif isinstance(m, MLP):
+            fuse(m, "gate_up", [m.gate_proj, m.up_proj])
+    return model
 
 
 # ==============================================================================================
@@ -1280,7 +1312,7 @@ class BlockProposer:
                               "(incompatible draft/target pair).")
         with torch.device("meta"):
             net = BlockDrafter(c, shapes)
-        self.net = load_weights(net, tensors, engine.dtype, engine.device, where)
+        self.net = fuse_projections(load_weights(net, tensors, engine.dtype, engine.device, where))  # MLP gate/up
         Vd = net.draft_vocab_size
         if Vd > tcfg.vocab_size or (Vd < tcfg.vocab_size and (net.d2t is None or net.lm_head is None)):
             raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {tcfg.vocab_size}: a reduced draft "
@@ -2026,7 +2058,7 @@ def load_model(path, dtype, device, want_mtp=False):
         if isinstance(mod, Attention):
             rd = cfg.rotary_dim
             mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return model.eval(), cfg, tok
+    return fuse_projections(model.eval()), cfg, tok
 
 
 #@@GGUF-BEGIN@@

@@ -1816,6 +1816,37 @@ def randn(*shape, g, dtype=torch.float32, scale=1.0):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("I", [24, 1100])
+def test_kernel_silu_mul(dtype, I):
+    g = gen(5)
+    h = randn(3, 5, 2 * I, g=g, dtype=dtype)
+    assert rel(fast(K.silu_mul, h), K.silu_mul_ref(h)) <= TOL[dtype]
+    hs = randn(2, 3, 2 * I + 8, g=g, dtype=dtype)[..., :2 * I]                    # a strided view
+    assert rel(fast(K.silu_mul, hs), K.silu_mul_ref(hs)) <= TOL[dtype]
+
+
+def test_fused_projections_equal_separate(tiny):
+    """fuse_projections (done at load) computes what the separate projections compute."""
+    fused = LLM(model=tiny, device="cpu").model
+    with torch.device("meta"):
+        plain = sd.Qwen36(fused.cfg)
+    plain.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()}, assign=True)
+    for m in plain.modules():
+        if isinstance(m, sd.Attention):
+            rd = fused.cfg.rotary_dim
+            m.inv_freq = 1.0 / fused.cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd)
+    assert hasattr(fused.layers[0].linear_attn, "in_proj") and not hasattr(plain.layers[0].linear_attn, "in_proj")
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for m in (fused, plain):
+        st = sd.State(m.cfg, 2, 16, torch.float32, "cpu")
+        with torch.inference_mode():
+            outs.append(m(ids, sd.Ctx(st, torch.arange(2), torch.zeros(2, dtype=torch.long), 11, "prefill")))
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [40, 256])
 def test_kernel_rms_norms(dtype, D):
     g = gen(0)

@@ -30,7 +30,7 @@ serve)  # bench.py serve against server.py on the toy model, with and without MT
   for spec in off '{"method":"mtp","num_speculative_tokens":3}'; do
     args=(); [ "$spec" != off ] && args=(--speculative-config "$spec")
     python3 server.py --model models/toy --port 8123 "${args[@]}" > $OUT/server.log 2>&1 & pid=$!
-    for i in $(seq 60); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+    for i in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
     for c in 1 4 8; do
       echo "=== serve spec=$spec concurrency=$c"
       timeout 120 python3 bench.py serve --url http://127.0.0.1:8123 --num-prompts $((c * 8)) --max-concurrency $c \

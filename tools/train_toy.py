@@ -6,7 +6,7 @@ Data: the Python standard library's source on this machine (sysconfig stdlib, si
 by a hash of each file's path: 2% of files are held out for evaluation. Tokenizer: an 8k byte-level BPE in
 the Qwen tokenizer.json layout (tools/make_tokenizer.py) with <|endoftext|>, <|im_start|>, <|im_end|> and a
 <|mask|> token for block drafters. Models, trained together for --seconds:
-  toy/        the target: Qwen3.6 dense hybrid (GDN + gated attention 3:1), ~11.5M parameters, with an MTP head
+  toy/        the target: Qwen3.6 dense hybrid (GDN + gated attention 3:1), ~11.7M parameters, with an MTP head
               trained jointly (loss on x_{t+2} from (h_t, x_{t+1})); multimodal layout, bf16 safetensors
   toy-draft/  a ~1M-parameter model of the same family for method draft_model
 The engine's own modules are trained (through its inference forward with a fresh State per batch, PyTorch

@@ -348,8 +348,9 @@ class SpeculativeConfig:
         whole = int(math.floor(L - 1))
         return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
 
-#@@TOKENIZER-BEGIN@@
-# ---- tokenizer ----
+# ==============================================================================================
+# Tokenizer: byte-level BPE on tiktoken, incremental decoding, the Qwen3.6 chat format
+# ==============================================================================================
 # Qwen3.5/3.6 use a byte-level BPE (HF `tokenizers` layout). We run it on tiktoken: the pre-tokenizer
 # regex is tiktoken's pat_str, the BPE vocab its mergeable ranks, the added tokens its special tokens.
 
@@ -576,7 +577,6 @@ def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=Tr
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
     return "".join(out)
-#@@TOKENIZER-END@@
 
 # ==============================================================================================
 # Model
@@ -976,7 +976,9 @@ class MTPProposer:
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
 
 
-# ---- model drafters ----
+# ==============================================================================================
+# Model drafters: dflash, dspark (block drafters on the target's taps) and draft_model
+# ==============================================================================================
 # dflash, dspark: block drafters reading the target's hidden-state taps; draft_model: a separate small LM.
 # Facts from z-lab/dflash, deepseek-ai/DeepSpec, vllm-project/speculators and vLLM (shared/reference/
 # speculative-methods.md §5, §6, §8).
@@ -2061,8 +2063,9 @@ def load_model(path, dtype, device, want_mtp=False):
     return fuse_projections(model.eval()), cfg, tok
 
 
-#@@GGUF-BEGIN@@
-# ---- GGUF loading ----
+# ==============================================================================================
+# GGUF loading (llama.cpp qwen35 / qwen35moe files)
+# ==============================================================================================
 # llama.cpp GGUF files (arch `qwen35` / `qwen35moe`) <-> HF text-only names and layouts. read_gguf undoes every
 # transform of llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel), so its tensors
 # go into the same loader as safetensors; write_gguf applies them (used by tests). ggml lists dims innermost first
@@ -2356,7 +2359,6 @@ def read_gguf_model(path, dtype):
     tokenizer = Tokenizer(tok["vocab"], tok["merges"], tok["added_tokens"], tok["pattern"] or QWEN_PATTERN,
                           tok["eos_token"], special=tok["special_tokens"])
     return cfg, tensors, tokenizer
-#@@GGUF-END@@
 
 # ==============================================================================================
 # API: LLM(...).generate / .chat, shaped like vLLM's offline API

@@ -479,7 +479,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM-only floor")
-    ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels")
+    ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels "
+                    "(implies --enforce-eager)")
     ap.add_argument("--random-drafter", default=None, help="with --random-weights: write a random DFlash/DSpark "
                     "drafter of the target's shape (5 layers, block 16) to this directory first; use it as the "
                     "speculative config's model (its method picks the layout: the first dflash/dspark config)")
@@ -488,6 +489,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     sd.K.USE_TRITON = not a.no_triton
+    a.enforce_eager |= a.no_triton  # the references read positions on the host: not capturable
     raw = [None if c in (None, "off") else json.loads(c) for c in (a.speculative_config or ["off"])]
     if a.random_drafter:
         for c in raw:

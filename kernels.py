@@ -182,6 +182,20 @@ def gated_rms_norm(x, z, weight, eps):
 
 
 # ----------------------------------------------------------------------------------------------
+# Linear layers (cuBLAS on the GPU)
+# ----------------------------------------------------------------------------------------------
+
+def linear(x, w):
+    """x @ w^T, x [..., in], w [out, in]. On the GPU this is cuBLAS. The CPU reference computes small steps
+    (<= 256 rows) one row at a time, so that a token's result does not depend on how many tokens share the
+    step (BLAS picks other kernels for M = 1 and M = k+1): spec-on logprobs then equal spec-off's."""
+    if x.is_cuda or x.numel() // x.shape[-1] > 256:
+        return F.linear(x, w)
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.stack([F.linear(r, w) for r in rows]).view(*x.shape[:-1], w.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
 # SwiGLU activation over a fused [gate | up] projection
 # ----------------------------------------------------------------------------------------------
 
@@ -225,7 +239,10 @@ def causal_conv_ref(x, conv_pool, slots, weight, n_keep=None):
     past = conv_pool[slots]                                     # [B, C, K-1]
     seq = torch.cat([past, x.transpose(1, 2).to(past.dtype)], dim=2)  # [B, C, K-1+T]
     w = weight.to(seq.dtype)
-    y = F.conv1d(seq, w.unsqueeze(1), groups=C)                 # [B, C, T]
+    # the taps summed in order, y_t = sum_j w_j u_{t-K+1+j}: the same arithmetic for every token whatever T is
+    y = seq[:, :, 0:T] * w[:, 0, None]
+    for j in range(1, K):
+        y = y + seq[:, :, j:j + T] * w[:, j, None]              # [B, C, T]
     y = F.silu(y).transpose(1, 2).to(x.dtype)
     if n_keep is None:
         conv_pool[slots] = seq[:, :, T:]
@@ -337,12 +354,13 @@ def gdn_recurrent_ref(q, k, v, g, beta, state_pool, slots, n_keep=None):
     S = state_pool[slots].float()                               # [B, H_v, d_k, d_v]
     keep = S.clone() if n_keep is not None else None
     out = torch.empty_like(v)                                   # [B, H_v, T, d_v]
-    for t in range(T):
+    for t in range(T):  # (per-token slices made contiguous: the same arithmetic whatever T is)
+        q_t, k_t, v_t = q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous()
         S = S * g[:, :, t].exp()[..., None, None]
-        kv = torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])
-        delta = beta[:, :, t, None] * (v[:, :, t] - kv)
-        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
-        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
+        kv = torch.einsum("bhkv,bhk->bhv", S, k_t)
+        delta = beta[:, :, t, None] * (v_t - kv)
+        S = S + k_t[..., None] * delta[:, :, None, :]
+        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q_t)
         if n_keep is not None:
             keep = torch.where((n_keep == t + 1).view(B, 1, 1, 1), S, keep)
     state_pool[slots] = (S if n_keep is None else keep).to(state_pool.dtype)
@@ -608,16 +626,21 @@ def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache
 
 def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     B, T, nh, d = q.shape
-    nkv = k_cache.shape[2]
-    k = k_cache[slots, :kv_len].float()                         # [B, L, n_kv, d]
-    v = v_cache[slots, :kv_len].float()
-    k, v = (t.repeat_interleave(nh // nkv, dim=2).transpose(1, 2) for t in (k, v))  # [B, n_h, L, d]
-    scores = (q.float().transpose(1, 2) @ k.transpose(-1, -2)) * d ** -0.5        # [B, n_h, T, L]
-    qpos = pos[:, None] + torch.arange(T, device=q.device)[None]                  # [B, T]
-    visible = torch.arange(kv_len, device=q.device)[None, None] <= qpos[..., None]  # [B, T, L]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    p = scores.softmax(-1)
-    return (p @ v).transpose(1, 2).to(q.dtype)
+    rep = nh // k_cache.shape[2]
+    out = torch.empty_like(q)
+    # Each row over exactly its own keys; short steps (decode, verify) one query at a time, so a token's
+    # result does not depend on how many tokens the step holds (spec-on logprobs == spec-off's); prefill
+    # chunks under a causal mask. (Reads slots/pos on the host: use the kernel inside CUDA graphs.)
+    for b in range(B):
+        s, p = int(slots[b]), int(pos[b])
+        for t0, t1 in ([(t, t + 1) for t in range(T)] if T <= 32 else [(0, T)]):
+            L = p + t1
+            k, v = (c[s, :L].float().repeat_interleave(rep, dim=1).transpose(0, 1) for c in (k_cache, v_cache))
+            scores = (q[b, t0:t1].float().transpose(0, 1) @ k.transpose(-1, -2)) * d ** -0.5  # [nh, t, L]
+            visible = torch.arange(L, device=q.device)[None] <= p + torch.arange(t0, t1, device=q.device)[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out[b, t0:t1] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
 
 
 @_jit

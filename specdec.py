@@ -582,6 +582,15 @@ def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=Tr
 # Model
 # ==============================================================================================
 
+class Linear(nn.Linear):
+    """nn.Linear without bias, through kernels.linear (batch-invariant on the CPU reference path)."""
+    def __init__(self, n_in, n_out, bias=False):
+        super().__init__(n_in, n_out, bias=False)
+
+    def forward(self, x):
+        return K.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: the stored weight w scales by (1 + w)."""
     def __init__(self, dim, eps):
@@ -612,10 +621,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id, self.nh, self.nkv, self.hd = layer_id, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         H = cfg.hidden_size
-        self.q_proj = nn.Linear(H, 2 * self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+        self.q_proj = Linear(H, 2 * self.nh * self.hd, bias=False)
+        self.k_proj = Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, H, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         rd = cfg.rotary_dim
@@ -624,7 +633,7 @@ class Attention(nn.Module):
     def forward(self, x, ctx):
         B, T, _ = x.shape
         if hasattr(self, "qkv"):  # fused after loading: one GEMM, views of its output
-            qg, k, v = F.linear(x, self.qkv).split([2 * self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+            qg, k, v = K.linear(x, self.qkv).split([2 * self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qg = qg.view(B, T, self.nh, 2 * self.hd)                                     # per head [query | gate]
@@ -643,17 +652,17 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.layer_id, self.cfg = layer_id, cfg
         H, C, Kc = cfg.hidden_size, cfg.conv_dim, cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = nn.Linear(H, C, bias=False)
-        self.in_proj_z = nn.Linear(H, cfg.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, cfg.linear_num_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(H, cfg.linear_num_value_heads, bias=False)
+        self.in_proj_qkv = Linear(H, C, bias=False)
+        self.in_proj_z = Linear(H, cfg.value_dim, bias=False)
+        self.in_proj_b = Linear(H, cfg.linear_num_value_heads, bias=False)
+        self.in_proj_a = Linear(H, cfg.linear_num_value_heads, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(C, 1, Kc))
         self.dt_bias = nn.Parameter(torch.ones(cfg.linear_num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(cfg.linear_num_value_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
-        self.out_proj = nn.Linear(cfg.value_dim, H, bias=False)
+        self.out_proj = Linear(cfg.value_dim, H, bias=False)
 
     def split(self, y, B, T):
         c = self.cfg
@@ -666,7 +675,7 @@ class GatedDeltaNet(nn.Module):
         st = ctx.state
         c = self.cfg
         if hasattr(self, "in_proj"):  # fused after loading: one GEMM, views of its output
-            mixed, z, b, a = F.linear(x, self.in_proj).split(
+            mixed, z, b, a = K.linear(x, self.in_proj).split(
                 [c.conv_dim, c.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
@@ -704,13 +713,13 @@ class GatedDeltaNet(nn.Module):
 class MLP(nn.Module):
     def __init__(self, H, I):
         super().__init__()
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_proj = Linear(H, I, bias=False)
+        self.up_proj = Linear(H, I, bias=False)
+        self.down_proj = Linear(I, H, bias=False)
 
     def forward(self, x):
         if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation kernel
-            return self.down_proj(K.silu_mul(F.linear(x, self.gate_up)))
+            return self.down_proj(K.silu_mul(K.linear(x, self.gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -720,12 +729,12 @@ class MoE(nn.Module):
         super().__init__()
         H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(H, E, bias=False)
+        self.gate = Linear(H, E, bias=False)
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, then up rows
         self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))         # [E, H, I]
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.shared_expert_gate = Linear(H, 1, bias=False)
 
     def forward(self, x):
         shape = x.shape
@@ -760,7 +769,7 @@ class MTPHead(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         H = cfg.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "mtp", full_attention=True)])
@@ -780,7 +789,7 @@ class Qwen36(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, t == "full_attention") for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
 
     def forward(self, ids, ctx, taps=()):
@@ -796,7 +805,7 @@ class Qwen36(nn.Module):
 
     def logits(self, h):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        return K.linear(h, w).float()
 
     def commit(self, ctx, n_keep):
         """Bring every GDN layer's state to the end of the accepted prefix of the last verify."""

@@ -153,7 +153,7 @@ def gemm_floor(ws, M, iters=20):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    del g, outs
+    del g
     return statistics.median(times)
 
 
@@ -165,8 +165,9 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     V = model.cfg.vocab_size
     sp = sd.SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     # warm-up: captures the graphs of this batch size (and compiles kernels) outside the timed run
-    warm = [eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(), sd.SamplingParams(
-        temperature=0, max_tokens=min(8, gen_len), ignore_eos=True)) for _ in range(B)]
+    for _ in range(B):
+        eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(),
+                        sd.SamplingParams(temperature=0, max_tokens=min(8, gen_len), ignore_eos=True))
     while eng.has_work():
         eng.step()
     eng.stats = sd.SpecStats()

@@ -1835,11 +1835,10 @@ class Engine:
 
     def _sample(self, logits, reqs):
         """Sample one token per row of logits [B, V] with each request's own generator."""
-        B = len(reqs)
+        if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
+            return logits.argmax(-1)
         f = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device)
         greedy = torch.tensor([r.params.greedy for r in reqs], device=self.device)
-        if bool(greedy.all()):
-            return logits.argmax(-1)
         p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float())
         u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(self.device)
         return torch.where(greedy, logits.argmax(-1), sample_from(p, u))

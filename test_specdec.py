@@ -701,7 +701,7 @@ def test_cli_help_documents_every_flag():
 # Tokenizer (vs HF tokenizers) and chat template
 # ==============================================================================================
 
-from specdec import QWEN_PATTERN, IncrementalDecoder, Tokenizer, apply_chat_template  # noqa: E402
+from specdec import IncrementalDecoder, Tokenizer, apply_chat_template  # noqa: E402
 sys.path.insert(0, os.path.join(HERE, 'tools'))
 from make_tokenizer import EXTRA_TEXT, NONSPECIAL, SPECIAL, make_tiny_tokenizer  # noqa: E402
 

@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     a = ap.parse_args()
     prompts, rows = evaluate(a.model, a.device, a.dtype, a.prompts, a.prompt_len, a.gen, METHODS)
-    print(f"| method | mean acceptance length | draft acceptance rate | per position | == spec off | seconds |")
+    print("| method | mean acceptance length | draft acceptance rate | per position | == spec off | seconds |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         if "error" in r:

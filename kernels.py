@@ -63,6 +63,14 @@ def _rows(x):
         return x.contiguous().view(-1, x.shape[-1])
 
 
+def exact(fn, x):
+    """fn(x) for an elementwise fn; on the CPU in float64, rounded back to x's dtype. CPU SIMD math rounds an
+    element differently in a vector lane and in the scalar tail, so an fp32 result would depend on the
+    tensor's length; the references use this so a token's result does not depend on how many tokens share
+    the step (spec-on logprobs == spec-off's). CUDA computes every element alike: fn(x) as it is."""
+    return fn(x) if x.is_cuda or x.dtype == torch.float64 else fn(x.double()).to(x.dtype)
+
+
 def _dot_dtype(t):
     """The dtype tl.dot multiplies in: t's own, but fp32 under the interpreter (numpy has no bf16)."""
     if t.dtype == torch.float32 or not t.is_cuda:
@@ -88,7 +96,7 @@ def _sm_count(device):
 
 def rms_norm_ref(x, weight, eps):
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * exact(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
@@ -99,9 +107,9 @@ def add_rms_norm_ref(x, residual, weight, eps):
 
 def gated_rms_norm_ref(x, z, weight, eps):
     xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = (xf * exact(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y
-    return (y * F.silu(z.float())).to(x.dtype)
+    return (y * exact(F.silu, z.float())).to(x.dtype)
 
 
 @_jit
@@ -201,7 +209,7 @@ def linear(x, w):
 
 def silu_mul_ref(h):
     I = h.shape[-1] // 2
-    return F.silu(h[..., :I]) * h[..., I:]
+    return exact(F.silu, h[..., :I]) * h[..., I:]
 
 
 @_jit
@@ -243,7 +251,7 @@ def causal_conv_ref(x, conv_pool, slots, weight, n_keep=None):
     y = seq[:, :, 0:T] * w[:, 0, None]
     for j in range(1, K):
         y = y + seq[:, :, j:j + T] * w[:, j, None]              # [B, C, T]
-    y = F.silu(y).transpose(1, 2).to(x.dtype)
+    y = exact(F.silu, y).transpose(1, 2).to(x.dtype)
     if n_keep is None:
         conv_pool[slots] = seq[:, :, T:]
     else:
@@ -339,8 +347,8 @@ def _gdn_prep(q, k, v, g, beta):
     over their group of value heads. Returns fp32 tensors [B, H_v, T, d]."""
     Hk, Hv = q.shape[2], v.shape[2]
     q, k = (t.float() for t in (q, k))
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * exact(torch.rsqrt, (q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * exact(torch.rsqrt, (k * k).sum(-1, keepdim=True) + 1e-6)
     if Hv != Hk:  # value head j reads key head j // (H_v / H_k)
         q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
     q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
@@ -356,7 +364,7 @@ def gdn_recurrent_ref(q, k, v, g, beta, state_pool, slots, n_keep=None):
     out = torch.empty_like(v)                                   # [B, H_v, T, d_v]
     for t in range(T):  # (per-token slices made contiguous: the same arithmetic whatever T is)
         q_t, k_t, v_t = q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous()
-        S = S * g[:, :, t].exp()[..., None, None]
+        S = S * exact(torch.exp, g[:, :, t])[..., None, None]
         kv = torch.einsum("bhkv,bhk->bhv", S, k_t)
         delta = beta[:, :, t, None] * (v_t - kv)
         S = S + k_t[..., None] * delta[:, :, None, :]
@@ -510,7 +518,7 @@ def gdn_gates(a, b, A_log, dt_bias):
     """The GDN gates from their raw projections, as Qwen3.5 computes them:
     g = -exp(A_log) * softplus(a_f32 + dt_bias) (fp32), beta = sigmoid(b) (b's dtype).
     a, b [B, T, H_v]; A_log, dt_bias [H_v]. Returns (g, beta)."""
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+    return -exact(torch.exp, A_log.float()) * exact(F.softplus, a.float() + dt_bias), exact(torch.sigmoid, b)
 
 
 def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None):
@@ -531,8 +539,9 @@ def rope_ref(x, pos, T, inv_freq):
     rd = inv_freq.numel() * 2
     p = (pos[:, None] + torch.arange(T, device=x.device)[None]).float()          # [B, T]
     freqs = p[..., None] * inv_freq                                              # [B, T, rd/2]
-    cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)[:, :, None]      # [B, T, 1, rd]
-    sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)[:, :, None]
+    c, s = exact(torch.cos, freqs), exact(torch.sin, freqs)
+    cos = torch.cat([c, c], -1).to(x.dtype)[:, :, None]                         # [B, T, 1, rd]
+    sin = torch.cat([s, s], -1).to(x.dtype)[:, :, None]
     xr, xp = x[..., :rd], x[..., rd:]
     rot = torch.cat([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
     return torch.cat([xr * cos + rot * sin, xp], -1)

@@ -643,7 +643,7 @@ class Attention(nn.Module):
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
                              k_cache, v_cache, ctx.slots, ctx.pos)                   # [B, T, nh, hd]
         o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
-        return self.o_proj(o.reshape(B, T, -1) * torch.sigmoid(qg[..., self.hd:].reshape(B, T, -1)))
+        return self.o_proj(o.reshape(B, T, -1) * K.exact(torch.sigmoid, qg[..., self.hd:].reshape(B, T, -1)))
 
 
 class GatedDeltaNet(nn.Module):

@@ -347,7 +347,7 @@ def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
-            assert abs(a[t] - b[t]) <= 1e-5 * max(1.0, abs(b[t]))
+            assert abs(a[t] - b[t]) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
             assert set(a) == set(b)
     if cfg["method"] == "mtp" or cfg.get("prompt_lookup_min") == 1:  # these always find a draft
         assert llm.get_metrics().num_drafts > 0

@@ -1,0 +1,198 @@
+"""Train DFlash and DSpark block drafters (block 8) against the shipped toy target.
+
+    python tools/train_drafters.py --target models/toy --out models --seconds 300
+
+Needs models/toy (tools/train_toy.py) and its train_log.json (the held-out files are left out here too).
+The drafters are built and loaded by the engine's own code (read_block_config / BlockDrafter / load_weights)
+from a checkpoint written in the published layout, trained through the engine's inference forward
+(write_context + the non-causal block forward, PyTorch references), and written back in that layout:
+  toy-dflash/   z-lab DFlashDraftModel: 2 Qwen3 layers, taps = outputs of target layers 1, 3, 5
+  toy-dspark/   DeepSpec Qwen3DSparkModel: the same backbone, the anchor also predicts, Markov head rank 64,
+                confidence head
+Training (DFlash paper / DeepSpec): random anchors a per sequence; the block [x_a, MASK x 7] at positions
+a..a+7 sees the target's context strictly before a and its whole block; DFlash slot j predicts x_{a+j},
+DSpark slot j predicts x_{a+j+1} with the Markov bias W2 W1[x_{a+j}] (teacher forcing); cross-entropy
+weighted exp(-(j-1)/4); the confidence head learns whether the slot's argmax is right (BCE).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import kernels as K  # noqa: E402
+import specdec as sd  # noqa: E402
+from train_toy import read, split, stdlib_files  # noqa: E402
+
+BLOCK, TAPS, RANK, GAMMA = 8, [1, 3, 5], 64, 4.0
+
+
+def draft_config(method, tcfg, mask_id):
+    cfg = {"model_type": "qwen3", "hidden_size": tcfg.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2 * tcfg.hidden_size,
+           "vocab_size": tcfg.vocab_size, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": tcfg.rope_theta,
+           "max_position_embeddings": 4096, "attention_bias": False, "tie_word_embeddings": False,
+           "layer_types": ["full_attention"] * 2, "block_size": BLOCK, "num_target_layers": tcfg.num_hidden_layers}
+    if method == "dflash":
+        cfg.update(architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+                   dflash_config={"mask_token_id": mask_id, "target_layer_ids": TAPS})
+    else:
+        cfg.update(architectures=["Qwen3DSparkModel"], target_layer_ids=TAPS, mask_token_id=mask_id,
+                   markov_rank=RANK, markov_head_type="vanilla", enable_confidence_head=True,
+                   confidence_head_with_markov=True, num_anchors=512)
+    return cfg
+
+
+def init_weights(cfg, method, seed):
+    g = torch.Generator().manual_seed(seed)
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    r = lambda *s: torch.randn(*s, generator=g) * 0.02
+    w = {"fc.weight": r(H, len(TAPS) * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
+                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
+                  p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
+                  p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H)})
+    if method == "dspark":
+        w.update({"markov_head.markov_w1.weight": r(V, RANK), "markov_head.markov_w2.weight": torch.zeros(V, RANK),
+                  "confidence_head.proj.weight": r(1, H + RANK), "confidence_head.proj.bias": torch.zeros(1)})
+    return w
+
+
+def save(path, cfg, tensors, dtype):
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    save_file({k: v.detach().to(dtype).cpu().contiguous() for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+
+
+def build(path, method, device):
+    """The drafter through the engine's loader, unfused and trainable (fp32)."""
+    c = sd.read_block_config(path, method)
+    from safetensors import safe_open
+    f = os.path.join(path, "model.safetensors")
+    with safe_open(f, "pt") as st:
+        shapes = {n: tuple(st.get_slice(n).get_shape()) for n in st.keys()}
+    with torch.device("meta"):
+        net = sd.BlockDrafter(c, shapes)
+    net = sd.load_weights(net, {n: f for n in shapes}, torch.float32, device, path)
+    for p in net.parameters():
+        p.requires_grad_(True)
+    return net.train(), c
+
+
+def block_loss(net, c, method, target, ids, feats, anchors, mask_id):
+    """ids [B, L]; feats [B, L, n_taps*H] (no grad); anchors [B, m] -> (loss, per-slot accuracy)."""
+    B, m = anchors.shape
+    S, dev = B * m, ids.device
+    rows = torch.arange(B, device=dev).repeat_interleave(m)                          # sequence of each slot
+    a = anchors.reshape(-1)                                                          # [S]
+    L = ids.shape[1]
+    cache = sd.KVCache(c, S, L + BLOCK, torch.float32, dev)
+    slots = torch.arange(S, device=dev)
+    # context: every slot gets its sequence's context; the block (written at a..a+7) hides what lies beyond
+    net.write_context(feats[rows], sd.Ctx(cache, slots, torch.zeros(S, dtype=torch.long, device=dev), L, "prefill"))
+    off = torch.arange(BLOCK, device=dev)
+    block_ids = torch.full((S, BLOCK), mask_id, device=dev)
+    block_ids[:, 0] = ids[rows, a]
+    x = target.embed_tokens(block_ids)                                               # [S, Q, H] (frozen)
+    h = net(x, sd.Ctx(cache, slots, a, int(a.max()) + BLOCK, "prefill"))              # [S, Q, H]
+    if method == "dflash":  # slot j >= 1 predicts x_{a+j}
+        logits, labels, w = target.logits(h[:, 1:]), ids[rows[:, None], a[:, None] + off[1:]], off[1:]
+    else:  # slot j predicts x_{a+j+1}; Markov bias from the true previous token x_{a+j}
+        prev = ids[rows[:, None], a[:, None] + off]                                  # [S, Q]
+        e1 = net.markov_head.markov_w1(prev)                                         # [S, Q, r]
+        logits = target.logits(h) + net.markov_head.markov_w2(e1).float()
+        labels, w = ids[rows[:, None], a[:, None] + off + 1], off + 1
+    weight = torch.exp(-(w.float() - 1) / GAMMA)                                     # [Q']
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(S, -1)
+    loss = (ce * weight).sum(1).mean() / weight.sum()
+    right = (logits.argmax(-1) == labels).float()
+    if method == "dspark" and net.confidence_head is not None:
+        conf = net.confidence_head.proj(torch.cat([h, e1], -1)).squeeze(-1)
+        loss = loss + F.binary_cross_entropy_with_logits(conf, right) * 0.1
+    return loss, right.mean(0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=os.path.join(ROOT, "models", "toy"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "models"))
+    ap.add_argument("--seconds", type=float, default=300, help="training time for both drafters together")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-files", type=int, default=None)
+    a = ap.parse_args()
+    K.USE_TRITON = False  # differentiable references
+    dev = torch.device(a.device)
+    target, tcfg, tok = sd.load_model(a.target, torch.float32, dev)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    mask_id = tok.id_of("<|mask|>")
+    root, files = stdlib_files()
+    with open(os.path.join(os.path.dirname(a.target), "train_log.json")) as fh:
+        held = set(json.load(fh)["held_out_files"])
+    train_f = [f for f in split(files, root)[0] if os.path.relpath(f, root) not in held][:a.max_files]
+    stream = []
+    for t in (read(f) for f in train_f):
+        if t:
+            stream += tok.encode(t, allow_special=False) + [tok.id_of("<|endoftext|>")]
+    data = torch.tensor(stream)
+    print(f"[data] {len(train_f)} files, {len(data) / 1e6:.2f}M tokens", flush=True)
+    nets = {}
+    for i, method in enumerate(("dflash", "dspark")):
+        path = os.path.join(a.out, f"toy-{method}")
+        cfg = draft_config(method, tcfg, mask_id)
+        save(path, cfg, init_weights(cfg, method, seed=i), torch.float32)
+        nets[method] = build(path, method, dev) + (path, cfg)
+    opts = {m: torch.optim.AdamW([p for p in n[0].parameters() if p.is_floating_point()], lr=a.lr,
+                                 betas=(0.9, 0.95), weight_decay=0.0) for m, n in nets.items()}
+    g = torch.Generator().manual_seed(0)
+    L, B, step, t0 = a.seq_len, a.batch, 0, time.time()
+    while time.time() - t0 < a.seconds:
+        frac = (time.time() - t0) / a.seconds
+        lr = a.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+        starts = torch.randint(0, len(data) - L - 1, (B,), generator=g)
+        ids = torch.stack([data[s:s + L] for s in starts]).to(dev)
+        with torch.no_grad():
+            st = sd.State(tcfg, B, L, torch.float32, dev)
+            _, aux = target(ids, sd.Ctx(st, torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
+                                        L, "prefill"), tuple(TAPS))
+            feats = torch.cat(aux, -1)                                               # taps in layer order = TAPS
+        anchors = torch.randint(1, L - BLOCK - 1, (B, a.anchors), generator=g).to(dev)
+        row = {"step": step}
+        for m, (net, c, _, _) in nets.items():
+            for pg in opts[m].param_groups:
+                pg["lr"] = lr
+            loss, acc = block_loss(net, c, m, target, ids, feats, anchors, mask_id)
+            opts[m].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opts[m].step()
+            row[m] = round(loss.item(), 3)
+            row[m + "-acc"] = [round(x, 2) for x in acc.tolist()]
+        if step % 20 == 0:
+            print(f"[train] {row}", flush=True)
+        step += 1
+    for m, (net, c, path, cfg) in nets.items():
+        save(path, cfg, dict(net.named_parameters()), torch.bfloat16)
+    print(f"[done] {step} steps in {time.time() - t0:.0f}s; wrote " + ", ".join(n[2] for n in nets.values()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

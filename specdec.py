@@ -1791,8 +1791,10 @@ class Engine:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
     def call(self, name, fn, kv_len, inputs):
-        """Run a drafter step fn(kv_len, **inputs) -> tuple of tensors: as a captured graph on the GPU, else eagerly."""
-        out = self.graphs.call(name, fn, inputs) if self.graphs is not None else None
+        """Run a drafter step fn(kv_len, **inputs) -> tuple of tensors: as a captured graph on the GPU, else eagerly
+        (also when the speculative config says enforce_eager: vLLM's override for the draft)."""
+        eager = self.graphs is None or (self.spec is not None and self.spec.enforce_eager)
+        out = None if eager else self.graphs.call(name, fn, inputs)
         return out if out is not None else fn(kv_len, **inputs)
 
     def slot_tensor(self, reqs):

@@ -1623,6 +1623,7 @@ class Request:
     def __init__(self, rid, prompt_ids, params, tokenizer, seed):
         self.id, self.prompt_ids, self.params = rid, list(prompt_ids), params
         self.output_ids, self.text = [], ""
+        self.tokens = list(prompt_ids)  # prompt + output, kept up to date by Engine._emit (read every step)
         self.logprobs = [] if params.logprobs is not None else None
         self.finish_reason = self.stop_reason = self.slot = None
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
@@ -1630,10 +1631,6 @@ class Request:
         self.spec = SpecStats()
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
         self.on_update = None  # callback(req, n_new_tokens), e.g. the server's stream
-
-    @property
-    def tokens(self):
-        return self.prompt_ids + self.output_ids
 
     @property
     def finished(self):
@@ -1909,6 +1906,7 @@ class Engine:
         emitted = 0
         for i, t in enumerate(toks):
             req.output_ids.append(t)
+            req.tokens.append(t)
             emitted += 1
             if req.logprobs is not None:
                 lp = logits[i].float().log_softmax(-1)

@@ -878,15 +878,27 @@ class State:
 #       (prefill chunk or verify) engine.aux holds them, [B, T, H] each, in the same order
 # ==============================================================================================
 
-def ngram_lookup(ctx, k, lo, hi):
-    """vLLM's prompt lookup: find the longest suffix n-gram (lo <= n <= hi) of ctx that occurred earlier,
-    take its earliest occurrence and propose up to k tokens that followed it."""
+def ngram_lookup_ref(ctx, k, lo, hi):
+    """vLLM's prompt lookup, plainly: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
+    earliest occurrence, and up to k tokens that followed it."""
     N = len(ctx)
     for n in range(min(hi, N - 1), lo - 1, -1):
         tail = ctx[N - n:]
         for start in range(0, N - n):
             if ctx[start:start + n] == tail:
                 return ctx[start + n:start + n + k]
+    return []
+
+
+def ngram_lookup(ctx, k, lo, hi):
+    """ngram_lookup_ref vectorised with numpy (it runs on the host every step, over prompt + output)."""
+    a = np.asarray(ctx, dtype=np.int64)
+    N = len(a)
+    for n in range(min(hi, N - 1), lo - 1, -1):
+        hits = (np.lib.stride_tricks.sliding_window_view(a[:N - 1], n) == a[N - n:]).all(1)  # starts 0 .. N-n-1
+        if hits.any():
+            start = int(hits.argmax())
+            return ctx[start + n:start + n + k]
     return []
 
 

@@ -260,6 +260,16 @@ def test_seeded_sampling_reproducible(tiny):
     assert c.outputs[0].token_ids != a
 
 
+def test_ngram_lookup_matches_reference_and_vllm_example():
+    assert sd.ngram_lookup([1, 2, 3, 4, 2, 3], 4, 2, 3) == [4, 2, 3]  # vLLM's docstring example
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        ctx = torch.randint(0, 4, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        lo = int(torch.randint(1, 4, (1,), generator=g))
+        hi = lo + int(torch.randint(0, 3, (1,), generator=g))
+        assert sd.ngram_lookup(ctx, 5, lo, hi) == sd.ngram_lookup_ref(ctx, 5, lo, hi), (ctx, lo, hi)
+
+
 def test_top_k_top_p_masks():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     p = sd.target_probs(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))

@@ -1555,7 +1555,7 @@ def sample_from(probs, u):
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample):
+def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample, all_greedy=None):
     """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
 
     logits [B, k+1, V] fp32 target logits at [last token, d1..dk]; drafts [B, k] long (-1 = padding,
@@ -1565,10 +1565,19 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     d_i with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
     norm(max(0, p_i - q_i)); when all k are accepted a bonus token is drawn from p_{k+1}.
     Returns tokens [B, k+1] (-1 after the emitted ones) and num_accepted [B] (bonus excluded).
+    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy.
     """
     B, k1, V = logits.shape
     k = k1 - 1
     greedy = temperature < 1e-5
+    rows = torch.arange(B, device=logits.device)
+    pos = torch.arange(k1, device=logits.device)[None]
+    if all_greedy:
+        argmax = logits.argmax(-1)                                                   # [B, k+1]
+        n = torch.cumprod(((drafts == argmax[:, :k]) & (drafts >= 0)).long(), dim=1).sum(1)
+        tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
+        tokens[rows, n] = argmax[rows, n]
+        return tokens, n
     rep = lambda t: t.repeat_interleave(k1)
     p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p)).view(B, k1, V)
     argmax = logits.argmax(-1)                                                       # [B, k+1]
@@ -1579,7 +1588,6 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     ok &= drafts >= 0
     n = torch.cumprod(ok.long(), dim=1).sum(1)                                       # accepted prefix length
     # the token after the accepted prefix: greedy -> argmax; random -> residual at a rejection, p at the bonus
-    rows = torch.arange(B, device=logits.device)
     p_n = p[rows, n]                                                                 # [B, V]
     d_n = drafts[rows, n.clamp(max=k - 1)]                                          # draft at the stop (if any)
     q_n = F.one_hot(d_n.clamp(min=0), V).to(p.dtype) if draft_probs is None else draft_probs[rows, n.clamp(max=k - 1)]
@@ -1587,7 +1595,6 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     resid = torch.where((n < k)[:, None], (p_n - q_n).clamp(min=0), p_n)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)                 # p == q: any draw from p
     extra = torch.where(greedy, argmax[rows, n], sample_from(resid, u_sample[rows, n]))
-    pos = torch.arange(k1, device=logits.device)[None]
     tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
     tokens[rows, n] = extra
     return tokens, n
@@ -1899,7 +1906,8 @@ class Engine:
             tokens[torch.arange(B), n] = logits[torch.arange(B), n].argmax(-1)
         else:
             tokens, n = rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
-                                         f("top_p", torch.float32), u_acc, u_smp)
+                                         f("top_p", torch.float32), u_acc, u_smp,
+                                         all_greedy=all(r.params.greedy for r in reqs))
         commit(n + 1)
         self.proposer.commit(self, reqs, h, ids, n, tokens)
         n_draft = (drafts >= 0).sum(1).tolist()

@@ -438,6 +438,9 @@ def test_rejection_sampler_greedy():
     assert tok[0].tolist() == am[0].tolist()                                   # all accepted + bonus
     assert tok[1].tolist() == [am[1, 0], am[1, 1], -1, -1]                     # correction = argmax
     assert tok[2].tolist() == [am[2, 0], -1, -1, -1]
+    tok2, n2 = sd.rejection_sample(logits, drafts, None, z, torch.full((3,), -1), torch.ones(3), torch.rand(3, 3),
+                                   torch.rand(3, 4), all_greedy=True)  # the host shortcut gives the same
+    assert torch.equal(tok2, tok) and torch.equal(n2, n)
 
 
 @pytest.mark.parametrize("full_q", [False, True])

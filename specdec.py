@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import time
+import types
 import unicodedata
 import warnings
 from collections import deque
@@ -944,7 +945,7 @@ class MTPProposer:
     per slot; propose() turns it into d1 and feeds its own output back for d2..dk. On the GPU the
     whole chain, and the commit pass, run as captured graphs."""
     def __init__(self, engine, spec):
-        self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
+        self.engine, self.k, self.greedy = engine, spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
         m = engine.model
         self.hidden = torch.zeros(engine.max_num_seqs + 1, m.cfg.hidden_size, dtype=engine.dtype, device=engine.device)
 
@@ -959,7 +960,7 @@ class MTPProposer:
         self.hidden[req.slot] = out[0, -1]
 
     def _chain(self, kv_len, slots, pos, temp=None, u=None):
-        m, drafts, probs = self.engine_model, [], []
+        m, drafts, probs = self.engine.model, [], []
         h = self.hidden[slots]                                                       # [B, H]
         for j in range(self.k):
             if j > 0:
@@ -970,7 +971,6 @@ class MTPProposer:
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
     def propose(self, engine, reqs):
-        self.engine, self.engine_model = engine, engine.model
         pos_list = [len(r.tokens) - 2 for r in reqs]                                  # position of the kept hidden
         inputs = dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(pos_list, device=engine.device))
         if not self.greedy:
@@ -984,7 +984,6 @@ class MTPProposer:
 
     def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
         # position p+i gets (h_{p+i}, x_{p+i+1}): the drafts, with the correction/bonus token at n_acc
-        self.engine = engine
         rows = torch.arange(ids.shape[0], device=ids.device)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         nxt[rows, n_acc] = tokens[rows, n_acc]
@@ -1669,8 +1668,7 @@ class GraphRunner:
     def capture(self, B, T, mode):
         e, st = self.e, self.e.state
         dev = e.device
-        g = dataclasses.make_dataclass("G", ["ids", "pos", "slots", "n_keep", "h", "aux", "logits", "graph", "commit",
-                                             "stash"])
+        g = types.SimpleNamespace()  # static inputs, outputs and the graphs of one (bucket, T)
         g.ids, g.pos = torch.zeros(B, T, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
         g.slots = torch.full((B,), st.dummy_slot, dtype=torch.long, device=dev)
         g.n_keep = torch.zeros(B, dtype=torch.long, device=dev)
@@ -1686,8 +1684,8 @@ class GraphRunner:
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.h, g.aux = fwd()
             g.logits = e.model.logits(g.h)
-        g.stash, g.commit = dict(st.stash), None
-        if mode == "verify":
+        g.commit = None
+        if mode == "verify":  # replays the stash the verify graph just wrote (same tensors on every replay)
             g.commit = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.commit, pool=self.pool):
                 e.model.commit(ctx, g.n_keep)
@@ -2433,9 +2431,6 @@ class LLM:
             raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from a "
                               "re-quantised copy of the model the drafter was not trained on; use the safetensors "
                               "checkpoint as the target")
-        if spec is not None and spec.method not in PROPOSERS:
-            raise ConfigError(f"speculative method {spec.method!r} is not implemented yet; available now: "
-                              f"{', '.join(PROPOSERS)}")
         if not os.path.exists(model):
             raise ConfigError(f"model path {model!r} does not exist")
         if max_num_seqs < 1:

@@ -740,10 +740,15 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
-        w, idx = K.moe_route(self.gate(x), self.top_k)
+        if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up, one GEMM
+            E, I = self.experts.gate_up_proj.shape[0], self.shared_expert.down_proj.weight.shape[1]
+            logits, sg, gu = K.linear(x, self.router_shared).split([E, 1, 2 * I], -1)
+            shared = self.shared_expert.down_proj(K.silu_mul(gu))
+        else:
+            logits, sg, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
+        w, idx = K.moe_route(logits, self.top_k)
         y = K.moe_experts(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj)
-        y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y.view(shape)
+        return (y + torch.sigmoid(sg) * shared).view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -817,8 +822,9 @@ class Qwen36(nn.Module):
 
 def fuse_projections(model):
     """For inference: concatenate the projections that read the same input (GDN in_proj_qkv/z/b/a, attention
-    q/k/v, MLP gate/up) into one weight each; the original parameters become views of it, so nothing is
-    stored twice. A decode step then launches one GEMM where it launched four, three or two."""
+    q/k/v, MLP gate/up; MoE router, shared-expert gate and shared expert gate/up) into one weight each; the
+    original parameters become views of it, so nothing is stored twice. A decode step then launches one GEMM
+    where it launched four, three or two (MoE: four small GEMMs, which are launch-bound, become one)."""
     def fuse(mod, attr, linears):
         w = torch.cat([l.weight for l in linears])
         setattr(mod, attr, w)
@@ -827,12 +833,17 @@ def fuse_projections(model):
             n = l.weight.shape[0]
             l.weight = nn.Parameter(w[at:at + n], requires_grad=False)
             at += n
-    for m in model.modules():
+    in_moe = set()
+    for m in model.modules():  # parents before children: a MoE's shared expert is fused with its router
         if isinstance(m, GatedDeltaNet):
             fuse(m, "in_proj", [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
         elif isinstance(m, Attention):
             fuse(m, "qkv", [m.q_proj, m.k_proj, m.v_proj])
-        elif isinstance(m, MLP):
+        elif isinstance(m, MoE):
+            se = m.shared_expert
+            fuse(m, "router_shared", [m.gate, m.shared_expert_gate, se.gate_proj, se.up_proj])
+            in_moe.add(id(se))
+        elif isinstance(m, MLP) and id(m) not in in_moe:
             fuse(m, "gate_up", [m.gate_proj, m.up_proj])
     return model
 
@@ -971,11 +982,10 @@ class MTPProposer:
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
     def propose(self, engine, reqs):
-        pos_list = [len(r.tokens) - 2 for r in reqs]                                  # position of the kept hidden
-        inputs = dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(pos_list, device=engine.device))
+        inputs = dict(slots=engine.cur_slots, pos=engine.cur_pos - 1)                # position of the kept hidden
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call("mtp-propose", self._chain, max(pos_list) + self.k, inputs)
+        return engine.call("mtp-propose", self._chain, engine.kv_len(reqs, self.k - 1, engine.state.max_len), inputs)
 
     def _commit(self, kv_len, slots, pos, nxt, hidden, n_acc):
         out = self._run(self.engine, nxt, hidden, slots, pos, kv_len)                 # [B, k+1, H]
@@ -987,10 +997,8 @@ class MTPProposer:
         rows = torch.arange(ids.shape[0], device=ids.device)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         nxt[rows, n_acc] = tokens[rows, n_acc]
-        pos_list = [r.verify_pos for r in reqs]
-        engine.call("mtp-commit", self._commit, max(pos_list) + ids.shape[1],
-                    dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(pos_list, device=ids.device), nxt=nxt,
-                         hidden=hidden, n_acc=n_acc))
+        engine.call("mtp-commit", self._commit, engine.kv_len(reqs, ids.shape[1], engine.state.max_len),
+                    dict(slots=engine.cur_slots, pos=engine.cur_pos, nxt=nxt, hidden=hidden, n_acc=n_acc))
 
 
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
@@ -1378,17 +1386,14 @@ class BlockProposer:
     def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
         # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next block,
         # which overwrites them before any query reads them
-        pos = torch.tensor([r.verify_pos for r in reqs], device=engine.device)
         engine.call(f"{self.method}-context", self._context, 0,
-                    dict(slots=engine.slot_tensor(reqs), pos=pos, feats=self._feats(engine)))
+                    dict(slots=engine.cur_slots, pos=engine.cur_pos, feats=self._feats(engine)))
 
     def propose(self, engine, reqs):
-        P = [len(r.tokens) - 1 for r in reqs]                                        # anchor positions
-        inputs = dict(slots=engine.slot_tensor(reqs), pos=torch.tensor(P, device=engine.device),
-                      anchor=torch.tensor([r.tokens[-1] for r in reqs], device=engine.device))
+        inputs = dict(slots=engine.cur_slots, pos=engine.cur_pos, anchor=engine.cur_last)  # the anchor and its position
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call(f"{self.method}-propose", self._draft, max(P) + self.Q, inputs)
+        return engine.call(f"{self.method}-propose", self._draft, engine.kv_len(reqs, self.Q, self.cache.max_len), inputs)
 
     def block_logits(self, kv_len, slots, pos, anchor):
         """The block forward over [anchor, mask x (Q-1)] at pos..: base draft logits [B, K, V_d] (fp32)."""
@@ -1480,7 +1485,11 @@ class DraftModelProposer:
         self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
         self.model, self.state = load_draft_lm(spec.model, engine, engine.max_model_len + 2 * self.k + 2)
         self.recurrent = bool(self.state.rec)
-        self.done = [0] * (engine.max_num_seqs + 1)                                  # tokens each slot's draft has consumed
+        # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the accepted
+        # n+1 after a verify; right-padded to k+1), how many, and the position of the first
+        S, dev = engine.max_num_seqs + 1, engine.device
+        self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=dev)
+        self.new_n, self.start = torch.ones(S, dtype=torch.long, device=dev), torch.zeros(S, dtype=torch.long, device=dev)
 
     def prefill(self, engine, req, hidden, ids, pos):
         T, slots = hidden.shape[1], engine.slot_tensor([req])
@@ -1488,20 +1497,15 @@ class DraftModelProposer:
             self.state.reset(req.slot)
         chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=engine.device)
         self.model(chunk, Ctx(self.state, slots, torch.tensor([pos], device=engine.device), pos + T, "prefill"))
-        self.done[req.slot] = pos + T
+        if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose consumes it
+            self.new_ids[req.slot, 0], self.new_n[req.slot], self.start[req.slot] = ids[0, -1], 1, pos + T
 
     def propose(self, engine, reqs):
-        k, dev = self.k, engine.device
-        new = [r.tokens[self.done[r.slot]:] for r in reqs]                           # 1 .. k+1 tokens each
-        start = [self.done[r.slot] for r in reqs]
-        inputs = dict(slots=engine.slot_tensor(reqs), start=torch.tensor(start, device=dev),
-                      ids=torch.tensor([t + [0] * (k + 1 - len(t)) for t in new], device=dev),  # [B, k+1]
-                      n=torch.tensor([len(t) for t in new], device=dev))
+        s = engine.cur_slots
+        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s], n=self.new_n[s])
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, k)
-        for r in reqs:
-            self.done[r.slot] = len(r.tokens)
-        return engine.call("draft-propose", self._draft, max(start) + 2 * k + 1, inputs)
+            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
+        return engine.call("draft-propose", self._draft, engine.kv_len(reqs, 2 * self.k + 1, self.state.max_len), inputs)
 
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
         ctx = Ctx(self.state, slots, start, kv_len, "verify")
@@ -1519,7 +1523,8 @@ class DraftModelProposer:
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
     def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
-        pass  # the next propose's first pass consumes the accepted tokens
+        s = engine.cur_slots  # the next propose's first pass consumes the accepted tokens
+        self.new_ids[s], self.new_n[s], self.start[s] = tokens.clamp(min=0), n_acc + 1, engine.cur_pos + 1
 
 
 PROPOSERS.update(dflash=BlockProposer, dspark=BlockProposer, draft_model=DraftModelProposer)
@@ -1744,7 +1749,8 @@ class GraphRunner:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0, enforce_eager=False):
+    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0, enforce_eager=False,
+                 async_steps=None):
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
         self.max_num_seqs, self.max_model_len, self.dtype, self.device, self.seed = max_num_seqs, max_model_len, dtype, device, seed
         self.k = spec.num_speculative_tokens if spec else 0
@@ -1763,6 +1769,17 @@ class Engine:
         self.num_requests = 0
         self.time_drafts, self.draft_seconds, self.spec_steps = False, 0.0, 0
         self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
+        # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their inputs
+        # from here and write them back, so launching a step needs nothing from the host.
+        self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
+        # Asynchronous steps (default with CUDA graphs): step n+1 is launched before step n's tokens are read back,
+        # so the host's work (stop checks, detokenising, the next launch) overlaps the device's. A request's stop
+        # is then seen one step late: the extra step's tokens are dropped. Ngram drafts from the host's tokens,
+        # so it runs synchronously; so does a speculative config with enforce_eager (its eager drafter reads them).
+        host_drafts = spec is not None and (spec.method == "ngram" or spec.enforce_eager)
+        self.async_steps = (self.graphs is not None if async_steps is None else async_steps) and not host_drafts
+        self.pending = None  # the launched step whose tokens the host has not read yet
         # target layers whose outputs the proposer reads (DFlash/DSpark taps); the last forward's are in self.aux
         self.taps, self.aux = tuple(getattr(self.proposer, "taps", ())), None
 
@@ -1814,6 +1831,18 @@ class Engine:
     def slot_tensor(self, reqs):
         return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
 
+    def set_batch(self, reqs):
+        """The device inputs of a step over reqs: slots, the position of each row's last token, that token [B].
+        Kept as cur_slots / cur_pos / cur_last for the proposers of this step."""
+        self.cur_slots = slots = self.slot_tensor(reqs)
+        self.cur_pos, self.cur_last = self.next_pos[slots], self.next_ids[slots]
+        return self.cur_slots, self.cur_pos, self.cur_last
+
+    def kv_len(self, reqs, extra, cap):
+        """How far this step's attention reads (eager paths): last position + extra when the host knows the
+        positions (synchronous steps), else cap (the cache length: an async step's positions live on the device)."""
+        return cap if self.async_steps else max(len(r.tokens) - 1 for r in reqs) + extra
+
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self):
@@ -1826,11 +1855,53 @@ class Engine:
             self.slots[req.slot] = req
             self._prefill(req)
             touched.append(req)
-        running = [r for r in self.slots if r is not None and r not in touched]
-        if running:
-            (self._spec_step if self.spec else self._decode_step)(running)
-            touched += running
+        running = [r for r in self.slots if r is not None and r not in touched and not self._ends_in_flight(r)]
+        launched = self._launch(running) if running else None
+        done, self.pending = self.pending, launched
+        if done is not None:
+            touched += self._finish(done)
+        if self.pending is not None and not (self.async_steps and all(r.logprobs is None for r in running)):
+            done, self.pending = self.pending, None  # synchronous: read this step back now
+            touched += self._finish(done)
         return touched
+
+    def _ends_in_flight(self, r):
+        """r is in the step in flight, which surely ends it (it yields >= 1 token): another step would be wasted."""
+        return (self.pending is not None and r in self.pending.reqs and
+                (len(r.output_ids) + 1 >= r.params.max_tokens or len(r.tokens) + 1 >= self.max_model_len))
+
+    def _launch(self, reqs):
+        """Queue one decode or speculative step for reqs on the device; returns it as a pending step."""
+        slots, pos, last = self.set_batch(reqs)
+        return (self._spec_step if self.spec else self._decode_step)(reqs, slots, pos, last)
+
+    def _pending(self, reqs, out, logits):
+        """Start copying a step's result rows out [B, n] to the host (pinned memory, no wait)."""
+        host, event = out, None
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return types.SimpleNamespace(reqs=reqs, host=host, event=event, logits=logits)
+
+    def _finish(self, p):
+        """Read a launched step back and emit its tokens (requests that finished meanwhile are skipped)."""
+        if p.event is not None:
+            p.event.synchronize()
+        rows, live = p.host.tolist(), []
+        for b, r in enumerate(p.reqs):
+            if r.finished:  # stopped by the step before, or aborted: this step's tokens are not part of it
+                continue
+            toks = rows[b]
+            if self.spec is not None:  # [tokens (k+1), n accepted, n drafted]
+                toks, n, n_draft = toks[:-2], toks[-2], toks[-1]
+                r.spec.add(n_draft, n)
+                self.stats.add(n_draft, n)
+                toks = toks[:n + 1]
+            self._emit(r, toks, p.logits[b])
+            live.append(r)
+        return live
 
     def _prefill(self, req):
         self.state.reset(req.slot)
@@ -1847,6 +1918,7 @@ class Engine:
             if self.proposer is not None:
                 nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
                 self.proposer.prefill(self, req, h, torch.tensor([nxt], device=self.device), s)
+        self.next_ids[req.slot], self.next_pos[req.slot] = tok[0], n
         self._emit(req, [int(tok[0])], logits)
 
     def _sample(self, logits, reqs):
@@ -1859,28 +1931,30 @@ class Engine:
         u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(self.device)
         return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
 
-    def _target(self, reqs, ids, mode):
-        """One target forward over ids [B, T] at each request's next position: (hidden, logits, commit-fn)."""
+    def _target(self, reqs, ids, pos, slots, mode):
+        """One target forward over ids [B, T] at positions pos [B] in slots [B]: (hidden, logits, commit-fn)."""
         B, T = ids.shape
-        pos_list = [len(r.tokens) - 1 for r in reqs]
-        pos, slots = torch.tensor(pos_list, device=self.device), self.slot_tensor(reqs)
         g = self.graphs.run(ids, pos, slots, mode) if self.graphs is not None else None
         if g is not None:
             self.aux = [a[:B] for a in g.aux] if g.aux is not None else None
             return g.h[:B], g.logits[:B], lambda n_keep: self.graphs.commit(g, n_keep)
-        ctx = Ctx(self.state, slots, pos, max(pos_list) + T, mode)
+        ctx = Ctx(self.state, slots, pos, self.kv_len(reqs, T, self.state.max_len), mode)
         h, self.aux = self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), None)
         return h, self.model.logits(h), lambda n_keep: self.model.commit(ctx, n_keep)
 
-    def _decode_step(self, reqs):
-        ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
-        h, logits, _ = self._target(reqs, ids, "decode")
-        logits = logits[:, 0]
-        toks = self._sample(logits, reqs).tolist()
-        for b, r in enumerate(reqs):
-            self._emit(r, [toks[b]], logits[b:b + 1])
+    def _advance(self, slots, last, pos):
+        """The next step's inputs, on the device. Positions are capped below max_model_len: a step launched
+        after a request's final one (async) is dropped, but must still write inside the caches."""
+        self.next_ids[slots] = last
+        self.next_pos[slots] = pos.clamp(max=self.max_model_len - 1)
 
-    def _spec_step(self, reqs):
+    def _decode_step(self, reqs, slots, pos, last):
+        h, logits, _ = self._target(reqs, last[:, None], pos, slots, "decode")
+        toks = self._sample(logits[:, 0], reqs)                                       # [B]
+        self._advance(slots, toks, pos + 1)
+        return self._pending(reqs, toks[:, None], logits)
+
+    def _spec_step(self, reqs, slots, pos, last):
         B, k = len(reqs), self.k
         if self.time_drafts:  # bench.py: the drafter's share of a step (costs two syncs per step)
             torch.cuda.synchronize() if self.device.type == "cuda" else None
@@ -1889,17 +1963,14 @@ class Engine:
         if self.time_drafts:
             torch.cuda.synchronize() if self.device.type == "cuda" else None
             self.draft_seconds, self.spec_steps = self.draft_seconds + time.perf_counter() - t0, self.spec_steps + 1
-        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
-        ids = torch.cat([last, drafts.clamp(min=0)], 1)                               # [B, k+1]
-        for r in reqs:
-            r.verify_pos = len(r.tokens) - 1
-        h, logits, commit = self._target(reqs, ids, "verify")                         # [B, k+1, H], [B, k+1, V]
+        ids = torch.cat([last[:, None], drafts.clamp(min=0)], 1)                     # [B, k+1]
+        h, logits, commit = self._target(reqs, ids, pos, slots, "verify")             # [B, k+1, H], [B, k+1, V]
         f = lambda name, dt: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device, dtype=dt)
         u_acc = torch.stack([torch.rand(k, generator=r.gen) for r in reqs]).to(self.device)
         u_smp = torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]).to(self.device)
         if self.synthetic is not None:  # benchmark mode: accept by the given rates, whatever the tokens are
             rates = torch.tensor(self.synthetic, device=self.device)
-            n = torch.cumprod((u_acc < rates).long(), 1).sum(1)
+            n = torch.minimum(torch.cumprod((u_acc < rates).long(), 1).sum(1), (drafts >= 0).sum(1))  # real drafts only
             tokens = torch.cat([drafts, drafts[:, :1]], 1).clone()
             tokens[torch.arange(B), n] = logits[torch.arange(B), n].argmax(-1)
         else:
@@ -1908,12 +1979,8 @@ class Engine:
                                          all_greedy=all(r.params.greedy for r in reqs))
         commit(n + 1)
         self.proposer.commit(self, reqs, h, ids, n, tokens)
-        n_draft = (drafts >= 0).sum(1).tolist()
-        tokens, n = tokens.tolist(), n.tolist()
-        for b, r in enumerate(reqs):
-            r.spec.add(n_draft[b], n[b])
-            self.stats.add(n_draft[b], n[b])
-            self._emit(r, tokens[b][:n[b] + 1], logits[b])
+        self._advance(slots, tokens[torch.arange(B, device=n.device), n], pos + n + 1)
+        return self._pending(reqs, torch.cat([tokens, n[:, None], (drafts >= 0).sum(1, keepdim=True)], 1), logits)
 
     # -- output --------------------------------------------------------------------------------
     def _emit(self, req, toks, logits):
@@ -2424,7 +2491,7 @@ def resolve_device_dtype(device, dtype):
 
 class LLM:
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
-                 max_num_seqs=8, seed=0, enforce_eager=False):
+                 max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None):
         spec = SpeculativeConfig.from_json(speculative_config)
         model = model or default_model_path()
         if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
@@ -2446,7 +2513,7 @@ class LLM:
             max_len = min(max_len, spec.max_model_len)
         self.model_path, self.max_model_len, self.spec = model, max_len, spec
         self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device, seed,
-                             enforce_eager)
+                             enforce_eager, async_scheduling)
 
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):

@@ -2387,6 +2387,59 @@ def test_drafters_greedy_spec_equals_plain(name, runs, reference):
         assert s.num_accepted_tokens == s.num_draft_tokens
 
 
+ASYNC_CONFIGS = [None, {"method": "mtp", "num_speculative_tokens": 3}, "dflash", "dspark", "draft_hybrid"]
+
+
+def async_case(ckpts, cfg, variants):
+    """Run one scenario under each variant (LLM kwargs) and return the outputs: more prompts than slots (slots are
+    reused while a step is in flight), requests that stop at different steps (max_tokens, stop strings, stop ids),
+    seeded sampling, an abort in flight."""
+    spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
+    g = torch.Generator().manual_seed(1)
+    prompts = [SPEC_PROMPTS[i % 5] + " x" * i for i in range(7)]
+    ref_llm = LLM(model=ckpts["target"], max_num_seqs=3, speculative_config=spec, **variants[0])
+    full = [o.outputs[0] for o in ref_llm.generate(prompts[1:3], SamplingParams(temperature=0, max_tokens=30,
+                                                                                 ignore_eos=True))]
+    params = [SamplingParams(temperature=0, max_tokens=int(torch.randint(1, 30, (), generator=g)), ignore_eos=True)
+              for _ in prompts]
+    params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[full[0].text[10:13]], ignore_eos=True)
+    params[2] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full[1].token_ids[9]])
+    params[3] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=25, seed=7, ignore_eos=True)
+    outs = []
+    for kw in variants:
+        llm = LLM(model=ckpts["target"], max_num_seqs=3, speculative_config=spec, **kw)
+        e = llm.engine
+        reqs = [e.add_request(llm.tokenizer.encode(p), sp) for p, sp in zip(prompts, params)]
+        victim, in_flight = reqs[4], 0
+        while e.has_work():
+            e.step()
+            in_flight += e.pending is not None
+            if victim.slot is not None and len(victim.output_ids) >= 2 and not victim.finished:
+                e.abort(victim)  # its slot is reused while a step holding it is still in flight
+        outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason) for r in reqs])
+        assert (in_flight > 0) == e.async_steps
+    assert outs[0][4][2] == "abort" and outs[0][1][2] == "stop" and outs[0][2][2] == "stop"
+    return outs
+
+
+@pytest.mark.parametrize("cfg", ASYNC_CONFIGS, ids=lambda c: c if isinstance(c, str) else (c or {}).get("method", "off"))
+def test_async_steps_equal_synchronous(cfg, ckpts):
+    """Asynchronous scheduling (step n+1 launched before step n is read back; the default with CUDA graphs, forced
+    here on the CPU) gives exactly the synchronous outputs. The extra step a stop leaves in flight is dropped."""
+    sync, asyn = async_case(ckpts, cfg, [dict(device="cpu", async_scheduling=False),
+                                         dict(device="cpu", async_scheduling=True)])
+    assert asyn == sync
+
+
+@cuda
+@pytest.mark.parametrize("cfg", ASYNC_CONFIGS, ids=lambda c: c if isinstance(c, str) else (c or {}).get("method", "off"))
+def test_gpu_async_graphs_equal_eager(cfg, ckpts):
+    """On the GPU: captured graphs with asynchronous steps (the default) == eager synchronous steps, fp32."""
+    eager, graphs = async_case(ckpts, cfg, [dict(device="cuda", dtype="float32", enforce_eager=True),
+                                            dict(device="cuda", dtype="float32")])
+    assert graphs == eager
+
+
 def test_dspark_layouts_load_to_the_same_drafter(runs):
     native, _, _, m_native = runs("dspark")
     spec, _, _, m_spec = runs("dspark_spec")
@@ -2438,6 +2491,7 @@ def test_probabilistic_q_is_the_sampled_distribution(name, extra, ckpts):
     req = e.add_request(llm.tokenizer.encode(SPEC_PROMPTS[0]), SamplingParams(temperature=0.7, max_tokens=8, seed=1))
     e.step()                                                    # prefill: context K/V for the prompt
     with torch.inference_mode():
+        e.set_batch([req])
         d, q = prop.propose(e, [req])
     assert q.shape == (1, 4, 1024) and torch.allclose(q.sum(-1), torch.ones(1, 4))
     assert bool((q.gather(-1, d[..., None]) > 0).all())
@@ -2525,7 +2579,7 @@ def test_draft_model_state_equals_fresh_prefill(runs):
     free = llm.engine.max_num_seqs - 1
     with torch.inference_mode():
         for slot, toks in committed(llm, five):
-            n = prop.done[slot]
+            n = int(prop.start[slot])                           # tokens the draft has consumed
             assert len(toks) - 3 <= n < len(toks)               # one step behind: at most k+1 = 3 tokens
             st.reset(free)
             m(torch.tensor([toks[:n]]), sd.Ctx(st, torch.tensor([free]), torch.tensor([0]), n, "prefill"))
@@ -2596,6 +2650,93 @@ def test_drafter_refusals(ckpts, tmp_path):
     for case, (cfg, msg) in refusal_cases(ckpts, str(tmp_path)).items():
         with pytest.raises(ConfigError, match=msg):
             LLM(model=ckpts["target"], device="cpu", speculative_config=cfg)
+
+
+
+# ==============================================================================================
+# Triton GEMV (kernels.linear's small-M path)
+# ==============================================================================================
+
+def gemv(x, w, always=True):
+    """kernels.linear through fast(), with GEMV_ALWAYS: the Triton GEMV for any eligible shape (M <= 16)."""
+    old = K.GEMV_ALWAYS
+    K.GEMV_ALWAYS = always
+    try:
+        return fast(K.linear, x, w)
+    finally:
+        K.GEMV_ALWAYS = old
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """The configs of the _gemv_launch calls made (each a (BN, BK, SPLIT, stages, warps) tuple)."""
+    calls, launch = [], K._gemv_launch
+    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg: calls.append(cfg) or launch(x, w, cfg))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200)])                          # wide; tall (K >= 3N): split-K
+@pytest.mark.parametrize("M", [1, 2, 5, 16])
+def test_kernel_gemv(M, N, Kin, gemv_calls):
+    g = gen(M * N)
+    w = randn(N, Kin, g=g)
+    x = randn(M, Kin, g=g)
+    y = gemv(x, w)
+    assert y.shape == (M, N) and y.dtype == x.dtype and rel(y, F.linear(x, w)) <= TOL[torch.float32]
+    assert len(gemv_calls) == 1 and gemv_calls[0][2] == (1 if N > Kin else 4)
+    xs = randn(1, M, Kin + 8, g=g)[..., :Kin]                                      # leading dims, strided rows
+    y = gemv(xs, w)
+    assert y.shape == (1, M, N) and rel(y, F.linear(xs, w)) <= TOL[torch.float32] and len(gemv_calls) == 2
+
+
+@needs_kernels
+def test_kernel_gemv_dispatch(gemv_calls):
+    """Without GEMV_ALWAYS the CPU keeps its row-wise reference; ineligible inputs always take F.linear."""
+    g = gen(0)
+    w, x = randn(24, 200, g=g), randn(5, 200, g=g)
+    ref = K.linear(x, w)                                                           # the plain CPU / cuBLAS path
+    if not CUDA:
+        assert torch.equal(gemv(x, w, always=False), ref) and not gemv_calls
+    for xi, wi in [(randn(17, 200, g=g), w),                                       # M > 16
+                   (x, randn(200, 24, g=g).t()),                                   # w not contiguous
+                   (x.double(), w.double())]:                                      # fp64
+        assert torch.allclose(gemv(xi, wi), F.linear(xi, wi), atol=1e-5)
+    with pytest.raises(RuntimeError):                                              # mixed dtypes: F.linear refuses
+        gemv(x, w.double())
+    assert not gemv_calls
+    # the rule on CUDA (27B shapes, bf16; M = 1, 8): Triton where the H200 measurements say it wins
+    shapes = [(34816, 5120), (5120, 17408), (16480, 5120), (248320, 5120), (5120, 6144), (14336, 5120)]
+    wins = {(N, Kin): [K._gemv_config(M, N, Kin, True, torch.bfloat16) is not None for M in (1, 8)] for N, Kin in shapes}
+    assert wins == {(34816, 5120): [True, False], (5120, 17408): [True, True], (16480, 5120): [True, True],
+                    (248320, 5120): [True, True], (5120, 6144): [True, False], (14336, 5120): [True, False]}
+    assert K._gemv_config(1, 248320, 5120, True, torch.float32) is None                # fp32: cuBLAS
+    assert K._gemv_config(1, 64, 64, True, torch.bfloat16) is None                     # tiny: cuBLAS
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,Kin", [(5120, 17408), (248320, 5120)])                # 27B: MLP down, lm_head
+@pytest.mark.parametrize("M", [1, 8])
+def test_kernel_gpu_gemv_27b(M, N, Kin, gemv_calls):
+    w = randn(N, Kin, g=gen(0), dtype=torch.bfloat16, scale=Kin ** -0.5)
+    x = randn(M, Kin, g=gen(1), dtype=torch.bfloat16)
+    y = fast(K.linear, x, w)                                                       # the measured rule picks Triton
+    assert len(gemv_calls) == 1 and gemv_calls[0][2] == (4 if Kin > N and M > 1 else 1)  # M = 1: unsplit
+    exact_ = F.linear(x.float(), w.float())
+    # bf16 inputs, fp32 accumulation, one bf16 rounding (~2^-9 relative): as close to exact as cuBLAS is
+    assert y.dtype == torch.bfloat16 and rel(y, exact_) <= 4e-3 and rel(y, F.linear(x, w)) <= 6e-3
+    assert ((y.float() - exact_).abs() <= 2 ** -7 * exact_.abs() + 1e-2).all()
+    s = torch.cuda.Stream()                                                        # CUDA-graph safe, deterministic
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        K.linear(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = K.linear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(yg, K.linear(x, w))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
     python bench.py serve --url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 4
 
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
-and the GEMM-only floor (every linear layer's GEMM chained in one CUDA graph, as in h200-anchors.md) with our
-TPOT as a ratio of it. A table first, then one JSON line last.
+and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
+chained in one CUDA graph as in h200-anchors.md) with our TPOT as a ratio of it. A table first, then one JSON line last.
 """
 import argparse
 import dataclasses
@@ -113,14 +113,90 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
     return path
 
 
+DRAFT_LM = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                intermediate_size=3072)  # Qwen3-0.6B's shapes, with the target's vocabulary (draft_model rows)
+
+
+def random_draft_lm(path, target, seed=0):
+    """A random plain-Qwen3 draft LM (Qwen3-0.6B shapes, the target preset's vocabulary) for method draft_model."""
+    from safetensors.torch import save_file
+    c, V = DRAFT_LM, PRESETS[target]["vocab_size"]
+    H, I, nh, nkv, hd = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **c, "vocab_size": V, "hidden_act": "silu",
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 262144, "attention_bias": False,
+           "tie_word_embeddings": True}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+    one = lambda n: torch.ones(n, dtype=torch.bfloat16)
+    w = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": one(H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
+                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
+                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
+                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
+                  p + "input_layernorm.weight": one(H), p + "post_attention_layernorm.weight": one(H)})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def hf_generate_tpot(name, prompt_len, gen_len, device, dtype=torch.bfloat16, seed=0):
+    """Hugging Face transformers' generate (greedy, batch 1) on the preset's shapes with random weights, built
+    directly on the device: ms per output token after the first (one generate of 1 token is the prefill)."""
+    import transformers
+    c = {k: v for k, v in PRESETS[name].items() if k != "model_type"}
+    moe = "moe" in PRESETS[name]["model_type"]
+    cfg = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig)(**c)
+    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            m = cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def gen(model, n):
+        sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync()
+        assert out.shape[1] == prompt_len + n
+        return time.perf_counter() - t
+    gen(m, 2)  # warm-up
+    t1, tn = gen(m, 1), gen(m, gen_len)
+    del m
+    if sync is torch.cuda.synchronize:
+        torch.cuda.empty_cache()
+    return dict(ttft_ms=1e3 * t1, tpot_ms=1e3 * (tn - t1) / (gen_len - 1), transformers=transformers.__version__)
+
+
 def linear_weights(model, moe_active=None):
-    """The weight matrices one decode step reads: every linear layer and the lm_head (for MoE: the router,
-    `moe_active` experts per layer and the shared expert). Returns a list of [out, in] tensors."""
-    ws = []
+    """The weight matrices one decode step reads, as the engine multiplies by them: projections fused at load
+    (GDN in_proj, attention qkv, MLP gate_up) as one matrix each, every other linear layer, the lm_head; for MoE
+    also `moe_active` experts per layer. Returns a list of [out, in] tensors."""
+    ws, fused_parts = [], set()
     for name, mod in model.named_modules():
         if name.startswith("mtp"):
             continue
-        if isinstance(mod, torch.nn.Linear):
+        for attr, parts in (("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+                            ("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")),
+                            ("router_shared", ("gate", "shared_expert_gate", "shared_expert.gate_proj",
+                                               "shared_expert.up_proj"))):
+            if isinstance(getattr(mod, attr, None), torch.Tensor):
+                ws.append(getattr(mod, attr))
+                fused_parts.update(id(mod.get_submodule(p)) for p in parts)
+        if isinstance(mod, torch.nn.Linear) and id(mod) not in fused_parts:
             ws.append(mod.weight)
         elif isinstance(mod, sd.MoE):
             for e in range(moe_active):
@@ -158,37 +234,46 @@ def gemm_floor(ws, M, iters=20):
 
 
 def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0):
-    """B concurrent requests of random prompts; returns per-request timings and acceptance stats."""
+    """B concurrent requests of random prompts; returns per-request timings and acceptance stats. For ngram the
+    prompt is a random 64-token segment repeated, so that prompt lookup finds matches."""
     k = spec.num_speculative_tokens if spec else 0
     eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager)
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.vocab_size
+
+    def prompt():
+        if spec is not None and spec.method == "ngram":
+            return torch.randint(0, V, (64,), generator=g).repeat(prompt_len // 64 + 1)[:prompt_len].tolist()
+        return torch.randint(0, V, (prompt_len,), generator=g).tolist()
+
     sp = sd.SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     # warm-up: captures the graphs of this batch size (and compiles kernels) outside the timed run
     for _ in range(B):
-        eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(),
-                        sd.SamplingParams(temperature=0, max_tokens=min(8, gen_len), ignore_eos=True))
+        eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(8, gen_len), ignore_eos=True))
     while eng.has_work():
         eng.step()
     eng.stats = sd.SpecStats()
-    reqs = [eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(), sp) for _ in range(B)]
+    reqs = [eng.add_request(prompt(), sp) for _ in range(B)]
     torch.cuda.synchronize() if device.type == "cuda" else None
     t0 = time.perf_counter()
     for r in reqs:
         r.arrival_time = t0
+    eng.step()  # admits all B requests: each prefilled on its own, each emitting its first token
+    t_first = time.perf_counter()
     while eng.has_work():
         eng.step()
     t1 = time.perf_counter()
     ttft = [r.first_token_time - r.arrival_time for r in reqs]
-    tpot = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs]
+    # decode time per output token once the batch is running (from the end of the admitting step, so that the
+    # other requests' prefills are not counted in the first request's TPOT)
+    tpot = [(r.finish_time - t_first) / (len(r.output_ids) - 1) for r in reqs]
     n_out = sum(len(r.output_ids) for r in reqs)
     st = eng.stats
     draft_ms = None
     if spec is not None:  # the drafter's time per step, in a separate short run: timing it syncs the device
         eng.time_drafts = True
         for _ in range(B):
-            eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(),
-                            sd.SamplingParams(temperature=0, max_tokens=min(32, gen_len), ignore_eos=True))
+            eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(32, gen_len), ignore_eos=True))
         while eng.has_work():
             eng.step()
         draft_ms = 1e3 * eng.draft_seconds / max(eng.spec_steps, 1)
@@ -481,7 +566,7 @@ def main(argv=None):
     ap.add_argument("--speculative-config", action="append", default=None,
                     help="JSON; repeat it to compare several in one run; 'off' = no speculation (default: off)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[512], help="one or more (rows for each)")
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None)
@@ -492,6 +577,10 @@ def main(argv=None):
     ap.add_argument("--random-drafter", default=None, help="with --random-weights: write a random DFlash/DSpark "
                     "drafter of the target's shape (5 layers, block 16) to this directory first; use it as the "
                     "speculative config's model (its method picks the layout: the first dflash/dspark config)")
+    ap.add_argument("--random-draft-lm", default=None, help="with --random-weights: write a random Qwen3-0.6B-shaped "
+                    "draft LM with the target's vocabulary to this directory; draft_model configs without a model use it")
+    ap.add_argument("--hf-baseline", action="store_true", help="also time Hugging Face transformers' generate on the "
+                    "same shapes (random weights, batch 1, first prompt length), after our rows")
     ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
                     help="also time one target step over each of these token counts (batch 1), vs T = 1")
     a = ap.parse_args(argv)
@@ -503,6 +592,10 @@ def main(argv=None):
         for c in raw:
             if c and c.get("method") in ("dflash", "dspark"):
                 c["model"] = random_drafter(os.path.join(a.random_drafter, c["method"]), c["method"], a.random_weights)
+    if a.random_draft_lm:
+        for c in raw:
+            if c and c.get("method") == "draft_model" and "model" not in c:
+                c["model"] = random_draft_lm(a.random_draft_lm, a.random_weights)
     specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
     if a.random_weights or not a.model:
         model, cfg = random_model(a.random_weights or "tiny", dtype, device)
@@ -516,36 +609,51 @@ def main(argv=None):
     floors = {}
     floor = lambda M: floors.setdefault(M, gemm_floor(ws, M))
     rows = []
-    for spec in specs:
-        k = spec.num_speculative_tokens if spec else 0
-        for B in a.batch:
-            r = run_batch(model, spec, B, a.prompt_len, a.gen_len, device, dtype, a.enforce_eager)
-            r.update(batch=B, method=spec.method if spec else "off", k=k,
-                     spec=dataclasses.asdict(spec) if spec else None)
-            if device.type == "cuda" and not a.no_floor:
-                r["floor_ms"] = floor(B)
-                r["tpot_over_floor"] = r["tpot_ms"] / r["floor_ms"]
-            off = next((x for x in rows if x["method"] == "off" and x["batch"] == B), None)
-            r["speedup_vs_off"] = off["tpot_ms"] / r["tpot_ms"] if off else None
-            r["weight_GBps"] = wbytes / (r["tpot_ms"] * 1e-3) / 1e9
-            rows.append(r)
+    for P in a.prompt_len:
+        for spec in specs:
+            k = spec.num_speculative_tokens if spec else 0
+            for B in a.batch:
+                r = run_batch(model, spec, B, P, a.gen_len, device, dtype, a.enforce_eager)
+                r.update(batch=B, prompt_len=P, method=spec.method if spec else "off", k=k,
+                         spec=dataclasses.asdict(spec) if spec else None)
+                if device.type == "cuda" and not a.no_floor:
+                    r["floor_ms"] = floor(B)
+                    r["tpot_over_floor"] = r["tpot_ms"] / r["floor_ms"]
+                off = next((x for x in rows if x["method"] == "off" and x["batch"] == B and x["prompt_len"] == P), None)
+                r["speedup_vs_off"] = off["tpot_ms"] / r["tpot_ms"] if off else None
+                r["weight_GBps"] = wbytes / (r["tpot_ms"] * 1e-3) / 1e9
+                rows.append(r)
+    costs = verify_costs(model, sorted(set([1] + a.verify_cost)), device, dtype) \
+        if a.verify_cost and device.type == "cuda" else None
+    hf = None
+    if a.hf_baseline:
+        del model, ws
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        hf = hf_generate_tpot(a.random_weights or "tiny", a.prompt_len[0], min(a.gen_len, 16), device)
+        hf.update(prompt_len=a.prompt_len[0], gen_len=min(a.gen_len, 16))
+        off = next((x for x in rows if x["method"] == "off" and x["batch"] == 1 and x["prompt_len"] == a.prompt_len[0]), None)
+        hf["our_speedup"] = hf["tpot_ms"] / off["tpot_ms"] if off else None
     print(f"# bench {label} dtype={dtype} prompt={a.prompt_len} gen={a.gen_len} weights read/step={wbytes / 1e9:.2f} GB")
-    hdr = ["method", "k", "batch", "TTFT ms", "TPOT ms", "tok/s/seq", "tok/s agg", "GB/s wts", "floor ms",
+    hdr = ["method", "k", "batch", "prompt", "TTFT ms", "TPOT ms", "tok/s/seq", "tok/s agg", "GB/s wts", "floor ms",
            "TPOT/floor", "x off", "accept len", "draft ms"]
     print(" | ".join(f"{h:>10}" for h in hdr))
     nan = float("nan")
     for r in rows:
-        vals = [r["method"], r["k"], r["batch"], r["ttft_ms"], r["tpot_ms"], r["tok_s_per_seq"],
+        vals = [r["method"], r["k"], r["batch"], r["prompt_len"], r["ttft_ms"], r["tpot_ms"], r["tok_s_per_seq"],
                 r["decode_tok_s_aggregate"], r["weight_GBps"], r.get("floor_ms", nan), r.get("tpot_over_floor", nan),
                 r["speedup_vs_off"] or nan, r["mean_acceptance_length"] or nan, r["draft_ms_per_step"] or nan]
         print(" | ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}" for v in vals))
     result = {"model": label, "dtype": str(dtype), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
               "weight_bytes": wbytes, "rows": rows}
-    if a.verify_cost and device.type == "cuda":
-        costs = verify_costs(model, sorted(set([1] + a.verify_cost)), device, dtype)
+    if costs is not None:
         print("# target step cost at batch 1: " + ", ".join(f"T={T}: {ms:.2f} ms ({ms / costs[1]:.3f}x)"
                                                               for T, ms in costs.items()))
         result["verify_cost_ms"] = costs
+    if hf is not None:
+        print(f"# transformers {hf['transformers']} generate (greedy, batch 1, prompt {hf['prompt_len']}, same shapes, "
+              f"random weights): TTFT {hf['ttft_ms']:.1f} ms, TPOT {hf['tpot_ms']:.1f} ms; ours "
+              + (f"{hf['our_speedup']:.1f}x faster" if hf["our_speedup"] else "(no off row at batch 1)"))
+        result["transformers"] = hf
     print(json.dumps(result))
     return 0
 

@@ -24,7 +24,12 @@ METHODS = {
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "draft_model k=4": {"method": "draft_model", "model": os.path.join(ROOT, "models", "toy-draft"),
                         "num_speculative_tokens": 4},
+    "dflash block 8": {"method": "dflash", "model": os.path.join(ROOT, "models", "toy-dflash"),
+                       "num_speculative_tokens": 7},
+    "dspark block 8": {"method": "dspark", "model": os.path.join(ROOT, "models", "toy-dspark"),
+                       "num_speculative_tokens": 8},
 }
+METHODS = {k: v for k, v in METHODS.items() if os.path.isdir(v.get("model", ROOT))}  # drafters not trained: left out
 
 
 def held_out_prompts(tok, n, plen, models_dir):

@@ -1,0 +1,194 @@
+"""Where a target step's device time goes, on the GPU, at the real shapes with random weights.
+
+    python tools/profile_step.py --random-weights 27b --steps 1x1 8x1 1x2 1x16 --kernels 1x1 8x1 --gemms 1 8
+
+--steps BxT: captured-graph replay time of one target step (B sequences, T tokens each; T > 1 = verify + commit)
+             at context length --ctx.
+--kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25).
+--gemms M:   every weight shape the step multiplies by, all weights of that shape chained in one CUDA graph:
+             cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s.
+Not part of the engine: a measuring tool for deciding which kernels to write next.
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import bench  # noqa: E402
+import specdec as sd  # noqa: E402
+
+
+def graph_ms(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+@triton.jit
+def _gemv(p_x, p_w, p_y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    i_n, i_k = tl.program_id(0), tl.program_id(1)
+    rn = i_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(i_k * BK, K, BK * SPLIT):
+        rk = k0 + tl.arange(0, BK)
+        w = tl.load(p_w + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        if BM == 1:
+            x = tl.load(p_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)[None, :]
+        else:
+            x = tl.load(p_x + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+    m = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT == 1:
+        tl.store(p_y + rm[:, None] * N + rn[None, :], acc.to(p_y.dtype.element_ty), mask=m)
+    else:
+        tl.atomic_add(p_y + rm[:, None] * N + rn[None, :], acc, mask=m)
+
+
+def triton_gemv(x, w, BN, BK, split, stages, warps, y):
+    M, K = x.shape
+    N = w.shape[0]
+    BM = 1 if M == 1 else 16
+    if split > 1:
+        y.zero_()
+    _gemv[(triton.cdiv(N, BN), split)](x, w, y, M, N, K, BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=warps,
+                                        num_stages=stages)
+    return y
+
+
+def step_weights(model):
+    """The weights one step multiplies by, fused as the engine runs them (bench.linear_weights, no experts)."""
+    return bench.linear_weights(model, 0)
+
+
+def gemms(model, Ms):
+    by_shape = collections.defaultdict(list)
+    for w in step_weights(model):
+        by_shape[tuple(w.shape)].append(w)
+    tot = {}
+    for M in Ms:
+        print(f"## GEMMs at M={M}: shape x count, cuBLAS us/GEMM (GB/s), best Triton us/GEMM (GB/s) [config]")
+        tot_c = tot_t = 0.0
+        for shape, ws in sorted(by_shape.items(), key=lambda kv: -kv[0][0] * kv[0][1] * len(kv[1])):
+            N, K = shape
+            x = torch.randn(M, K, device="cuda", dtype=ws[0].dtype)
+            gb = N * K * 2 / 1e9
+            c = graph_ms(lambda: [x @ w.t() for w in ws]) / len(ws)
+            best = None
+            for BN, BK in ((16, 512), (32, 256), (64, 256), (64, 128), (128, 128)):
+                ctas = triton.cdiv(N, BN)
+                split = 1
+                while ctas * split < 264 and K // (BK * split * 2) >= 2:
+                    split *= 2
+                for stages, warps in ((3, 4), (4, 4), (4, 8)):
+                    ys = [torch.empty(M, N, device="cuda", dtype=torch.float32 if split > 1 else x.dtype) for _ in ws]
+                    try:
+                        t = graph_ms(lambda: [triton_gemv(x, w, BN, BK, split, stages, warps, y) for w, y in zip(ws, ys)])
+                    except Exception:  # out of resources for this config
+                        continue
+                    t /= len(ws)
+                    if best is None or t < best[0]:
+                        best = (t, f"BN{BN} BK{BK} split{split} st{stages} w{warps}")
+            ref = x @ ws[0].t()
+            got = triton_gemv(x, ws[0], 64, 256, 4, 3, 4, torch.empty(M, N, device="cuda", dtype=torch.float32))
+            err = (got.float() - ref.float()).abs().max().item()
+            tot_c += c * len(ws) * 1e3
+            tot_t += best[0] * len(ws) * 1e3
+            print(f"{N}x{K} x{len(ws)}: cuBLAS {c * 1e3:.1f} us ({gb / c * 1e3:.0f} GB/s) | Triton {best[0] * 1e3:.1f} us "
+                  f"({gb / best[0] * 1e3:.0f} GB/s) [{best[1]}] max|diff| {err:.3g}", flush=True)
+        print(f"total per step: cuBLAS {tot_c / 1e3:.2f} ms, best Triton per shape {tot_t / 1e3:.2f} ms", flush=True)
+        tot[M] = (tot_c, tot_t)
+    return tot
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--random-weights", default="27b", choices=list(bench.PRESETS))
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", nargs="*", default=["1x1", "8x1", "1x2", "1x16"])
+    ap.add_argument("--kernels", nargs="*", default=["1x1"])
+    ap.add_argument("--gemms", type=int, nargs="*", default=[])
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model, cfg = bench.random_model(a.random_weights, torch.bfloat16, torch.device("cuda"))
+    ws = bench.linear_weights(model, cfg.num_experts_per_tok)
+    print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "
+          f"{bench.gemm_floor(ws, 1):.2f} ms; fused weights as the engine runs them "
+          f"{bench.gemm_floor(step_weights(model), 1):.2f} ms", flush=True)
+    eng = sd.Engine(model, None, None, 8, a.ctx + 64, torch.bfloat16, torch.device("cuda"))
+    runner = sd.GraphRunner(eng)
+    with torch.inference_mode():
+        for s in a.steps:
+            B, T = map(int, s.split("x"))
+            g = runner.capture(B, T, "verify" if T > 1 else "decode")
+            g.pos.fill_(a.ctx)
+            g.slots.copy_(torch.arange(B))
+
+            def one():
+                g.graph.replay()
+                if g.commit is not None:
+                    g.commit.replay()
+            one()
+            ts = []
+            for _ in range(20):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                one()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1))
+            print(f"step B={B} T={T}: {statistics.median(ts):.3f} ms (graph replay)", flush=True)
+        for s in a.kernels:
+            B, T = map(int, s.split("x"))
+            ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+            ctx = sd.Ctx(eng.state, torch.arange(B, device="cuda"), torch.full((B,), a.ctx, device="cuda"),
+                         a.ctx + T, "verify" if T > 1 else "decode")
+
+            def fwd():
+                h = model(ids, ctx)
+                model.logits(h)
+                if T > 1:
+                    model.commit(ctx, torch.full((B,), T, device="cuda"))
+            fwd()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fwd()
+                torch.cuda.synchronize()
+            agg = collections.defaultdict(lambda: [0.0, 0])
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    agg[ev.name][0] += ev.device_time / 3
+                    agg[ev.name][1] += 1
+            total = sum(v[0] for v in agg.values())
+            print(f"## kernels of one eager step B={B} T={T}: {total / 1e3:.3f} ms device time, "
+                  f"{sum(v[1] for v in agg.values()) // 3} launches")
+            for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:25]:
+                print(f"{us:9.1f} us {100 * us / total:5.1f}% {n // 3:5d}x  {name[:110]}")
+    if a.gemms:
+        gemms(model, a.gemms)
+
+
+if __name__ == "__main__":
+    main()

@@ -927,7 +927,7 @@ class NgramProposer:
             room = engine.max_model_len - len(r.tokens)
             d = ngram_lookup(r.tokens, min(self.k, room), self.lo, self.hi) if room > 0 else []
             drafts[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return drafts.to(engine.device), None
+        return engine.h2d(drafts), None
 
     def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
         pass
@@ -936,8 +936,8 @@ class NgramProposer:
 def draft_noise(engine, reqs, k):
     """Per-request inputs of probabilistic drafting: temperatures [B] and uniforms [B, k] from each
     request's generator (drawn on the host so a captured graph can take them as inputs)."""
-    t = torch.tensor([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs], device=engine.device)
-    return t, torch.stack([torch.rand(k, generator=r.gen) for r in reqs]).to(engine.device)
+    t = engine.h2d([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs])
+    return t, engine.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
 
 
 def draft_pick(logits, temp=None, u=None):
@@ -1533,13 +1533,14 @@ PROPOSERS.update(dflash=BlockProposer, dspark=BlockProposer, draft_model=DraftMo
 # Verification & sampling
 # ==============================================================================================
 
-def target_probs(logits, temperature, top_k, top_p):
+def target_probs(logits, temperature, top_k, top_p, filtered=None):
     """The target distribution p that sampling and verification draw from: temperature, then top-k,
     then top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N]
-    tensors (temperature 0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32."""
+    tensors (temperature 0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32.
+    `filtered` (optional, known on the host): whether any row has top-k or top-p; None reads it from the device."""
     t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
     x = logits / t[:, None]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if filtered if filtered is not None else bool((top_k > 0).any()) or bool((top_p < 1).any()):
         srt, order = x.sort(dim=-1, descending=True)
         V = x.shape[-1]
         rank = torch.arange(V, device=x.device)[None]
@@ -1559,7 +1560,8 @@ def sample_from(probs, u):
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample, all_greedy=None):
+def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample, all_greedy=None,
+                     filtered=None):
     """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
 
     logits [B, k+1, V] fp32 target logits at [last token, d1..dk]; drafts [B, k] long (-1 = padding,
@@ -1569,7 +1571,8 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     d_i with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
     norm(max(0, p_i - q_i)); when all k are accepted a bonus token is drawn from p_{k+1}.
     Returns tokens [B, k+1] (-1 after the emitted ones) and num_accepted [B] (bonus excluded).
-    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy.
+    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy; `filtered`
+    is passed to target_probs.
     """
     B, k1, V = logits.shape
     k = k1 - 1
@@ -1583,7 +1586,7 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
         tokens[rows, n] = argmax[rows, n]
         return tokens, n
     rep = lambda t: t.repeat_interleave(k1)
-    p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p)).view(B, k1, V)
+    p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p), filtered).view(B, k1, V)
     argmax = logits.argmax(-1)                                                       # [B, k+1]
     d = drafts.clamp(min=0)
     p_d = p[:, :k].gather(-1, d[..., None])[..., 0]                                  # [B, k]
@@ -1765,7 +1768,8 @@ class Engine:
         self.proposer = None
         if spec is not None:
             self.proposer = PROPOSERS[spec.method](self, spec)
-            self.synthetic = spec.conditional_rates() if spec.rejection_sample_method == "synthetic" else None
+            self.synthetic = torch.tensor(spec.conditional_rates(), device=device) \
+                if spec.rejection_sample_method == "synthetic" else None
         self.num_requests = 0
         self.time_drafts, self.draft_seconds, self.spec_steps = False, 0.0, 0
         self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
@@ -1828,8 +1832,17 @@ class Engine:
         out = None if eager else self.graphs.call(name, fn, inputs)
         return out if out is not None else fn(kv_len, **inputs)
 
+    def h2d(self, data, dtype=None):
+        """Host data (a list or CPU tensor) on the engine's device without waiting for the device: through pinned
+        memory, copied asynchronously. (A copy from pageable memory waits until every queued kernel has run,
+        which would stall the host once per copy and undo asynchronous steps.)"""
+        t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def slot_tensor(self, reqs):
-        return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+        return self.h2d([r.slot for r in reqs], torch.long)
 
     def set_batch(self, reqs):
         """The device inputs of a step over reqs: slots, the position of each row's last token, that token [B].
@@ -1925,11 +1938,15 @@ class Engine:
         """Sample one token per row of logits [B, V] with each request's own generator."""
         if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
             return logits.argmax(-1)
-        f = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=self.device)
-        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float())
-        u = torch.stack([torch.rand((), generator=r.gen) for r in reqs]).to(self.device)
+        f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
+        greedy = f("greedy")
+        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float(), self._filtered(reqs))
+        u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
         return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
+
+    @staticmethod
+    def _filtered(reqs):
+        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
 
     def _target(self, reqs, ids, pos, slots, mode):
         """One target forward over ids [B, T] at positions pos [B] in slots [B]: (hidden, logits, commit-fn)."""
@@ -1965,21 +1982,21 @@ class Engine:
             self.draft_seconds, self.spec_steps = self.draft_seconds + time.perf_counter() - t0, self.spec_steps + 1
         ids = torch.cat([last[:, None], drafts.clamp(min=0)], 1)                     # [B, k+1]
         h, logits, commit = self._target(reqs, ids, pos, slots, "verify")             # [B, k+1, H], [B, k+1, V]
-        f = lambda name, dt: torch.tensor([getattr(r.params, name) for r in reqs], device=self.device, dtype=dt)
-        u_acc = torch.stack([torch.rand(k, generator=r.gen) for r in reqs]).to(self.device)
-        u_smp = torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]).to(self.device)
+        f = lambda name, dt: self.h2d([getattr(r.params, name) for r in reqs], dt)
+        u_acc = self.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
+        u_smp = self.h2d(torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]))
+        rows = torch.arange(B, device=self.device)
         if self.synthetic is not None:  # benchmark mode: accept by the given rates, whatever the tokens are
-            rates = torch.tensor(self.synthetic, device=self.device)
-            n = torch.minimum(torch.cumprod((u_acc < rates).long(), 1).sum(1), (drafts >= 0).sum(1))  # real drafts only
-            tokens = torch.cat([drafts, drafts[:, :1]], 1).clone()
-            tokens[torch.arange(B), n] = logits[torch.arange(B), n].argmax(-1)
+            n = torch.minimum(torch.cumprod((u_acc < self.synthetic).long(), 1).sum(1), (drafts >= 0).sum(1))
+            tokens = torch.cat([drafts, drafts[:, :1]], 1).clone()                    # (real drafts only)
+            tokens[rows, n] = logits[rows, n].argmax(-1)
         else:
             tokens, n = rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
                                          f("top_p", torch.float32), u_acc, u_smp,
-                                         all_greedy=all(r.params.greedy for r in reqs))
+                                         all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs))
         commit(n + 1)
         self.proposer.commit(self, reqs, h, ids, n, tokens)
-        self._advance(slots, tokens[torch.arange(B, device=n.device), n], pos + n + 1)
+        self._advance(slots, tokens[rows, n], pos + n + 1)
         return self._pending(reqs, torch.cat([tokens, n[:, None], (drafts >= 0).sum(1, keepdim=True)], 1), logits)
 
     # -- output --------------------------------------------------------------------------------

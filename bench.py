@@ -233,11 +233,12 @@ def gemm_floor(ws, M, iters=20):
     return statistics.median(times)
 
 
-def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0):
+def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None):
     """B concurrent requests of random prompts; returns per-request timings and acceptance stats. For ngram the
     prompt is a random 64-token segment repeated, so that prompt lookup finds matches."""
     k = spec.num_speculative_tokens if spec else 0
-    eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager)
+    eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager,
+                    async_steps)
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.vocab_size
 
@@ -571,6 +572,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="asynchronous steps (default: on with CUDA graphs)")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM-only floor")
     ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels "
                     "(implies --enforce-eager)")
@@ -613,7 +616,8 @@ def main(argv=None):
         for spec in specs:
             k = spec.num_speculative_tokens if spec else 0
             for B in a.batch:
-                r = run_batch(model, spec, B, P, a.gen_len, device, dtype, a.enforce_eager)
+                r = run_batch(model, spec, B, P, a.gen_len, device, dtype, a.enforce_eager,
+                              async_steps=a.async_scheduling)
                 r.update(batch=B, prompt_len=P, method=spec.method if spec else "off", k=k,
                          spec=dataclasses.asdict(spec) if spec else None)
                 if device.type == "cuda" and not a.no_floor:

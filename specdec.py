@@ -2594,11 +2594,14 @@ def add_engine_args(ap):
     ap.add_argument("--max-num-seqs", type=int, default=8, help="max concurrent sequences (slots)")
     ap.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed derive theirs from it)")
     ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="launch step n+1 before reading step n back (default: on with CUDA graphs)")
 
 
 def llm_from_args(a):
     return LLM(model=a.model, speculative_config=a.speculative_config, dtype=a.dtype, device=a.device,
-               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed, enforce_eager=a.enforce_eager)
+               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed, enforce_eager=a.enforce_eager,
+               async_scheduling=a.async_scheduling)
 
 
 def main(argv=None):

@@ -201,7 +201,8 @@ def gated_rms_norm(x, z, weight, eps):
 # few output blocks to fill the GPU): each program writes its fp32 partial sums to part [SPLIT, M, N],
 # and _gemv_sum_kernel adds the SPLIT partials in a fixed order and rounds once to x's dtype
 # (deterministic, unlike atomics; no zeroing launch). The step is bandwidth-bound (w is read once), so
-# the tiles only need to keep enough loads in flight on every multiprocessor.
+# the tiles only need to keep enough loads in flight on every multiprocessor. With a residual r [M, N]
+# (the MLP's skip connection) the last kernel adds it before its one rounding: y = r + x @ w^T.
 
 GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the interpreter: any M <= 16)
 
@@ -239,8 +240,8 @@ def _gemv_config(M, N, K, cuda, dtype):
 
 
 @_jit
-def _gemv_kernel(p_x, p_w, p_y, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr):
     # program (N block, K split): y[:, N block] (SPLIT == 1) or part[split, :, N block] (SPLIT > 1)
     # = x[:, K slice] @ w[N block, K slice]^T, K slice = columns k0 .. k0 + BK - 1 for k0 = split * BK,
     # (split + SPLIT) * BK, ... in fp32
@@ -265,60 +266,72 @@ def _gemv_kernel(p_x, p_w, p_y, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr
     if BM == 1:
         b_acc = tl.sum(b_acc1, 1)[None, :]
     m_y = (o_m < M)[:, None] & m_n[None, :]
+    if RES:  # SPLIT == 1 only (split-K adds it in _gemv_sum_kernel)
+        b_acc += tl.load(p_r + o_m[:, None] * N + o_n[None, :], mask=m_y, other=0.0).to(tl.float32)
     p_out = p_y + i_k * M * N + o_m[:, None] * N + o_n[None, :]
     tl.store(p_out, b_acc.to(p_y.dtype.element_ty), mask=m_y)
 
 
 @_jit
-def _gemv_sum_kernel(p_part, p_y, MN, SPLIT: tl.constexpr, BS: tl.constexpr):
-    # y = sum over the SPLIT partials [SPLIT, M * N] fp32, in order, rounded once
+def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr, RES: tl.constexpr):
+    # y = [r +] sum over the SPLIT partials [SPLIT, M * N] fp32, in order, rounded once
     o = tl.program_id(0) * BS + tl.arange(0, BS)
     m = o < MN
     b_y = tl.zeros([BS], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         b_y += tl.load(p_part + s * MN + o, mask=m, other=0.0)
+    if RES:
+        b_y += tl.load(p_r + o, mask=m, other=0.0).to(tl.float32)
     tl.store(p_y + o, b_y.to(p_y.dtype.element_ty), mask=m)
 
 
-def _gemv_launch(x, w, cfg):
-    """x [..., K] (M = rows <= 16), w [N, K] contiguous of x's dtype, cfg from _gemv_config -> [..., N]."""
+def _gemv_launch(x, w, cfg, residual=None):
+    """x [..., K] (M = rows <= 16), w [N, K] contiguous of x's dtype, cfg from _gemv_config, residual None or
+    [..., N] -> [residual +] x @ w^T [..., N]."""
     BN, BK, SPLIT, stages, warps = cfg
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
     assert 1 <= M <= 16 and xr.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
+    r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
     dot = _dot_dtype(w)
     prec = "ieee" if dot == tl.float32 else "tf32"
     BM = 1 if M == 1 else 16
     grid = (_cdiv(N, BN), SPLIT)
     if SPLIT == 1:
-        _gemv_kernel[grid](xr, w, y, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot, PREC=prec,
-                           num_stages=stages, num_warps=warps)
+        _gemv_kernel[grid](xr, w, y, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot, PREC=prec,
+                           RES=residual is not None, num_stages=stages, num_warps=warps)
         return y
     part = _empty((SPLIT, M, N), torch.float32, x.device)
-    _gemv_kernel[grid](xr, w, part, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot, PREC=prec,
-                       num_stages=stages, num_warps=warps)
+    _gemv_kernel[grid](xr, w, part, part, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot,
+                       PREC=prec, RES=False, num_stages=stages, num_warps=warps)
     BS = min(1024, _p2(M * N))
-    _gemv_sum_kernel[(_cdiv(M * N, BS),)](part, y, M * N, SPLIT=SPLIT, BS=BS, num_warps=4)
+    _gemv_sum_kernel[(_cdiv(M * N, BS),)](part, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
+                                          num_warps=4)
     return y
 
 
-def linear(x, w):
-    """x @ w^T, x [..., in], w [out, in]. On the GPU: cuBLAS, except steps of at most 16 rows on the weight
-    shapes where the Triton GEMV above is faster (_gemv_config). The CPU reference computes small steps
-    (<= 256 rows) one row at a time, so that a token's result does not depend on how many tokens share the
-    step (BLAS picks other kernels for M = 1 and M = k+1): spec-on logprobs then equal spec-off's."""
+def linear(x, w, residual=None):
+    """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
+    added inside the Triton GEMV's last kernel, before its one rounding). On the GPU: cuBLAS, except steps of
+    at most 16 rows on the weight shapes where the Triton GEMV above is faster (_gemv_config). The CPU
+    reference computes small steps (<= 256 rows) one row at a time, so that a token's result does not depend
+    on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1): spec-on logprobs then
+    equal spec-off's."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and 1 <= M <= 16 and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.device == x.device):
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.device == x.device
+            and (residual is None or residual.dtype == x.dtype)):
         cfg = _gemv_config(M, w.shape[0], w.shape[1], x.is_cuda, x.dtype)
         if cfg is not None:
-            return _gemv_launch(x, w, cfg)
+            return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
-        return F.linear(x, w)
-    rows = x.reshape(-1, x.shape[-1])
-    return torch.stack([F.linear(r, w) for r in rows]).view(*x.shape[:-1], w.shape[0])
+        y = F.linear(x, w)
+    else:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.stack([F.linear(r, w) for r in rows]).view(*x.shape[:-1], w.shape[0])
+    return y if residual is None else residual + y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1039,17 +1052,25 @@ def _moe_down_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_d
 
 
 @_jit
-def _moe_sum_kernel(p_y, p_out, H, TOPK: tl.constexpr, BH: tl.constexpr):
+def _moe_sum_kernel(p_y, p_out, p_sh, p_g, p_res, H, s_g, TOPK: tl.constexpr, BH: tl.constexpr,
+                    SHARED: tl.constexpr, RES: tl.constexpr):
     # out[n] = sum_j y[n, j] in a fixed order (deterministic, unlike atomics)
+    #          [+ sigmoid(g[n]) * shared[n]] [+ residual[n]], all in fp32, rounded once
     i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)
+    m = o_h < H
     b_o = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        b_o += tl.load(p_y + (i_n * TOPK + j) * H + o_h, mask=o_h < H, other=0.0)
-    tl.store(p_out + i_n * H + o_h, b_o.to(p_out.dtype.element_ty), mask=o_h < H)
+        b_o += tl.load(p_y + (i_n * TOPK + j) * H + o_h, mask=m, other=0.0)
+    if SHARED:
+        g = tl.load(p_g + i_n * s_g).to(tl.float32)
+        b_o += tl.load(p_sh + i_n * H + o_h, mask=m, other=0.0).to(tl.float32) / (1.0 + tl.exp(-g))
+    if RES:
+        b_o += tl.load(p_res + i_n * H + o_h, mask=m, other=0.0).to(tl.float32)
+    tl.store(p_out + i_n * H + o_h, b_o.to(p_out.dtype.element_ty), mask=m)
 
 
-def _moe_experts_launch(x, w, idx, gate_up, down):
+def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None):
     N, H = x.shape
     E, I2, _ = gate_up.shape
     I, k = I2 // 2, idx.shape[1]
@@ -1076,15 +1097,27 @@ def _moe_experts_launch(x, w, idx, gate_up, down):
         _moe_down_kernel[(P if by_pair else E, _cdiv(H, 32))](
             h, ids, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
             BT=16, BO=32, BI=min(128, max(16, _p2(I))), BY_PAIR=by_pair, DOT=dot, PREC=prec, num_warps=4)
-        _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], H, TOPK=k, BH=512, num_warps=4)
+        sh, gt, res = (out if t is None else t[s:e_] for t in (shared, shared_gate, residual))
+        _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], sh, gt, res, H, gt.stride(0), TOPK=k, BH=512,
+                                                  SHARED=shared is not None, RES=residual is not None, num_warps=4)
     return out
 
 
-def moe_experts(x, w, idx, gate_up, down):
+def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None):
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) for each token's chosen experts.
     x [N, H]; w, idx [N, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns [N, H].
-    The kernels keep fp32 accumulators and sum the k experts in fp32; the reference rounds to x's
-    dtype after each product and accumulates the experts in x's dtype (and syncs with the host)."""
+    The MoE layer's epilogue rides along: with `shared` [N, H] and `shared_gate` [N, 1] (the shared expert's output
+    and its gate logit) + sigmoid(shared_gate) * shared; with `residual` [N, H] + residual (the layer's skip).
+    The kernels keep fp32 accumulators, sum the k experts and the epilogue in fp32 and round once (one launch);
+    the reference rounds to x's dtype after each product and each op, as the unfused model does, and accumulates
+    the experts in x's dtype (and syncs with the host)."""
     if _fast(x):
-        return _moe_experts_launch(x, w, idx, gate_up, down)
-    return moe_experts_ref(x, w, idx, gate_up, down)
+        if shared is not None:
+            shared = shared if shared.stride(1) == 1 and shared.stride(0) == shared.shape[1] else shared.contiguous()
+        if residual is not None:
+            residual = residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1] else residual.contiguous()
+        return _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual)
+    out = moe_experts_ref(x, w, idx, gate_up, down)
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate) * shared
+    return out if residual is None else residual + out

@@ -718,10 +718,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(H, I, bias=False)
         self.down_proj = Linear(I, H, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM's kernel]."""
         if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation kernel
-            return self.down_proj(K.silu_mul(K.linear(x, self.gate_up)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return K.linear(K.silu_mul(K.linear(x, self.gate_up)), self.down_proj.weight, residual)
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y if residual is None else residual + y
 
 
 class MoE(nn.Module):
@@ -737,7 +739,8 @@ class MoE(nn.Module):
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """The routed experts plus the gated shared expert [+ residual], as one output (one fused epilogue)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
         if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up, one GEMM
@@ -747,8 +750,8 @@ class MoE(nn.Module):
         else:
             logits, sg, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
         w, idx = K.moe_route(logits, self.top_k)
-        y = K.moe_experts(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj)
-        return (y + torch.sigmoid(sg) * shared).view(shape)
+        res = None if residual is None else residual.reshape(-1, shape[-1])
+        return K.moe_experts(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj, shared, sg, res).view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -766,7 +769,7 @@ class DecoderLayer(nn.Module):
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
         y, x = K.add_rms_norm(mixer(self.input_layernorm(x), ctx), x, self.post_attention_layernorm.weight,
                               self.post_attention_layernorm.eps)                     # x + mixer, and its norm
-        return x + self.mlp(y)
+        return self.mlp(y, residual=x)                                               # x + mlp(y)
 
 
 class MTPHead(nn.Module):

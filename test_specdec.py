@@ -2063,12 +2063,19 @@ def test_kernel_moe_experts(dtype, N):
     ref = K.moe_experts_ref(x, w, idx, gate_up, down)
     tol = TOL[dtype] * (3 if dtype == torch.bfloat16 else 1)                      # the reference rounds more often
     assert rel(fast(K.moe_experts, x, w, idx, gate_up, down), ref) <= tol
+    # the fused epilogue: + sigmoid(gate) * shared + residual; the gate a strided column as the fused GEMM gives it
+    sh, res = randn(N, H, g=g, dtype=dtype), randn(N, H, g=g, dtype=dtype)
+    gate = randn(N, 3, g=g, dtype=dtype)[:, 1:2]
+    ref_e = K.moe_experts(x, w, idx, gate_up, down, sh, gate, res)                 # the reference path (CPU)
+    assert torch.equal(ref_e, res + (ref + torch.sigmoid(gate) * sh))
     old = K._MOE_CHUNK
     K._MOE_CHUNK = 4                                                               # several launches per call
     try:
         assert rel(fast(K.moe_experts, x, w, idx, gate_up, down), ref) <= tol
+        assert rel(fast(K.moe_experts, x, w, idx, gate_up, down, sh, gate, res), ref_e) <= tol
     finally:
         K._MOE_CHUNK = old
+    assert rel(fast(K.moe_experts, x, w, idx, gate_up, down, sh, gate, None), ref + torch.sigmoid(gate) * sh) <= tol
 
 
 @pytest.mark.skipif(CUDA or K.triton is None or KERNELS_RUN, reason="kernel tests ran in this process")
@@ -2661,12 +2668,12 @@ def test_drafter_refusals(ckpts, tmp_path):
 # Triton GEMV (kernels.linear's small-M path)
 # ==============================================================================================
 
-def gemv(x, w, always=True):
+def gemv(x, w, always=True, residual=None):
     """kernels.linear through fast(), with GEMV_ALWAYS: the Triton GEMV for any eligible shape (M <= 16)."""
     old = K.GEMV_ALWAYS
     K.GEMV_ALWAYS = always
     try:
-        return fast(K.linear, x, w)
+        return fast(K.linear, x, w, residual)
     finally:
         K.GEMV_ALWAYS = old
 
@@ -2675,7 +2682,7 @@ def gemv(x, w, always=True):
 def gemv_calls(monkeypatch):
     """The configs of the _gemv_launch calls made (each a (BN, BK, SPLIT, stages, warps) tuple)."""
     calls, launch = [], K._gemv_launch
-    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg: calls.append(cfg) or launch(x, w, cfg))
+    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg, r=None: calls.append(cfg) or launch(x, w, cfg, r))
     return calls
 
 
@@ -2692,6 +2699,10 @@ def test_kernel_gemv(M, N, Kin, gemv_calls):
     xs = randn(1, M, Kin + 8, g=g)[..., :Kin]                                      # leading dims, strided rows
     y = gemv(xs, w)
     assert y.shape == (1, M, N) and rel(y, F.linear(xs, w)) <= TOL[torch.float32] and len(gemv_calls) == 2
+    r = randn(1, M, N, g=g)                                                        # the skip connection
+    y = gemv(xs, w, residual=r)
+    assert rel(y, r + F.linear(xs, w)) <= TOL[torch.float32] and len(gemv_calls) == 3
+    assert torch.equal(K.linear(xs, w, r), r + K.linear(xs, w))                   # the reference path
 
 
 @needs_kernels

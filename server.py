@@ -596,6 +596,7 @@ def main(argv=None):
         ap.error("--max-queue must be >= 0")
     try:
         llm = llm_from_args(a)
+        llm.warmup()  # every graph captured before the first request (on CUDA)
         app = App(llm, a.served_model_name, a.api_key, a.max_queue)
         httpd = ThreadingHTTPServer((a.host, a.port), Handler, bind_and_activate=False)
         httpd.daemon_threads, httpd.request_queue_size, httpd.app = True, 256, app  # a deep accept backlog

@@ -2572,6 +2572,21 @@ class LLM:
     def get_metrics(self):
         return self.engine.stats
 
+    def warmup(self, force=False):
+        """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM captures at
+        start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks through every
+        bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture. Counters reset after."""
+        e = self.engine
+        if e.graphs is None and not force:
+            return
+        prompt = list(range(1, 17))
+        for i in range(e.max_num_seqs):
+            n = min(2 + (e.k + 2) * i, self.max_model_len - len(prompt))
+            e.add_request(prompt, SamplingParams(temperature=0, max_tokens=max(n, 1), ignore_eos=True))
+        while e.has_work():
+            e.step()
+        e.stats, e.num_requests = SpecStats(), 0
+
 
 def default_model_path():
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")

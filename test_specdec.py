@@ -2451,6 +2451,20 @@ def test_gpu_async_graphs_equal_eager(cfg, ckpts):
     assert graphs == eager
 
 
+def test_warmup_leaves_no_trace(tiny):
+    """LLM.warmup (the server calls it at start-up to capture every graph) runs dummy requests through every batch
+    bucket, then resets the counters: what follows is as if it had not run."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLM(model=tiny, device="cpu", max_num_seqs=3, speculative_config=spec).generate(SPEC_PROMPTS[:2], sp)
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=3, speculative_config=spec)
+    llm.warmup(force=True)
+    assert llm.get_metrics().num_drafts == 0 and not llm.engine.has_work()
+    out = llm.generate(SPEC_PROMPTS[:2], sp)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert [o.request_id for o in out] == [o.request_id for o in ref]
+
+
 def test_dspark_layouts_load_to_the_same_drafter(runs):
     native, _, _, m_native = runs("dspark")
     spec, _, _, m_spec = runs("dspark_spec")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 benchmark set behind BENCHMARKS.md, in one device call (outputs under $OUT).
-#   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five)
+#   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
+#   bash tools/gpu_benchmarks.sh targets | drafters   (the issues' target rows at 256 tokens; retrain the toy drafters)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -23,6 +24,18 @@ for p in $parts; do case $p in
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
     --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":16,$SYN}" \
     --speculative-config "{$NG}" --speculative-config "{$DM}" 2>&1 | tee $OUT/bench-$p.log | grep -v '^{' ;;
+targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens per request (less acceptance noise)
+  timeout 400 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 256 \
+    --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
+    --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":16,$SYN}" 2>&1 | tee $OUT/bench-targets-27b.log | grep -v '^{'
+  timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-prefill-4096.log | grep -v '^{'
+  timeout 150 python3 bench.py --random-weights 35b-a3b --batch 1 --prompt-len 512 --gen-len 256 2>&1 | tee $OUT/bench-targets-35b.log | grep -v '^{' ;;
+drafters)  # retrain the toy DFlash / DSpark drafters (tools/train_drafters.py) and evaluate every method on the GPU
+  timeout 420 python3 tools/train_drafters.py --seconds ${DRAFTER_SECONDS:-360} --batch 32 --anchors 16 2>&1 | tee $OUT/train-drafters.log | tail -2
+  mkdir -p $OUT/toy-dflash $OUT/toy-dspark; cp models/toy-dflash/* $OUT/toy-dflash/; cp models/toy-dspark/* $OUT/toy-dspark/
+  timeout 120 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{' ;;
 sweep)  # TPOT against prompt length, batch 1, speculation off and MTP (27B)
   timeout 400 python3 bench.py --random-weights 27b --batch 1 --prompt-len 512 2048 8192 32768 --gen-len 32 --no-floor \
     --speculative-config off \

@@ -206,6 +206,33 @@ def linear_weights(model, moe_active=None):
     return ws
 
 
+def replay_ms(replay, iters=20):
+    """Median ms of replay() (one or more CUDA graph replays), timed with events."""
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fn, iters=20):
+    """ms of fn's kernels captured in one CUDA graph (fn runs once eagerly first: compiles, cuBLAS picks)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ms = replay_ms(g.replay, iters)
+    del g
+    return ms
+
+
 def gemm_floor(ws, M, iters=20):
     """ms per step of a CUDA graph chaining x @ W^T over all weights at M tokens."""
     xs = {w.shape[1]: torch.randn(M, w.shape[1], device=w.device, dtype=w.dtype) for w in ws}
@@ -214,23 +241,7 @@ def gemm_floor(ws, M, iters=20):
     def chain():
         for i, w in enumerate(ws):
             outs[i] = xs[w.shape[1]] @ w.t()
-    chain()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times)
+    return graph_ms(chain, iters)
 
 
 def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None):
@@ -544,17 +555,7 @@ def verify_costs(model, Ts, device, dtype):
     out = {}
     for T in Ts:
         g = runner.capture(1, T, "verify" if T > 1 else "decode")
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.graph.replay()
-            if g.commit is not None:
-                g.commit.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out[T] = statistics.median(times)
+        out[T] = replay_ms(lambda: (g.graph.replay(), g.commit.replay() if g.commit is not None else None))
     del eng, runner
     return out
 

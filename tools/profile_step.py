@@ -12,7 +12,6 @@ Not part of the engine: a measuring tool for deciding which kernels to write nex
 import argparse
 import collections
 import os
-import statistics
 import sys
 
 import torch
@@ -23,25 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 import specdec as sd  # noqa: E402
-
-
-def graph_ms(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 @triton.jit
@@ -94,7 +74,7 @@ def gemms(model, Ms):
             N, K = shape
             x = torch.randn(M, K, device="cuda", dtype=ws[0].dtype)
             gb = N * K * 2 / 1e9
-            c = graph_ms(lambda: [x @ w.t() for w in ws]) / len(ws)
+            c = bench.graph_ms(lambda: [x @ w.t() for w in ws]) / len(ws)
             best = None
             for BN, BK in ((16, 512), (32, 256), (64, 256), (64, 128), (128, 128)):
                 ctas = triton.cdiv(N, BN)
@@ -104,7 +84,8 @@ def gemms(model, Ms):
                 for stages, warps in ((3, 4), (4, 4), (4, 8)):
                     ys = [torch.empty(M, N, device="cuda", dtype=torch.float32 if split > 1 else x.dtype) for _ in ws]
                     try:
-                        t = graph_ms(lambda: [triton_gemv(x, w, BN, BK, split, stages, warps, y) for w, y in zip(ws, ys)])
+                        t = bench.graph_ms(lambda: [triton_gemv(x, w, BN, BK, split, stages, warps, y)
+                                                    for w, y in zip(ws, ys)])
                     except Exception:  # out of resources for this config
                         continue
                     t /= len(ws)
@@ -145,20 +126,8 @@ def main():
             g.pos.fill_(a.ctx)
             g.slots.copy_(torch.arange(B))
 
-            def one():
-                g.graph.replay()
-                if g.commit is not None:
-                    g.commit.replay()
-            one()
-            ts = []
-            for _ in range(20):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                one()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            print(f"step B={B} T={T}: {statistics.median(ts):.3f} ms (graph replay)", flush=True)
+            ms = bench.replay_ms(lambda: (g.graph.replay(), g.commit.replay() if g.commit is not None else None))
+            print(f"step B={B} T={T}: {ms:.3f} ms (graph replay)", flush=True)
         for s in a.kernels:
             B, T = map(int, s.split("x"))
             ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")

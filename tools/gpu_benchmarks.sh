@@ -44,7 +44,7 @@ sweep)  # TPOT against prompt length, batch 1, speculation off and MTP (27B)
     2>&1 | tee $OUT/bench-sweep.log | grep -v '^{' ;;
 toy)  # the shipped model: real acceptance, bf16 on the GPU
   timeout 300 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{'
-  timeout 200 python3 bench.py --model models/toy --batch 1 8 --prompt-len 128 --gen-len 128 --no-floor \
+  timeout 200 python3 bench.py --model models/toy --batch 1 2 4 8 --prompt-len 128 --gen-len 128 \
     --speculative-config off --speculative-config '{"method":"mtp","num_speculative_tokens":1}' \
     --speculative-config '{"method":"mtp","num_speculative_tokens":3}' \
     --speculative-config '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2}' \

@@ -135,7 +135,7 @@ def block_loss(net, c, method, target, ids, feats, anchors, mask_id):
     return loss, right.mean(0)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models", "toy"))
     ap.add_argument("--out", default=os.path.join(ROOT, "models"))
@@ -146,7 +146,7 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-files", type=int, default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     K.USE_TRITON = False  # differentiable references for the drafters (the frozen target runs the kernels)
     sd.block_attention = masked_block_attention
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

@@ -1,6 +1,6 @@
 """Train the small Qwen3.6-architecture model family that ships in models/ (one H200, a few minutes).
 
-    python tools/train_toy.py --out models --seconds 300
+    python tools/train_toy.py --out models --seconds 330 --drafter-seconds 360     # everything in models/
 
 Data: the Python standard library's source on this machine (sysconfig stdlib, site-packages excluded), split
 by a hash of each file's path: 2% of files are held out for evaluation. Tokenizer: an 8k byte-level BPE in
@@ -9,6 +9,9 @@ the Qwen tokenizer.json layout (tools/make_tokenizer.py) with <|endoftext|>, <|i
   toy/        the target: Qwen3.6 dense hybrid (GDN + gated attention 3:1), ~11.7M parameters, with an MTP head
               trained jointly (loss on x_{t+2} from (h_t, x_{t+1})); multimodal layout, bf16 safetensors
   toy-draft/  a ~1M-parameter model of the same family for method draft_model
+then, against the finished target, the DFlash and DSpark block drafters (tools/train_drafters.py, --drafter-seconds;
+0 skips them):
+  toy-dflash/, toy-dspark/
 The engine's own modules are trained (through its inference forward with a fresh State per batch, PyTorch
 reference kernels), so what ships is exactly what runs.
 """
@@ -146,6 +149,8 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-files", type=int, default=None, help="use only this many training files (smoke tests)")
+    ap.add_argument("--drafter-seconds", type=float, default=360, help="then train the DFlash / DSpark drafters "
+                    "(tools/train_drafters.py) this long; 0: skip")
     a = ap.parse_args()
     K.USE_TRITON = False  # training runs the differentiable PyTorch references
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -217,6 +222,10 @@ def main():
                    "train_tokens": len(data), "held_out_tokens": len(held), "held_out_files":
                    [os.path.relpath(f, root) for f in held_f], "log": log}, fh, indent=1)
     print(f"[done] {step} steps in {time.time() - t0:.0f}s total; wrote {a.out}/toy and {a.out}/toy-draft", flush=True)
+    if a.drafter_seconds > 0:
+        import train_drafters
+        train_drafters.main(["--target", os.path.join(a.out, "toy"), "--out", a.out, "--seconds", str(a.drafter_seconds),
+                             "--device", a.device] + (["--max-files", str(a.max_files)] if a.max_files else []))
 
 
 if __name__ == "__main__":

@@ -964,10 +964,12 @@ def moe_route(router_logits, top_k):
 
 # The N*k (token, expert) pairs are first grouped by expert on the device (a counting sort, no host
 # sync): order [P] lists the pairs expert by expert, pairs of expert e at order[off[e] : off[e+1]].
-# Then each expert kernel program takes one expert and a block of its output features, and runs its
-# pairs BT at a time through tl.dot, so an expert's weights are read once however many tokens chose
-# it. With few pairs (P <= E) the grid runs over pairs, and only the first pair of each expert works;
-# otherwise over experts (most of which have no pairs at decode, and exit at once).
+# With many pairs (P > E: prefill, big batches) each expert kernel program takes one expert and a block
+# of its output features and runs its pairs BT at a time through tl.dot, so an expert's weights are read
+# once however many tokens chose it. With few pairs (P <= E: decode and verify) the grid runs over pairs
+# and only the first pair of each expert (its leader) works, one token at a time, GEMV-style: a step
+# reads k experts' weights, bandwidth-bound, so the tiles are the ones the GEMV measured fastest at M = 1
+# (the tl.dot version of this path ran at ~2.4 TB/s on the H200; the GEMV-style one is not measured yet).
 _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
 
 
@@ -986,17 +988,13 @@ def _moe_group_kernel(p_idx, p_order, p_off, P, BP: tl.constexpr):
 
 
 @_jit
-def _moe_gate_up_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
+def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
                         TOPK: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
-                        BY_PAIR: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    # program (expert or leader pair, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T)
+                        DOT: tl.constexpr, PREC: tl.constexpr):
+    # program (expert, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T) for the expert's pairs, BT at a time
     i_e, i_i = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
-    if BY_PAIR:
-        e = tl.load(p_idx + i_e)
     start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
-    if BY_PAIR:  # a later pair of the same expert: nothing to do
-        end = tl.where(tl.load(p_order + start) == i_e, end, start)
     o_i = i_i * BI + tl.arange(0, BI)
     m_i = o_i < I
     p_g = p_gu + e * s_ge + o_i[None, :] * s_gr                                     # [1, BI] gate rows
@@ -1022,17 +1020,12 @@ def _moe_gate_up_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, 
 
 
 @_jit
-def _moe_down_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
-                     BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                     BY_PAIR: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    # program (expert or leader pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T)
+def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
+                     BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    # program (expert, H block): y[pair, H block] = w_pair * (h[pair] W_down^T) for the expert's pairs, BT at a time
     i_e, i_o = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
-    if BY_PAIR:
-        e = tl.load(p_idx + i_e)
     start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
-    if BY_PAIR:
-        end = tl.where(tl.load(p_order + start) == i_e, end, start)
     o_o = i_o * BO + tl.arange(0, BO)
     m_o = o_o < H
     p_d = p_dn + e * s_de + o_o[None, :] * s_dr                                     # [1, BO] down rows
@@ -1049,6 +1042,60 @@ def _moe_down_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_d
             b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
         b_y *= tl.load(p_w + b_pair, mask=m_t, other=0.0)[:, None]
         tl.store(p_y + b_pair[:, None] * H + o_o[None, :], b_y, mask=m_t[:, None] & m_o[None, :])
+
+
+@_jit
+def _moe_leader(p_idx, p_order, p_off, i_p):
+    # pair i_p's expert e and its pairs order[start:end]; only the expert's first pair (its leader) works
+    e = tl.load(p_idx + i_p).to(tl.int64)
+    start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
+    return e, start, tl.where(tl.load(p_order + start) == i_p, end, start)
+
+
+@_jit
+def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
+                             TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+    # decode (P <= E pairs): program (pair, I block); the leader pair of an expert runs its pairs one token at a
+    # time like the GEMV at M = 1: products of [BI, BH] gate and up weight tiles with x, summed over BH after the loop
+    i_p, i_i = tl.program_id(0), tl.program_id(1)
+    e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
+    o_i = i_i * BI + tl.arange(0, BI)
+    m_i = o_i < I
+    p_g = p_gu + e * s_ge + o_i[:, None].to(tl.int64) * s_gr                        # [BI, 1] gate rows
+    p_u = p_gu + e * s_ge + (I + o_i)[:, None].to(tl.int64) * s_gr                  # [BI, 1] up rows
+    for r in range(start, end):
+        pair = tl.load(p_order + r).to(tl.int64)
+        b_g = tl.zeros([BI, BH], dtype=tl.float32)
+        b_u = tl.zeros([BI, BH], dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            o_h = h0 + tl.arange(0, BH)
+            m_h = o_h < H
+            b_x = tl.load(p_x + (pair // TOPK) * s_x + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+            m_w = m_i[:, None] & m_h[None, :]
+            b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
+            b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
+        g, u = tl.sum(b_g, 1), tl.sum(b_u, 1)
+        tl.store(p_h + pair * I + o_i, (g * tl.sigmoid(g) * u).to(p_h.dtype.element_ty), mask=m_i)
+
+
+@_jit
+def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
+                          BO: tl.constexpr, BI: tl.constexpr):
+    # decode (P <= E pairs): program (pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T), GEMV-style
+    i_p, i_o = tl.program_id(0), tl.program_id(1)
+    e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
+    o_o = i_o * BO + tl.arange(0, BO)
+    m_o = o_o < H
+    p_d = p_dn + e * s_de + o_o[:, None].to(tl.int64) * s_dr                        # [BO, 1] down rows
+    for r in range(start, end):
+        pair = tl.load(p_order + r).to(tl.int64)
+        b_y = tl.zeros([BO, BI], dtype=tl.float32)
+        for i0 in range(0, I, BI):
+            o_i = i0 + tl.arange(0, BI)
+            m_i = o_i < I
+            b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
+            b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_h
+        tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
 
 
 @_jit
@@ -1088,15 +1135,22 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         off = _empty((E + 1,), torch.int32, x.device)                               # expert e: order[off[e]:off[e+1]]
         h = _empty((P, I), x.dtype, x.device)                                        # [P, I]
         y = _empty((P, H), torch.float32, x.device)                                  # [P, H]
-        by_pair = P <= E
         BP = _p2(P)
         _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
-        _moe_gate_up_kernel[(P if by_pair else E, _cdiv(I, 16))](
-            xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
-            TOPK=k, BT=16, BI=16, BH=min(256, max(16, _p2(H))), BY_PAIR=by_pair, DOT=dot, PREC=prec, num_warps=4)
-        _moe_down_kernel[(P if by_pair else E, _cdiv(H, 32))](
-            h, ids, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
-            BT=16, BO=32, BI=min(128, max(16, _p2(I))), BY_PAIR=by_pair, DOT=dot, PREC=prec, num_warps=4)
+        if P <= E:  # decode: grid over pairs, GEMV-style tiles (the GEMV's measured M = 1 blocks: 8 rows x 1024)
+            _moe_gate_up_pair_kernel[(P, _cdiv(I, 8))](
+                xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
+                TOPK=k, BI=8, BH=min(1024, _p2(H)), num_warps=8, num_stages=4)
+            _moe_down_pair_kernel[(P, _cdiv(H, 8))](
+                h, ids, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
+                BO=8, BI=min(1024, _p2(I)), num_warps=8, num_stages=4)
+        else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
+            _moe_gate_up_kernel[(E, _cdiv(I, 16))](
+                xs, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
+                TOPK=k, BT=16, BI=16, BH=min(256, max(16, _p2(H))), DOT=dot, PREC=prec, num_warps=4)
+            _moe_down_kernel[(E, _cdiv(H, 32))](
+                h, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
+                BT=16, BO=32, BI=min(128, max(16, _p2(I))), DOT=dot, PREC=prec, num_warps=4)
         sh, gt, res = (out if t is None else t[s:e_] for t in (shared, shared_gate, residual))
         _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], sh, gt, res, H, gt.stride(0), TOPK=k, BH=512,
                                                   SHARED=shared is not None, RES=residual is not None, num_warps=4)

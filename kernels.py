@@ -395,10 +395,10 @@ def causal_conv_ref(x, conv_pool, slots, weight, n_keep=None):
 def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
                         s_xb, s_xt, s_ps, s_pc, s_pk, s_wc, s_wk,
                         K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
-                        HAS_KEEP: tl.constexpr):
+                        HAS_KEEP: tl.constexpr, OUT: tl.constexpr):
     # program (b, channel block, token block): y[t] = silu(sum_j w[j] * seq[t + j]), where seq is the
     # slot's K-1 past inputs followed by x. Only token block 0 reads the past window (BT >= K-1 or a
-    # single block), so it alone may overwrite it afterwards.
+    # single block), so it alone may overwrite it afterwards. Without OUT only the window moves.
     i_b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -406,18 +406,19 @@ def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
     slot = tl.load(p_slots + i_b)
     p_past = p_pool + slot * s_ps + o_c * s_pc                                      # [BC] window rows
     p_xb = p_x + i_b * s_xb
-    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(K):
-        b_w = tl.load(p_w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
-        src = o_t + j - (K - 1)                                                    # input index; < 0: the window
-        m_x = ((src >= 0) & m_t)[:, None] & m_c[None, :]
-        m_p = ((src < 0) & m_t)[:, None] & m_c[None, :]
-        b_in = tl.load(p_xb + src[:, None] * s_xt + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
-        b_in += tl.load(p_past[None, :] + (src + K - 1)[:, None] * s_pk, mask=m_p, other=0.0).to(tl.float32)
-        b_acc += b_in * b_w[None, :]
-    b_y = b_acc * tl.sigmoid(b_acc)
-    p_y_t = p_y + (i_b * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
-    tl.store(p_y_t, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if OUT:
+        b_acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(K):
+            b_w = tl.load(p_w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
+            src = o_t + j - (K - 1)                                                # input index; < 0: the window
+            m_x = ((src >= 0) & m_t)[:, None] & m_c[None, :]
+            m_p = ((src < 0) & m_t)[:, None] & m_c[None, :]
+            b_in = tl.load(p_xb + src[:, None] * s_xt + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
+            b_in += tl.load(p_past[None, :] + (src + K - 1)[:, None] * s_pk, mask=m_p, other=0.0).to(tl.float32)
+            b_acc += b_in * b_w[None, :]
+        b_y = b_acc * tl.sigmoid(b_acc)
+        p_y_t = p_y + (i_b * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
+        tl.store(p_y_t, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
     if i_t == 0:
         n = T
         if HAS_KEEP:
@@ -434,27 +435,27 @@ def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
             tl.store(p_past[:, None] + o_w[None, :] * s_pk, b_new.to(p_pool.dtype.element_ty), mask=m_w)
 
 
-def _causal_conv_launch(x, conv_pool, slots, weight, n_keep):
+def _causal_conv_launch(x, conv_pool, slots, weight, n_keep, outputs=True):
     B, T, C = x.shape
     K = weight.shape[1]
     assert conv_pool.shape[1:] == (C, K - 1) and weight.shape == (C, K), "conv_pool / weight shapes"
     assert slots.dtype == torch.long and (n_keep is None or n_keep.dtype == torch.long)
     if x.stride(2) != 1:
         x = x.contiguous()
-    y = _empty((B, T, C), x.dtype, x.device)
+    y = _empty((B, T, C), x.dtype, x.device) if outputs else x                        # (no outputs: not written)
     BT = min(_p2(T), 16)
     assert BT >= K - 1 or BT >= T  # only token block 0 may read the old window (see the kernel)
     BC = 128
-    grid = (B, _cdiv(C, BC), _cdiv(T, BT))
+    grid = (B, _cdiv(C, BC), _cdiv(T, BT) if outputs else 1)
     _causal_conv_kernel[grid](
         x, conv_pool, slots, weight, n_keep if n_keep is not None else slots, y, T, C,
         x.stride(0), x.stride(1), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
         weight.stride(0), weight.stride(1),
-        K=K, BT=BT, BC=BC, BW=_p2(K - 1), HAS_KEEP=n_keep is not None, num_warps=4)
-    return y
+        K=K, BT=BT, BC=BC, BW=_p2(K - 1), HAS_KEEP=n_keep is not None, OUT=outputs, num_warps=4)
+    return y if outputs else None
 
 
-def causal_conv(x, conv_pool, slots, weight, n_keep=None):
+def causal_conv(x, conv_pool, slots, weight, n_keep=None, outputs=True):
     """silu(depthwise causal conv) over x, continuing from each slot's window of past inputs.
 
     x [B, T, C] pre-conv inputs; conv_pool [S, C, K-1] past inputs (oldest first); slots [B] long;
@@ -463,10 +464,13 @@ def causal_conv(x, conv_pool, slots, weight, n_keep=None):
     tokens (all T when n_keep is None; unchanged when n_keep[b] == 0) - that is how a verify step
     leaves the window untouched and the commit after it keeps only the accepted tokens.
     The kernel accumulates in fp32 and rounds once (the reference rounds the conv and the silu).
+    outputs=False: only the window moves (the commit after a verify, whose outputs the verify already made);
+    returns None.
     """
     if _fast(x):
-        return _causal_conv_launch(x, conv_pool, slots, weight, n_keep)
-    return causal_conv_ref(x, conv_pool, slots, weight, n_keep)
+        return _causal_conv_launch(x, conv_pool, slots, weight, n_keep, outputs)
+    y = causal_conv_ref(x, conv_pool, slots, weight, n_keep)
+    return y if outputs else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,10 +537,12 @@ def gdn_chunked_ref(q, k, v, g, beta, state_pool, slots, chunk=64):
 def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_slots, p_keep, p_o, T, scale,
                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_bb, s_bt,
                           HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, HAS_KEEP: tl.constexpr, GATES: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, HAS_KEEP: tl.constexpr, GATES: tl.constexpr,
+                          OUT: tl.constexpr):
     # program (b * H_v + h, d_v block): the [d_k, BV] slice of one head's fp32 state stays in
     # registers over all T tokens; it is read once and written at most once (after token n_keep).
     # With GATES, p_g / p_beta hold the raw projections a, b and the gates are computed here.
+    # Without OUT (a commit: state only) the loop stops after token n_keep and writes no outputs.
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // GROUP                                                              # the shared key head
@@ -565,7 +571,10 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
     n_v = tl.load(p_v, mask=m_v, other=0.0)
     n_g = tl.load(p_g)
     n_beta = tl.load(p_beta)
-    for t in range(T):
+    n_steps = T
+    if not OUT:
+        n_steps = n_keep
+    for t in range(n_steps):
         b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
         b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
         t_n = tl.minimum(t + 1, T - 1)                                               # (the last re-reads itself)
@@ -584,13 +593,14 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
         b_s = b_s * tl.exp(b_g)                                                      # decay before the read
         b_d = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))                         # [BV] delta
         b_s = b_s + b_k[:, None] * b_d[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], 0)                                          # [BV]
-        tl.store(p_o + t * (HV * DV), b_o.to(p_o.dtype.element_ty), mask=m_v)
+        if OUT:
+            b_o = tl.sum(b_s * b_q[:, None], 0)                                      # [BV]
+            tl.store(p_o + t * (HV * DV), b_o.to(p_o.dtype.element_ty), mask=m_v)
         if t + 1 == n_keep:
             tl.store(p_s, b_s, mask=m_s)
 
 
-def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=None, dt_bias=None):
+def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=None, dt_bias=None, outputs=True):
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     assert k.shape == q.shape and v.shape[:2] == (B, T) and g.shape == beta.shape == (B, T, Hv)
@@ -599,7 +609,8 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     assert slots.dtype == torch.long and (n_keep is None or n_keep.dtype == torch.long)
     assert T >= 1
     q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
-    o = _empty((B, T, Hv, Dv), v.dtype, v.device)
+    assert outputs or n_keep is not None, "a state-only pass needs n_keep"
+    o = _empty((B, T, Hv, Dv), v.dtype, v.device) if outputs else v                  # (no outputs: not written)
     BK = _p2(Dk)
     BV = min(_p2(Dv), 8)  # small value blocks: many programs in flight for a latency-bound loop
     gates = A_log is not None
@@ -610,8 +621,8 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, HAS_KEEP=n_keep is not None, GATES=gates,
-        num_warps=1 if BK * BV <= 1024 else 4)
-    return o
+        OUT=outputs, num_warps=1 if BK * BV <= 1024 else 4)
+    return o if outputs else None
 
 
 def gdn_recurrent(q, k, v, g, beta, state_pool, slots, n_keep=None):
@@ -652,13 +663,16 @@ def gdn_gates(a, b, A_log, dt_bias):
     return -exact(torch.exp, A_log.float()) * exact(F.softplus, a.float() + dt_bias), exact(torch.sigmoid, b)
 
 
-def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None):
+def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None, outputs=True):
     """gdn_recurrent(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep) in one launch:
     the gates are computed inside the recurrent kernel (saves ~8 tiny launches per GDN layer and step).
-    a, b [B, T, H_v] raw projections in_proj_a(x), in_proj_b(x); A_log, dt_bias [H_v]."""
+    a, b [B, T, H_v] raw projections in_proj_a(x), in_proj_b(x); A_log, dt_bias [H_v].
+    outputs=False (the commit after a verify: n_keep given): only the states advance, over n_keep[b] tokens
+    instead of T, and no outputs are written; returns None."""
     if _fast(q):
-        return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias)
-    return gdn_recurrent_ref(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep)
+        return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias, outputs)
+    o = gdn_recurrent_ref(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep)
+    return o if outputs else None
 
 
 # ----------------------------------------------------------------------------------------------

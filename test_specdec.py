@@ -1903,6 +1903,9 @@ def test_kernel_causal_conv(dtype, T):
         y_ref = K.causal_conv_ref(x, p2, slots, w, n_keep)
         assert rel(y, y_ref) <= TOL[dtype], n_keep
         assert torch.equal(p1, p2), n_keep                                         # windows: exact copies
+        if n_keep is not None:                                                     # the commit: the window only
+            p3 = pool.clone()
+            assert fast(K.causal_conv, x, p3, slots, w, n_keep, outputs=False) is None and torch.equal(p3, p2)
 
 
 def gdn_inputs(B, T, Hk, Hv, dk, dv, dtype, seed):
@@ -1955,6 +1958,11 @@ def test_kernel_gdn_recurrent_gated(dtype):
     g, beta = K.gdn_gates(a, b, A_log, dt_bias)
     o_ref = K.gdn_recurrent_ref(q, k, v, g, beta, p2, slots, n_keep)
     assert rel(o, o_ref) <= TOL[dtype] and rel(p1, p2) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    for keep in (n_keep, torch.tensor([0, 5], device=DEV)):  # the commit: states only, n_keep tokens (0: untouched)
+        p3, p4 = pool.clone(), pool.clone()
+        assert fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p3, slots, keep, outputs=False) is None
+        fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p4, slots, keep)
+        assert torch.equal(p3, p4)
 
 
 @needs_kernels

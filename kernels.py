@@ -1189,3 +1189,83 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
     return out if residual is None else residual + out
+
+
+# ----------------------------------------------------------------------------------------------
+# DSpark's Markov stage, greedy: K sequential steps, each a GEMV over the whole vocabulary and an argmax
+# ----------------------------------------------------------------------------------------------
+# U [B, K, V] fp32 base draft logits; e0 [B, r] = W1[anchor]; w1 [V, r] (token -> Markov embedding),
+# w2 [V, r] (embedding -> logit bias). Step j: d_j = argmax_v(U[:, j, v] + (w2 e)_v) (first maximum), then
+# e = w1[d_j]. Two launches per step: _markov_logits_kernel (program per block of BN vocabulary rows: the
+# block's logits for every row b, its maximum and first argmax into partials [B, V / BN]) and
+# _markov_pick_kernel (program per row: the first maximum over the partials, the draft, and w1's row for
+# the next step). w2 is read once per step (bandwidth-bound, like the GEMV at M = 1 with its blocks).
+
+def markov_greedy_ref(U, e0, w1, w2):
+    e, ds = e0, []
+    for j in range(U.shape[1]):
+        d = (U[:, j] + F.linear(e, w2).float()).argmax(-1)
+        ds.append(d)
+        e = F.embedding(d, w1)
+    return torch.stack(ds, 1)
+
+
+@_jit
+def _markov_logits_kernel(p_u, p_w2, p_e, p_pv, p_pi, B, V, R, s_ub, NB, BN: tl.constexpr, BR: tl.constexpr):
+    i_n = tl.program_id(0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < V
+    o_r = tl.arange(0, BR)
+    m_r = o_r < R
+    b_w = tl.load(p_w2 + o_n[:, None].to(tl.int64) * R + o_r[None, :], mask=m_n[:, None] & m_r[None, :],
+                  other=0.0).to(tl.float32)                                          # [BN, BR]
+    for b in range(B):
+        b_e = tl.load(p_e + b * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+        b_l = tl.sum(b_w * b_e[None, :], 1).to(p_w2.dtype.element_ty).to(tl.float32)  # rounded like a Linear's output
+        b_l += tl.load(p_u + b * s_ub + o_n, mask=m_n, other=0.0)
+        b_l = tl.where(m_n, b_l, float("-inf"))
+        mx = tl.max(b_l, 0)
+        tl.store(p_pv + b * NB + i_n, mx)
+        tl.store(p_pi + b * NB + i_n, tl.min(tl.where(b_l == mx, o_n, 2147483647), 0))
+
+
+@_jit
+def _markov_pick_kernel(p_pv, p_pi, p_w1, p_e, p_d, NB, R, j, s_d, BNB: tl.constexpr, BR: tl.constexpr):
+    b = tl.program_id(0)
+    best_v = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 2147483647, tl.int32)
+    for c0 in range(0, NB, BNB):  # blocks in order: a later block wins only with a strictly larger maximum
+        o = c0 + tl.arange(0, BNB)
+        m = o < NB
+        b_v = tl.load(p_pv + b * NB + o, mask=m, other=float("-inf"))
+        b_i = tl.load(p_pi + b * NB + o, mask=m, other=2147483647)
+        c_v = tl.max(b_v, 0)
+        c_i = tl.min(tl.where(b_v == c_v, b_i, 2147483647), 0)
+        best_i = tl.where(c_v > best_v, c_i, best_i)
+        best_v = tl.maximum(best_v, c_v)
+    tl.store(p_d + b * s_d + j, best_i.to(tl.int64))
+    o_r = tl.arange(0, BR)
+    m_r = o_r < R
+    tl.store(p_e + b * R + o_r, tl.load(p_w1 + best_i.to(tl.int64) * R + o_r, mask=m_r, other=0.0), mask=m_r)
+
+
+def markov_greedy(U, e0, w1, w2):
+    """DSpark's greedy Markov stage: drafts [B, K] long from base logits U [B, K, V] (fp32), e0 = w1[anchor]
+    [B, r], w1 [V, r], w2 [V, r] (one vocabulary: a reduced draft vocabulary maps ids between the steps, which
+    the caller's own loop handles). Ties go to the first maximum, as torch.argmax."""
+    if not _fast(U):
+        return markov_greedy_ref(U, e0, w1, w2)
+    B, Kq, V = U.shape
+    R = w2.shape[1]
+    assert w1.shape == w2.shape == (V, R) and w1.is_contiguous() and w2.is_contiguous() and U.stride(2) == 1
+    BN, BR = 16, _p2(R)
+    NB = _cdiv(V, BN)
+    e = _empty((B, R), w1.dtype, U.device)
+    e.copy_(e0)
+    pv, pi = _empty((B, NB), torch.float32, U.device), _empty((B, NB), torch.int32, U.device)
+    d = _empty((B, Kq), torch.long, U.device)
+    for j in range(Kq):
+        _markov_logits_kernel[(NB,)](U[:, j], w2, e, pv, pi, B, V, R, U.stride(0), NB, BN=BN, BR=BR, num_warps=4)
+        _markov_pick_kernel[(B,)](pv, pi, w1, e, d, NB, R, j, d.stride(0), BNB=min(4096, _p2(NB)), BR=BR,
+                                  num_warps=8)
+    return d

@@ -1431,6 +1431,8 @@ class BlockProposer:
         target id). With dspark_draft_topk the bias goes on the top-k base logits only, the rest -inf. A fixed-length
         loop of device ops without host syncs, so it runs inside the captured drafting graph."""
         head = self.net.markov_head
+        if temp is None and not self.topk and head is not None and self.net.d2t is None:  # greedy: fused kernels
+            return K.markov_greedy(U, head.markov_w1(anchor), head.markov_w1.weight, head.markov_w2.weight), None
         if self.topk:
             vals, idx = U.topk(self.topk, -1)                                        # [B, K, k]
         prev, ds, qs = anchor, [], []

@@ -2087,6 +2087,24 @@ def test_kernel_moe_experts(dtype, N):
     assert rel(fast(K.moe_experts, x, w, idx, gate_up, down, sh, gate, None), ref + torch.sigmoid(gate) * sh) <= tol
 
 
+@needs_kernels
+@pytest.mark.parametrize("B,V", [(1, 100), (3, 1000)])
+def test_kernel_markov_greedy(B, V):
+    """DSpark's greedy Markov stage: the fused kernels' drafts == the reference loop's; ties to the first maximum."""
+    g = gen(V)
+    Kq, R = 4, 24
+    U = randn(B, Kq, V, g=g, scale=2)
+    w1, w2 = randn(V, R, g=g), randn(V, R, g=g, scale=0.3)
+    anchor = torch.randint(0, V, (B,), generator=g).to(DEV)
+    e0 = F.embedding(anchor, w1)
+    assert torch.equal(fast(K.markov_greedy, U, e0, w1, w2), K.markov_greedy_ref(U, e0, w1, w2))
+    U2 = torch.zeros_like(U)
+    U2[:, :, 7] = U2[:, :, V - 3] = 50.0                                           # a tie across blocks
+    ref = K.markov_greedy_ref(U2, e0, w1, torch.zeros_like(w2))
+    assert torch.equal(ref, torch.full_like(ref, 7))
+    assert torch.equal(fast(K.markov_greedy, U2, e0, w1, torch.zeros_like(w2)), ref)
+
+
 @pytest.mark.skipif(CUDA or K.triton is None or KERNELS_RUN, reason="kernel tests ran in this process")
 def test_kernels_interpreted_in_a_fresh_process():
     """triton was imported before TRITON_INTERPRET=1 could be set: run the kernel tests again where it is."""

@@ -100,6 +100,11 @@ def rms_norm_ref(x, weight, eps):
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+def plain_rms_norm_ref(x, weight, eps):
+    """Qwen3's RMSNorm (the drafters' layers): w * norm(x_f32).to(dtype), the product in w's dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 def add_rms_norm_ref(x, residual, weight, eps):
     h = x + residual
     return rms_norm_ref(h, weight, eps), h
@@ -115,7 +120,7 @@ def gated_rms_norm_ref(x, z, weight, eps):
 @_jit
 def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z,
                      BR: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr,
-                     ROUND_MID: tl.constexpr):
+                     ROUND_MID: tl.constexpr, PLAIN: tl.constexpr):
     # one program normalises BR rows of length D (BD >= D); all statistics in fp32
     i_r = tl.program_id(0)
     o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
@@ -135,12 +140,14 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z,
             b_y = b_y.to(p_y.dtype.element_ty).to(tl.float32)
         b_z = tl.load(p_z + o_r[:, None] * s_z + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         b_y = b_y * (b_z * tl.sigmoid(b_z))
+    elif PLAIN:  # Qwen3: w * norm(x).to(dtype)
+        b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
     else:  # zero-centred weight: scale by (1 + w)
         b_y = b_x * b_rstd[:, None] * (1.0 + b_w[None, :])
     tl.store(p_y + o_r[:, None] * D + o_d[None, :], b_y.to(p_y.dtype.element_ty), mask=m)
 
 
-def _norm_launch(x, weight, eps, residual=None, z=None):
+def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), "weight must be a contiguous [D] vector"
     xr = _rows(x)
@@ -159,7 +166,7 @@ def _norm_launch(x, weight, eps, residual=None, z=None):
     _rms_norm_kernel[(_cdiv(N, BR),)](
         xr, rr if rr is not None else xr, weight, y, h if h is not None else y, zr if zr is not None else xr,
         N, D, eps, xr.stride(0), rr.stride(0) if rr is not None else 0, zr.stride(0) if zr is not None else 0,
-        BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round,
+        BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
         num_warps=min(8, max(1, BR * BD // 256)))
     return y, h
 
@@ -171,6 +178,14 @@ def rms_norm(x, weight, eps):
     if _fast(x):
         return _norm_launch(x, weight, eps)[0]
     return rms_norm_ref(x, weight, eps)
+
+
+def plain_rms_norm(x, weight, eps):
+    """Qwen3's RMSNorm (plain weight): w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype). x [..., D], weight [D] of
+    x's dtype (another dtype: the reference, whose product then promotes). Returns [..., D]."""
+    if _fast(x) and weight.dtype == x.dtype:
+        return _norm_launch(x, weight, eps, plain=True)[0]
+    return plain_rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -692,10 +707,11 @@ def rope_ref(x, pos, T, inv_freq):
     return torch.cat([xr * cos + rot * sin, xp], -1)
 
 
-def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos):
+def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain=False):
     B, T, _, hd = k.shape
-    q = rope_ref(rms_norm_ref(qg[..., :hd], q_norm_w, eps), pos, T, inv_freq)
-    k = rope_ref(rms_norm_ref(k, k_norm_w, eps), pos, T, inv_freq)
+    norm = plain_rms_norm_ref if plain else rms_norm_ref
+    q = rope_ref(norm(qg[..., :hd], q_norm_w, eps), pos, T, inv_freq)
+    k = rope_ref(norm(k, k_norm_w, eps), pos, T, inv_freq)
     at = pos[:, None] + torch.arange(T, device=k.device)[None]                   # [B, T] positions
     k_cache[slots[:, None], at] = k.to(k_cache.dtype)
     v_cache[slots[:, None], at] = v.to(v_cache.dtype)
@@ -706,9 +722,10 @@ def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_c
 def _attention_prep_kernel(p_qg, p_k, p_v, p_qw, p_kw, p_freq, p_kc, p_vc, p_slots, p_pos, p_q, T, eps,
                            s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cs, s_cl, s_ch,
                            s_vs, s_vl, s_vhh, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                           BD: tl.constexpr, RD: tl.constexpr):
+                           BD: tl.constexpr, RD: tl.constexpr, PLAIN: tl.constexpr):
     # program (b * T + t, head): heads [0, NH) are queries -> p_q, [NH, NH+NKV) keys -> k cache,
-    # then values -> v cache. q/k rows: zero-centred RMSNorm, then RoPE on the first RD channels
+    # then values -> v cache. q/k rows: zero-centred RMSNorm (PLAIN: Qwen3's w * norm(x).to(dtype)),
+    # then RoPE on the first RD channels
     # (out_j = y_j cos - y_{j+RD/2} sin, out_{j+RD/2} = y_{j+RD/2} cos + y_j sin), with the reference's
     # roundings to the activation dtype after the norm, after cos/sin, each product and the sum.
     i_bt, i_h = tl.program_id(0), tl.program_id(1)
@@ -733,8 +750,14 @@ def _attention_prep_kernel(p_qg, p_k, p_v, p_qw, p_kw, p_freq, p_kc, p_vc, p_slo
         b_xp = tl.load(p_row + o_p, mask=m_d, other=0.0).to(tl.float32)
         b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 0) / D + eps)
         dt = p_k.dtype.element_ty
-        b_y = (b_x * b_rstd * (1.0 + tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
-        b_yp = (b_xp * b_rstd * (1.0 + tl.load(p_w + o_p, mask=m_d, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
+        b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_wp = tl.load(p_w + o_p, mask=m_d, other=0.0).to(tl.float32)
+        if PLAIN:
+            b_y = ((b_x * b_rstd).to(dt).to(tl.float32) * b_w).to(dt).to(tl.float32)
+            b_yp = ((b_xp * b_rstd).to(dt).to(tl.float32) * b_wp).to(dt).to(tl.float32)
+        else:
+            b_y = (b_x * b_rstd * (1.0 + b_w)).to(dt).to(tl.float32)
+            b_yp = (b_xp * b_rstd * (1.0 + b_wp)).to(dt).to(tl.float32)
         b_f = at.to(tl.float32) * tl.load(p_freq + o_d % (RD // 2), mask=o_d < RD, other=0.0)
         b_cos = tl.cos(b_f).to(dt).to(tl.float32)
         b_sin = tl.sin(b_f).to(dt).to(tl.float32)
@@ -747,16 +770,17 @@ def _attention_prep_kernel(p_qg, p_k, p_v, p_qw, p_kw, p_freq, p_kc, p_vc, p_slo
             tl.store(p_kc + slot * s_cs + at * s_cl + (i_h - NH) * s_ch + o_d, b_out.to(p_kc.dtype.element_ty), mask=m_d)
 
 
-def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos):
+def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain=False):
     """Everything between the q/k/v projections and attention(), in one launch (the unfused path is
     ~35 small launches per attention layer and step):
         q = rope(rms_norm(qg[..., :hd], q_norm_w)), k = rope(rms_norm(k, k_norm_w)),
         k_cache[slots[b], pos[b] + t] = k[b, t], v_cache[slots[b], pos[b] + t] = v[b, t].
     qg [B, T, nh, >= hd] (q_proj's output per head: query channels first, e.g. [query | gate]);
     k, v [B, T, n_kv, hd]; q_norm_w, k_norm_w [hd] (zero-centred); inv_freq [rotary_dim / 2] fp32;
-    k_cache, v_cache [S, L, n_kv, hd]; slots, pos [B] long. Returns q [B, T, nh, hd] (contiguous)."""
-    if not _fast(qg):
-        return attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos)
+    k_cache, v_cache [S, L, n_kv, hd]; slots, pos [B] long. Returns q [B, T, nh, hd] (contiguous).
+    plain: Qwen3's q/k norms (plain weights, the drafters' layers); nh may be 0 (a cache write only)."""
+    if not _fast(qg) or (plain and not q_norm_w.dtype == k_norm_w.dtype == qg.dtype):
+        return attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain)
     B, T, nh, _ = qg.shape
     nkv, hd = k.shape[2:]
     assert v.shape == k.shape and k_cache.shape[2:] == (nkv, hd) and v_cache.shape == k_cache.shape
@@ -770,7 +794,7 @@ def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NH=nh, NKV=nkv, D=hd, BD=_p2(hd), RD=2 * inv_freq.numel(), num_warps=1 if hd <= 128 else 2)
+        NH=nh, NKV=nkv, D=hd, BD=_p2(hd), RD=2 * inv_freq.numel(), PLAIN=plain, num_warps=1 if hd <= 128 else 2)
     return q
 
 

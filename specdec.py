@@ -613,8 +613,6 @@ class Ctx:
     mode: str = "decode"         # "prefill" (chunked GDN), "decode" (T tokens, commit all), "verify"
 
 
-rope = K.rope_ref  # partial NeoX RoPE on the first rotary_dim channels of each head: x [B, T, h, d], pos [B]
-
 
 class Attention(nn.Module):
     """Gated full attention: per-head [query | gate] from q_proj, q/k RMSNorm, partial RoPE, GQA."""
@@ -1031,7 +1029,7 @@ class Qwen3RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return K.plain_rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -1179,20 +1177,18 @@ class Qwen3Attention(nn.Module):
         self.theta = c.rope_theta
         self.register_buffer("inv_freq", torch.zeros(self.hd // 2), persistent=False)  # set by load_weights
 
-    def write_kv(self, x, ctx):
-        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H])."""
+    def write_kv(self, x, ctx, q=None):
+        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the query
+        projection q [B, T, nh, hd] also returns RoPE(q_norm(q)). One kernel on the GPU (kernels.attention_prep)."""
         B, T, _ = x.shape
-        k = rope(self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)), ctx.pos, T, self.inv_freq)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        k, v = self.k_proj(x).view(B, T, self.nkv, self.hd), self.v_proj(x).view(B, T, self.nkv, self.hd)
         k_cache, v_cache = ctx.state.kv[self.layer_id]
-        at = ctx.pos[:, None] + torch.arange(T, device=x.device)                    # [B, T]
-        k_cache[ctx.slots[:, None], at] = k.to(k_cache.dtype)
-        v_cache[ctx.slots[:, None], at] = v.to(v_cache.dtype)
+        return K.attention_prep(k[:, :, :0] if q is None else q, k, v, self.q_norm.weight, self.k_norm.weight,
+                                self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos, plain=True)
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
-        q = rope(self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)), ctx.pos, T, self.inv_freq)
-        self.write_kv(x, ctx)
+        q = self.write_kv(x, ctx, self.q_proj(x).view(B, T, self.nh, self.hd))
         k_cache, v_cache = ctx.state.kv[self.layer_id]
         o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
         return self.o_proj(o.reshape(B, T, -1))                                     # [B, T, H]

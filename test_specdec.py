@@ -1883,6 +1883,7 @@ def test_kernel_rms_norms(dtype, D):
     z = randn(3, 5, D, g=g, dtype=dtype)
     wg = 1 + randn(D, g=g, dtype=dtype, scale=0.1)
     assert rel(fast(K.gated_rms_norm, x, z, wg, 1e-6), K.gated_rms_norm_ref(x, z, wg, 1e-6)) <= TOL[dtype]
+    assert rel(fast(K.plain_rms_norm, q, wg, 1e-6), K.plain_rms_norm_ref(q, wg, 1e-6)) <= TOL[dtype]  # Qwen3's
 
 
 @needs_kernels
@@ -2045,6 +2046,20 @@ def test_kernel_attention_prep(dtype, T):
     for b in range(B):
         assert changed[slots[b], pos[b]:pos[b] + T].all()
     assert changed.sum() == B * T
+    # Qwen3's layers (the drafters): plain q/k norm weights, full rotary; and a cache write without queries.
+    # (bf16 only on the GPU: the interpreter emulates bf16 casts by truncation, and a full rotation chains more
+    # of them than the zero-centred check above, past bf16's tolerance, which is not a kernel error)
+    if dtype != torch.float32 and not CUDA:
+        return
+    q3 = qg[..., :hd]
+    inv3 = 1.0 / 1e6 ** (torch.arange(0, hd, 2, device=DEV).float() / hd)
+    qw3, kw3 = 1 + qw, 1 + kw
+    for qq in (q3, k[:, :, :0]):
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        q = fast(K.attention_prep, qq, k, v, qw3, kw3, 1e-6, inv3, k1, v1, slots, pos, plain=True)
+        q_ref = K.attention_prep_ref(qq, k, v, qw3, kw3, 1e-6, inv3, k2, v2, slots, pos, plain=True)
+        assert q.shape == q_ref.shape and rel(k1, k2) <= TOL[dtype] and torch.equal(v1, v2)
+        assert q.numel() == 0 or rel(q, q_ref) <= TOL[dtype]
 
 
 @needs_kernels

@@ -2458,6 +2458,7 @@ def async_case(ckpts, cfg, variants):
     params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[full[0].text[10:13]], ignore_eos=True)
     params[2] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full[1].token_ids[9]])
     params[3] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=25, seed=7, ignore_eos=True)
+    params[5] = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)  # steps with it: synchronous
     outs = []
     for kw in variants:
         llm = LLM(model=ckpts["target"], max_num_seqs=3, speculative_config=spec, **kw)
@@ -2469,7 +2470,7 @@ def async_case(ckpts, cfg, variants):
             in_flight += e.pending is not None
             if victim.slot is not None and len(victim.output_ids) >= 2 and not victim.finished:
                 e.abort(victim)  # its slot is reused while a step holding it is still in flight
-        outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason) for r in reqs])
+        outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in reqs])
         assert (in_flight > 0) == e.async_steps
     assert outs[0][4][2] == "abort" and outs[0][1][2] == "stop" and outs[0][2][2] == "stop"
     return outs
@@ -2490,7 +2491,9 @@ def test_gpu_async_graphs_equal_eager(cfg, ckpts):
     """On the GPU: captured graphs with asynchronous steps (the default) == eager synchronous steps, fp32."""
     eager, graphs = async_case(ckpts, cfg, [dict(device="cuda", dtype="float32", enforce_eager=True),
                                             dict(device="cuda", dtype="float32")])
-    assert graphs == eager
+    assert [r[:4] for r in graphs] == [r[:4] for r in eager]
+    for a, b in zip(graphs[5][4], eager[5][4]):  # logprobs: same tokens, values to fp32 kernel noise
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-4 for t in a)
 
 
 def test_warmup_leaves_no_trace(tiny):

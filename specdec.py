@@ -593,14 +593,15 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: the stored weight w scales by (1 + w)."""
-    def __init__(self, dim, eps):
+    """Qwen3.5/3.6's zero-centred RMSNorm: the stored weight w scales by (1 + w). plain=True: Qwen3's (the
+    drafters' layers), y = w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype)."""
+    def __init__(self, dim, eps, plain=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim) if plain else torch.zeros(dim))
+        self.eps, self.plain = eps, plain
 
     def forward(self, x):
-        return K.rms_norm(x, self.weight, self.eps)
+        return (K.plain_rms_norm if self.plain else K.rms_norm)(x, self.weight, self.eps)
 
 
 @dataclass
@@ -1021,17 +1022,6 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engi
 # too), then a low-rank Markov bias is added token by token. Rejected context needs no rollback: the next block
 # overwrites those positions before anything reads them.
 
-class Qwen3RMSNorm(nn.Module):
-    """Plain RMSNorm (Qwen3): y = w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype)."""
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return K.plain_rms_norm(x, self.weight, self.eps)
-
-
 @dataclass
 class DraftConfig:
     """A Qwen3 draft network: layer hyper-parameters, plus what a DFlash/DSpark drafter adds."""
@@ -1172,8 +1162,8 @@ class Qwen3Attention(nn.Module):
         self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
         self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=b)
-        self.q_norm = Qwen3RMSNorm(self.hd, c.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.hd, c.rms_norm_eps)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
         self.theta = c.rope_theta
         self.register_buffer("inv_freq", torch.zeros(self.hd // 2), persistent=False)  # set by load_weights
 
@@ -1197,9 +1187,9 @@ class Qwen3Attention(nn.Module):
 class Qwen3Layer(nn.Module):
     def __init__(self, c, layer_id):
         super().__init__()
-        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plain=True)
         self.self_attn = Qwen3Attention(c, layer_id)
-        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plain=True)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx):
@@ -1214,7 +1204,7 @@ class Qwen3LM(nn.Module):
         self.cfg = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Qwen3Layer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plain=True)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, ids, ctx):
@@ -1279,9 +1269,9 @@ class BlockDrafter(nn.Module):
         H, V, r = c.hidden_size, c.vocab_size, c.markov_rank
         Vd = c.draft_vocab_size or (shapes["lm_head.weight"][0] if "lm_head.weight" in shapes else V)
         self.fc = nn.Linear(shapes["fc.weight"][1], H, bias=False)                    # [H, n_taps * H_target]
-        self.hidden_norm = Qwen3RMSNorm(H, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps, plain=True)
         self.layers = nn.ModuleList(Qwen3Layer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(H, c.rms_norm_eps)
+        self.norm = RMSNorm(H, c.rms_norm_eps, plain=True)
         self.embed_tokens = nn.Embedding(V, H) if "embed_tokens.weight" in shapes else None
         self.lm_head = nn.Linear(H, Vd, bias=False) if "lm_head.weight" in shapes else None
         self.d2t = nn.Parameter(torch.zeros(Vd, dtype=torch.long), requires_grad=False) if "d2t" in shapes else None
@@ -1542,7 +1532,9 @@ def target_probs(logits, temperature, top_k, top_p, filtered=None):
     `filtered` (optional, known on the host): whether any row has top-k or top-p; None reads it from the device."""
     t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
     x = logits / t[:, None]
-    if filtered if filtered is not None else bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if filtered is None:
+        filtered = bool((top_k > 0).any()) or bool((top_p < 1).any())
+    if filtered:
         srt, order = x.sort(dim=-1, descending=True)
         V = x.shape[-1]
         rank = torch.arange(V, device=x.device)[None]

@@ -118,7 +118,7 @@ def gated_rms_norm_ref(x, z, weight, eps):
 
 
 @_jit
-def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z,
+def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z, NZ, s_z1,
                      BR: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr,
                      ROUND_MID: tl.constexpr, PLAIN: tl.constexpr):
     # one program normalises BR rows of length D (BD >= D); all statistics in fp32
@@ -138,7 +138,8 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z,
         b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
         if ROUND_MID:
             b_y = b_y.to(p_y.dtype.element_ty).to(tl.float32)
-        b_z = tl.load(p_z + o_r[:, None] * s_z + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        o_z = (o_r // NZ) * s_z + (o_r % NZ) * s_z1                                  # z's row r (see _norm_launch)
+        b_z = tl.load(p_z + o_z[:, None] + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         b_y = b_y * (b_z * tl.sigmoid(b_z))
     elif PLAIN:  # Qwen3: w * norm(x).to(dtype)
         b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
@@ -157,16 +158,22 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
         rr, h = _rows(residual), _empty(x.shape, x.dtype, x.device)
+    NZ, s_z1 = 1, 0
     if z is not None:
         assert z.shape == x.shape, "x and z must have the same shape"
-        zr = _rows(z)
+        try:  # row r at (r // NZ) * s_z + (r % NZ) * s_z1: z [B, T, heads, d] sliced from a wider GEMM output
+            zr = z.view(-1, D) if z.dim() < 3 else z.view(-1, z.shape[-2], D)       # (GDN's gate) needs no copy
+            NZ, s_z1 = (1, 0) if z.dim() < 3 else (z.shape[-2], zr.stride(1))
+            assert zr.stride(-1) == 1
+        except (RuntimeError, AssertionError):
+            zr, NZ, s_z1 = _rows(z), 1, 0
     BD = _p2(D)
     BR = max(1, min(16, 2048 // BD))
     mid_round = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     _rms_norm_kernel[(_cdiv(N, BR),)](
         xr, rr if rr is not None else xr, weight, y, h if h is not None else y, zr if zr is not None else xr,
         N, D, eps, xr.stride(0), rr.stride(0) if rr is not None else 0, zr.stride(0) if zr is not None else 0,
-        BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
+        NZ, s_z1, BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
         num_warps=min(8, max(1, BR * BD // 256)))
     return y, h
 
@@ -207,19 +214,19 @@ def gated_rms_norm(x, z, weight, eps):
 # ----------------------------------------------------------------------------------------------
 # Linear layers: cuBLAS, or a Triton GEMV / skinny GEMM for decode-sized steps where it beats cuBLAS
 # ----------------------------------------------------------------------------------------------
-# y [M, N] = x [M, K] @ w [N, K]^T for M <= 16 rows (a decode or verify step: B * T tokens), w the
+# y [M, N] = x [M, K] @ w [N, K]^T for M <= 32 rows (a decode or verify step: B * T tokens), w the
 # weight [out = N, in = K] (row-major, contiguous), x rows with a unit stride along K. One program per
 # (block of BN output features, K split): it streams its [BN, K / SPLIT] slice of w once, BK columns
 # at a time, in fp32: for M == 1 (BM = 1) the products x_k * w_nk add up elementwise in a [BN, BK] tile
 # that is summed over k once after the loop; for M > 1, tl.dot of the M rows (padded to BM = 16) with
-# the tile. SPLIT == 1: the program writes y directly. SPLIT > 1 (tall weights at M > 1, K >= 3N: too
-# few output blocks to fill the GPU): each program writes its fp32 partial sums to part [SPLIT, M, N],
+# the tile (BM = 32 for 17 to 32 rows). SPLIT == 1: the program writes y directly. SPLIT > 1 (tall
+# weights at M > 1, K >= 3N: too few output blocks to fill the GPU): each program writes its fp32 partial sums to part [SPLIT, M, N],
 # and _gemv_sum_kernel adds the SPLIT partials in a fixed order and rounds once to x's dtype
 # (deterministic, unlike atomics; no zeroing launch). The step is bandwidth-bound (w is read once), so
 # the tiles only need to keep enough loads in flight on every multiprocessor. With a residual r [M, N]
 # (the MLP's skip connection) the last kernel adds it before its one rounding: y = r + x @ w^T.
 
-GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the interpreter: any M <= 16)
+GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the interpreter: any M <= 32)
 
 
 def _gemv_config(M, N, K, cuda, dtype):
@@ -233,12 +240,18 @@ def _gemv_config(M, N, K, cuda, dtype):
         and N*K >= 2^24: MLP down) split-K 4 ways; elsewhere cuBLAS is as fast or faster: attention qkv /
         o_proj, GDN out_proj, and 25600 <= N < 51200 (MLP gate_up, 34816: 400 to 800 programs of 64 rows
         leave a part-filled second wave at 3 per SM; a tie, +-2% from run to run).
+      M == 1, 2^20 <= N*K < 2^23 (35B: 1281 x 2048, 2048 x 512): 4-row blocks, all of K at once.
+      17 <= M <= 32 (DSpark's 17-token verify; BM = 32): the M > 1 rules, measured at M = 17 (cuBLAS takes the
+        same time at M = 16 and 17; MLP down 51.5 -> 46.1 us, lm_head 600 -> 593, GDN in_proj 43.3 -> 42.7);
+        M = 18 .. 32 is not measured.
     fp32 stays with cuBLAS (3x slower in Triton at M = 8, an fp32 'ieee' dot; mixed at M = 1). Off CUDA
     (the interpreter; GEMV_ALWAYS only): small blocks, so that tests cover the loops, the masks and split-K."""
     tall = K >= 3 * N
     if not cuda:
         return (16, 32, 4 if tall else 1, 1, 4) if GEMV_ALWAYS else None
     if dtype != torch.float32:
+        if M == 1 and 1 << 20 <= N * K < 1 << 23:  # small (35B's router | shared gate_up, shared down): latency
+            return (4, min(2048, _p2(K)), 1, 2, 4)    # bound; cuBLAS 4.5 / 3.7 us, these 4-row blocks 3.5 / 2.6
         if M == 1 and N * K >= 1 << 23:
             if N < 4096:
                 return (8, 1024, 1, 4, 8)
@@ -301,18 +314,18 @@ def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr
 
 
 def _gemv_launch(x, w, cfg, residual=None):
-    """x [..., K] (M = rows <= 16), w [N, K] contiguous of x's dtype, cfg from _gemv_config, residual None or
+    """x [..., K] (M = rows <= 32), w [N, K] contiguous of x's dtype, cfg from _gemv_config, residual None or
     [..., N] -> [residual +] x @ w^T [..., N]."""
     BN, BK, SPLIT, stages, warps = cfg
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
-    assert 1 <= M <= 16 and xr.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
+    assert 1 <= M <= 32 and xr.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
     dot = _dot_dtype(w)
     prec = "ieee" if dot == tl.float32 else "tf32"
-    BM = 1 if M == 1 else 16
+    BM = 1 if M == 1 else (16 if M <= 16 else 32)
     grid = (_cdiv(N, BN), SPLIT)
     if SPLIT == 1:
         _gemv_kernel[grid](xr, w, y, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot, PREC=prec,
@@ -330,12 +343,12 @@ def _gemv_launch(x, w, cfg, residual=None):
 def linear(x, w, residual=None):
     """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
     added inside the Triton GEMV's last kernel, before its one rounding). On the GPU: cuBLAS, except steps of
-    at most 16 rows on the weight shapes where the Triton GEMV above is faster (_gemv_config). The CPU
+    at most 32 rows on the weight shapes where the Triton GEMV above is faster (_gemv_config). The CPU
     reference computes small steps (<= 256 rows) one row at a time, so that a token's result does not depend
     on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1): spec-on logprobs then
     equal spec-off's."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (_fast(x) and 1 <= M <= 16 and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
+    if (_fast(x) and 1 <= M <= 32 and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.device == x.device
             and (residual is None or residual.dtype == x.dtype)):
         cfg = _gemv_config(M, w.shape[0], w.shape[1], x.is_cuda, x.dtype)
@@ -380,6 +393,37 @@ def silu_mul(h):
     y = _empty((*h.shape[:-1], I), h.dtype, h.device)
     BI = min(_p2(I), 1024)
     _silu_mul_kernel[(rows.shape[0], _cdiv(I, BI))](rows, y, I, rows.stride(0), BI=BI, num_warps=4)
+    return y
+
+
+def sigmoid_mul_ref(x, gate):
+    return x * exact(torch.sigmoid, gate)
+
+
+@_jit
+def _sigmoid_mul_kernel(p_x, p_g, p_y, D, s_x, s_g, BD: tl.constexpr):
+    # program (row, block of D): y = x * sigmoid(gate), the sigmoid rounded to x's dtype as the reference's is
+    i_r, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o = i_c * BD + tl.arange(0, BD)
+    m = o < D
+    g = tl.load(p_g + i_r * s_g + o, mask=m, other=0.0).to(tl.float32)
+    sg = (1.0 / (1.0 + tl.exp(-g))).to(p_y.dtype.element_ty).to(tl.float32)
+    x = tl.load(p_x + i_r * s_x + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(p_y + i_r * D + o, (x * sg).to(p_y.dtype.element_ty), mask=m)
+
+
+def sigmoid_mul(x, gate):
+    """The gated attention's output gate: x * sigmoid(gate), x and gate [..., D] of one dtype (gate may be a
+    strided view, e.g. the gate half of q_proj's per-head [query | gate] output). One launch where torch takes
+    three (the gate's copy, the sigmoid, the product). Returns a contiguous [..., D]."""
+    if not _fast(x):
+        return sigmoid_mul_ref(x, gate)
+    assert x.shape == gate.shape and x.dtype == gate.dtype, "x and gate must match"
+    xr, gr = _rows(x), _rows(gate)
+    y = _empty(x.shape, x.dtype, x.device)
+    D = x.shape[-1]
+    BD = min(_p2(D), 1024)
+    _sigmoid_mul_kernel[(xr.shape[0], _cdiv(D, BD))](xr, gr, y, D, xr.stride(0), gr.stride(0), BD=BD, num_warps=4)
     return y
 
 
@@ -627,7 +671,12 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     assert outputs or n_keep is not None, "a state-only pass needs n_keep"
     o = _empty((B, T, Hv, Dv), v.dtype, v.device) if outputs else v                  # (no outputs: not written)
     BK = _p2(Dk)
-    BV = min(_p2(Dv), 8)  # small value blocks: many programs in flight for a latency-bound loop
+    # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 / 1
+    # warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
+    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s
+    BV = min(_p2(Dv), 16)
+    wide = B * Hv * _cdiv(Dv, BV) > 1536
+    BV = min(_p2(Dv), 32) if wide else BV
     gates = A_log is not None
     assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous() and A_log.shape == dt_bias.shape == (Hv,))
     _gdn_recurrent_kernel[(B * Hv, _cdiv(Dv, BV))](
@@ -636,7 +685,7 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, HAS_KEEP=n_keep is not None, GATES=gates,
-        OUT=outputs, num_warps=1 if BK * BV <= 1024 else 4)
+        OUT=outputs, num_warps=max(1, BK * BV // 2048))
     return o if outputs else None
 
 
@@ -1006,8 +1055,10 @@ def moe_route(router_logits, top_k):
 # of its output features and runs its pairs BT at a time through tl.dot, so an expert's weights are read
 # once however many tokens chose it. With few pairs (P <= E: decode and verify) the grid runs over pairs
 # and only the first pair of each expert (its leader) works, one token at a time, GEMV-style: a step
-# reads k experts' weights, bandwidth-bound, so the tiles are the ones the GEMV measured fastest at M = 1
-# (the tl.dot version of this path ran at ~2.4 TB/s on the H200; the GEMV-style one is not measured yet).
+# reads k experts' weights, bandwidth-bound. Tiles measured on the H200 (35B: E 256, I 512, H 2048, k 8; us per
+# layer at 1 token / 2 tokens): gate_up 16 x 512 blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8 warps:
+# 20.1 / 38.0); down 4 x 256, 2 warps: 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). A grid straight over the experts
+# without the leader lookups (valid only for distinct experts) was 0.3-0.6 us faster: the lookups stay.
 _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
 
 
@@ -1175,13 +1226,13 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         y = _empty((P, H), torch.float32, x.device)                                  # [P, H]
         BP = _p2(P)
         _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
-        if P <= E:  # decode: grid over pairs, GEMV-style tiles (the GEMV's measured M = 1 blocks: 8 rows x 1024)
-            _moe_gate_up_pair_kernel[(P, _cdiv(I, 8))](
+        if P <= E:  # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above)
+            _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
                 xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
-                TOPK=k, BI=8, BH=min(1024, _p2(H)), num_warps=8, num_stages=4)
-            _moe_down_pair_kernel[(P, _cdiv(H, 8))](
+                TOPK=k, BI=16, BH=min(512, _p2(H)), num_warps=4, num_stages=3)
+            _moe_down_pair_kernel[(P, _cdiv(H, 4))](
                 h, ids, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
-                BO=8, BI=min(1024, _p2(I)), num_warps=8, num_stages=4)
+                BO=4, BI=min(256, _p2(I)), num_warps=2, num_stages=3)
         else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
             _moe_gate_up_kernel[(E, _cdiv(I, 16))](
                 xs, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
@@ -1282,7 +1333,7 @@ def markov_greedy(U, e0, w1, w2):
     B, Kq, V = U.shape
     R = w2.shape[1]
     assert w1.shape == w2.shape == (V, R) and w1.is_contiguous() and w2.is_contiguous() and U.stride(2) == 1
-    BN, BR = 16, _p2(R)
+    BN, BR = 128, _p2(R)  # H200, V 248320, r 256, 16 steps: 560 us (BN 16: 605; w2's bytes alone: 484)
     NB = _cdiv(V, BN)
     e = _empty((B, R), w1.dtype, U.device)
     e.copy_(e0)
@@ -1291,5 +1342,5 @@ def markov_greedy(U, e0, w1, w2):
     for j in range(Kq):
         _markov_logits_kernel[(NB,)](U[:, j], w2, e, pv, pi, B, V, R, U.stride(0), NB, BN=BN, BR=BR, num_warps=4)
         _markov_pick_kernel[(B,)](pv, pi, w1, e, d, NB, R, j, d.stride(0), BNB=min(4096, _p2(NB)), BR=BR,
-                                  num_warps=8)
+                                  num_warps=4)
     return d

@@ -612,6 +612,7 @@ class Ctx:
     pos: torch.Tensor            # [B] long, position of each row's first token
     kv_len: int                  # cache prefix attention must look at (>= max(pos) + T)
     mode: str = "decode"         # "prefill" (chunked GDN), "decode" (T tokens, commit all), "verify"
+    no_write: "torch.Tensor | None" = None  # [B] zeros: a verify's n_keep for the GDN kernels (made once a step)
 
 
 
@@ -643,7 +644,7 @@ class Attention(nn.Module):
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
                              k_cache, v_cache, ctx.slots, ctx.pos)                   # [B, T, nh, hd]
         o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
-        return self.o_proj(o.reshape(B, T, -1) * K.exact(torch.sigmoid, qg[..., self.hd:].reshape(B, T, -1)))
+        return self.o_proj(K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1))     # output gate: sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -682,7 +683,9 @@ class GatedDeltaNet(nn.Module):
         # mixed [B, T, C] pre-conv inputs; z [B, T, value_dim] output gate; a, b [B, T, H_v] raw decay / beta
         z = z.reshape(B, T, -1, c.linear_value_head_dim)
         verify = ctx.mode == "verify"
-        no_write = torch.zeros(B, dtype=torch.long, device=x.device) if verify else None
+        no_write = None
+        if verify:
+            no_write = ctx.no_write if ctx.no_write is not None else torch.zeros(B, dtype=torch.long, device=x.device)
         y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], no_write)
         q, k, v = self.split(y, B, T)
         if ctx.mode == "prefill" and T > 1:
@@ -805,6 +808,8 @@ class Qwen36(nn.Module):
         """Final-norm hidden states [B, T, H]; with `taps` (layer ids, "output of layer i", -1 = the
         embeddings) also the list of those layers' outputs, for drafters that read them (DFlash, DSpark)."""
         x = self.embed_tokens(ids)                                                   # [B, T, H]
+        if ctx.mode == "verify" and ctx.no_write is None:                            # one zeros launch, not one a layer
+            ctx = dataclasses.replace(ctx, no_write=torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device))
         aux = [x] if -1 in taps else []
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx)

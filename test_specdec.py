@@ -1845,6 +1845,18 @@ def test_kernel_silu_mul(dtype, I):
     assert rel(fast(K.silu_mul, hs), K.silu_mul_ref(hs)) <= TOL[dtype]
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [24, 1100])
+def test_kernel_sigmoid_mul(dtype, D):
+    """The attention output gate x * sigmoid(gate), the gate the strided second half of per-head [query | gate]."""
+    g = gen(D)
+    qg = randn(2, 3, 4, 2 * D, g=g, dtype=dtype, scale=3)
+    x = randn(2, 3, 4, D, g=g, dtype=dtype)
+    y = fast(K.sigmoid_mul, x, qg[..., D:])
+    assert y.shape == x.shape and rel(y, K.sigmoid_mul_ref(x, qg[..., D:])) <= TOL[dtype]
+
+
 def test_fused_projections_equal_separate(tiny):
     """fuse_projections (done at load) computes what the separate projections compute."""
     fused = LLM(model=tiny, device="cpu").model
@@ -1883,6 +1895,9 @@ def test_kernel_rms_norms(dtype, D):
     z = randn(3, 5, D, g=g, dtype=dtype)
     wg = 1 + randn(D, g=g, dtype=dtype, scale=0.1)
     assert rel(fast(K.gated_rms_norm, x, z, wg, 1e-6), K.gated_rms_norm_ref(x, z, wg, 1e-6)) <= TOL[dtype]
+    x4 = randn(2, 3, 4, D, g=g, dtype=dtype)                                      # GDN: z's heads sliced from the
+    z4 = randn(2, 3, 4 * D + 9, g=g, dtype=dtype)[..., 5:5 + 4 * D].view(2, 3, 4, D)  # in_proj output (no view of
+    assert rel(fast(K.gated_rms_norm, x4, z4, wg, 1e-6), K.gated_rms_norm_ref(x4, z4, wg, 1e-6)) <= TOL[dtype]  # rows)
     assert rel(fast(K.plain_rms_norm, q, wg, 1e-6), K.plain_rms_norm_ref(q, wg, 1e-6)) <= TOL[dtype]  # Qwen3's
 
 
@@ -2747,7 +2762,7 @@ def gemv_calls(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200)])                          # wide; tall (K >= 3N): split-K
-@pytest.mark.parametrize("M", [1, 2, 5, 16])
+@pytest.mark.parametrize("M", [1, 2, 5, 16, 17, 32])                               # BM = 1, 16, 32
 def test_kernel_gemv(M, N, Kin, gemv_calls):
     g = gen(M * N)
     w = randn(N, Kin, g=g)
@@ -2772,7 +2787,7 @@ def test_kernel_gemv_dispatch(gemv_calls):
     ref = K.linear(x, w)                                                           # the plain CPU / cuBLAS path
     if not CUDA:
         assert torch.equal(gemv(x, w, always=False), ref) and not gemv_calls
-    for xi, wi in [(randn(17, 200, g=g), w),                                       # M > 16
+    for xi, wi in [(randn(33, 200, g=g), w),                                       # M > 32
                    (x, randn(200, 24, g=g).t()),                                   # w not contiguous
                    (x.double(), w.double())]:                                      # fp64
         assert torch.allclose(gemv(xi, wi), F.linear(xi, wi), atol=1e-5)
@@ -2790,7 +2805,7 @@ def test_kernel_gemv_dispatch(gemv_calls):
 
 @needs_cuda
 @pytest.mark.parametrize("N,Kin", [(5120, 17408), (248320, 5120)])                # 27B: MLP down, lm_head
-@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("M", [1, 8, 17])
 def test_kernel_gpu_gemv_27b(M, N, Kin, gemv_calls):
     w = randn(N, Kin, g=gen(0), dtype=torch.bfloat16, scale=Kin ** -0.5)
     x = randn(M, Kin, g=gen(1), dtype=torch.bfloat16)

@@ -442,12 +442,21 @@ def causal_conv_ref(x, conv_pool, slots, weight, n_keep=None):
     for j in range(1, K):
         y = y + seq[:, :, j:j + T] * w[:, j, None]              # [B, C, T]
     y = exact(F.silu, y).transpose(1, 2).to(x.dtype)
+    conv_window_ref(x, conv_pool, slots, n_keep)
+    return y
+
+
+def conv_window_ref(x, conv_pool, slots, n_keep=None):
+    """The window after the first n_keep[b] tokens of x [B, T, C] (all T if None): the last K-1 entries of
+    seq = [window, x] up to there (unchanged where n_keep[b] == 0)."""
+    B, T, C = x.shape
+    W = conv_pool.shape[2]
+    seq = torch.cat([conv_pool[slots], x.transpose(1, 2).to(conv_pool.dtype)], dim=2)  # [B, C, K-1+T]
     if n_keep is None:
         conv_pool[slots] = seq[:, :, T:]
     else:
-        idx = n_keep.view(B, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, K - 1)
-        conv_pool[slots] = seq.gather(2, idx.expand(B, C, K - 1))
-    return y
+        idx = n_keep.view(B, 1, 1) + torch.arange(W, device=x.device).view(1, 1, W)
+        conv_pool[slots] = seq.gather(2, idx.expand(B, C, W))
 
 
 @_jit
@@ -597,7 +606,8 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_bb, s_bt,
                           HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, HAS_KEEP: tl.constexpr, GATES: tl.constexpr,
-                          OUT: tl.constexpr):
+                          OUT: tl.constexpr, p_cx, p_cp, C, s_cxb, s_cxt, s_cps, s_cpc, s_cpk,
+                          CONV: tl.constexpr, KW: tl.constexpr, BCW: tl.constexpr, BW: tl.constexpr):
     # program (b * H_v + h, d_v block): the [d_k, BV] slice of one head's fp32 state stays in
     # registers over all T tokens; it is read once and written at most once (after token n_keep).
     # With GATES, p_g / p_beta hold the raw projections a, b and the gates are computed here.
@@ -613,6 +623,18 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
     n_keep = T
     if HAS_KEEP:
         n_keep = tl.load(p_keep + i_b).to(tl.int32)
+    if CONV:  # a commit that also moves the causal conv's window (KW = K-1 past inputs): this program's channels
+        o_c = (i_h * tl.num_programs(1) + i_v) * BCW + tl.arange(0, BCW)
+        if n_keep > 0:  # the new window: seq[n .. n+KW-1] of seq = [old window, x]
+            o_w = tl.arange(0, BW)
+            w_src = n_keep + o_w - KW
+            m_w = (o_c < C)[:, None] & (o_w < KW)[None, :]
+            p_past = p_cp + slot * s_cps + o_c[:, None] * s_cpc
+            b_new = tl.load(p_cx + i_b * s_cxb + w_src[None, :] * s_cxt + o_c[:, None], mask=m_w & (w_src >= 0)[None, :],
+                            other=0.0).to(tl.float32)
+            b_new += tl.load(p_past + (w_src + KW)[None, :] * s_cpk, mask=m_w & (w_src < 0)[None, :], other=0.0).to(tl.float32)
+            tl.debug_barrier()  # every thread has read the old window before any writes the new one
+            tl.store(p_past + o_w[None, :] * s_cpk, b_new.to(p_cp.dtype.element_ty), mask=m_w)
     if GATES:
         b_decay = -tl.exp(tl.load(p_alog + i_h).to(tl.float32))
         b_dtb = tl.load(p_dtb + i_h).to(tl.float32)
@@ -659,7 +681,8 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
             tl.store(p_s, b_s, mask=m_s)
 
 
-def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=None, dt_bias=None, outputs=True):
+def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=None, dt_bias=None, outputs=True,
+                          conv=None):
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     assert k.shape == q.shape and v.shape[:2] == (B, T) and g.shape == beta.shape == (B, T, Hv)
@@ -679,13 +702,23 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     BV = min(_p2(Dv), 32) if wide else BV
     gates = A_log is not None
     assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous() and A_log.shape == dt_bias.shape == (Hv,))
+    extra = dict(p_cx=q, p_cp=state_pool, C=0, s_cxb=0, s_cxt=0, s_cps=0, s_cpc=0, s_cpk=0, CONV=False, KW=1, BCW=1,
+                 BW=1)                                                              # (no conv window)
+    if conv is not None:  # the commit's conv window, spread over the programs: BCW channels each
+        cx, cp = conv
+        cx = cx if cx.stride(2) == 1 else cx.contiguous()
+        C, KW = cp.shape[1], cp.shape[2]
+        assert not outputs and n_keep is not None and cx.shape == (B, T, C)
+        extra = dict(p_cx=cx, p_cp=cp, C=C, s_cxb=cx.stride(0), s_cxt=cx.stride(1), s_cps=cp.stride(0),
+                     s_cpc=cp.stride(1), s_cpk=cp.stride(2), CONV=True, KW=KW,
+                     BCW=_p2(_cdiv(C, Hv * _cdiv(Dv, BV))), BW=_p2(KW))
     _gdn_recurrent_kernel[(B * Hv, _cdiv(Dv, BV))](
         q, k, v, g, beta, A_log if gates else g, dt_bias if gates else g, state_pool, slots,
         n_keep if n_keep is not None else slots, o, T, Dk ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, HAS_KEEP=n_keep is not None, GATES=gates,
-        OUT=outputs, num_warps=max(1, BK * BV // 2048))
+        OUT=outputs, num_warps=max(1, BK * BV // 2048), **extra)
     return o if outputs else None
 
 
@@ -727,14 +760,19 @@ def gdn_gates(a, b, A_log, dt_bias):
     return -exact(torch.exp, A_log.float()) * exact(F.softplus, a.float() + dt_bias), exact(torch.sigmoid, b)
 
 
-def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None, outputs=True):
+def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None, outputs=True, conv=None):
     """gdn_recurrent(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep) in one launch:
     the gates are computed inside the recurrent kernel (saves ~8 tiny launches per GDN layer and step).
     a, b [B, T, H_v] raw projections in_proj_a(x), in_proj_b(x); A_log, dt_bias [H_v].
     outputs=False (the commit after a verify: n_keep given): only the states advance, over n_keep[b] tokens
-    instead of T, and no outputs are written; returns None."""
+    instead of T, and no outputs are written; returns None. With conv = (x [B, T, C] the conv's inputs,
+    conv_pool [S, C, K-1]) that commit also moves the causal conv's window (causal_conv(x, conv_pool, slots, w,
+    n_keep, outputs=False)) in the same launch: one launch per GDN layer for the whole commit."""
     if _fast(q):
-        return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias, outputs)
+        return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias, outputs, conv)
+    if conv is not None:
+        assert not outputs, "conv: the commit's window only"
+        conv_window_ref(*conv, slots, n_keep)
     o = gdn_recurrent_ref(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep)
     return o if outputs else None
 

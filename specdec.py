@@ -709,9 +709,8 @@ class GatedDeltaNet(nn.Module):
     def commit(self, ctx, n_keep):
         """After a verify: advance the conv window and recurrent state by the first n_keep[b] tokens."""
         mixed, q, k, v, a, b = ctx.state.stash.pop(self.layer_id)  # states only: the verify made the outputs
-        K.causal_conv(mixed, ctx.state.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], n_keep, outputs=False)
         K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, ctx.state.rec[self.layer_id], ctx.slots, n_keep,
-                              outputs=False)
+                              outputs=False, conv=(mixed, ctx.state.conv[self.layer_id]))  # + conv window: one launch
 
 
 class MLP(nn.Module):

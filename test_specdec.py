@@ -1974,11 +1974,18 @@ def test_kernel_gdn_recurrent_gated(dtype):
     g, beta = K.gdn_gates(a, b, A_log, dt_bias)
     o_ref = K.gdn_recurrent_ref(q, k, v, g, beta, p2, slots, n_keep)
     assert rel(o, o_ref) <= TOL[dtype] and rel(p1, p2) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    C, W = 37, 3                                                                   # the commit's conv window:
+    x = randn(B, T, C + 4, g=g_, dtype=dtype)[..., 2:2 + C]                         # strided conv inputs
+    cpool = randn(3, C, W, g=g_, dtype=dtype)
     for keep in (n_keep, torch.tensor([0, 5], device=DEV)):  # the commit: states only, n_keep tokens (0: untouched)
         p3, p4 = pool.clone(), pool.clone()
         assert fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p3, slots, keep, outputs=False) is None
         fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p4, slots, keep)
         assert torch.equal(p3, p4)
+        p5, c5, c6 = pool.clone(), cpool.clone(), cpool.clone()                    # + the conv window, one launch
+        fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p5, slots, keep, outputs=False, conv=(x, c5))
+        K.causal_conv_ref(x, c6, slots, randn(C, W + 1, g=g_, dtype=dtype), keep)
+        assert torch.equal(p5, p4) and torch.equal(c5, c6) and not torch.equal(c5, cpool)
 
 
 @needs_kernels

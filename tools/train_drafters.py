@@ -9,6 +9,10 @@ from a checkpoint written in the published layout, trained through the engine's 
   toy-dflash/   z-lab DFlashDraftModel: 2 Qwen3 layers, taps = outputs of target layers 1, 3, 5
   toy-dspark/   DeepSpec Qwen3DSparkModel: the same backbone, the anchor also predicts, Markov head rank 64,
                 confidence head
+Data (self-distillation, as in the DFlash paper): random stdlib windows of --distill-prompt tokens, each
+extended by the target's own greedy continuation (--distill-gen tokens, the engine's prefill + decode forward),
+generated once up front; anchors lie in the generated part, so every label is the target's greedy token
+(--distill-seqs 0: raw data windows as labels instead).
 Training (DFlash paper / DeepSpec): random anchors a per sequence; the block [x_a, MASK x 7] at positions
 a..a+7 sees the target's context strictly before a and its whole block; DFlash slot j predicts x_{a+j},
 DSpark slot j predicts x_{a+j+1} with the Markov bias W2 W1[x_{a+j}] (teacher forcing); cross-entropy
@@ -135,18 +139,67 @@ def block_loss(net, c, method, target, ids, feats, anchors, mask_id):
     return loss, right.mean(0)
 
 
+@torch.no_grad()
+def greedy_corpus(target, tcfg, data, n_seq, prompt_len, gen_len, batch, device, generator):
+    """n_seq random windows of prompt_len data tokens, each extended by the target's greedy continuation of
+    gen_len tokens: per `batch` rows, the engine's prefill forward over the prompts, then one decode step per
+    token (what Engine does at temperature 0, without stopping at EOS). -> LongTensor [n_seq, prompt_len + gen_len]
+    on the CPU."""
+    L = prompt_len + gen_len
+    starts = torch.randint(0, len(data) - prompt_len + 1, (n_seq,), generator=generator)
+    out = torch.empty(n_seq, L, dtype=torch.long)
+    K.USE_TRITON = device.type == "cuda"  # the frozen target runs the kernels
+    try:
+        for i in range(0, n_seq, batch):
+            s = starts[i:i + batch]
+            B = len(s)
+            ids = torch.stack([data[j:j + prompt_len] for j in s]).to(device)
+            st = sd.State(tcfg, B, L, torch.float32, device)
+            slots = torch.arange(B, device=device)
+            h = target(ids, sd.Ctx(st, slots, torch.zeros(B, dtype=torch.long, device=device), prompt_len, "prefill"))
+            tok = target.logits(h[:, -1]).argmax(-1)                                 # [B], at position prompt_len
+            seq = [ids, tok[:, None]]
+            for t in range(prompt_len, L - 1):  # feed the token at position t, get the one at t + 1
+                pos = torch.full((B,), t, dtype=torch.long, device=device)
+                h = target(tok[:, None], sd.Ctx(st, slots, pos, t + 1, "decode"))
+                tok = target.logits(h[:, 0]).argmax(-1)
+                seq.append(tok[:, None])
+            out[i:i + B] = torch.cat(seq, 1).cpu()
+    finally:
+        K.USE_TRITON = False
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models", "toy"))
     ap.add_argument("--out", default=os.path.join(ROOT, "models"))
     ap.add_argument("--seconds", type=float, default=300, help="training time for both drafters together")
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=None, help="training sequence length (default 256; when "
+                    "distilling it is --distill-prompt + --distill-gen, and must equal that if given)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-files", type=int, default=None)
+    ap.add_argument("--distill-seqs", type=int, default=4096, help="sequences of the target's greedy "
+                    "continuations to train on (self-distillation); 0: raw data windows as labels")
+    ap.add_argument("--distill-prompt", type=int, default=64, help="data tokens of prompt per distilled sequence")
+    ap.add_argument("--distill-gen", type=int, default=192, help="greedy target tokens generated per sequence")
+    ap.add_argument("--distill-batch", type=int, default=256, help="sequences generated at once")
+    ap.add_argument("--distill-refresh", type=int, default=0, help="every this many steps, regenerate "
+                    "--distill-batch random rows of the corpus (0: never)")
     a = ap.parse_args(argv)
+    distill = a.distill_seqs > 0
+    if distill:
+        if a.distill_prompt < 1 or a.distill_gen < BLOCK + 2:
+            ap.error(f"--distill-prompt must be >= 1 and --distill-gen >= {BLOCK + 2} (anchors lie in the generated part)")
+        if a.seq_len is not None and a.seq_len != a.distill_prompt + a.distill_gen:
+            ap.error(f"--seq-len {a.seq_len} must equal --distill-prompt + --distill-gen = "
+                     f"{a.distill_prompt + a.distill_gen} when distilling (or leave --seq-len out)")
+        a.seq_len = a.distill_prompt + a.distill_gen
+    elif a.seq_len is None:
+        a.seq_len = 256
     K.USE_TRITON = False  # differentiable references for the drafters (the frozen target runs the kernels)
     sd.block_attention = masked_block_attention
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -174,12 +227,26 @@ def main(argv=None):
     opts = {m: torch.optim.AdamW([p for p in n[0].parameters() if p.is_floating_point()], lr=a.lr,
                                  betas=(0.9, 0.95), weight_decay=0.0) for m, n in nets.items()}
     g = torch.Generator().manual_seed(0)
-    L, B, step, t0 = a.seq_len, a.batch, 0, time.time()
+    L, B = a.seq_len, a.batch
+    corpus, lo = None, 1  # lo: the first position an anchor may take
+    if distill:
+        gen = lambda n: greedy_corpus(target, tcfg, data, n, a.distill_prompt, a.distill_gen, a.distill_batch, dev, g)
+        t1 = time.time()
+        corpus, lo = gen(a.distill_seqs), a.distill_prompt
+        print(f"[distill] {a.distill_seqs} sequences x ({a.distill_prompt} prompt + {a.distill_gen} greedy) tokens: "
+              f"{a.distill_seqs * a.distill_gen:,} generated tokens in {time.time() - t1:.1f}s", flush=True)
+    step, t0 = 0, time.time()
     while time.time() - t0 < a.seconds:
         frac = (time.time() - t0) / a.seconds
         lr = a.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
-        starts = torch.randint(0, len(data) - L - 1, (B,), generator=g)
-        ids = torch.stack([data[s:s + L] for s in starts]).to(dev)
+        if corpus is not None:
+            if a.distill_refresh and step and step % a.distill_refresh == 0:
+                n = min(a.distill_batch, len(corpus))
+                corpus[torch.randperm(len(corpus), generator=g)[:n]] = gen(n)
+            ids = corpus[torch.randint(0, len(corpus), (B,), generator=g)].to(dev)
+        else:
+            starts = torch.randint(0, len(data) - L - 1, (B,), generator=g)
+            ids = torch.stack([data[s:s + L] for s in starts]).to(dev)
         with torch.no_grad():
             K.USE_TRITON = dev.type == "cuda"
             st = sd.State(tcfg, B, L, torch.float32, dev)
@@ -187,7 +254,7 @@ def main(argv=None):
                                         L, "prefill"), tuple(TAPS))
             feats = torch.cat(aux, -1)                                               # taps in layer order = TAPS
             K.USE_TRITON = False
-        anchors = torch.randint(1, L - BLOCK - 1, (B, a.anchors), generator=g).to(dev)
+        anchors = torch.randint(lo, L - BLOCK - 1, (B, a.anchors), generator=g).to(dev)
         row = {"step": step}
         for m, (net, c, _, _) in nets.items():
             for pg in opts[m].param_groups:

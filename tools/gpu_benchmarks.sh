@@ -33,7 +33,7 @@ targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens 
   timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-prefill-4096.log | grep -v '^{'
   timeout 150 python3 bench.py --random-weights 35b-a3b --batch 1 --prompt-len 512 --gen-len 256 2>&1 | tee $OUT/bench-targets-35b.log | grep -v '^{' ;;
 drafters)  # retrain the toy DFlash / DSpark drafters (tools/train_drafters.py) and evaluate every method on the GPU
-  timeout 420 python3 tools/train_drafters.py --seconds ${DRAFTER_SECONDS:-360} --batch 32 --anchors 16 2>&1 | tee $OUT/train-drafters.log | tail -2
+  timeout 420 python3 tools/train_drafters.py --seconds ${DRAFTER_SECONDS:-320} --batch 32 --anchors 16 2>&1 | tee $OUT/train-drafters.log | tail -2
   mkdir -p $OUT/toy-dflash $OUT/toy-dspark; cp models/toy-dflash/* $OUT/toy-dflash/; cp models/toy-dspark/* $OUT/toy-dspark/
   timeout 120 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{' ;;
 sweep)  # TPOT against prompt length, batch 1, speculation off and MTP (27B)

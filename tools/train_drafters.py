@@ -1,6 +1,6 @@
 """Train DFlash and DSpark block drafters (block 8) against the shipped toy target.
 
-    python tools/train_drafters.py --target models/toy --out models --seconds 300
+    python tools/train_drafters.py --target models/toy --out models --seconds 320      # what shipped: H200, 6781 steps + 33 s of greedy corpus
 
 Needs models/toy (tools/train_toy.py) and its train_log.json (the held-out files are left out here too).
 The drafters are built and loaded by the engine's own code (read_block_config / BlockDrafter / load_weights)
@@ -177,7 +177,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=300, help="training time for both drafters together")
     ap.add_argument("--seq-len", type=int, default=None, help="training sequence length (default 256; when "
                     "distilling it is --distill-prompt + --distill-gen, and must equal that if given)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

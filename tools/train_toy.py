@@ -1,6 +1,6 @@
 """Train the small Qwen3.6-architecture model family that ships in models/ (one H200, a few minutes).
 
-    python tools/train_toy.py --out models --seconds 330 --drafter-seconds 360     # everything in models/
+    python tools/train_toy.py --out models --seconds 330 --drafter-seconds 320     # everything in models/
 
 Data: the Python standard library's source on this machine (sysconfig stdlib, site-packages excluded), split
 by a hash of each file's path: 2% of files are held out for evaluation. Tokenizer: an 8k byte-level BPE in
@@ -149,7 +149,7 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-files", type=int, default=None, help="use only this many training files (smoke tests)")
-    ap.add_argument("--drafter-seconds", type=float, default=360, help="then train the DFlash / DSpark drafters "
+    ap.add_argument("--drafter-seconds", type=float, default=320, help="then train the DFlash / DSpark drafters "
                     "(tools/train_drafters.py) this long; 0: skip")
     a = ap.parse_args()
     K.USE_TRITON = False  # training runs the differentiable PyTorch references

@@ -1,0 +1,218 @@
+"""The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
+
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov]      (default: all)
+
+Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
+stays in L2), timed per launch:
+  moe:    the 35B MoE decode pair kernels (gate/up, down) over tile configs at 1 and 2 tokens; "direct" is a grid
+          straight over the experts without the leader lookups (valid only for distinct experts: a bound)
+  gdn:    the GDN recurrent kernel (27B heads) over value blocks x warps, at B x T = 1x1, 8x1, 1x2, 1x16, 8x2 and the
+          state-only commit
+  gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
+  markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
+Not part of the engine: a measuring tool for choosing kernel configurations.
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels as K  # noqa: E402
+
+dev = "cuda"
+bf = torch.bfloat16
+
+
+def graph_time(fn, reps=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(); fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay(); torch.cuda.synchronize()
+    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record(); torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps * 1000  # us per replay
+
+
+@triton.jit
+def _gu_direct(p_x, p_idx, p_gu, p_h, H, I, s_x, s_ge, s_gr, TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+    i_p, i_i = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_idx + i_p).to(tl.int64)
+    pair = i_p.to(tl.int64)
+    o_i = i_i * BI + tl.arange(0, BI)
+    m_i = o_i < I
+    p_g = p_gu + e * s_ge + o_i[:, None].to(tl.int64) * s_gr
+    p_u = p_gu + e * s_ge + (I + o_i)[:, None].to(tl.int64) * s_gr
+    b_g = tl.zeros([BI, BH], dtype=tl.float32)
+    b_u = tl.zeros([BI, BH], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        o_h = h0 + tl.arange(0, BH)
+        m_h = o_h < H
+        b_x = tl.load(p_x + (pair // TOPK) * s_x + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+        m_w = m_i[:, None] & m_h[None, :]
+        b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
+        b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
+    g, u = tl.sum(b_g, 1), tl.sum(b_u, 1)
+    tl.store(p_h + pair * I + o_i, (g * tl.sigmoid(g) * u).to(p_h.dtype.element_ty), mask=m_i)
+
+
+@triton.jit
+def _dn_direct(p_h, p_idx, p_w, p_dn, p_y, H, I, s_de, s_dr, BO: tl.constexpr, BI: tl.constexpr):
+    i_p, i_o = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_idx + i_p).to(tl.int64)
+    pair = i_p.to(tl.int64)
+    o_o = i_o * BO + tl.arange(0, BO)
+    m_o = o_o < H
+    p_d = p_dn + e * s_de + o_o[:, None].to(tl.int64) * s_dr
+    b_y = tl.zeros([BO, BI], dtype=tl.float32)
+    for i0 in range(0, I, BI):
+        o_i = i0 + tl.arange(0, BI)
+        m_i = o_i < I
+        b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
+        b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_h
+    tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
+
+
+def moe(N=1, L=12):
+    E, I, H, k = 256, 512, 2048, 8
+    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
+    dns = [torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
+    x = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(N)])
+    w = torch.rand(N, k, device=dev).softmax(-1)
+    P = N * k
+    order = torch.empty(P, dtype=torch.int32, device=dev); off = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    h = torch.empty(P, I, device=dev, dtype=torch.bfloat16); y = torch.empty(P, H, device=dev)
+    K._moe_group_kernel[(E,)](idx, order, off, P, BP=K._p2(P), num_warps=4)
+    gb = 2 * I * H * 2 * len(set(idx.flatten().tolist()))                        # gate/up bytes per layer
+    db = gb / 2                                                                   # down bytes per layer
+    res = {}
+    t = graph_time(lambda: [K._moe_experts_launch(x, w, idx, gus[l], dns[l]) for l in range(L)])
+    res["full current (group+gu+dn+sum)"] = t / L
+    for (BI, BH, nw, ns) in [(8, 1024, 8, 4), (8, 512, 4, 4), (8, 512, 4, 2), (4, 512, 2, 4), (16, 256, 4, 4), (8, 256, 2, 4),
+                             (16, 512, 4, 3), (8, 1024, 4, 2), (4, 1024, 2, 2), (16, 512, 8, 3), (32, 128, 4, 4)]:
+        f = lambda: [K._moe_gate_up_pair_kernel[(P, K._cdiv(I, BI))](x, idx, order, off, gus[l], h, H, I, x.stride(0),
+                     gus[l].stride(0), gus[l].stride(1), TOPK=k, BI=BI, BH=BH, num_warps=nw, num_stages=ns) for l in range(L)]
+        t = graph_time(f); res[f"gu leader BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
+        f = lambda: [_gu_direct[(P, K._cdiv(I, BI))](x, idx, gus[l], h, H, I, x.stride(0),
+                     gus[l].stride(0), gus[l].stride(1), TOPK=k, BI=BI, BH=BH, num_warps=nw, num_stages=ns) for l in range(L)]
+        t = graph_time(f); res[f"gu direct BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
+    for (BO, BI, nw, ns) in [(8, 512, 8, 4), (4, 512, 4, 2), (8, 256, 4, 3), (32, 256, 8, 2), (16, 512, 4, 2), (8, 512, 4, 2),
+                             (2, 512, 2, 2), (4, 512, 2, 2), (4, 256, 2, 3), (16, 128, 2, 3), (32, 512, 8, 1), (16, 256, 4, 2)]:
+        f = lambda: [K._moe_down_pair_kernel[(P, K._cdiv(H, BO))](h, idx, order, off, w, dns[l], y, H, I,
+                     dns[l].stride(0), dns[l].stride(1), BO=BO, BI=BI, num_warps=nw, num_stages=ns) for l in range(L)]
+        t = graph_time(f); res[f"dn leader BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
+        f = lambda: [_dn_direct[(P, K._cdiv(H, BO))](h, idx, w, dns[l], y, H, I,
+                     dns[l].stride(0), dns[l].stride(1), BO=BO, BI=BI, num_warps=nw, num_stages=ns) for l in range(L)]
+        t = graph_time(f); res[f"dn direct BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
+    f = lambda: [K._moe_group_kernel[(E,)](idx, order, off, P, BP=K._p2(P), num_warps=4) for l in range(L)]
+    res["group"] = graph_time(f) / L
+    print(f"== MoE N={N} (35B: E=256 I=512 H=2048 k=8): us per layer, TB/s of expert weights")
+    for kk, v in res.items():
+        print(f"  {kk:40s} {v}")
+
+
+def gdn(B, T, keep=None, L=48, out=True):
+    Hk, Hv, D = 16, 48, 128
+    pools = [torch.randn(B, Hv, D, D, device=dev) * 0.01 for _ in range(L)]
+    q = torch.randn(B, T, Hk, D, device=dev, dtype=torch.bfloat16)
+    kk = torch.randn(B, T, Hk, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, Hv, D, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(B, T, Hv, device=dev, dtype=torch.bfloat16); b = torch.randn(B, T, Hv, device=dev, dtype=torch.bfloat16)
+    A_log = torch.randn(Hv, device=dev); dtb = torch.randn(Hv, device=dev)
+    slots = torch.arange(B, device=dev)
+    n_keep = None if keep is None else torch.full((B,), keep, device=dev, dtype=torch.long)
+    o = torch.empty(B, T, Hv, D, device=dev, dtype=torch.bfloat16)
+    print(f"== GDN recurrent B={B} T={T} keep={keep} out={out}: us per layer (27B: Hv=48 D=128)")
+    for BV, nw in [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)]:
+        f = lambda: [K._gdn_recurrent_kernel[(B * Hv, K._cdiv(D, BV))](
+            q, kk, v, a, b, A_log, dtb, pools[l], slots, n_keep if n_keep is not None else slots, o, T, D ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            HV=Hv, GROUP=Hv // Hk, DK=D, DV=D, BK=D, BV=BV, HAS_KEEP=n_keep is not None, GATES=True,
+            OUT=out, p_cx=q, p_cp=pools[l], C=0, s_cxb=0, s_cxt=0, s_cps=0, s_cpc=0, s_cpk=0, CONV=False, KW=1,
+            BCW=1, BW=1, num_warps=nw) for l in range(L)]
+        t = graph_time(f) / L
+        nbytes = B * Hv * D * D * 4 * 2
+        print(f"  BV{BV:4d} w{nw}: {t:7.2f} us  state {nbytes / t / 1e6:.2f} TB/s")
+
+
+def gemms(M, shapes, cfgs, copies=8):
+    print(f"== GEMMs M={M}: us per GEMM")
+    for (N, Kd) in shapes:
+        ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
+        x = torch.randn(M, Kd, device=dev, dtype=bf)
+        line = [f"{N}x{Kd}"]
+        t = graph_time(lambda: [F.linear(x, w) for w in ws]) / copies
+        line.append(f"cuBLAS {t:.1f} ({N * Kd * 2 / t / 1e3:.0f} GB/s)")
+        ref = F.linear(x, ws[0]).float()
+        for c in cfgs:
+            try:
+                t = graph_time(lambda: [K._gemv_launch(x, w, c) for w in ws]) / copies
+                err = (K._gemv_launch(x, ws[0], c).float() - ref).abs().max().item()
+                line.append(f"{c}: {t:.1f} ({N * Kd * 2 / t / 1e3:.0f}) e{err:.3f}")
+            except Exception as e:  # noqa
+                line.append(f"{c}: ERR {type(e).__name__}")
+        print("  " + " | ".join(line))
+
+
+def markov(B=1, Kq=16, V=248320, R=256):
+    print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
+    U = torch.randn(B, Kq, V, device=dev)
+    w1 = torch.randn(V, R, device=dev, dtype=bf) * 0.05
+    w2 = torch.randn(V, R, device=dev, dtype=bf) * 0.05
+    e0 = w1[torch.randint(0, V, (B,), device=dev)]
+    ref = K.markov_greedy(U, e0, w1, w2)
+    for BN, nw, nwp in [(16, 4, 8), (32, 4, 8), (64, 4, 8), (64, 8, 8), (128, 8, 8), (128, 4, 4), (256, 8, 4), (32, 8, 8)]:
+        BR = K._p2(R)
+        NB = K._cdiv(V, BN)
+        e = torch.empty(B, R, device=dev, dtype=bf)
+        pv, pi = torch.empty(B, NB, device=dev), torch.empty(B, NB, device=dev, dtype=torch.int32)
+        d = torch.empty(B, Kq, device=dev, dtype=torch.long)
+
+        def run():
+            e.copy_(e0)
+            for j in range(Kq):
+                K._markov_logits_kernel[(NB,)](U[:, j], w2, e, pv, pi, B, V, R, U.stride(0), NB, BN=BN, BR=BR, num_warps=nw)
+                K._markov_pick_kernel[(B,)](pv, pi, w1, e, d, NB, R, j, d.stride(0), BNB=min(4096, K._p2(NB)), BR=BR,
+                                            num_warps=nwp)
+        t = graph_time(run)
+        print(f"  BN{BN} w{nw} pick w{nwp}: {t:.1f} us  equal={torch.equal(d, ref)}")
+
+
+
+def main():
+    parts = sys.argv[1:] or ["moe", "gdn", "gemv", "markov"]
+    torch.manual_seed(0)
+    if "moe" in parts:
+        moe(1)
+        moe(2)
+    if "gdn" in parts:
+        for B, T, keep, out in [(1, 1, None, True), (8, 1, None, True), (1, 2, None, True), (1, 16, None, True),
+                                (8, 2, None, True), (1, 2, 2, False), (1, 16, 7, False)]:
+            gdn(B, T, keep, out=out)
+    if "gemv" in parts:
+        S27 = [(34816, 5120), (5120, 17408), (16480, 5120), (5120, 6144), (248320, 5120), (14336, 5120)]
+        gemms(17, S27, [(64, 128, 1, 3, 4), (32, 128, 1, 3, 4), (64, 64, 1, 3, 4), (64, 128, 4, 3, 4),
+                        (32, 128, 4, 3, 4), (32, 256, 4, 4, 4)])
+        gemms(16, S27, [(64, 128, 1, 3, 4), (32, 128, 4, 3, 4)])
+        gemms(1, [(1281, 2048), (2048, 512), (9216, 2048)],
+              [(8, 1024, 1, 4, 8), (16, 512, 1, 4, 8), (8, 512, 1, 4, 4), (4, 512, 1, 4, 4), (4, 2048, 1, 2, 4),
+               (16, 256, 1, 4, 4), (8, 256, 1, 3, 4), (2, 512, 1, 2, 2), (4, 1024, 1, 2, 4)], copies=40)
+    if "markov" in parts:
+        markov()
+
+
+if __name__ == "__main__":
+    main()

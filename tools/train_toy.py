@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import sys
 import sysconfig
 import time
@@ -149,6 +150,8 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-files", type=int, default=None, help="use only this many training files (smoke tests)")
+    ap.add_argument("--drafter-args", default="", help="more tools/train_drafters.py arguments, e.g. a small "
+                    "'--distill-seqs 8 --distill-gen 32' for a CPU smoke run")
     ap.add_argument("--drafter-seconds", type=float, default=320, help="then train the DFlash / DSpark drafters "
                     "(tools/train_drafters.py) this long; 0: skip")
     a = ap.parse_args()
@@ -225,7 +228,8 @@ def main():
     if a.drafter_seconds > 0:
         import train_drafters
         train_drafters.main(["--target", os.path.join(a.out, "toy"), "--out", a.out, "--seconds", str(a.drafter_seconds),
-                             "--device", a.device] + (["--max-files", str(a.max_files)] if a.max_files else []))
+                             "--device", a.device] + (["--max-files", str(a.max_files)] if a.max_files else [])
+                            + shlex.split(a.drafter_args))
 
 
 if __name__ == "__main__":

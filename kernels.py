@@ -158,22 +158,17 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
         rr, h = _rows(residual), _empty(x.shape, x.dtype, x.device)
-    NZ, s_z1 = 1, 0
-    if z is not None:
-        assert z.shape == x.shape, "x and z must have the same shape"
-        try:  # row r at (r // NZ) * s_z + (r % NZ) * s_z1: z [B, T, heads, d] sliced from a wider GEMM output
-            zr = z.view(-1, D) if z.dim() < 3 else z.view(-1, z.shape[-2], D)       # (GDN's gate) needs no copy
-            NZ, s_z1 = (1, 0) if z.dim() < 3 else (z.shape[-2], zr.stride(1))
-            assert zr.stride(-1) == 1
-        except (RuntimeError, AssertionError):
-            zr, NZ, s_z1 = _rows(z), 1, 0
+    if z is not None:  # z [R, NZ, D], row r at (r // NZ) * s_z + (r % NZ) * s_z1: GDN's gate heads, sliced from
+        assert z.shape == x.shape, "x and z must have the same shape"               # in_proj's output, need no copy
+        zr = (z if z.stride(-1) == 1 else z.contiguous()).reshape(-1, *([D] if z.dim() < 2 else z.shape[-2:]))
+        zr = zr if zr.dim() == 3 else zr.view(1, -1, D)
     BD = _p2(D)
     BR = max(1, min(16, 2048 // BD))
     mid_round = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     _rms_norm_kernel[(_cdiv(N, BR),)](
         xr, rr if rr is not None else xr, weight, y, h if h is not None else y, zr if zr is not None else xr,
         N, D, eps, xr.stride(0), rr.stride(0) if rr is not None else 0, zr.stride(0) if zr is not None else 0,
-        NZ, s_z1, BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
+        zr.shape[1] if zr is not None else 1, zr.stride(1) if zr is not None else 0, BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
         num_warps=min(8, max(1, BR * BD // 256)))
     return y, h
 
@@ -463,10 +458,10 @@ def conv_window_ref(x, conv_pool, slots, n_keep=None):
 def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
                         s_xb, s_xt, s_ps, s_pc, s_pk, s_wc, s_wk,
                         K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
-                        HAS_KEEP: tl.constexpr, OUT: tl.constexpr):
+                        HAS_KEEP: tl.constexpr):
     # program (b, channel block, token block): y[t] = silu(sum_j w[j] * seq[t + j]), where seq is the
     # slot's K-1 past inputs followed by x. Only token block 0 reads the past window (BT >= K-1 or a
-    # single block), so it alone may overwrite it afterwards. Without OUT only the window moves.
+    # single block), so it alone may overwrite it afterwards.
     i_b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -474,71 +469,73 @@ def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
     slot = tl.load(p_slots + i_b)
     p_past = p_pool + slot * s_ps + o_c * s_pc                                      # [BC] window rows
     p_xb = p_x + i_b * s_xb
-    if OUT:
-        b_acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            b_w = tl.load(p_w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
-            src = o_t + j - (K - 1)                                                # input index; < 0: the window
-            m_x = ((src >= 0) & m_t)[:, None] & m_c[None, :]
-            m_p = ((src < 0) & m_t)[:, None] & m_c[None, :]
-            b_in = tl.load(p_xb + src[:, None] * s_xt + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
-            b_in += tl.load(p_past[None, :] + (src + K - 1)[:, None] * s_pk, mask=m_p, other=0.0).to(tl.float32)
-            b_acc += b_in * b_w[None, :]
-        b_y = b_acc * tl.sigmoid(b_acc)
-        p_y_t = p_y + (i_b * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
-        tl.store(p_y_t, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_w = tl.load(p_w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
+        src = o_t + j - (K - 1)                                                    # input index; < 0: the window
+        m_x = ((src >= 0) & m_t)[:, None] & m_c[None, :]
+        m_p = ((src < 0) & m_t)[:, None] & m_c[None, :]
+        b_in = tl.load(p_xb + src[:, None] * s_xt + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_in += tl.load(p_past[None, :] + (src + K - 1)[:, None] * s_pk, mask=m_p, other=0.0).to(tl.float32)
+        b_acc += b_in * b_w[None, :]
+    b_y = b_acc * tl.sigmoid(b_acc)
+    p_y_t = p_y + (i_b * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
+    tl.store(p_y_t, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
     if i_t == 0:
         n = T
         if HAS_KEEP:
             n = tl.load(p_keep + i_b).to(tl.int32)
-        if n > 0:  # the new window: seq[n .. n+K-2]
-            o_w = tl.arange(0, BW)
-            w_src = n + o_w - (K - 1)
-            m_w = (o_w < K - 1)[None, :] & m_c[:, None]
-            m_wx = m_w & (w_src >= 0)[None, :]
-            m_wp = m_w & (w_src < 0)[None, :]
-            b_new = tl.load(p_xb + w_src[None, :] * s_xt + o_c[:, None], mask=m_wx, other=0.0).to(tl.float32)
-            b_new += tl.load(p_past[:, None] + (w_src + K - 1)[None, :] * s_pk, mask=m_wp, other=0.0).to(tl.float32)
-            tl.debug_barrier()  # every thread has read the old window before any writes the new one
-            tl.store(p_past[:, None] + o_w[None, :] * s_pk, b_new.to(p_pool.dtype.element_ty), mask=m_w)
+        if n > 0:
+            _conv_window(p_xb, p_past, o_c, m_c, n, s_xt, s_pk, K - 1, BW)
 
 
-def _causal_conv_launch(x, conv_pool, slots, weight, n_keep, outputs=True):
+@_jit
+def _conv_window(p_xb, p_past, o_c, m_c, n, s_xt, s_pk, KW: tl.constexpr, BW: tl.constexpr):
+    # channels o_c of one sequence: the window [KW] becomes seq[n .. n+KW-1] of seq = [old window, x] (x at p_xb,
+    # token stride s_xt); p_past [BC] points at each channel's window (stride s_pk). Used by the conv kernel and
+    # by the GDN commit.
+    o_w = tl.arange(0, BW)
+    w_src = n + o_w - KW
+    m_w = m_c[:, None] & (o_w < KW)[None, :]
+    b_new = tl.load(p_xb + w_src[None, :] * s_xt + o_c[:, None], mask=m_w & (w_src >= 0)[None, :], other=0.0).to(tl.float32)
+    b_new += tl.load(p_past[:, None] + (w_src + KW)[None, :] * s_pk, mask=m_w & (w_src < 0)[None, :], other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every thread has read the old window before any writes the new one
+    tl.store(p_past[:, None] + o_w[None, :] * s_pk, b_new.to(p_past.dtype.element_ty), mask=m_w)
+
+
+def _causal_conv_launch(x, conv_pool, slots, weight, n_keep):
     B, T, C = x.shape
     K = weight.shape[1]
     assert conv_pool.shape[1:] == (C, K - 1) and weight.shape == (C, K), "conv_pool / weight shapes"
     assert slots.dtype == torch.long and (n_keep is None or n_keep.dtype == torch.long)
     if x.stride(2) != 1:
         x = x.contiguous()
-    y = _empty((B, T, C), x.dtype, x.device) if outputs else x                        # (no outputs: not written)
+    y = _empty((B, T, C), x.dtype, x.device)
     BT = min(_p2(T), 16)
     assert BT >= K - 1 or BT >= T  # only token block 0 may read the old window (see the kernel)
     BC = 128
-    grid = (B, _cdiv(C, BC), _cdiv(T, BT) if outputs else 1)
+    grid = (B, _cdiv(C, BC), _cdiv(T, BT))
     _causal_conv_kernel[grid](
         x, conv_pool, slots, weight, n_keep if n_keep is not None else slots, y, T, C,
         x.stride(0), x.stride(1), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
         weight.stride(0), weight.stride(1),
-        K=K, BT=BT, BC=BC, BW=_p2(K - 1), HAS_KEEP=n_keep is not None, OUT=outputs, num_warps=4)
-    return y if outputs else None
+        K=K, BT=BT, BC=BC, BW=_p2(K - 1), HAS_KEEP=n_keep is not None, num_warps=4)
+    return y
 
 
-def causal_conv(x, conv_pool, slots, weight, n_keep=None, outputs=True):
+def causal_conv(x, conv_pool, slots, weight, n_keep=None):
     """silu(depthwise causal conv) over x, continuing from each slot's window of past inputs.
 
     x [B, T, C] pre-conv inputs; conv_pool [S, C, K-1] past inputs (oldest first); slots [B] long;
     weight [C, K] (tap K-1 multiplies the current token); n_keep [B] long or None.
     Returns y [B, T, C]. The window of slot b becomes the last K-1 inputs after its first n_keep[b]
     tokens (all T when n_keep is None; unchanged when n_keep[b] == 0) - that is how a verify step
-    leaves the window untouched and the commit after it keeps only the accepted tokens.
-    The kernel accumulates in fp32 and rounds once (the reference rounds the conv and the silu).
-    outputs=False: only the window moves (the commit after a verify, whose outputs the verify already made);
-    returns None.
+    leaves the window untouched (the commit after it moves the window with the GDN state: gdn_recurrent_gated's
+    conv argument). The kernel accumulates in fp32 and rounds once (the reference rounds the conv and the silu).
     """
     if _fast(x):
-        return _causal_conv_launch(x, conv_pool, slots, weight, n_keep, outputs)
-    y = causal_conv_ref(x, conv_pool, slots, weight, n_keep)
-    return y if outputs else None
+        return _causal_conv_launch(x, conv_pool, slots, weight, n_keep)
+    return causal_conv_ref(x, conv_pool, slots, weight, n_keep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -625,16 +622,9 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
         n_keep = tl.load(p_keep + i_b).to(tl.int32)
     if CONV:  # a commit that also moves the causal conv's window (KW = K-1 past inputs): this program's channels
         o_c = (i_h * tl.num_programs(1) + i_v) * BCW + tl.arange(0, BCW)
-        if n_keep > 0:  # the new window: seq[n .. n+KW-1] of seq = [old window, x]
-            o_w = tl.arange(0, BW)
-            w_src = n_keep + o_w - KW
-            m_w = (o_c < C)[:, None] & (o_w < KW)[None, :]
-            p_past = p_cp + slot * s_cps + o_c[:, None] * s_cpc
-            b_new = tl.load(p_cx + i_b * s_cxb + w_src[None, :] * s_cxt + o_c[:, None], mask=m_w & (w_src >= 0)[None, :],
-                            other=0.0).to(tl.float32)
-            b_new += tl.load(p_past + (w_src + KW)[None, :] * s_cpk, mask=m_w & (w_src < 0)[None, :], other=0.0).to(tl.float32)
-            tl.debug_barrier()  # every thread has read the old window before any writes the new one
-            tl.store(p_past + o_w[None, :] * s_cpk, b_new.to(p_cp.dtype.element_ty), mask=m_w)
+        if n_keep > 0:
+            _conv_window(p_cx + i_b * s_cxb, p_cp + slot * s_cps + o_c * s_cpc, o_c, o_c < C, n_keep, s_cxt, s_cpk,
+                         KW, BW)
     if GATES:
         b_decay = -tl.exp(tl.load(p_alog + i_h).to(tl.float32))
         b_dtb = tl.load(p_dtb + i_h).to(tl.float32)
@@ -697,9 +687,7 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 / 1
     # warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
     # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s
-    BV = min(_p2(Dv), 16)
-    wide = B * Hv * _cdiv(Dv, BV) > 1536
-    BV = min(_p2(Dv), 32) if wide else BV
+    BV = min(_p2(Dv), 32 if B * Hv * _cdiv(Dv, 16) > 1536 else 16)
     gates = A_log is not None
     assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous() and A_log.shape == dt_bias.shape == (Hv,))
     extra = dict(p_cx=q, p_cp=state_pool, C=0, s_cxb=0, s_cxt=0, s_cps=0, s_cpc=0, s_cpk=0, CONV=False, KW=1, BCW=1,
@@ -766,8 +754,8 @@ def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep
     a, b [B, T, H_v] raw projections in_proj_a(x), in_proj_b(x); A_log, dt_bias [H_v].
     outputs=False (the commit after a verify: n_keep given): only the states advance, over n_keep[b] tokens
     instead of T, and no outputs are written; returns None. With conv = (x [B, T, C] the conv's inputs,
-    conv_pool [S, C, K-1]) that commit also moves the causal conv's window (causal_conv(x, conv_pool, slots, w,
-    n_keep, outputs=False)) in the same launch: one launch per GDN layer for the whole commit."""
+    conv_pool [S, C, K-1]) that commit also moves the causal conv's window (conv_window_ref: the window
+    causal_conv(x, conv_pool, slots, w, n_keep) leaves) in the same launch: one launch per GDN layer per commit."""
     if _fast(q):
         return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias, outputs, conv)
     if conv is not None:
@@ -1096,7 +1084,8 @@ def moe_route(router_logits, top_k):
 # reads k experts' weights, bandwidth-bound. Tiles measured on the H200 (35B: E 256, I 512, H 2048, k 8; us per
 # layer at 1 token / 2 tokens): gate_up 16 x 512 blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8 warps:
 # 20.1 / 38.0); down 4 x 256, 2 warps: 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). A grid straight over the experts
-# without the leader lookups (valid only for distinct experts) was 0.3-0.6 us faster: the lookups stay.
+# without the leader lookups (valid only for distinct experts; a one-off variant, not kept) was 0.3-0.6 us
+# faster: the lookups stay. tools/tile_sweep.py reruns the tile comparison.
 _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
 
 

@@ -612,7 +612,11 @@ class Ctx:
     pos: torch.Tensor            # [B] long, position of each row's first token
     kv_len: int                  # cache prefix attention must look at (>= max(pos) + T)
     mode: str = "decode"         # "prefill" (chunked GDN), "decode" (T tokens, commit all), "verify"
-    no_write: "torch.Tensor | None" = None  # [B] zeros: a verify's n_keep for the GDN kernels (made once a step)
+    no_write: "torch.Tensor | None" = field(init=False, default=None)  # verify: [B] zeros, the GDN kernels' n_keep
+
+    def __post_init__(self):
+        if self.mode == "verify":  # a verify leaves the GDN states as they are: made once a step, not once a layer
+            self.no_write = torch.zeros(self.slots.shape[0], dtype=torch.long, device=self.slots.device)
 
 
 
@@ -682,19 +686,16 @@ class GatedDeltaNet(nn.Module):
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         # mixed [B, T, C] pre-conv inputs; z [B, T, value_dim] output gate; a, b [B, T, H_v] raw decay / beta
         z = z.reshape(B, T, -1, c.linear_value_head_dim)
-        verify = ctx.mode == "verify"
-        no_write = None
-        if verify:
-            no_write = ctx.no_write if ctx.no_write is not None else torch.zeros(B, dtype=torch.long, device=x.device)
-        y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], no_write)
+        # a verify passes n_keep = zeros (ctx.no_write): the states stay; commit() advances them afterwards
+        y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], ctx.no_write)
         q, k, v = self.split(y, B, T)
         if ctx.mode == "prefill" and T > 1:
             g, beta = K.gdn_gates(a, b, self.A_log, self.dt_bias)  # beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
             o = K.gdn_chunked(q, k, v, g, beta, st.rec[self.layer_id], ctx.slots)
         else:  # the gates are computed inside the recurrent kernel
             o = K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[self.layer_id], ctx.slots,
-                                      no_write)
-        if verify:
+                                      ctx.no_write)
+        if ctx.mode == "verify":
             # Rollback by replay: a verify leaves the state untouched and keeps its per-token inputs; commit()
             # re-runs the accepted prefix. Measured against per-position snapshots (27B layer, H_v=48, d=128):
             # memory per slot per layer 41 KiB vs 6 MiB at T=2 and 326 KiB vs 48 MiB at T=16 (snapshots for
@@ -807,8 +808,6 @@ class Qwen36(nn.Module):
         """Final-norm hidden states [B, T, H]; with `taps` (layer ids, "output of layer i", -1 = the
         embeddings) also the list of those layers' outputs, for drafters that read them (DFlash, DSpark)."""
         x = self.embed_tokens(ids)                                                   # [B, T, H]
-        if ctx.mode == "verify" and ctx.no_write is None:                            # one zeros launch, not one a layer
-            ctx = dataclasses.replace(ctx, no_write=torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device))
         aux = [x] if -1 in taps else []
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx)

@@ -4,8 +4,7 @@
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
-  moe:    the 35B MoE decode pair kernels (gate/up, down) over tile configs at 1 and 2 tokens; "direct" is a grid
-          straight over the experts without the leader lookups (valid only for distinct experts: a bound)
+  moe:    the 35B MoE decode pair kernels (gate/up, down) over tile configs at 1 and 2 tokens
   gdn:    the GDN recurrent kernel (27B heads) over value blocks x warps, at B x T = 1x1, 8x1, 1x2, 1x16, 8x2 and the
           state-only commit
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
@@ -17,8 +16,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels as K  # noqa: E402
@@ -45,45 +42,6 @@ def graph_time(fn, reps=20):
     return a.elapsed_time(b) / reps * 1000  # us per replay
 
 
-@triton.jit
-def _gu_direct(p_x, p_idx, p_gu, p_h, H, I, s_x, s_ge, s_gr, TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
-    i_p, i_i = tl.program_id(0), tl.program_id(1)
-    e = tl.load(p_idx + i_p).to(tl.int64)
-    pair = i_p.to(tl.int64)
-    o_i = i_i * BI + tl.arange(0, BI)
-    m_i = o_i < I
-    p_g = p_gu + e * s_ge + o_i[:, None].to(tl.int64) * s_gr
-    p_u = p_gu + e * s_ge + (I + o_i)[:, None].to(tl.int64) * s_gr
-    b_g = tl.zeros([BI, BH], dtype=tl.float32)
-    b_u = tl.zeros([BI, BH], dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        o_h = h0 + tl.arange(0, BH)
-        m_h = o_h < H
-        b_x = tl.load(p_x + (pair // TOPK) * s_x + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
-        m_w = m_i[:, None] & m_h[None, :]
-        b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
-        b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
-    g, u = tl.sum(b_g, 1), tl.sum(b_u, 1)
-    tl.store(p_h + pair * I + o_i, (g * tl.sigmoid(g) * u).to(p_h.dtype.element_ty), mask=m_i)
-
-
-@triton.jit
-def _dn_direct(p_h, p_idx, p_w, p_dn, p_y, H, I, s_de, s_dr, BO: tl.constexpr, BI: tl.constexpr):
-    i_p, i_o = tl.program_id(0), tl.program_id(1)
-    e = tl.load(p_idx + i_p).to(tl.int64)
-    pair = i_p.to(tl.int64)
-    o_o = i_o * BO + tl.arange(0, BO)
-    m_o = o_o < H
-    p_d = p_dn + e * s_de + o_o[:, None].to(tl.int64) * s_dr
-    b_y = tl.zeros([BO, BI], dtype=tl.float32)
-    for i0 in range(0, I, BI):
-        o_i = i0 + tl.arange(0, BI)
-        m_i = o_i < I
-        b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
-        b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_h
-    tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
-
-
 def moe(N=1, L=12):
     E, I, H, k = 256, 512, 2048, 8
     gus = [torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
@@ -104,18 +62,12 @@ def moe(N=1, L=12):
                              (16, 512, 4, 3), (8, 1024, 4, 2), (4, 1024, 2, 2), (16, 512, 8, 3), (32, 128, 4, 4)]:
         f = lambda: [K._moe_gate_up_pair_kernel[(P, K._cdiv(I, BI))](x, idx, order, off, gus[l], h, H, I, x.stride(0),
                      gus[l].stride(0), gus[l].stride(1), TOPK=k, BI=BI, BH=BH, num_warps=nw, num_stages=ns) for l in range(L)]
-        t = graph_time(f); res[f"gu leader BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
-        f = lambda: [_gu_direct[(P, K._cdiv(I, BI))](x, idx, gus[l], h, H, I, x.stride(0),
-                     gus[l].stride(0), gus[l].stride(1), TOPK=k, BI=BI, BH=BH, num_warps=nw, num_stages=ns) for l in range(L)]
-        t = graph_time(f); res[f"gu direct BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
+        t = graph_time(f); res[f"gate/up BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
     for (BO, BI, nw, ns) in [(8, 512, 8, 4), (4, 512, 4, 2), (8, 256, 4, 3), (32, 256, 8, 2), (16, 512, 4, 2), (8, 512, 4, 2),
                              (2, 512, 2, 2), (4, 512, 2, 2), (4, 256, 2, 3), (16, 128, 2, 3), (32, 512, 8, 1), (16, 256, 4, 2)]:
         f = lambda: [K._moe_down_pair_kernel[(P, K._cdiv(H, BO))](h, idx, order, off, w, dns[l], y, H, I,
                      dns[l].stride(0), dns[l].stride(1), BO=BO, BI=BI, num_warps=nw, num_stages=ns) for l in range(L)]
-        t = graph_time(f); res[f"dn leader BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
-        f = lambda: [_dn_direct[(P, K._cdiv(H, BO))](h, idx, w, dns[l], y, H, I,
-                     dns[l].stride(0), dns[l].stride(1), BO=BO, BI=BI, num_warps=nw, num_stages=ns) for l in range(L)]
-        t = graph_time(f); res[f"dn direct BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
+        t = graph_time(f); res[f"down BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
     f = lambda: [K._moe_group_kernel[(E,)](idx, order, off, P, BP=K._p2(P), num_warps=4) for l in range(L)]
     res["group"] = graph_time(f) / L
     print(f"== MoE N={N} (35B: E=256 I=512 H=2048 k=8): us per layer, TB/s of expert weights")

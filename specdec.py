@@ -615,8 +615,11 @@ class Ctx:
     no_write: "torch.Tensor | None" = field(init=False, default=None)  # verify: [B] zeros, the GDN kernels' n_keep
 
     def __post_init__(self):
-        if self.mode == "verify":  # a verify leaves the GDN states as they are: made once a step, not once a layer
-            self.no_write = torch.zeros(self.slots.shape[0], dtype=torch.long, device=self.slots.device)
+        # A verify leaves the GDN states as they are (n_keep = 0). The zeros are the state's own, allocated once: a
+        # tensor made here would die with the Ctx, and a CUDA graph captured with this Ctx would then read freed
+        # memory on every replay (in 0d2d4b3 it did: garbage n_keep, illegal memory accesses on the H200).
+        if self.mode == "verify":
+            self.no_write = self.state.keep_none[:self.slots.shape[0]]
 
 
 
@@ -870,6 +873,7 @@ class State:
         S = num_slots + 1
         self.dummy_slot, self.max_len = num_slots, max_len
         self.kv, self.conv, self.rec, self.stash = {}, {}, {}, {}
+        self.keep_none = torch.zeros(S, dtype=torch.long, device=device)  # n_keep = 0 per row: a verify (Ctx)
         kv_shape = (S, max_len, cfg.num_key_value_heads, cfg.head_dim)
         ids = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] + (["mtp"] if mtp else [])
         for i in ids:
@@ -1230,6 +1234,7 @@ class KVCache:
         self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for i in range(c.num_hidden_layers)}
         self.conv, self.rec, self.stash, self.dummy_slot, self.max_len = {}, {}, {}, num_slots, max_len
+        self.keep_none = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # as State's
 
     def reset(self, slot):
         pass

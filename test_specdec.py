@@ -2523,6 +2523,76 @@ def test_gpu_async_graphs_equal_eager(cfg, ckpts):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-4 for t in a)
 
 
+class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Stands in for CUDA-graph capture on the CPU: records the storages that ops inside any capture read but that
+    were allocated outside every capture. A real graph keeps only raw pointers to those, so each must outlive the
+    capture, or every replay reads freed (and soon reused) memory - what broke every speculative method on the H200
+    in 0d2d4b3 (a verify's n_keep zeros made by the Ctx, which died after the capture)."""
+    def __init__(self):
+        super().__init__()
+        self.pool, self.outside, self.dead = {}, {}, []  # storage id -> weak ref (made in a capture: the graph
+        # pool) or (weak ref, what read it) (made outside); ids of freed storages can be reused, hence the refs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        kwargs = kwargs or {}
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            sid = t.untyped_storage()._cdata
+            if sid in self.pool and not self.pool[sid].expired():
+                continue
+            if sid in self.outside and not self.outside[sid][0].expired():
+                continue
+            if sid in self.outside:  # freed, and its id now names another storage
+                self.dead.append(self.outside[sid][1])
+            what = f"{func} reads {str(t.dtype)[6:]}{list(t.shape)}"
+            self.outside[sid] = (StorageWeakRef(t.untyped_storage()), what)
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                sid = t.untyped_storage()._cdata
+                if not (sid in self.outside and not self.outside[sid][0].expired()):
+                    self.pool[sid] = StorageWeakRef(t.untyped_storage())
+        return out
+
+    def freed(self):
+        import gc
+        gc.collect()
+        return sorted(set(self.dead) | {what for ref, what in self.outside.values() if ref.expired()})
+
+
+@pytest.mark.parametrize("cfg", ASYNC_CONFIGS + ["draft_qwen3"],
+                         ids=lambda c: c if isinstance(c, str) else (c or {}).get("method", "off"))
+def test_graph_inputs_outlive_capture(cfg, ckpts, monkeypatch):
+    """Every tensor a captured graph reads (target decode / verify / commit, every drafter graph) is owned by
+    something that lives as long as the graph. Runs the engine's capture paths on the CPU with torch.cuda's graph
+    API replaced by CaptureRecorder (replays do nothing: only the captures are checked, not the outputs)."""
+    rec = CaptureRecorder()
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        with rec:
+            yield
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
+    llm = LLM(model=ckpts["target"], device="cpu", max_num_seqs=2, speculative_config=spec)
+    llm.engine.graphs = sd.GraphRunner(llm.engine)
+    llm.generate(SPEC_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(llm.engine.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
+    assert rec.outside, "nothing was recorded"
+    assert rec.freed() == [], "captured graphs read tensors freed after their capture"
+
+
 def test_warmup_leaves_no_trace(tiny):
     """LLM.warmup (the server calls it at start-up to capture every graph) runs dummy requests through every batch
     bucket, then resets the counters: what follows is as if it had not run."""

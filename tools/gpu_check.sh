@@ -1,11 +1,53 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then benchmark commands (each argument is one `bench.py` argument string).
+# The GPU gate: one device call on the H200, under 8 minutes. A change to kernels.py or specdec.py lands only with
+# a GPU_VERIFIED that this script wrote for exactly those files (README, "Development").
+#   bash tools/gpu_check.sh            (in the repository root on the GPU machine; logs and GPU_VERIFIED under $OUT)
+# 1. the first-run snippet: MTP on the shipped model, bf16, CUDA graphs (64 tokens);
+# 2. every `gpu` test in test_specdec.py and every kernel test, compiled for the GPU (pytest -k "gpu or kernel");
+# 3. the losslessness sweep (tools/lossless_sweep.py): every method == speculation off on the shipped model.
+# On success it writes GPU_VERIFIED: date, GPU, versions, the summary lines, sha256 of kernels.py and specdec.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-[ -n "$GPU_TESTS" ] && timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q test_specdec.py -k "$GPU_TESTS" 2>&1 | tail -25 | tee $OUT/gpu_tests.log
-for args in "$@"; do
-  echo "=== bench $args" | tee -a $OUT/bench.log
-  eval timeout ${BENCH_TIMEOUT:-300} python3 bench.py $args 2>&1 | tail -14 | tee -a $OUT/bench.log
-done
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+hashes=$(sha256sum kernels.py specdec.py)             # the files as checked (before anything runs)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+versions=$(python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')")
+echo "$gpu; $versions"
+t0=$(date +%s); ok=1
+
+echo "== 1. snippet"
+timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/snippet.log" || ok=0
+from specdec import LLM, SamplingParams
+llm = LLM(model="models/toy", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+out = llm.generate(["def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"],
+                   SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0].outputs[0]
+print(repr(out.text))
+print(f"snippet: {len(out.token_ids)} tokens; {llm.get_metrics().summary()}")
+assert len(out.token_ids) == 64
+PY
+snippet=$(grep '^snippet:' "$OUT/snippet.log" | cut -c1-60)
+
+echo "== 2. pytest -k 'gpu or kernel'"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider test_specdec.py -k "gpu or kernel" \
+  > "$OUT/gpu_tests.log" 2>&1 || ok=0
+tail -15 "$OUT/gpu_tests.log"
+tests=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$OUT/gpu_tests.log" | tail -1 | tr -d '=' | xargs)
+
+echo "== 3. losslessness sweep"
+timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py > "$OUT/sweep.log" 2>&1 || ok=0
+grep -v '^{' "$OUT/sweep.log" | tail -20
+sweep=$(grep '^lossless sweep:' "$OUT/sweep.log")
+
+secs=$(( $(date +%s) - t0 ))
+summary="gpu_check: ${snippet:-snippet failed}; tests: ${tests:-none}; ${sweep:-sweep failed}; ${secs} s"
+echo "$summary"
+if [ $ok = 1 ] && [ -n "$sweep" ]; then
+  { echo "GPU-verified $(date -u +%Y-%m-%dT%H:%MZ) on $gpu ($versions)"
+    echo "$summary"
+    echo "$hashes"; } > GPU_VERIFIED
+  cp GPU_VERIFIED "$OUT/"
+  echo "PASS: GPU_VERIFIED written"
+else
+  echo "FAIL: no GPU_VERIFIED written"; exit 1
+fi

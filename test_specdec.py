@@ -2876,23 +2876,38 @@ def test_kernel_gemv_dispatch(gemv_calls):
     with pytest.raises(RuntimeError):                                              # mixed dtypes: F.linear refuses
         gemv(x, w.double())
     assert not gemv_calls
-    # the rule on CUDA (27B shapes, bf16; M = 1, 8): Triton where the H200 measurements say it wins
+    # the rule on CUDA without BATCH_INVARIANT (27B shapes, bf16; M = 1, 8): Triton where the H200 measurements
+    # say it wins
     shapes = [(34816, 5120), (5120, 17408), (16480, 5120), (248320, 5120), (5120, 6144), (14336, 5120)]
-    wins = {(N, Kin): [K._gemv_config(M, N, Kin, True, torch.bfloat16) is not None for M in (1, 8)] for N, Kin in shapes}
+    old, K.BATCH_INVARIANT = K.BATCH_INVARIANT, False
+    try:
+        wins = {(N, Kin): [K._gemv_config(M, N, Kin, True, torch.bfloat16) is not None for M in (1, 8)]
+                for N, Kin in shapes}
+        tiny = K._gemv_config(1, 64, 64, True, torch.bfloat16)
+    finally:
+        K.BATCH_INVARIANT = old
     assert wins == {(34816, 5120): [True, False], (5120, 17408): [True, True], (16480, 5120): [True, True],
                     (248320, 5120): [True, True], (5120, 6144): [True, False], (14336, 5120): [True, False]}
+    assert tiny is None                                                                # tiny: cuBLAS
+    # with BATCH_INVARIANT (the default): every bf16 / fp16 step of up to INVARIANT_ROWS rows, any shape
+    assert K.BATCH_INVARIANT
+    for M in (1, 8, 17, K.INVARIANT_ROWS):
+        assert K._gemv_config(M, 64, 64, True, torch.bfloat16) == "rows"
+    assert K._gemv_config(K.INVARIANT_ROWS + 1, 64, 64, True, torch.bfloat16) is None  # prefill: cuBLAS
     assert K._gemv_config(1, 248320, 5120, True, torch.float32) is None                # fp32: cuBLAS
-    assert K._gemv_config(1, 64, 64, True, torch.bfloat16) is None                     # tiny: cuBLAS
 
 
 @needs_cuda
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("N,Kin", [(5120, 17408), (248320, 5120)])                # 27B: MLP down, lm_head
 @pytest.mark.parametrize("M", [1, 8, 17])
-def test_kernel_gpu_gemv_27b(M, N, Kin, gemv_calls):
+def test_kernel_gpu_gemv_27b(M, N, Kin, invariant, gemv_calls, monkeypatch):
+    monkeypatch.setattr(K, "BATCH_INVARIANT", invariant)
     w = randn(N, Kin, g=gen(0), dtype=torch.bfloat16, scale=Kin ** -0.5)
     x = randn(M, Kin, g=gen(1), dtype=torch.bfloat16)
     y = fast(K.linear, x, w)                                                       # the measured rule picks Triton
-    assert len(gemv_calls) == 1 and gemv_calls[0][2] == (4 if Kin > N and M > 1 else 1)  # M = 1: unsplit
+    want = "rows" if invariant else (4 if Kin > N and M > 1 else 1)               # (M = 1: unsplit)
+    assert len(gemv_calls) == 1 and (gemv_calls[0] if invariant else gemv_calls[0][2]) == want
     exact_ = F.linear(x.float(), w.float())
     # bf16 inputs, fp32 accumulation, one bf16 rounding (~2^-9 relative): as close to exact as cuBLAS is
     assert y.dtype == torch.bfloat16 and rel(y, exact_) <= 4e-3 and rel(y, F.linear(x, w)) <= 6e-3
@@ -2909,6 +2924,179 @@ def test_kernel_gpu_gemv_27b(M, N, Kin, gemv_calls):
     graph.replay()
     assert torch.equal(yg, K.linear(x, w))
 
+
+# ==============================================================================================
+# Batch invariance: a decode / verify row gets the same bits whatever the batch and T (kernels.BATCH_INVARIANT)
+# ==============================================================================================
+# The kernels' tests compare a row alone (B = 1, T = 1: a decode token) with the same row inside a verify step
+# (T = 4) and inside batches of 2, 5 and 8 rows of other data, bit for bit. Through the interpreter on the CPU (fp32
+# dots) and, with the `gpu` tests, compiled in bf16 at the real models' shapes on the H200.
+
+@pytest.fixture
+def rowwise_dot(monkeypatch):
+    """The interpreter's tl.dot, one row at a time. It multiplies a tile with numpy's matmul, whose BLAS rounds a
+    row differently by its place in the tile (seen here: OpenBLAS sgemm); a GPU's MMA computes each row of a tile
+    alone. Row by row, the interpreter checks what the kernels control: tiles, key pieces and their merge order."""
+    import numpy as np
+    from triton.runtime import interpreter as I
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return I.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+    if not CUDA:
+        monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
+
+
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40), residual=False, seed=0):
+    """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
+    row 0 and as the last row of steps of M rows."""
+    g = gen(seed)
+    w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
+    x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
+    alone = fast(K._gemv_launch, x0, w, "rows", r0)
+    got = []
+    for M in sizes:
+        xs, rs = randn(M, Kin, g=g, dtype=dtype), randn(M, N, g=g, dtype=dtype) if residual else None
+        for at in (0, M - 1):
+            xs[at] = x0[0]
+            if residual:
+                rs[at] = r0[0]
+            got.append(fast(K._gemv_launch, xs, w, "rows", rs)[at:at + 1])
+    return w, x0, r0, alone, got
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (130, 1100)])              # small; tall (split-K); 2 splits
+def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
+    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, residual=residual, seed=N)
+    ref = F.linear(x0, w) + (r0 if residual else 0)
+    assert rel(alone, ref) <= TOL[torch.float32]
+    assert all(torch.equal(y, alone) for y in got)
+
+
+def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0):
+    """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
+    token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions."""
+    g = gen(seed)
+    S = 9
+    kc, vc = randn(S, L, nkv, d, g=g, dtype=dtype), randn(S, L, nkv, d, g=g, dtype=dtype)
+    q0 = randn(1, 1, nh, d, g=g, dtype=dtype)
+    slot0 = torch.tensor([4], device=DEV)
+    pos0 = torch.tensor([pos], device=DEV)
+    alone = fast(K.attention, q0, kc, vc, slot0, pos0, pos + 1)
+    got = [fast(K.attention, q0, kc, vc, slot0, pos0, L)]                          # a graph's kv_len
+    qv = torch.cat([q0, randn(1, 3, nh, d, g=g, dtype=dtype)], 1)                  # verify: [t0, d1, d2, d3]
+    got.append(fast(K.attention, qv, kc, vc, slot0, pos0, pos + 4)[:, :1])
+    for B, at in ((2, 1), (5, 3), (8, 7)):
+        qb = randn(B, 1, nh, d, g=g, dtype=dtype)
+        qb[at] = q0[0]
+        slots = torch.tensor([s for s in range(S) if s != 4][:B], device=DEV)
+        slots[at] = 4
+        posb = torch.randint(0, L - 8, (B,), generator=torch.Generator().manual_seed(seed)).to(DEV)
+        posb[at] = pos
+        got.append(fast(K.attention, qb, kc, vc, slots, posb, L)[at:at + 1])
+    return alone, got
+
+
+@needs_kernels
+@pytest.mark.parametrize("pos", [5, 300, 1100])                                    # 1, 1 and 3 key pieces
+def test_kernel_attention_invariant(pos, rowwise_dot):
+    alone, got = attention_rows_case(4, 2, 32, torch.float32, pos=pos, seed=pos)
+    assert torch.isfinite(alone).all() and all(torch.equal(y, alone) for y in got)
+
+
+def gdn_rows_case(Hk, Hv, dk, dv, dtype, seed=0):
+    """The GDN recurrence (gates inside) of one sequence: a decode step (T = 1) alone; token 0 of a T = 4 verify
+    (states untouched) then its commit of 2 tokens against two decode steps (the states, bit for bit); the decode
+    step as row 5 of a batch of 8. Returns (alone outputs, state after 1 and 2 decode steps, pairs to compare)."""
+    g = gen(seed)
+    T = 4
+    q, k = randn(1, T, Hk, dk, g=g, dtype=dtype), randn(1, T, Hk, dk, g=g, dtype=dtype)
+    v = randn(1, T, Hv, dv, g=g, dtype=dtype)
+    a, b = randn(1, T, Hv, g=g, dtype=dtype, scale=2), randn(1, T, Hv, g=g, dtype=dtype)
+    A_log, dt_bias = randn(Hv, g=g, scale=0.5), randn(Hv, g=g, dtype=dtype)
+    pool = randn(9, Hv, dk, dv, g=g, scale=0.3)
+    slot = torch.tensor([4], device=DEV)
+    run = lambda p, *x, **kw: fast(K.gdn_recurrent_gated, *x, A_log, dt_bias, p, kw.pop("slots", slot), **kw)
+    p1 = pool.clone()
+    o1 = run(p1, q[:, :1], k[:, :1], v[:, :1], a[:, :1], b[:, :1])                 # decode token 0
+    s1 = p1.clone()
+    run(p1, q[:, 1:2], k[:, 1:2], v[:, 1:2], a[:, 1:2], b[:, 1:2])                 # decode token 1
+    s2 = p1.clone()
+    pv = pool.clone()
+    ov = run(pv, q, k, v, a, b, n_keep=torch.zeros(1, dtype=torch.long, device=DEV))  # verify: outputs only
+    pairs = [(ov[:, :1], o1), (pv.clone(), pool)]
+    run(pv, q, k, v, a, b, n_keep=torch.tensor([2], device=DEV), outputs=False)    # the commit of 2 tokens
+    pairs.append((pv, s2))
+    B, at = 8, 5
+    qb, kb = randn(B, 1, Hk, dk, g=g, dtype=dtype), randn(B, 1, Hk, dk, g=g, dtype=dtype)
+    vb, ab, bb = (randn(B, 1, *t.shape[2:], g=g, dtype=dtype) for t in (v, a, b))
+    for t, t0 in ((qb, q), (kb, k), (vb, v), (ab, a), (bb, b)):
+        t[at] = t0[0, :1]
+    slots = torch.tensor([0, 1, 2, 3, 5, 4, 6, 7], device=DEV)                      # row 5 -> slot 4
+    pb = pool.clone()
+    ob = run(pb, qb, kb, vb, ab, bb, slots=slots)
+    pairs += [(ob[at:at + 1], o1), (pb[4], s1[4])]
+    return pairs
+
+
+@needs_kernels
+def test_kernel_gdn_invariant():
+    pairs = gdn_rows_case(2, 4, 16, 16, torch.float32, seed=3)
+    assert all(torch.equal(x, y) for x, y in pairs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,Kin", [(16480, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408),
+                                   (248320, 5120), (12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048),
+                                   (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
+def test_kernel_gpu_invariance_linear(N, Kin):
+    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 40 rows."""
+    _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("nh,nkv,d", [(24, 4, 256), (16, 2, 256), (4, 2, 64)])    # 27B, 35B-A3B, the toy
+@pytest.mark.parametrize("pos", [7, 700, 5000])
+def test_kernel_gpu_invariance_attention(nh, nkv, d, pos):
+    alone, got = attention_rows_case(nh, nkv, d, torch.bfloat16, pos=pos, L=6000, seed=pos)
+    assert torch.isfinite(alone).all() and all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("Hk,Hv,dk", [(16, 48, 128), (16, 32, 128), (2, 4, 64)])  # 27B, 35B-A3B, the toy
+def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
+    assert all(torch.equal(x, y) for x, y in gdn_rows_case(Hk, Hv, dk, dk, torch.bfloat16))
+
+
+def test_reference_logits_batch_invariant(tiny):
+    """The CPU reference path (fp32): a token's logits are the same bits as a decode token alone, as token 0 of a
+    T = 4 verify, and as a row of a batch of 3 decode tokens (the property speculation's losslessness rests on)."""
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=3)
+    m, st = llm.model, llm.engine.state
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 500, (3, 9), generator=g)
+    nxt = torch.randint(0, 500, (3, 4), generator=g)
+
+    def fresh():
+        with torch.inference_mode():
+            for s in range(3):
+                st.reset(s)
+                m(prompts[s:s + 1], sd.Ctx(st, torch.tensor([s]), torch.tensor([0]), 9, "prefill"))
+
+    def logits(ids, slots, mode):
+        with torch.inference_mode():
+            ctx = sd.Ctx(st, torch.tensor(slots), torch.full((len(slots),), 9), 9 + ids.shape[1], mode)
+            return m.logits(m(ids, ctx))
+    fresh()
+    alone = logits(nxt[1:2, :1], [1], "decode")[0, 0]
+    fresh()
+    verify = logits(nxt[1:2], [1], "verify")[0, 0]
+    fresh()
+    batch = logits(nxt[:, :1], [0, 1, 2], "decode")[1, 0]
+    assert torch.equal(verify, alone) and torch.equal(batch, alone)
 
 if __name__ == "__main__":
     import argparse

@@ -32,6 +32,9 @@ except ImportError:  # no Triton (e.g. macOS): the references serve everywhere
 USE_TRITON = True  # the Triton kernels on CUDA tensors; False: references everywhere
 INTERPRET = False  # tests: also take the Triton path on CPU tensors (needs TRITON_INTERPRET=1 at import)
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+# A kernel whose arguments T (tokens per row) must not be specialised: Triton compiles a separate kernel for an
+# integer argument equal to 1, so a decode step (T = 1) would run other machine code than a verify (T = k+1).
+_jit_any_T = triton.jit(do_not_specialize=["T"]) if triton is not None else (lambda fn: fn)
 
 
 def _fast(x):
@@ -240,7 +243,20 @@ BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"  # vLLM's v
 INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); longer steps (prefill chunks): cuBLAS
 
 
-ROWS_CONFIG = {}  # (N, K) -> the tiles _rows_config gives that weight shape (measured: tools/tile_sweep.py rows)
+# (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows on the
+# H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets). 27B:
+# in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5 (17.1, 18.6),
+# gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7 (550.9, 590.0); 35B-A3B:
+# in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5), shared down 3.2 (2.6),
+# lm_head 223.7 (221.1). At M = 128 (8 x 16-token verifies) every 16-row tile reads the weights again: 2.4-4x
+# cuBLAS's time - the price of invariance for big verify batches until one program serves several row tiles.
+ROWS_CONFIG = {
+    (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 3, 4, 4),
+    (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 3, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
+    (12352, 2048): (32, 128, 1, 4, 4), (9216, 2048): (32, 128, 1, 4, 4), (2048, 4096): (32, 128, 4, 4, 4),
+    (1281, 2048): (32, 256, 1, 4, 4), (2048, 512): (16, 256, 1, 4, 4), (248320, 2048): (64, 256, 1, 3, 4),
+    (776, 256): (16, 256, 1, 4, 4), (768, 256): (16, 256, 1, 4, 4), (256, 256): (16, 256, 1, 4, 4),
+    (2048, 256): (16, 256, 1, 4, 4), (256, 1024): (32, 128, 4, 4, 4), (8256, 256): (64, 64, 1, 5, 4)}
 
 
 def _rows_config(N, K, device):
@@ -639,7 +655,7 @@ def gdn_chunked_ref(q, k, v, g, beta, state_pool, slots, chunk=64):
     return out.transpose(1, 2).to(dtype)
 
 
-@_jit
+@_jit_any_T
 def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_slots, p_keep, p_o, T, scale,
                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_bb, s_bt,
                           HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -939,9 +955,9 @@ def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     return out
 
 
-@_jit
-def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, NSPLIT, CHUNK, qk_scale,
-                      s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh,
+@_jit_any_T
+def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, NSPLIT, qk_scale,
+                      s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, CHUNK: tl.constexpr,
                       NH: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     # program (b, kv head * NM + query tile, split). A query tile holds BM rows r = t * GROUP + g: the
@@ -1055,9 +1071,9 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
         ml = _empty((B * T * nh, nsplit, 2), torch.float32, q.device)
     dot = _dot_dtype(q)
     _attention_kernel[(B, nkv * NM, nsplit)](
-        q, k_cache, v_cache, slots, pos, o, part, ml, T, NM, nsplit, chunk, d ** -0.5 * math.log2(math.e),
+        q, k_cache, v_cache, slots, pos, o, part, ml, T, NM, nsplit, d ** -0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), CHUNK=chunk,
         NH=nh, GROUP=G, D=d, BD=_p2(d), BM=BM, BN=BN, SPLIT=nsplit > 1, DOT=dot,
         PREC="ieee" if dot == tl.float32 else "tf32",
         num_warps=8 if BM * _p2(d) >= 64 * 256 else 4, num_stages=2)

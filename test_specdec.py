@@ -3009,7 +3009,7 @@ def test_kernel_attention_invariant(pos, rowwise_dot):
 def gdn_rows_case(Hk, Hv, dk, dv, dtype, seed=0):
     """The GDN recurrence (gates inside) of one sequence: a decode step (T = 1) alone; token 0 of a T = 4 verify
     (states untouched) then its commit of 2 tokens against two decode steps (the states, bit for bit); the decode
-    step as row 5 of a batch of 8. Returns (alone outputs, state after 1 and 2 decode steps, pairs to compare)."""
+    step as row 5 of a batch of 8. Returns {what: (a, b)} of the tensors that must be equal."""
     g = gen(seed)
     T = 4
     q, k = randn(1, T, Hk, dk, g=g, dtype=dtype), randn(1, T, Hk, dk, g=g, dtype=dtype)
@@ -3026,9 +3026,9 @@ def gdn_rows_case(Hk, Hv, dk, dv, dtype, seed=0):
     s2 = p1.clone()
     pv = pool.clone()
     ov = run(pv, q, k, v, a, b, n_keep=torch.zeros(1, dtype=torch.long, device=DEV))  # verify: outputs only
-    pairs = [(ov[:, :1], o1), (pv.clone(), pool)]
+    pairs = {"verify token 0 == decode": (ov[:, :1], o1), "verify keeps the state": (pv.clone(), pool)}
     run(pv, q, k, v, a, b, n_keep=torch.tensor([2], device=DEV), outputs=False)    # the commit of 2 tokens
-    pairs.append((pv, s2))
+    pairs["commit of 2 == 2 decode steps"] = (pv, s2)
     B, at = 8, 5
     qb, kb = randn(B, 1, Hk, dk, g=g, dtype=dtype), randn(B, 1, Hk, dk, g=g, dtype=dtype)
     vb, ab, bb = (randn(B, 1, *t.shape[2:], g=g, dtype=dtype) for t in (v, a, b))
@@ -3037,14 +3037,15 @@ def gdn_rows_case(Hk, Hv, dk, dv, dtype, seed=0):
     slots = torch.tensor([0, 1, 2, 3, 5, 4, 6, 7], device=DEV)                      # row 5 -> slot 4
     pb = pool.clone()
     ob = run(pb, qb, kb, vb, ab, bb, slots=slots)
-    pairs += [(ob[at:at + 1], o1), (pb[4], s1[4])]
+    pairs["batch row == alone"] = (ob[at:at + 1], o1)
+    pairs["batch state == alone"] = (pb[4], s1[4])
     return pairs
 
 
 @needs_kernels
 def test_kernel_gdn_invariant():
     pairs = gdn_rows_case(2, 4, 16, 16, torch.float32, seed=3)
-    assert all(torch.equal(x, y) for x, y in pairs)
+    assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
 
 
 @needs_cuda
@@ -3068,7 +3069,8 @@ def test_kernel_gpu_invariance_attention(nh, nkv, d, pos):
 @needs_cuda
 @pytest.mark.parametrize("Hk,Hv,dk", [(16, 48, 128), (16, 32, 128), (2, 4, 64)])  # 27B, 35B-A3B, the toy
 def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
-    assert all(torch.equal(x, y) for x, y in gdn_rows_case(Hk, Hv, dk, dk, torch.bfloat16))
+    pairs = gdn_rows_case(Hk, Hv, dk, dk, torch.bfloat16)
+    assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
 
 
 def test_reference_logits_batch_invariant(tiny):

@@ -14,10 +14,13 @@ update per engine step that gave the request tokens, pushed by Request.on_update
 engine thread sleeps on its inbox only when it has no work and never waits on a client. A client that goes
 away (a failed write, or a closed socket noticed while waiting) puts ("abort", job) on the inbox: its slot is
 free by the next step.
+
+Bad input. Every field is bounded here, with vLLM's messages, so nothing out of range reaches the engine.
 """
 import argparse
 import hmac
 import json
+import math
 import queue
 import select
 import socket
@@ -34,6 +37,7 @@ from specdec import ConfigError, SamplingParams, add_engine_args, apply_chat_tem
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_BODY = 1 << 26  # bytes of one request body
+INT64 = 1 << 63  # seeds are signed 64-bit, as in vLLM's protocol
 
 
 # ==============================================================================================
@@ -60,13 +64,32 @@ JSON_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool
               "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict)}
 
 
+def short(v):
+    """A value for an error message: a 10**400 sent as `top_k` is not echoed whole."""
+    s = json.dumps(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
 def get(body, name, kind, default=None):
     """body[name] checked against a JSON type; absent or null gives `default`."""
     v = body.get(name)
     if v is None:
         return default
     if not JSON_TYPES[kind](v):
-        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {json.dumps(v)[:40]}", name)
+        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {short(v)}", name)
+    return v
+
+
+FINITE = (lambda v: abs(v) < math.inf, "must be a finite number")  # JSON's 1e999 parses to inf
+
+
+def checked(body, name, kind, default, *rules):
+    """get(), then each (test, "must be ...") rule in order, failing as vLLM's SamplingParams does:
+    "<name> must be ..., got <value>." """
+    v = get(body, name, kind, default)
+    for test, rule in rules if v is not None else ():
+        if not test(v):
+            raise bad(f"{name} {rule}, got {short(v)}.", name)
     return v
 
 
@@ -78,44 +101,86 @@ def parse_json(raw, headers):
         raise ValueError(f"{c} is not valid JSON")
     try:
         body = json.loads(raw, parse_constant=no_nan)
-    except (ValueError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # also bytes that are not UTF-8, integers of over 4300 digits
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
 
 
-# OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (other unknown fields: ignored)
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-               "best_of": 1, "logit_bias": {}, "suffix": "", "include_stop_str_in_output": False,
-               "skip_special_tokens": True, "continue_final_message": False, "tools": [],
-               "response_format": {"type": "text"}, "prompt_embeds": None}
+# OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (others: ignored)
+UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
+               "min_tokens": 0, "best_of": 1, "logit_bias": {}, "suffix": "",
+               "include_stop_str_in_output": False, "skip_special_tokens": True,
+               "continue_final_message": False, "tools": [], "response_format": {"type": "text"},
+               "prompt_embeds": None}
+# ... the numeric ones after vLLM's own range checks (so an out-of-range value gets vLLM's message)
+PENALTY = (lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+UNSUPPORTED_RANGES = {
+    "presence_penalty": ("number", PENALTY), "frequency_penalty": ("number", PENALTY),
+    "repetition_penalty": ("number", FINITE, (lambda v: v > 0, "must be greater than zero")),
+    "min_p": ("number", (lambda v: 0 <= v <= 1, "must be in [0, 1]")),
+    "min_tokens": ("integer", (lambda v: v >= 0, "must be greater than or equal to 0")),
+    "best_of": ("integer", (lambda v: v >= 1, "must be at least 1"))}
 
 
-def sampling_params(body, max_tokens, logprobs, logprobs_field):
+def max_tokens_field(body, name, default):
+    return checked(body, name, "integer", default, (lambda v: v >= 1, "must be at least 1"))
+
+
+def logprobs_count(body, name, vocab):
+    """`logprobs` (completions) or `top_logprobs` (chat) as vLLM reads it: -1 asks for the whole vocabulary,
+    and no more than --max-logprobs (and the vocabulary) may be asked for."""
+    v = get(body, name, "integer")
+    if v is None:
+        return None
+    if v < -1:
+        raise bad(f"`{name}` must be a positive value or -1.", name)
+    n, most = vocab if v == -1 else v, min(MAX_LOGPROBS, vocab)
+    if n > most:
+        raise bad(f"Requested sample logprobs of {short(n)}, which is greater than max allowed: {most}", name)
+    return n
+
+
+def sampling_params(body, max_tokens, logprobs, vocab):
+    """The sampling fields, each bounded as vLLM bounds it (sampling_params.py and the OpenAI protocol), so
+    nothing out of range reaches the engine: a bad value is a 400 here, never a failure inside a step."""
+    for name, (kind, *rules) in UNSUPPORTED_RANGES.items():
+        checked(body, name, kind, None, *rules)
     for name, ok in UNSUPPORTED.items():
         if body.get(name) not in (None, ok):
             raise bad(f"'{name}' is not supported by this server (only {json.dumps(ok)} is accepted)", name)
-    if get(body, "n", "integer", 1) != 1:
+    if checked(body, "n", "integer", 1, (lambda v: v >= 1, "must be at least 1")) != 1:
         raise bad("only n=1 is supported", "n")
+    temperature = checked(body, "temperature", "number", 1.0, FINITE,
+                          (lambda v: v >= 0, "must be non-negative"), (lambda v: v <= 2, "must be in [0, 2]"))
+    top_p = checked(body, "top_p", "number", 1.0, (lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    top_k = checked(body, "top_k", "integer", -1, (lambda v: v >= -1, "must be 0 (disable), or at least 1"))
+    top_k = -1 if top_k == 0 or top_k >= vocab else top_k  # 0 and any k >= the vocabulary keep every token
+    seed = get(body, "seed", "integer")
+    if seed is not None and not -INT64 <= seed < INT64:  # vLLM: a pydantic bound, with pydantic's message
+        raise bad(f"seed: Input should be less than or equal to {INT64 - 1}" if seed > 0 else
+                  f"seed: Input should be greater than or equal to {-INT64}", "seed")
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("'stop' must be a string or a list of strings", "stop")
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(JSON_TYPES["integer"](t) for t in ids)):
         raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad(f"'{logprobs_field}' must be between 0 and {MAX_LOGPROBS}, got {logprobs}", logprobs_field)
+    if ids and not all(0 <= t < vocab for t in ids):
+        wrong = short([t for t in ids if not 0 <= t < vocab])
+        raise bad(f"token_id(s) {wrong} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+                  f"{vocab}", "stop_token_ids")
     try:
-        return SamplingParams(temperature=get(body, "temperature", "number", 1.0), max_tokens=max_tokens,
-                              top_p=get(body, "top_p", "number", 1.0), top_k=get(body, "top_k", "integer", -1),
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
                               stop=[s for s in stop or [] if s], stop_token_ids=ids, logprobs=logprobs,
-                              ignore_eos=get(body, "ignore_eos", "boolean", False), seed=get(body, "seed", "integer"))
+                              ignore_eos=get(body, "ignore_eos", "boolean", False),
+                              seed=None if seed == -1 else seed)  # vLLM: seed -1 means none
     except ConfigError as e:  # "temperature must be ...": the first word names the field
         raise bad(str(e), str(e).split()[0]) from None
 
 
-def parse_completion(tok, body):
+def parse_completion(tok, body, vocab):
     """A /v1/completions body -> (prompt ids, echo text, SamplingParams)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -127,17 +192,17 @@ def parse_completion(tok, body):
     elif isinstance(prompt, list) and all(JSON_TYPES["integer"](t) for t in prompt):
         ids, prompt = prompt, None
     else:
-        raise bad("'prompt' is required" if prompt is None else "'prompt' must be a string or a list of token ids",
-                  "prompt")
-    logprobs, echo = get(body, "logprobs", "integer"), get(body, "echo", "boolean", False)
+        raise bad("'prompt' is required" if prompt is None else
+                  "'prompt' must be a string or a list of token ids", "prompt")
+    logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
     if echo and logprobs is not None:
         raise bad("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     echo = (tok.decode(ids) if prompt is None else prompt) if echo else ""
-    max_tokens = get(body, "max_tokens", "integer") if "max_tokens" in body else 16
-    return ids, echo, sampling_params(body, max_tokens, logprobs, "logprobs")
+    max_tokens = max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
+    return ids, echo, sampling_params(body, max_tokens, logprobs, vocab)
 
 
-def parse_chat(tok, body):
+def parse_chat(tok, body, vocab):
     """A /v1/chat/completions body -> (prompt ids, "" (no echo), SamplingParams)."""
     msgs = body.get("messages")
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -149,12 +214,14 @@ def parse_chat(tok, body):
                                      bool(kwargs.get("enable_thinking", True)))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad(f"invalid messages: {e}", "messages") from None
-    max_tokens = get(body, "max_completion_tokens", "integer")
-    max_tokens = get(body, "max_tokens", "integer") if max_tokens is None else max_tokens  # None: up to the context
+    max_tokens = max_tokens_field(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = max_tokens_field(body, "max_tokens", None)  # None: up to the context
     want, top = get(body, "logprobs", "boolean", False), get(body, "top_logprobs", "integer")
-    if top is not None and not want:
+    if top is not None and (top == -1 or top > 0) and not want:
         raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    return tok.encode(prompt), "", sampling_params(body, max_tokens, (top or 0) if want else None, "top_logprobs")
+    top = logprobs_count(body, "top_logprobs", vocab)
+    return tok.encode(prompt), "", sampling_params(body, max_tokens, (top or 0) if want else None, vocab)
 
 
 # ==============================================================================================
@@ -463,11 +530,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def completions(self, app, raw):
         body = app.check_model(parse_json(raw, self.headers))
-        self.generate(app, body, *parse_completion(app.tokenizer, body), chat=False)
+        self.generate(app, body, *parse_completion(app.tokenizer, body, app.vocab), chat=False)
 
     def chat(self, app, raw):
         body = app.check_model(parse_json(raw, self.headers))
-        self.generate(app, body, *parse_chat(app.tokenizer, body), chat=True)
+        self.generate(app, body, *parse_chat(app.tokenizer, body, app.vocab), chat=True)
 
     def generate(self, app, body, ids, echo, params, chat):
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
@@ -564,7 +631,7 @@ class App:
     """What the handlers share: the model, its name, the engine loop and the metrics."""
 
     def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64):
-        self.llm, self.tokenizer, self.api_key = llm, llm.tokenizer, api_key
+        self.llm, self.tokenizer, self.api_key, self.vocab = llm, llm.tokenizer, api_key, llm.cfg.vocab_size
         self.name, self.created = served_model_name or llm.model_path, int(time.time())
         self.metrics = Metrics(self.name, llm.spec.num_speculative_tokens if llm.spec else 0)
         self.loop = EngineLoop(llm, max_queue, self.metrics)

@@ -1548,7 +1548,6 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
-    ("/v1/completions", {"prompt": "x", "top_k": 0}, 400, "top_k", "top_k"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=1"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
@@ -1561,7 +1560,9 @@ BAD = [  # (path, body, status, param or None, message fragment)
      "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream=True"),
-    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "between"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -2}, 400, "logprobs", "`logprobs` must be a positive value or -1."),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs",  # -1: the whole vocabulary, above 20
+     "Requested sample logprobs of 1024, which is greater than max allowed: 20"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
@@ -1742,6 +1743,106 @@ def test_bad_startup_is_one_line(tiny_model, tmp_path):
         lines = p.stderr.strip().splitlines()
         assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
 
+
+# ==============================================================================================
+# Bad input: every numeric field bounded at the API boundary (issue 22)
+# ==============================================================================================
+
+BIG = 10 ** 20  # past int64: it once reached the engine and killed it ("Overflow when unpacking long long")
+CHAT = [{"role": "user", "content": "x"}]
+CORPUS = [  # (class, path, body, status, param, message fragment or None); each must leave /health at 200
+    ("top_k beyond int64", "/v1/completions", {"top_k": BIG}, 200, None, None),  # as vLLM: no filter
+    ("top_k 0 disables (vLLM)", "/v1/completions", {"top_k": 0}, 200, None, None),
+    ("top_k hugely negative", "/v1/completions", {"top_k": -BIG}, 400, "top_k", "0 (disable), or at least 1"),
+    ("top_k not an integer", "/v1/completions", {"top_k": 1.5}, 400, "top_k", "must be an integer"),
+    ("seed beyond int64", "/v1/completions", {"seed": BIG}, 400, "seed", "less than or equal to 9223372036854775807"),
+    ("seed at 2**63", "/v1/completions", {"seed": 2 ** 63}, 400, "seed", "less than or equal to"),
+    ("seed below int64", "/v1/completions", {"seed": -BIG}, 400, "seed",
+     "greater than or equal to -9223372036854775808"),
+    ("seed int64 max", "/v1/completions", {"seed": 2 ** 63 - 1}, 200, None, None),
+    ("seed int64 min", "/v1/completions", {"seed": -2 ** 63}, 200, None, None),
+    ("seed -1 is none (vLLM)", "/v1/completions", {"seed": -1}, 200, None, None),
+    ("seed as a string", "/v1/completions", {"seed": "7"}, 400, "seed", "must be an integer"),
+    ("temperature inf (1e999)", "/v1/completions", {"temperature": 1e999}, 400, "temperature",
+     "temperature must be a finite number, got Infinity."),
+    ("temperature -inf", "/v1/completions", {"temperature": -1e999}, 400, "temperature", "finite number"),
+    ("temperature huge integer", "/v1/completions", {"temperature": 10 ** 400}, 400, "temperature",
+     "must be in [0, 2]"),
+    ("temperature above 2", "/v1/completions", {"temperature": 2.5}, 400, "temperature", "must be in [0, 2]"),
+    ("temperature 2", "/v1/completions", {"temperature": 2}, 200, None, None),
+    ("temperature negative", "/v1/completions", {"temperature": -0.1}, 400, "temperature", "non-negative"),
+    ("top_p inf", "/v1/completions", {"top_p": 1e999}, 400, "top_p", "must be in (0, 1]"),
+    ("top_p huge integer", "/v1/completions", {"top_p": 10 ** 400}, 400, "top_p", "must be in (0, 1]"),
+    ("max_tokens beyond int64", "/v1/completions", {"max_tokens": BIG}, 400, None, "maximum context length"),
+    ("max_tokens hugely negative", "/v1/completions", {"max_tokens": -BIG}, 400, "max_tokens", "at least 1"),
+    ("max_tokens not an integer", "/v1/completions", {"max_tokens": 2.5}, 400, "max_tokens", "must be an integer"),
+    ("max_tokens null is the default", "/v1/completions", {"max_tokens": None}, 200, None, None),
+    ("max_completion_tokens huge", "/v1/chat/completions", {"max_completion_tokens": BIG}, 400, None,
+     "maximum context length"),
+    ("max_completion_tokens 0", "/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "at least 1"),
+    ("logprobs beyond int64", "/v1/completions", {"logprobs": BIG}, 400, "logprobs", "greater than max allowed: 20"),
+    ("logprobs 21", "/v1/completions", {"logprobs": 21}, 400, "logprobs", "greater than max allowed: 20"),
+    ("logprobs 20", "/v1/completions", {"logprobs": 20}, 200, None, None),
+    ("logprobs hugely negative", "/v1/completions", {"logprobs": -BIG}, 400, "logprobs", "positive value or -1"),
+    ("top_logprobs huge", "/v1/chat/completions", {"logprobs": True, "top_logprobs": BIG}, 400, "top_logprobs",
+     "greater than max allowed"),
+    ("top_logprobs negative", "/v1/chat/completions", {"logprobs": True, "top_logprobs": -5}, 400, "top_logprobs",
+     "`top_logprobs` must be a positive value or -1."),
+    ("top_logprobs 0 alone (vLLM)", "/v1/chat/completions", {"top_logprobs": 0}, 200, None, None),
+    ("n 0", "/v1/completions", {"n": 0}, 400, "n", "n must be at least 1, got 0."),
+    ("n beyond int64", "/v1/completions", {"n": BIG}, 400, "n", "only n=1"),
+    ("presence_penalty inf", "/v1/completions", {"presence_penalty": 1e999}, 400, "presence_penalty",
+     "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty -3", "/v1/completions", {"frequency_penalty": -3}, 400, "frequency_penalty", "[-2, 2]"),
+    ("presence_penalty in range", "/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty",
+     "not supported"),
+    ("presence_penalty 0", "/v1/completions", {"presence_penalty": 0}, 200, None, None),
+    ("repetition_penalty inf", "/v1/completions", {"repetition_penalty": 1e999}, 400, "repetition_penalty",
+     "finite number"),
+    ("repetition_penalty 0", "/v1/completions", {"repetition_penalty": 0}, 400, "repetition_penalty",
+     "greater than zero"),
+    ("min_p 2", "/v1/completions", {"min_p": 2}, 400, "min_p", "min_p must be in [0, 1], got 2."),
+    ("min_tokens negative", "/v1/completions", {"min_tokens": -BIG}, 400, "min_tokens", "greater than or equal to 0"),
+    ("best_of 0", "/v1/completions", {"best_of": 0}, 400, "best_of", "at least 1"),
+    ("stop_token_ids beyond int64", "/v1/completions", {"stop_token_ids": [BIG]}, 400, "stop_token_ids",
+     "out-of-vocab token ids. Vocabulary size: 1024"),
+    ("stop_token_ids negative", "/v1/completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids", "out-of-vocab"),
+    ("prompt token beyond int64", "/v1/completions", {"prompt": [BIG]}, 400, None, "out of range"),
+    ("prompt token negative", "/v1/completions", {"prompt": [-1]}, 400, None, "out of range"),
+    ("echo of a token out of range", "/v1/completions", {"prompt": [BIG], "echo": True}, 400, None, "out of range"),
+    ("echo as a number", "/v1/completions", {"echo": 1}, 400, "echo", "must be a boolean"),
+    ("stream as a string", "/v1/completions", {"stream": "yes"}, 400, "stream", "must be a boolean"),
+]
+RAW_CORPUS = [  # (class, raw body, fragment): bodies json.dumps cannot write; all 400
+    ("NaN literal", b'{"prompt": "x", "temperature": NaN}', "not valid JSON"),
+    ("Infinity literal", b'{"prompt": "x", "top_p": -Infinity}', "not valid JSON"),
+    ("integer of 5000 digits", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    ("nesting 100000 deep", b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+    ("bytes that are not UTF-8", b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+]
+
+
+def test_bad_input_corpus_leaves_the_server_healthy(srv):
+    assert len(CORPUS) + len(RAW_CORPUS) >= 50
+    for name, path, fields, want, param, fragment in CORPUS:
+        base = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+        raw = json.dumps({**base, "max_tokens": 2, **fields}).replace("Infinity", "1e999")  # valid JSON, read as inf
+        status, _, data = srv.request("POST", path, raw, {"Content-Type": "application/json"})
+        body = json.loads(data)
+        if want == 200:
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, (name, body)
+        else:
+            check_error(status, body, want, param, fragment)
+        assert srv.request("GET", "/health")[0] == 200, name
+    for name, raw, fragment in RAW_CORPUS:
+        status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
+        check_error(status, json.loads(data), 400, None, fragment)
+        assert srv.request("GET", "/health")[0] == 200, name
+    # a top_k past the vocabulary keeps every token: the same seeded sample as no top_k at all
+    body = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    same = [srv.post("/v1/completions", dict(body, top_k=k))[1]["choices"][0]["text"] for k in (BIG, -1, 1024)]
+    assert same[0] == same[1] == same[2]
 
 
 # ==============================================================================================

@@ -15,12 +15,16 @@ engine thread sleeps on its inbox only when it has no work and never waits on a 
 away (a failed write, or a closed socket noticed while waiting) puts ("abort", job) on the inbox: its slot is
 free by the next step.
 
-Bad input. Every field is bounded here, with vLLM's messages, so nothing out of range reaches the engine.
+Faults. Every field is bounded here, with vLLM's messages, so nothing out of range reaches the engine. If a
+step raises anyway, the requests it was serving end with a 500 and the others go on; a device fault (a CUDA
+error: the context is lost) makes the process say so in one line and exit non-zero, for a supervisor to
+restart it.
 """
 import argparse
 import hmac
 import json
 import math
+import os
 import queue
 import select
 import socket
@@ -32,6 +36,8 @@ import uuid
 from collections import namedtuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+import torch
 
 from specdec import ConfigError, SamplingParams, add_engine_args, apply_chat_template, llm_from_args
 
@@ -230,12 +236,12 @@ def parse_chat(tok, body, vocab):
 
 TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
-BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                  40.0, 80.0, 160.0, 640.0, 2560.0],
-           ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                 80.0],
-           E2E: [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                 960.0, 1920.0, 7680.0]}
+BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+           ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0],
+           E2E: [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0, 1920.0, 7680.0]}
 
 
 class Metrics:
@@ -245,8 +251,8 @@ class Metrics:
         esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         self.labels, self.k, self.lock = f'model_name="{esc}",engine="0"', num_spec_tokens, threading.Lock()
         self.running = self.waiting = self.prompt_tokens = self.generation_tokens = 0
-        self.success = dict.fromkeys(("stop", "length", "abort"), 0)
-        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, count
+        self.success = dict.fromkeys(("stop", "length", "abort", "error"), 0)
+        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, n
         self.spec = (0, 0, 0, [0] * self.k)  # drafts, draft tokens, accepted tokens, accepted per position
 
     def _observe(self, name, v):
@@ -274,11 +280,12 @@ class Metrics:
         spec = (eng.stats.num_drafts, eng.stats.num_draft_tokens, eng.stats.num_accepted_tokens,
                 per_pos + [0] * (self.k - len(per_pos)))
         with self.lock:
-            self.running, self.waiting, self.spec = sum(r is not None for r in eng.slots), len(eng.waiting), spec
+            self.running, self.waiting = sum(r is not None for r in eng.slots), len(eng.waiting)
+            self.spec = spec
 
-    def count_abort(self):
+    def count_end(self, reason):  # ended by the server: "abort" (its client left) or "error" (it failed)
         with self.lock:
-            self.success["abort"] += 1
+            self.success[reason] += 1
 
     def render(self):
         out = []
@@ -305,7 +312,8 @@ class Metrics:
                 for what, v in zip(("drafts", "draft_tokens", "accepted_tokens"), self.spec):
                     family(f"vllm:spec_decode_num_{what}", "counter", f"Number of spec decoding {what}.",
                            [("_total", "", v)])
-                family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+                family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                       "Accepted tokens per draft position.",
                        [("_total", f',position="{i}"', v) for i, v in enumerate(self.spec[3])])
         return "\n".join(out) + "\n"
 
@@ -328,6 +336,13 @@ class Job:
         self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
 
 
+def device_fault(e):
+    """Whether `e` leaves the device unusable: a CUDA error (an illegal address, a device-side assert) poisons
+    the CUDA context, so no later step can succeed and only a new process helps. Anything else (a ValueError,
+    an out-of-memory error) is a fault of the requests being served."""
+    return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
+
+
 class EngineLoop:
     def __init__(self, llm, max_queue, metrics):
         self.engine, self.metrics, self.max_queue = llm.engine, metrics, max_queue
@@ -344,9 +359,9 @@ class EngineLoop:
             if self.dead:
                 raise ApiError(503, f"the engine has stopped ({self.dead})")
             if self.inflight >= self.engine.max_num_seqs + self.max_queue:
-                raise ApiError(503, f"the server is at capacity: {self.inflight} requests are running or waiting "
-                                    f"(--max-num-seqs {self.engine.max_num_seqs} + --max-queue {self.max_queue}); "
-                                    "retry later")
+                raise ApiError(503, f"the server is at capacity: {self.inflight} requests are running or "
+                                    f"waiting (--max-num-seqs {self.engine.max_num_seqs} + --max-queue "
+                                    f"{self.max_queue}); retry later")
             self.inflight += 1
             self.inbox.put(("add", job))
         kind, err = job.events.get()
@@ -365,25 +380,60 @@ class EngineLoop:
                 for kind, job in cmds + list(drain(self.inbox)):
                     self._add(job) if kind == "add" else self._abort(job)
                 if eng.has_work():
-                    eng.step()
+                    batch, waiting = [r for r in eng.slots if r is not None], list(eng.waiting)
+                    try:
+                        eng.step()
+                    except Exception as e:
+                        if device_fault(e):
+                            raise
+                        self._fail_step(e, batch, waiting)
                 self.metrics.after_step(eng)
-        except BaseException as e:
-            traceback.print_exc()
-            with self.lock:
-                self.dead = f"{type(e).__name__}: {e}"
-                pending = [job for kind, job in drain(self.inbox) if kind == "add"]
-            for job in list(self.live) + pending:
-                job.events.put(("error", ApiError(500, f"the engine failed: {self.dead}")))
+        except BaseException as e:  # a device fault, or a fault of this loop itself: nothing can go on
+            self._exit(e)
+
+    def _fail_step(self, e, batch, waiting):
+        """A step raised: end the requests it was serving with a 500, keep the rest. A step first admits
+        waiting requests one at a time (each prefilled into its own freshly reset slot, ending with its first
+        token), then runs one batched step for `batch`. An admitted request without a token failed in its own
+        prefill: it alone ends. Otherwise the batched step (or an admitted request's first token) failed, and
+        every request it touched ends: its state may be a part of a step ahead of its tokens, and going on
+        could silently give wrong tokens. Requests still waiting are untouched."""
+        traceback.print_exc()
+        admitted = [r for r in waiting if r.slot is not None]
+        failed = [r for r in admitted if not r.output_ids] or batch + admitted
+        err = ApiError(500, f"the engine failed while serving this request: {type(e).__name__}: {e}")
+        for job in [job for job in self.live if job.req in failed]:
+            self.engine.abort(job.req)
+            self.metrics.count_end("error")
+            self._release(job)
+            job.events.put(("error", err))
+
+    def _exit(self, e):
+        """An unrecoverable fault: answer every request in flight with a 500, say why in one line, and exit
+        non-zero so that a supervisor restarts the server (as vLLM's does) rather than it lingering at 503."""
+        traceback.print_exc()
+        with self.lock:
+            self.dead = f"{type(e).__name__}: {e}"
+            pending = [job for kind, job in drain(self.inbox) if kind == "add"]
+        for job in list(self.live) + pending:
+            job.events.put(("error", ApiError(500, f"the engine failed: {self.dead}")))
+        print(f"specdec server: fatal engine error, exiting: {' '.join(self.dead.split())}", file=sys.stderr,
+              flush=True)
+        time.sleep(0.5)  # the handlers' 500s go out
+        os._exit(1)
 
     def _add(self, job):
         try:
             job.req = self.engine.add_request(job.prompt_ids, job.params)
-        except Exception as e:  # ConfigError: too long for the context, a token id out of range, an empty prompt
+        except Exception as e:  # ConfigError: too long for the context, a token id out of range, no prompt
+            if device_fault(e):
+                raise
             if not isinstance(e, ConfigError):
                 traceback.print_exc()
             self._release(job)
-            return job.events.put(("error", bad(str(e)) if isinstance(e, ConfigError)
-                                   else ApiError(500, "internal server error; see the server log")))
+            err = bad(str(e)) if isinstance(e, ConfigError) else \
+                ApiError(500, f"the engine refused this request: {type(e).__name__}: {e}")
+            return job.events.put(("error", err))
         job.req.on_update = lambda req, n_new: self._on_update(job, req, n_new)
         self.live.add(job)
         job.events.put(("accepted", None))
@@ -400,7 +450,7 @@ class EngineLoop:
     def _abort(self, job):
         if not job.done:
             self.engine.abort(job.req)
-            self.metrics.count_abort()
+            self.metrics.count_end("abort")
             self._release(job)
 
     def _release(self, job):

@@ -1304,14 +1304,17 @@ def free_port():
 
 
 class Server:
-    def __init__(self, model, log_dir, *args):
+    def __init__(self, model, log_dir, *args, prelude=None):
+        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, f"server-{self.port}.log")
+        main = [os.path.join(ROOT, "server.py")] if prelude is None else \
+            ["-c", f"{prelude}\nimport sys, server\nsys.exit(server.main())"]
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--device",
-                                          "cpu", "--port", str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=ENV)
+            self.proc = subprocess.Popen([sys.executable, *main, "--model", model, "--device", "cpu", "--port",
+                                          str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=ENV)
         deadline = time.time() + 120
         while True:
             if self.proc.poll() is not None or time.time() > deadline:
@@ -1843,6 +1846,106 @@ def test_bad_input_corpus_leaves_the_server_healthy(srv):
     body = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     same = [srv.post("/v1/completions", dict(body, top_k=k))[1]["choices"][0]["text"] for k in (BIG, -1, 1024)]
     assert same[0] == same[1] == same[2]
+
+
+# ==============================================================================================
+# Fault isolation: faults injected into the engine of a server process
+# ==============================================================================================
+
+FAULTS = '''
+import specdec
+prefill, decode_step = specdec.Engine._prefill, specdec.Engine._decode_step
+marked = lambda req, mark: req.prompt_ids[:3] == [mark] * 3
+
+def _prefill(self, req):
+    if marked(req, 7):
+        raise RuntimeError("injected fault in a prefill")
+    return prefill(self, req)
+
+def _decode_step(self, reqs, *args):
+    if any(marked(r, 8) for r in reqs) and self.waiting:  # once another request waits for a slot
+        raise ValueError("injected fault in a batched step")
+    if any(marked(r, 9) for r in reqs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+    return decode_step(self, reqs, *args)
+
+specdec.Engine._prefill, specdec.Engine._decode_step = _prefill, _decode_step
+'''
+
+
+@pytest.fixture(scope="module")
+def srv_faulty(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", prelude=FAULTS)
+    yield s
+    s.stop()
+
+
+def test_device_fault_classification():
+    import server
+    assert server.device_fault(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert server.device_fault(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not server.device_fault(ValueError("Overflow when unpacking long long"))
+    assert not server.device_fault(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+def test_fault_in_one_prefill_leaves_the_others_running(srv_faulty):
+    s, errors = srv_faulty, lambda m: metric(m, "vllm:request_success_total", finished_reason="error")
+    before = wait_idle(s)
+    body = {"prompt": "the other request", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    conn, resp = open_stream(s, dict(body, stream_options={"include_usage": True}))
+    try:
+        first = resp.readline()
+        assert first.startswith(b"data: ")  # running
+        status, err = s.post("/v1/completions", {"prompt": [7, 7, 7, 1, 2], "max_tokens": 5})
+        check_error(status, err, 500, None, "RuntimeError: injected fault in a prefill")
+        assert s.request("GET", "/health")[0] == 200
+        events = sse_events(first + resp.read())
+    finally:
+        conn.close()
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == 200 and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert text == s.post("/v1/completions", body)[1]["choices"][0]["text"]  # untouched: the same greedy text
+    assert errors(wait_idle(s)) - errors(before) == 1
+
+
+def test_fault_in_a_batched_step_ends_its_batch_only(srv_faulty):
+    s, errors = srv_faulty, lambda m: metric(m, "vllm:request_success_total", finished_reason="error")
+    before = wait_idle(s)
+    long = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    streams = [open_stream(s, dict(long, prompt=p)) for p in ("running", [8, 8, 8, 1])]  # both slots
+    waiter = {}
+    thread = threading.Thread(target=lambda: waiter.update(r=s.post("/v1/completions", {"prompt": "waiting",
+                                                                                        "max_tokens": 8})))
+    try:
+        firsts = [resp.readline() for _, resp in streams]
+        assert all(first.startswith(b"data: ") for first in firsts)
+        thread.start()  # it waits for a slot; the marked request's next step then fails
+        for first, (_, resp) in zip(firsts, streams):  # the batch ends: an error event, [DONE] (as vLLM streams)
+            events = sse_events(first + resp.read())
+            assert "ValueError: injected fault in a batched step" in events[-1]["error"]["message"]
+            assert events[-1]["error"]["code"] == 500
+        thread.join(60)
+    finally:
+        for conn, _ in streams:
+            conn.close()
+    assert waiter["r"][0] == 200 and waiter["r"][1]["usage"]["completion_tokens"] == 8  # the waiting one went on
+    assert s.request("GET", "/health")[0] == 200
+    assert s.post("/v1/completions", {"prompt": "after", "max_tokens": 4})[1]["usage"]["completion_tokens"] == 4
+    assert errors(wait_idle(s)) - errors(before) == 2
+
+
+def test_device_fault_exits_the_process(tiny_model, tmp_path):
+    s = Server(tiny_model, str(tmp_path), prelude=FAULTS)
+    try:
+        status, err = s.post("/v1/completions", {"prompt": [9, 9, 9, 1], "max_tokens": 5})
+        check_error(status, err, 500, None, "CUDA error: an illegal memory access")
+        assert s.proc.wait(timeout=30) != 0  # a supervisor restarts it; it does not linger at 503
+    finally:
+        s.stop()
+    lines = [line for line in open(s.log).read().splitlines() if "fatal engine error" in line]
+    assert lines == ["specdec server: fatal engine error, exiting: RuntimeError: CUDA error: an illegal memory "
+                     "access was encountered (injected)"]
+
 
 
 # ==============================================================================================

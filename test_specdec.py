@@ -1594,12 +1594,12 @@ def test_errors_do_not_disturb_running_requests(srv):
     try:
         for path, body, status, param, fragment in BAD:
             check_error(*srv.post(path, body), status, param, fragment)
-        for raw, ctype, frag in ((b'{"prompt": "x",', "application/json", "not valid JSON"),
-                                 (b'["x"]', "application/json", "JSON object"),
-                                 (b'{"prompt": NaN}', "application/json", "not valid JSON"),
-                                 (b'{"prompt": "x"}', "text/plain", "application/json")):
+        for raw, ctype, want, frag in ((b'{"prompt": "x",', "application/json", 400, "not valid JSON"),
+                                       (b'["x"]', "application/json", 400, "JSON object"),
+                                       (b'{"prompt": NaN}', "application/json", 400, "not valid JSON"),
+                                       (b'{"prompt": "x"}', "text/plain", 415, "Only 'application/json'")):
             status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": ctype})
-            check_error(status, json.loads(data), 400, None, frag)
+            check_error(status, json.loads(data), want, None, frag)
         status, _, data = srv.request("GET", "/v1/nope")
         assert status == 404 and json.loads(data)["error"]["code"] == 404
         assert srv.request("GET", "/v1/completions")[0] == 405
@@ -1846,6 +1846,195 @@ def test_bad_input_corpus_leaves_the_server_healthy(srv):
     body = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     same = [srv.post("/v1/completions", dict(body, top_k=k))[1]["choices"][0]["text"] for k in (BIG, -1, 1024)]
     assert same[0] == same[1] == same[2]
+
+
+# ==============================================================================================
+# HTTP framing over a raw socket, read timeouts, the connection cap, half-closed clients
+# ==============================================================================================
+
+def raw_http(port, data, half_close=False, method=None, timeout=10):
+    """Send raw bytes; -> (status, headers, body) of the answer, parsed by http.client (which insists on a
+    status line and skips interim "100 Continue" answers)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        r = http.client.HTTPResponse(s, method=method)
+        r.begin()
+        return r.status, dict(r.getheaders()), r.read()
+
+
+def post_head(path="/v1/completions", length=None, extra="", ctype="application/json"):
+    n = "" if length is None else f"Content-Length: {length}\r\n"
+    t = "" if ctype is None else f"Content-Type: {ctype}\r\n"
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\n{t}{n}{extra}\r\n".encode()
+
+
+def check_http_error(answer, want, fragment=""):
+    status, headers, data = answer
+    err = json.loads(data)["error"]
+    assert status == want and err["code"] == want and fragment in err["message"], (status, err)
+    assert headers["Content-Type"] == "application/json"
+    return headers
+
+
+def test_http_framing(srv):
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for method in ("PUT", "DELETE", "OPTIONS", "PATCH"):
+        headers = check_http_error(raw_http(srv.port, f"{method} /v1/completions HTTP/1.1\r\n\r\n".encode()), 405)
+        assert headers["Allow"] == "POST"
+    assert check_http_error(raw_http(srv.port, post_head("/health", 0)), 405)["Allow"] == "GET, HEAD"
+    check_http_error(raw_http(srv.port, b"BREW /health HTTP/1.1\r\n\r\n"), 501, "BREW")
+    # HEAD where GET exists: the GET's headers, no body (the next answer on the connection parses cleanly)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"HEAD /v1/models HTTP/1.1\r\n\r\n")
+        head = http.client.HTTPResponse(s, method="HEAD")
+        head.begin()
+        assert head.status == 200 and int(head.getheader("Content-Length")) > 0 and head.read() == b""
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        nxt = http.client.HTTPResponse(s)
+        nxt.begin()
+        assert nxt.status == 200 and nxt.read() == b""
+    # a body shorter than its Content-Length, the client half-closed: refused, not taken as complete
+    check_http_error(raw_http(srv.port, post_head(length=len(body) + 10) + body, half_close=True), 400, "ended after")
+    # one valid Content-Length or none: RFC 9112 (request smuggling)
+    for lengths in ((len(body), len(body)), (len(body), 3)):
+        extra = "".join(f"Content-Length: {n}\r\n" for n in lengths)
+        check_http_error(raw_http(srv.port, post_head(extra=extra) + body), 400, "Content-Length")
+    for bad_length in ("abc", "-5", "+5", "0x10", "5, 5", "", "99999999999999999999"):
+        check_http_error(raw_http(srv.port, post_head(length=bad_length) + body), 400, "Content-Length")
+    check_http_error(raw_http(srv.port, post_head(extra="Transfer-Encoding: chunked\r\n") + b"0\r\n\r\n"), 411)
+    check_http_error(raw_http(srv.port, post_head(length=len(body), extra="Transfer-Encoding: chunked\r\n") + body),
+                     400)
+    # a bad request line: an answer with a status line all the same
+    for line in (b"GARBAGE", b"GET /", b"GET / HTTP/x", b"GET / HTTP/1.1 extra"):
+        check_http_error(raw_http(srv.port, line + b"\r\n\r\n"), 400)
+    check_http_error(raw_http(srv.port, b"GET /health HTTP/2.0\r\n\r\n"), 505)
+    check_http_error(raw_http(srv.port, b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n"), 431)
+    # the media type, then the size: both before any of the body is read
+    for ctype in (None, "text/plain", "application/jsonx"):
+        check_http_error(raw_http(srv.port, post_head(length=len(body), ctype=ctype) + body), 415,
+                         "Only 'application/json' is allowed")
+    t0 = time.time()
+    check_http_error(raw_http(srv.port, post_head(length=(1 << 26) + 1)), 413)  # no body sent at all
+    assert time.time() - t0 < 2
+    status, _, data = raw_http(srv.port, post_head(length=len(body)) + body)
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+    assert srv.request("GET", "/health")[0] == 200
+
+
+def test_api_key_checked_before_the_body(srv_small):
+    port, key = srv_small.port, "Authorization: Bearer sekrit\r\n"
+    t0 = time.time()  # 50 MB announced, none sent: the 401 comes at once (no wait for the body)
+    assert raw_http(port, post_head(length=50_000_000))[:2][0] == 401 and time.time() - t0 < 2
+    # a client that waits for "100 Continue": none before a refusal; after the checks, one, then the answer
+    status, _, data = raw_http(port, post_head(length=10, extra="Expect: 100-continue\r\n"))
+    assert status == 401 and json.loads(data) == {"error": "Unauthorized"}
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(post_head(length=len(body), extra=key + "Expect: 100-continue\r\n"))
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
+    # a small body sent with a refused request is read and dropped: the connection serves the next request
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for request, want in ((post_head(length=len(body)) + body, 401), (b"GET /health HTTP/1.1\r\n\r\n", 200)):
+            s.sendall(request)
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == want
+            r.read()
+
+
+@pytest.fixture(scope="module")
+def srv_limits(tiny_model, tmp_path_factory):
+    """A 1 s request timeout and at most 4 open connections."""
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", "--request-timeout", "1",
+               "--max-connections", "4")
+    yield s
+    s.stop()
+
+
+def closed_after(sock, send=b"", gap=0.0, limit=5.0):
+    """Seconds until the server closes `sock` (it reads b""), while sending `send` a byte every `gap` seconds;
+    also what came back."""
+    t0, got, sent = time.time(), b"", 0
+    sock.settimeout(0.05)
+    while time.time() - t0 < limit:
+        if sent < len(send) and time.time() - t0 >= sent * gap:
+            sock.send(send[sent:sent + 1])
+            sent += 1
+        try:
+            data = sock.recv(65536)
+        except socket.timeout:
+            continue
+        if not data:
+            return time.time() - t0, got
+        got += data
+    raise AssertionError(f"the server did not close the connection within {limit} s ({sent} bytes sent)")
+
+
+def test_read_timeouts(srv_limits):
+    port = srv_limits.port
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a silent client
+        took, got = closed_after(s)
+        assert 0.8 < took < 3 and got == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:  # headers trickled a byte every 0.2 s: a deadline
+        took, got = closed_after(s, send=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100, gap=0.2)
+        assert 0.8 < took < 3 and got == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a body that stops coming: 408
+        s.sendall(post_head(length=100) + b'{"prompt":')
+        took, got = closed_after(s)
+        assert 0.8 < took < 3 and got.startswith(b"HTTP/1.1 408 ") and b'"code": 408' in got
+    with socket.create_connection(("127.0.0.1", port)) as s:  # keep-alive: idle after an answer, then closed
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        took, got = closed_after(s)
+        assert got.startswith(b"HTTP/1.1 200 ") and 0.8 < took < 3
+    assert srv_limits.request("GET", "/health")[0] == 200
+
+
+def test_connection_cap(srv_limits):
+    time.sleep(1.5)  # every earlier connection has ended: closed by its client or timed out (1 s)
+    held = [socket.create_connection(("127.0.0.1", srv_limits.port), timeout=5) for _ in range(4)]
+    try:
+        time.sleep(0.2)  # all four accepted, each with its thread
+        t0 = time.time()
+        check_http_error(raw_http(srv_limits.port, b"GET /health HTTP/1.1\r\n\r\n"), 503, "--max-connections 4")
+        assert time.time() - t0 < 1
+        for s in held:  # the four were admitted: each is served
+            s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == 200
+    finally:
+        for s in held:
+            s.close()
+    t0 = time.time()
+    while (status := raw_http(srv_limits.port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")[0]) != 200:
+        assert time.time() - t0 < 3, status
+        time.sleep(0.05)
+
+
+def test_half_closed_client_gets_its_answer(srv):
+    before = wait_idle(srv)
+    for stream in (False, True):
+        body = json.dumps({"prompt": "half", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+                           "stream": stream}).encode()
+        t0 = time.time()
+        status, headers, data = raw_http(srv.port, post_head(length=len(body)) + body, half_close=True, timeout=60)
+        took = time.time() - t0
+        assert took > 1.0  # the server looks for gone clients every 0.5 s: it saw this one's half-close
+        assert status == 200
+        if stream:
+            events = [e for e in data.decode().split("\n\n") if e.strip() and not e.startswith(":")]  # SSE comments
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        else:
+            assert json.loads(data)["usage"]["completion_tokens"] == 400
+    aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")
+    assert aborted(wait_idle(srv)) == aborted(before)
 
 
 # ==============================================================================================

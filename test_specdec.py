@@ -1304,14 +1304,17 @@ def free_port():
 
 
 class Server:
-    def __init__(self, model, log_dir, *args):
+    def __init__(self, model, log_dir, *args, prelude=None):
+        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, f"server-{self.port}.log")
+        main = [os.path.join(ROOT, "server.py")] if prelude is None else \
+            ["-c", f"{prelude}\nimport sys, server\nsys.exit(server.main())"]
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--device",
-                                          "cpu", "--port", str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=ENV)
+            self.proc = subprocess.Popen([sys.executable, *main, "--model", model, "--device", "cpu", "--port",
+                                          str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=ENV)
         deadline = time.time() + 120
         while True:
             if self.proc.poll() is not None or time.time() > deadline:
@@ -1548,7 +1551,6 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
-    ("/v1/completions", {"prompt": "x", "top_k": 0}, 400, "top_k", "top_k"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=1"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
@@ -1561,7 +1563,9 @@ BAD = [  # (path, body, status, param or None, message fragment)
      "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream=True"),
-    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "between"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -2}, 400, "logprobs", "`logprobs` must be a positive value or -1."),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs",  # -1: the whole vocabulary, above 20
+     "Requested sample logprobs of 1024, which is greater than max allowed: 20"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
@@ -1590,12 +1594,12 @@ def test_errors_do_not_disturb_running_requests(srv):
     try:
         for path, body, status, param, fragment in BAD:
             check_error(*srv.post(path, body), status, param, fragment)
-        for raw, ctype, frag in ((b'{"prompt": "x",', "application/json", "not valid JSON"),
-                                 (b'["x"]', "application/json", "JSON object"),
-                                 (b'{"prompt": NaN}', "application/json", "not valid JSON"),
-                                 (b'{"prompt": "x"}', "text/plain", "application/json")):
+        for raw, ctype, want, frag in ((b'{"prompt": "x",', "application/json", 400, "not valid JSON"),
+                                       (b'["x"]', "application/json", 400, "JSON object"),
+                                       (b'{"prompt": NaN}', "application/json", 400, "not valid JSON"),
+                                       (b'{"prompt": "x"}', "text/plain", 415, "Only 'application/json'")):
             status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": ctype})
-            check_error(status, json.loads(data), 400, None, frag)
+            check_error(status, json.loads(data), want, None, frag)
         status, _, data = srv.request("GET", "/v1/nope")
         assert status == 404 and json.loads(data)["error"]["code"] == 404
         assert srv.request("GET", "/v1/completions")[0] == 405
@@ -1741,6 +1745,395 @@ def test_bad_startup_is_one_line(tiny_model, tmp_path):
                            capture_output=True, text=True, timeout=120, env=ENV)
         lines = p.stderr.strip().splitlines()
         assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+
+
+# ==============================================================================================
+# Bad input: every numeric field bounded at the API boundary (issue 22)
+# ==============================================================================================
+
+BIG = 10 ** 20  # past int64: it once reached the engine and killed it ("Overflow when unpacking long long")
+CHAT = [{"role": "user", "content": "x"}]
+CORPUS = [  # (class, path, body, status, param, message fragment or None); each must leave /health at 200
+    ("top_k beyond int64", "/v1/completions", {"top_k": BIG}, 200, None, None),  # as vLLM: no filter
+    ("top_k 0 disables (vLLM)", "/v1/completions", {"top_k": 0}, 200, None, None),
+    ("top_k hugely negative", "/v1/completions", {"top_k": -BIG}, 400, "top_k", "0 (disable), or at least 1"),
+    ("top_k not an integer", "/v1/completions", {"top_k": 1.5}, 400, "top_k", "must be an integer"),
+    ("seed beyond int64", "/v1/completions", {"seed": BIG}, 400, "seed", "less than or equal to 9223372036854775807"),
+    ("seed at 2**63", "/v1/completions", {"seed": 2 ** 63}, 400, "seed", "less than or equal to"),
+    ("seed below int64", "/v1/completions", {"seed": -BIG}, 400, "seed",
+     "greater than or equal to -9223372036854775808"),
+    ("seed int64 max", "/v1/completions", {"seed": 2 ** 63 - 1}, 200, None, None),
+    ("seed int64 min", "/v1/completions", {"seed": -2 ** 63}, 200, None, None),
+    ("seed -1 is none (vLLM)", "/v1/completions", {"seed": -1}, 200, None, None),
+    ("seed as a string", "/v1/completions", {"seed": "7"}, 400, "seed", "must be an integer"),
+    ("temperature inf (1e999)", "/v1/completions", {"temperature": 1e999}, 400, "temperature",
+     "temperature must be a finite number, got Infinity."),
+    ("temperature -inf", "/v1/completions", {"temperature": -1e999}, 400, "temperature", "finite number"),
+    ("temperature huge integer", "/v1/completions", {"temperature": 10 ** 400}, 400, "temperature",
+     "must be in [0, 2]"),
+    ("temperature above 2", "/v1/completions", {"temperature": 2.5}, 400, "temperature", "must be in [0, 2]"),
+    ("temperature 2", "/v1/completions", {"temperature": 2}, 200, None, None),
+    ("temperature negative", "/v1/completions", {"temperature": -0.1}, 400, "temperature", "non-negative"),
+    ("top_p inf", "/v1/completions", {"top_p": 1e999}, 400, "top_p", "must be in (0, 1]"),
+    ("top_p huge integer", "/v1/completions", {"top_p": 10 ** 400}, 400, "top_p", "must be in (0, 1]"),
+    ("max_tokens beyond int64", "/v1/completions", {"max_tokens": BIG}, 400, None, "maximum context length"),
+    ("max_tokens hugely negative", "/v1/completions", {"max_tokens": -BIG}, 400, "max_tokens", "at least 1"),
+    ("max_tokens not an integer", "/v1/completions", {"max_tokens": 2.5}, 400, "max_tokens", "must be an integer"),
+    ("max_tokens null is the default", "/v1/completions", {"max_tokens": None}, 200, None, None),
+    ("max_completion_tokens huge", "/v1/chat/completions", {"max_completion_tokens": BIG}, 400, None,
+     "maximum context length"),
+    ("max_completion_tokens 0", "/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "at least 1"),
+    ("logprobs beyond int64", "/v1/completions", {"logprobs": BIG}, 400, "logprobs", "greater than max allowed: 20"),
+    ("logprobs 21", "/v1/completions", {"logprobs": 21}, 400, "logprobs", "greater than max allowed: 20"),
+    ("logprobs 20", "/v1/completions", {"logprobs": 20}, 200, None, None),
+    ("logprobs hugely negative", "/v1/completions", {"logprobs": -BIG}, 400, "logprobs", "positive value or -1"),
+    ("top_logprobs huge", "/v1/chat/completions", {"logprobs": True, "top_logprobs": BIG}, 400, "top_logprobs",
+     "greater than max allowed"),
+    ("top_logprobs negative", "/v1/chat/completions", {"logprobs": True, "top_logprobs": -5}, 400, "top_logprobs",
+     "`top_logprobs` must be a positive value or -1."),
+    ("top_logprobs 0 alone (vLLM)", "/v1/chat/completions", {"top_logprobs": 0}, 200, None, None),
+    ("n 0", "/v1/completions", {"n": 0}, 400, "n", "n must be at least 1, got 0."),
+    ("n beyond int64", "/v1/completions", {"n": BIG}, 400, "n", "only n=1"),
+    ("presence_penalty inf", "/v1/completions", {"presence_penalty": 1e999}, 400, "presence_penalty",
+     "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty -3", "/v1/completions", {"frequency_penalty": -3}, 400, "frequency_penalty", "[-2, 2]"),
+    ("presence_penalty in range", "/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty",
+     "not supported"),
+    ("presence_penalty 0", "/v1/completions", {"presence_penalty": 0}, 200, None, None),
+    ("repetition_penalty inf", "/v1/completions", {"repetition_penalty": 1e999}, 400, "repetition_penalty",
+     "finite number"),
+    ("repetition_penalty 0", "/v1/completions", {"repetition_penalty": 0}, 400, "repetition_penalty",
+     "greater than zero"),
+    ("min_p 2", "/v1/completions", {"min_p": 2}, 400, "min_p", "min_p must be in [0, 1], got 2."),
+    ("min_tokens negative", "/v1/completions", {"min_tokens": -BIG}, 400, "min_tokens", "greater than or equal to 0"),
+    ("best_of 0", "/v1/completions", {"best_of": 0}, 400, "best_of", "at least 1"),
+    ("stop_token_ids beyond int64", "/v1/completions", {"stop_token_ids": [BIG]}, 400, "stop_token_ids",
+     "out-of-vocab token ids. Vocabulary size: 1024"),
+    ("stop_token_ids negative", "/v1/completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids", "out-of-vocab"),
+    ("prompt token beyond int64", "/v1/completions", {"prompt": [BIG]}, 400, None, "out of range"),
+    ("prompt token negative", "/v1/completions", {"prompt": [-1]}, 400, None, "out of range"),
+    ("echo of a token out of range", "/v1/completions", {"prompt": [BIG], "echo": True}, 400, None, "out of range"),
+    ("echo as a number", "/v1/completions", {"echo": 1}, 400, "echo", "must be a boolean"),
+    ("stream as a string", "/v1/completions", {"stream": "yes"}, 400, "stream", "must be a boolean"),
+]
+RAW_CORPUS = [  # (class, raw body, fragment): bodies json.dumps cannot write; all 400
+    ("NaN literal", b'{"prompt": "x", "temperature": NaN}', "not valid JSON"),
+    ("Infinity literal", b'{"prompt": "x", "top_p": -Infinity}', "not valid JSON"),
+    ("integer of 5000 digits", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    ("nesting 100000 deep", b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+    ("bytes that are not UTF-8", b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+]
+
+
+def test_bad_input_corpus_leaves_the_server_healthy(srv):
+    assert len(CORPUS) + len(RAW_CORPUS) >= 50
+    for name, path, fields, want, param, fragment in CORPUS:
+        base = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+        raw = json.dumps({**base, "max_tokens": 2, **fields}).replace("Infinity", "1e999")  # valid JSON, read as inf
+        status, _, data = srv.request("POST", path, raw, {"Content-Type": "application/json"})
+        body = json.loads(data)
+        if want == 200:
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, (name, body)
+        else:
+            check_error(status, body, want, param, fragment)
+        assert srv.request("GET", "/health")[0] == 200, name
+    for name, raw, fragment in RAW_CORPUS:
+        status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
+        check_error(status, json.loads(data), 400, None, fragment)
+        assert srv.request("GET", "/health")[0] == 200, name
+    # a top_k past the vocabulary keeps every token: the same seeded sample as no top_k at all
+    body = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    same = [srv.post("/v1/completions", dict(body, top_k=k))[1]["choices"][0]["text"] for k in (BIG, -1, 1024)]
+    assert same[0] == same[1] == same[2]
+
+
+# ==============================================================================================
+# HTTP framing over a raw socket, read timeouts, the connection cap, half-closed clients
+# ==============================================================================================
+
+def raw_http(port, data, half_close=False, method=None, timeout=10):
+    """Send raw bytes; -> (status, headers, body) of the answer, parsed by http.client (which insists on a
+    status line and skips interim "100 Continue" answers)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        r = http.client.HTTPResponse(s, method=method)
+        r.begin()
+        return r.status, dict(r.getheaders()), r.read()
+
+
+def post_head(path="/v1/completions", length=None, extra="", ctype="application/json"):
+    n = "" if length is None else f"Content-Length: {length}\r\n"
+    t = "" if ctype is None else f"Content-Type: {ctype}\r\n"
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\n{t}{n}{extra}\r\n".encode()
+
+
+def check_http_error(answer, want, fragment=""):
+    status, headers, data = answer
+    err = json.loads(data)["error"]
+    assert status == want and err["code"] == want and fragment in err["message"], (status, err)
+    assert headers["Content-Type"] == "application/json"
+    return headers
+
+
+def test_http_framing(srv):
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for method in ("PUT", "DELETE", "OPTIONS", "PATCH"):
+        headers = check_http_error(raw_http(srv.port, f"{method} /v1/completions HTTP/1.1\r\n\r\n".encode()), 405)
+        assert headers["Allow"] == "POST"
+    assert check_http_error(raw_http(srv.port, post_head("/health", 0)), 405)["Allow"] == "GET, HEAD"
+    check_http_error(raw_http(srv.port, b"BREW /health HTTP/1.1\r\n\r\n"), 501, "BREW")
+    # HEAD where GET exists: the GET's headers, no body (the next answer on the connection parses cleanly)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"HEAD /v1/models HTTP/1.1\r\n\r\n")
+        head = http.client.HTTPResponse(s, method="HEAD")
+        head.begin()
+        assert head.status == 200 and int(head.getheader("Content-Length")) > 0 and head.read() == b""
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        nxt = http.client.HTTPResponse(s)
+        nxt.begin()
+        assert nxt.status == 200 and nxt.read() == b""
+    # a body shorter than its Content-Length, the client half-closed: refused, not taken as complete
+    check_http_error(raw_http(srv.port, post_head(length=len(body) + 10) + body, half_close=True), 400, "ended after")
+    # one valid Content-Length or none: RFC 9112 (request smuggling)
+    for lengths in ((len(body), len(body)), (len(body), 3)):
+        extra = "".join(f"Content-Length: {n}\r\n" for n in lengths)
+        check_http_error(raw_http(srv.port, post_head(extra=extra) + body), 400, "Content-Length")
+    for bad_length in ("abc", "-5", "+5", "0x10", "5, 5", "", "99999999999999999999"):
+        check_http_error(raw_http(srv.port, post_head(length=bad_length) + body), 400, "Content-Length")
+    check_http_error(raw_http(srv.port, post_head(extra="Transfer-Encoding: chunked\r\n") + b"0\r\n\r\n"), 411)
+    check_http_error(raw_http(srv.port, post_head(length=len(body), extra="Transfer-Encoding: chunked\r\n") + body),
+                     400)
+    # a bad request line: an answer with a status line all the same
+    for line in (b"GARBAGE", b"GET /", b"GET / HTTP/x", b"GET / HTTP/1.1 extra"):
+        check_http_error(raw_http(srv.port, line + b"\r\n\r\n"), 400)
+    check_http_error(raw_http(srv.port, b"GET /health HTTP/2.0\r\n\r\n"), 505)
+    check_http_error(raw_http(srv.port, b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n"), 431)
+    # the media type, then the size: both before any of the body is read
+    for ctype in (None, "text/plain", "application/jsonx"):
+        check_http_error(raw_http(srv.port, post_head(length=len(body), ctype=ctype) + body), 415,
+                         "Only 'application/json' is allowed")
+    t0 = time.time()
+    check_http_error(raw_http(srv.port, post_head(length=(1 << 26) + 1)), 413)  # no body sent at all
+    assert time.time() - t0 < 2
+    status, _, data = raw_http(srv.port, post_head(length=len(body)) + body)
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+    assert srv.request("GET", "/health")[0] == 200
+
+
+def test_api_key_checked_before_the_body(srv_small):
+    port, key = srv_small.port, "Authorization: Bearer sekrit\r\n"
+    t0 = time.time()  # 50 MB announced, none sent: the 401 comes at once (no wait for the body)
+    assert raw_http(port, post_head(length=50_000_000))[:2][0] == 401 and time.time() - t0 < 2
+    # a client that waits for "100 Continue": none before a refusal; after the checks, one, then the answer
+    status, _, data = raw_http(port, post_head(length=10, extra="Expect: 100-continue\r\n"))
+    assert status == 401 and json.loads(data) == {"error": "Unauthorized"}
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(post_head(length=len(body), extra=key + "Expect: 100-continue\r\n"))
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
+    # a small body sent with a refused request is read and dropped: the connection serves the next request
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for request, want in ((post_head(length=len(body)) + body, 401), (b"GET /health HTTP/1.1\r\n\r\n", 200)):
+            s.sendall(request)
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == want
+            r.read()
+
+
+@pytest.fixture(scope="module")
+def srv_limits(tiny_model, tmp_path_factory):
+    """A 1 s request timeout and at most 4 open connections."""
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", "--request-timeout", "1",
+               "--max-connections", "4")
+    yield s
+    s.stop()
+
+
+def closed_after(sock, send=b"", gap=0.0, limit=5.0):
+    """Seconds until the server closes `sock` (it reads b""), while sending `send` a byte every `gap` seconds;
+    also what came back."""
+    t0, got, sent = time.time(), b"", 0
+    sock.settimeout(0.05)
+    while time.time() - t0 < limit:
+        if sent < len(send) and time.time() - t0 >= sent * gap:
+            sock.send(send[sent:sent + 1])
+            sent += 1
+        try:
+            data = sock.recv(65536)
+        except socket.timeout:
+            continue
+        if not data:
+            return time.time() - t0, got
+        got += data
+    raise AssertionError(f"the server did not close the connection within {limit} s ({sent} bytes sent)")
+
+
+def test_read_timeouts(srv_limits):
+    port = srv_limits.port
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a silent client
+        took, got = closed_after(s)
+        assert 0.8 < took < 3 and got == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:  # headers trickled a byte every 0.2 s: a deadline
+        took, got = closed_after(s, send=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100, gap=0.2)
+        assert 0.8 < took < 3 and got == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a body that stops coming: 408
+        s.sendall(post_head(length=100) + b'{"prompt":')
+        took, got = closed_after(s)
+        assert 0.8 < took < 3 and got.startswith(b"HTTP/1.1 408 ") and b'"code": 408' in got
+    with socket.create_connection(("127.0.0.1", port)) as s:  # keep-alive: idle after an answer, then closed
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        took, got = closed_after(s)
+        assert got.startswith(b"HTTP/1.1 200 ") and 0.8 < took < 3
+    assert srv_limits.request("GET", "/health")[0] == 200
+
+
+def test_connection_cap(srv_limits):
+    time.sleep(1.5)  # every earlier connection has ended: closed by its client or timed out (1 s)
+    held = [socket.create_connection(("127.0.0.1", srv_limits.port), timeout=5) for _ in range(4)]
+    try:
+        time.sleep(0.2)  # all four accepted, each with its thread
+        t0 = time.time()
+        check_http_error(raw_http(srv_limits.port, b"GET /health HTTP/1.1\r\n\r\n"), 503, "--max-connections 4")
+        assert time.time() - t0 < 1
+        for s in held:  # the four were admitted: each is served
+            s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == 200
+    finally:
+        for s in held:
+            s.close()
+    t0 = time.time()
+    while (status := raw_http(srv_limits.port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")[0]) != 200:
+        assert time.time() - t0 < 3, status
+        time.sleep(0.05)
+
+
+def test_half_closed_client_gets_its_answer(srv):
+    before = wait_idle(srv)
+    for stream in (False, True):
+        body = json.dumps({"prompt": "half", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+                           "stream": stream}).encode()
+        t0 = time.time()
+        status, headers, data = raw_http(srv.port, post_head(length=len(body)) + body, half_close=True, timeout=60)
+        took = time.time() - t0
+        assert took > 1.0  # the server looks for gone clients every 0.5 s: it saw this one's half-close
+        assert status == 200
+        if stream:
+            events = [e for e in data.decode().split("\n\n") if e.strip() and not e.startswith(":")]  # SSE comments
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        else:
+            assert json.loads(data)["usage"]["completion_tokens"] == 400
+    aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")
+    assert aborted(wait_idle(srv)) == aborted(before)
+
+
+# ==============================================================================================
+# Fault isolation: faults injected into the engine of a server process
+# ==============================================================================================
+
+FAULTS = '''
+import specdec
+prefill, decode_step = specdec.Engine._prefill, specdec.Engine._decode_step
+marked = lambda req, mark: req.prompt_ids[:3] == [mark] * 3
+
+def _prefill(self, req):
+    if marked(req, 7):
+        raise RuntimeError("injected fault in a prefill")
+    return prefill(self, req)
+
+def _decode_step(self, reqs, *args):
+    if any(marked(r, 8) for r in reqs) and self.waiting:  # once another request waits for a slot
+        raise ValueError("injected fault in a batched step")
+    if any(marked(r, 9) for r in reqs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+    return decode_step(self, reqs, *args)
+
+specdec.Engine._prefill, specdec.Engine._decode_step = _prefill, _decode_step
+'''
+
+
+@pytest.fixture(scope="module")
+def srv_faulty(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", prelude=FAULTS)
+    yield s
+    s.stop()
+
+
+def test_device_fault_classification():
+    import server
+    assert server.device_fault(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert server.device_fault(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not server.device_fault(ValueError("Overflow when unpacking long long"))
+    assert not server.device_fault(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+def test_fault_in_one_prefill_leaves_the_others_running(srv_faulty):
+    s, errors = srv_faulty, lambda m: metric(m, "vllm:request_success_total", finished_reason="error")
+    before = wait_idle(s)
+    body = {"prompt": "the other request", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    conn, resp = open_stream(s, dict(body, stream_options={"include_usage": True}))
+    try:
+        first = resp.readline()
+        assert first.startswith(b"data: ")  # running
+        status, err = s.post("/v1/completions", {"prompt": [7, 7, 7, 1, 2], "max_tokens": 5})
+        check_error(status, err, 500, None, "RuntimeError: injected fault in a prefill")
+        assert s.request("GET", "/health")[0] == 200
+        events = sse_events(first + resp.read())
+    finally:
+        conn.close()
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == 200 and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert text == s.post("/v1/completions", body)[1]["choices"][0]["text"]  # untouched: the same greedy text
+    assert errors(wait_idle(s)) - errors(before) == 1
+
+
+def test_fault_in_a_batched_step_ends_its_batch_only(srv_faulty):
+    s, errors = srv_faulty, lambda m: metric(m, "vllm:request_success_total", finished_reason="error")
+    before = wait_idle(s)
+    long = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    streams = [open_stream(s, dict(long, prompt=p)) for p in ("running", [8, 8, 8, 1])]  # both slots
+    waiter = {}
+    thread = threading.Thread(target=lambda: waiter.update(r=s.post("/v1/completions", {"prompt": "waiting",
+                                                                                        "max_tokens": 8})))
+    try:
+        firsts = [resp.readline() for _, resp in streams]
+        assert all(first.startswith(b"data: ") for first in firsts)
+        thread.start()  # it waits for a slot; the marked request's next step then fails
+        for first, (_, resp) in zip(firsts, streams):  # the batch ends: an error event, [DONE] (as vLLM streams)
+            events = sse_events(first + resp.read())
+            assert "ValueError: injected fault in a batched step" in events[-1]["error"]["message"]
+            assert events[-1]["error"]["code"] == 500
+        thread.join(60)
+    finally:
+        for conn, _ in streams:
+            conn.close()
+    assert waiter["r"][0] == 200 and waiter["r"][1]["usage"]["completion_tokens"] == 8  # the waiting one went on
+    assert s.request("GET", "/health")[0] == 200
+    assert s.post("/v1/completions", {"prompt": "after", "max_tokens": 4})[1]["usage"]["completion_tokens"] == 4
+    assert errors(wait_idle(s)) - errors(before) == 2
+
+
+def test_device_fault_exits_the_process(tiny_model, tmp_path):
+    s = Server(tiny_model, str(tmp_path), prelude=FAULTS)
+    try:
+        status, err = s.post("/v1/completions", {"prompt": [9, 9, 9, 1], "max_tokens": 5})
+        check_error(status, err, 500, None, "CUDA error: an illegal memory access")
+        assert s.proc.wait(timeout=30) != 0  # a supervisor restarts it; it does not linger at 503
+    finally:
+        s.stop()
+    lines = [line for line in open(s.log).read().splitlines() if "fatal engine error" in line]
+    assert lines == ["specdec server: fatal engine error, exiting: RuntimeError: CUDA error: an illegal memory "
+                     "access was encountered (injected)"]
 
 
 

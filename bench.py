@@ -65,11 +65,14 @@ def random_model(name, dtype, device, seed=0):
         else:
             t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
         mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
-    for mod in model.modules():
-        if isinstance(mod, sd.Attention):
-            rd = cfg.rotary_dim
-            mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return sd.fuse_projections(model.eval()), cfg
+    return sd.fuse_projections(sd.init_rope(model, device).eval()), cfg
+
+
+def random_qwen3_layer(prefix, H, nh, nkv, hd, I, rand, norm=lambda n: torch.ones(n, dtype=torch.bfloat16)):
+    """One Qwen3 decoder layer's tensors (specdec's table) under `prefix`: rand(*shape) for the matrices, norm(n)
+    for the norm weights (default ones)."""
+    return {prefix + n: norm(*s) if n.endswith("norm.weight") else rand(*s)
+            for n, s in sd.qwen3_layer_tensors(H, nh, nkv, hd, I).items()}
 
 
 def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
@@ -96,14 +99,7 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
     w = {"fc.weight": r(H, len(ids) * H), "hidden_norm.weight": torch.ones(H, dtype=torch.bfloat16),
          "norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     for i in range(layers):
-        p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-                  p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
-                  p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-                  p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)})
+        w.update(random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r))
     if method == "dspark":
         w.update({"markov_head.markov_w1.weight": r(V, rank), "markov_head.markov_w2.weight": r(V, rank)})
     os.makedirs(path, exist_ok=True)
@@ -128,15 +124,9 @@ def random_draft_lm(path, target, seed=0):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
     r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
-    one = lambda n: torch.ones(n, dtype=torch.bfloat16)
-    w = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": one(H)}
+    w = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
-                  p + "input_layernorm.weight": one(H), p + "post_attention_layernorm.weight": one(H)})
+        w.update(random_qwen3_layer(f"model.layers.{i}.", H, nh, nkv, hd, I, r))
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh)

@@ -583,6 +583,19 @@ def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=Tr
 # Model
 # ==============================================================================================
 
+def rope_inv_freq(dim, theta, device=None):
+    """RoPE's inverse frequencies theta^(-2i/dim), i < dim/2, for the first `dim` dims of a head (fp32)."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+
+
+def init_rope(model, device):
+    """RoPE frequencies are no checkpoint tensors: computed on the device once the weights are there."""
+    for m in model.modules():
+        if hasattr(m, "rope_dim"):
+            m.inv_freq = rope_inv_freq(m.rope_dim, m.rope_theta, device)
+    return model
+
+
 class Linear(nn.Linear):
     """nn.Linear without bias, through kernels.linear (batch-invariant on the CPU reference path)."""
     def __init__(self, n_in, n_out, bias=False):
@@ -635,8 +648,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.nh * self.hd, H, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        rd = cfg.rotary_dim
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd), persistent=False)
+        self.rope_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta                # partial RoPE
+        self.register_buffer("inv_freq", rope_inv_freq(self.rope_dim, self.rope_theta), persistent=False)
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
@@ -1171,8 +1184,8 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=b)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
-        self.theta = c.rope_theta
-        self.register_buffer("inv_freq", torch.zeros(self.hd // 2), persistent=False)  # set by load_weights
+        self.rope_dim, self.rope_theta = self.hd, c.rope_theta                          # full RoPE
+        self.register_buffer("inv_freq", rope_inv_freq(self.rope_dim, self.rope_theta), persistent=False)
 
     def write_kv(self, x, ctx, q=None):
         """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the query
@@ -1202,6 +1215,16 @@ class Qwen3Layer(nn.Module):
     def forward(self, x, ctx):
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def qwen3_layer_tensors(H, nh, nkv, hd, I):
+    """A plain Qwen3 decoder layer's checkpoint tensors {name: shape} (Qwen3Layer's parameters), in the order the
+    random-weight writers (bench.py, tools/train_drafters.py, the tests) draw them."""
+    return {"self_attn.q_proj.weight": (nh * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),
+            "self_attn.v_proj.weight": (nkv * hd, H), "self_attn.o_proj.weight": (H, nh * hd),
+            "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+            "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
 
 
 class Qwen3LM(nn.Module):
@@ -1263,10 +1286,7 @@ def load_weights(module, tensors, dtype, device, where, rename=lambda n: n):
         t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
         mod, _, leaf = m.rpartition(".")
         module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-    for a in module.modules():
-        if isinstance(a, Qwen3Attention):
-            a.inv_freq = 1.0 / a.theta ** (torch.arange(0, a.hd, 2, device=device).float() / a.hd)
-    return module.eval()
+    return init_rope(module, device).eval()
 
 
 class BlockDrafter(nn.Module):
@@ -2050,7 +2070,8 @@ class Engine:
 # ==============================================================================================
 
 def checkpoint_tensors(path):
-    """{name: (file, dtype-str, shape)} for a directory of model.safetensors or sharded model-*.safetensors."""
+    """{tensor name: path of the file holding it} for a directory of model.safetensors or sharded
+    model-*.safetensors (with or without model.safetensors.index.json)."""
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -2168,11 +2189,7 @@ def load_model(path, dtype, device, want_mtp=False):
             bar.update()
     if bar:
         bar.close()
-    for mod in model.modules():  # non-checkpoint buffers (RoPE frequencies) are computed on the device
-        if isinstance(mod, Attention):
-            rd = cfg.rotary_dim
-            mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return fuse_projections(model.eval()), cfg, tok
+    return fuse_projections(init_rope(model, device).eval()), cfg, tok
 
 
 # ==============================================================================================
@@ -2592,7 +2609,7 @@ def default_model_path():
     if os.path.isdir(here):
         return here
     raise ConfigError("no --model given and no shipped model at models/toy; pass --model PATH "
-                      "(python tools/make_tiny.py /tmp/tiny makes a tiny random checkpoint)")
+                      "(python test_specdec.py make-tiny /tmp/tiny writes a tiny random checkpoint)")
 
 
 # ==============================================================================================

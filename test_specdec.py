@@ -32,6 +32,7 @@ except ImportError:  # the GPU image has no gguf package: the GGUF tests skip th
     gguf = None
 needs_gguf = pytest.mark.skipif(gguf is None, reason="needs the gguf package")
 
+import bench
 import kernels as K
 import specdec as sd
 from specdec import LLM, SamplingParams, ConfigError
@@ -1863,10 +1864,7 @@ def test_fused_projections_equal_separate(tiny):
     with torch.device("meta"):
         plain = sd.Qwen36(fused.cfg)
     plain.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()}, assign=True)
-    for m in plain.modules():
-        if isinstance(m, sd.Attention):
-            rd = fused.cfg.rotary_dim
-            m.inv_freq = 1.0 / fused.cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd)
+    sd.init_rope(plain, "cpu")
     assert hasattr(fused.layers[0].linear_attn, "in_proj") and not hasattr(plain.layers[0].linear_attn, "in_proj")
     ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     outs = []
@@ -2307,13 +2305,7 @@ def qwen3_layers(cfg, g, prefix=""):
     one = lambda n: 1 + torch.randn(n, generator=g) * 0.1
     w = {}
     for i in range(cfg["num_hidden_layers"]):
-        p = f"{prefix}layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
-                  p + "mlp.down_proj.weight": r(H, I), p + "input_layernorm.weight": one(H),
-                  p + "post_attention_layernorm.weight": one(H)})
+        w.update(bench.random_qwen3_layer(f"{prefix}layers.{i}.", H, nh, nkv, hd, I, r, one))
     return w
 
 

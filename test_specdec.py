@@ -497,7 +497,7 @@ def gguf_from_checkpoint(path, out, ftype, with_mtp=True):
     with open(os.path.join(path, "config.json")) as fh:
         top = json.load(fh)
     w = load_file(os.path.join(path, "model.safetensors"))
-    sd.write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
+    write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
     return out
 
 
@@ -953,7 +953,121 @@ def test_chat_template_tool_results_and_errors():
 # ==============================================================================================
 
 import numpy as np  # noqa: E402
-from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, gguf_has_mtp, read_gguf, write_gguf  # noqa: E402
+from pathlib import Path  # noqa: E402
+from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, read_gguf  # noqa: E402
+
+# the writer: llama.cpp's converter (conversion/qwen.py) in miniature, the inverse of specdec's read_gguf
+_HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (sd._GGUF_TOP, sd._GGUF_BLK, sd._GGUF_NEXTN))
+
+
+def gguf_has_mtp(src):
+    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block; else GGUF_NO_MTP_MESSAGE."""
+    if isinstance(src, dict):
+        return src.get("mtp_num_hidden_layers", 0) > 0
+    import gguf
+    return any(".nextn." in t.name for t in gguf.GGUFReader(src).tensors)
+
+
+def write_gguf(hf_config, tensors, out_path, ftype="F16", tokenizer_json_path=None, with_mtp=True):
+    """Write HF text-only tensors as llama.cpp's converter does. ftype: F32 | F16 | BF16 | Q8_0;
+    with_mtp=False is the converter's --no-mtp. Without a tokenizer.json, a byte-level vocab is written."""
+    import gguf
+    Q, c, g = gguf.GGMLQuantizationType, hf_config, hf_config.get
+    qtype, ftype_id = {"F32": (Q.F32, 0), "F16": (Q.F16, 1), "BF16": (Q.BF16, 32), "Q8_0": (Q.Q8_0, 7)}[ftype]
+    n, n_mtp = c["num_hidden_layers"], g("mtp_num_hidden_layers", 0) if with_mtp else 0
+    hf = {k.replace("model.language_model.", "model."): t for k, t in tensors.items()
+          if "visual." not in k and (n_mtp or not k.startswith("mtp."))}
+    for k in [k for k in hf if k.endswith(".experts.0.gate_proj.weight")]:  # per-expert checkpoints -> fused
+        p = k[: -len("0.gate_proj.weight")]
+        st = lambda w: torch.stack([hf.pop(f"{p}{e}.{w}_proj.weight") for e in range(c["num_experts"])])  # noqa
+        hf[p + "gate_up_proj"], hf[p + "down_proj"] = torch.cat([st("gate"), st("up")], 1), st("down")
+
+    w = gguf.GGUFWriter(out_path, "qwen35moe" if "num_experts" in c else "qwen35")
+    rp, hd = g("rope_parameters") or {}, c["head_dim"]
+    for add, v in [  # the converter's keys, in its order; None = not written
+            (w.add_type, gguf.GGUFType.MODEL), (w.add_block_count, n + n_mtp),
+            (w.add_context_length, c["max_position_embeddings"]), (w.add_embedding_length, c["hidden_size"]),
+            (w.add_feed_forward_length, g("intermediate_size")), (w.add_head_count, c["num_attention_heads"]),
+            (w.add_head_count_kv, c["num_key_value_heads"]),
+            (w.add_rope_dimension_sections, (list(rp.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4]),
+            (w.add_rope_freq_base, rp.get("rope_theta", g("rope_theta"))),
+            (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
+            (w.add_expert_count, g("num_experts")), (w.add_expert_used_count, g("num_experts_per_tok")),
+            (w.add_key_length, hd), (w.add_value_length, hd), (w.add_file_type, ftype_id),
+            (w.add_expert_feed_forward_length, g("moe_intermediate_size")),
+            (w.add_expert_shared_feed_forward_length, g("shared_expert_intermediate_size")),
+            (w.add_ssm_conv_kernel, c["linear_conv_kernel_dim"]), (w.add_ssm_state_size, c["linear_key_head_dim"]),
+            (w.add_ssm_group_count, c["linear_num_key_heads"]), (w.add_ssm_time_step_rank, c["linear_num_value_heads"]),
+            (w.add_ssm_inner_size, c["linear_value_head_dim"] * c["linear_num_value_heads"]),
+            (w.add_full_attention_interval, g("full_attention_interval", 4)),
+            (w.add_rope_dimension_count, int(hd * rp.get("partial_rotary_factor", g("partial_rotary_factor", 0.25)))),
+            (w.add_nextn_predict_layers, n_mtp or None), (w.add_quantization_version, gguf.GGML_QUANT_VERSION)]:
+        if v is not None:
+            add(v)
+    _write_vocab(w, c, tokenizer_json_path)
+
+    for name, t in hf.items():
+        t = t.float()
+        if sd._is_shifted_norm(name):
+            t = t + 1.0
+        elif name.endswith(".A_log"):
+            t = -torch.exp(t)
+        t = sd._gdn_reorder(name, t.squeeze(1) if name.endswith(".conv1d.weight") else t, c, to_gguf=True)
+        m = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.(.+)", name)
+        b = m and int(m[2]) + (n if m[1] == "mtp" else 0)
+        if m is None:  # mtp.fc and the 3 MTP norms go into every MTP block
+            out = [(_HF_TOP[name], t)] if name in _HF_TOP else [
+                (f"blk.{j}.{_HF_NEXTN[name]}", t) for j in range(n, n + n_mtp)]
+        elif m[3] == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up [E, I, H] (ne {H, I, E})
+            i = t.shape[1] // 2
+            out = [(f"blk.{b}.ffn_gate_exps.weight", t[:, :i]), (f"blk.{b}.ffn_up_exps.weight", t[:, i:])]
+        else:
+            out = [(f"blk.{b}.{_HF_BLK[m[3]]}", t)]
+        for gname, t in out:  # the converter keeps 1-D tensors, norms, routers and the conv in F32
+            a = t.contiguous().numpy()
+            f32 = a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") or re.search(
+                r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$", gname)
+            q = Q.F32 if f32 else qtype
+            try:
+                data = gguf.quants.quantize(a, q)
+            except gguf.QuantError:  # row length not a multiple of the block: F16, as the converter does
+                q, data = Q.F16, a.astype(np.float16)
+            w.add_tensor(gname, data, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_vocab(w, c, tokenizer_json_path):
+    """tokenizer.ggml.* as the converter writes them: model gpt2, pre qwen35, ids up to vocab_size, gaps [PADi]."""
+    eos = c.get("eos_token_id")
+    eos, merges, template = eos[0] if isinstance(eos, list) else eos, [], None
+    if tokenizer_json_path is None:  # the GPT-2 byte alphabet (specdec's), then the specials
+        vocab = dict(sd.BYTE_OF_CHAR)
+        special = {s: True for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+        vocab.update({s: 256 + j for j, s in enumerate(special)})
+    else:
+        tj = json.loads(Path(tokenizer_json_path).read_text(encoding="utf-8"))
+        vocab = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+        special = {a["content"]: a.get("special", False) for a in tj.get("added_tokens", [])}
+        tc = Path(tokenizer_json_path).with_name("tokenizer_config.json")
+        tc = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
+        e = tc.get("eos_token")  # the converter's SpecialVocab takes eos from tokenizer_config.json first
+        eos, template = vocab.get(e.get("content") if isinstance(e, dict) else e, eos), tc.get("chat_template")
+    rev = {i: t for t, i in vocab.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(c["vocab_size"])]
+    types = [5 if i not in rev else 1 if t not in special else 3 if special[t] or (t[:2], t[-2:]) == ("<|", "|>")
+             else 4 for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for add, v in ((w.add_token_merges, merges), (w.add_eos_token_id, eos), (w.add_chat_template, template)):
+        if v or v == 0:
+            add(v)
+
 
 Q = gguf.GGMLQuantizationType if gguf else None
 

@@ -234,6 +234,28 @@ def gemm_floor(ws, M, iters=20):
     return graph_ms(chain, iters)
 
 
+class TimedProposer:
+    """A proposer whose propose() is timed, the device synced on both sides (two syncs per step: for a separate
+    short run only); all else is the wrapped proposer's."""
+    def __init__(self, proposer, device):
+        self.proposer = proposer
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.seconds = 0.0
+        self.steps = 0
+
+    def __getattr__(self, name):  # prefill, commit, taps
+        return getattr(self.proposer, name)
+
+    def propose(self, batch):
+        self.sync()
+        t0 = time.perf_counter()
+        out = self.proposer.propose(batch)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
+        return out
+
+
 def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None):
     """B concurrent requests of random prompts; returns per-request timings and acceptance stats. For ngram the
     prompt is a random 64-token segment repeated, so that prompt lookup finds matches."""
@@ -276,12 +298,12 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     st = eng.stats
     draft_ms = None
     if spec is not None:  # the drafter's time per step, in a separate short run: timing it syncs the device
-        eng.time_drafts = True
+        timed = eng.runner.proposer = TimedProposer(eng.runner.proposer, device)
         for _ in range(B):
             eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(32, gen_len), ignore_eos=True))
         while eng.has_work():
             eng.step()
-        draft_ms = 1e3 * eng.draft_seconds / max(eng.spec_steps, 1)
+        draft_ms = 1e3 * timed.seconds / max(timed.steps, 1)
     del eng
     return dict(ttft_ms=1e3 * statistics.mean(ttft), tpot_ms=1e3 * statistics.mean(tpot), wall_s=t1 - t0,
                 tok_s_per_seq=1 / statistics.mean(tpot), tok_s_aggregate=n_out / (t1 - t0),
@@ -538,15 +560,25 @@ def serve_benchmark(argv=None):
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
 
+def target_graph(runner, B, T, pos):
+    """The captured graph record of the target step over B rows of T tokens at position pos (rows in slots 0..B-1):
+    replaying .graph (and .then after a verify, the commit) re-runs it."""
+    mode = "verify" if T > 1 else "decode"
+    fn, then = runner.steps[mode]
+    dev = runner.device
+    inputs = dict(ids=torch.zeros(B, T, dtype=torch.long, device=dev),
+                  pos=torch.full((B,), pos, dtype=torch.long, device=dev), slots=torch.arange(B, device=dev))
+    return runner.graphs.run(mode, fn, inputs, then)
+
+
 def verify_costs(model, Ts, device, dtype):
     """ms per target step over T tokens at batch 1 (captured graph, mode verify for T > 1, decode for T = 1)."""
-    eng = sd.Engine(model, None, None, 1, 1024, dtype, device)
-    runner = sd.GraphRunner(eng)
+    runner = sd.ModelRunner(model, None, 1, 1024, dtype, device)
     out = {}
     for T in Ts:
-        g = runner.capture(1, T, "verify" if T > 1 else "decode")
-        out[T] = replay_ms(lambda: (g.graph.replay(), g.commit.replay() if g.commit is not None else None))
-    del eng, runner
+        g = target_graph(runner, 1, T, 0)
+        out[T] = replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
+    del runner
     return out
 
 

@@ -13,6 +13,7 @@ sampling -> engine -> loading -> API -> CLI.
 import argparse
 import codecs
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -904,14 +905,44 @@ class State:
 
 
 # ==============================================================================================
-# Proposers: draft k tokens per sequence. One interface (a class taking (engine, spec)):
-#   prefill(engine, req, hidden, ids, pos)   see a prompt chunk (model drafters fill their caches):
-#       hidden [1, T, H] final-norm target states at positions pos.., ids [1, T] the next token of each
-#   propose(engine, reqs) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
-#   commit(engine, reqs, hidden, ids, n_acc, tokens)   see the verified step [B, k+1], keep the accepted prefix
-#   taps (optional attribute): target layers whose outputs the proposer reads; after every target forward
-#       (prefill chunk or verify) engine.aux holds them, [B, T, H] each, in the same order
+# Proposers: draft k tokens per sequence
 # ==============================================================================================
+# One interface. A proposer is built as cls(spec, io), where io (ProposerIO) is all it may use of the engine;
+# each step hands it the Batch of running rows.
+#   prefill(req, hidden, taps, ids, pos)   see a prompt chunk at positions pos.. (model drafters fill their caches):
+#       hidden [1, T, H] the target's final-norm states, taps the outputs of the target layers it reads (.taps),
+#       ids [1, T] the next token of each position
+#   propose(batch) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
+#   commit(batch, hidden, taps, ids, n_acc, tokens)   see the verified step over ids [B, k+1]: keep the accepted prefix
+#   taps: the target layers whose outputs it reads (DFlash/DSpark), [B, T, H] each, in its order; () for none
+
+@dataclass
+class Batch:
+    """The rows of one step: the requests and, on the device, each row's slot, last position and last token."""
+    reqs: list                # [B] requests
+    slots: torch.Tensor       # [B] long, the state slot of each row
+    pos: torch.Tensor         # [B] long, the position of each row's last token (the step's first input)
+    last: torch.Tensor        # [B] long, each row's last token
+    host_knows_pos: bool      # synchronous steps; an asynchronous step's positions live on the device only
+
+    def kv_len(self, extra, cap):
+        """How far an eager step's attention reads: the last position + extra when the host knows the positions,
+        else cap (the cache length)."""
+        return max(len(r.tokens) for r in self.reqs) - 1 + extra if self.host_knows_pos else cap
+
+
+@dataclass
+class ProposerIO:
+    """What a proposer may use of the engine, and nothing more (a test builds one without an Engine)."""
+    model: nn.Module          # the target: its embeddings, lm_head, MTP head and config
+    state: "State"            # the target's state (the MTP layer's KV cache, layer id "mtp", lives there)
+    num_slots: int            # max_num_seqs; a drafter's caches get one slot more, the dummy slot of padding rows
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    h2d: object               # h2d(host data, dtype=None) -> device tensor, without waiting for the device
+    call: object              # call(name, fn, kv_len, inputs) -> fn(kv_len, **inputs): a CUDA graph when on
+
 
 def ngram_lookup_ref(ctx, k, lo, hi):
     """vLLM's prompt lookup, plainly: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
@@ -930,7 +961,7 @@ def ngram_lookup(ctx, k, lo, hi):
     a = np.asarray(ctx, dtype=np.int64)
     N = len(a)
     for n in range(min(hi, N - 1), lo - 1, -1):
-        hits = (np.lib.stride_tricks.sliding_window_view(a[:N - 1], n) == a[N - n:]).all(1)  # starts 0 .. N-n-1
+        hits = (np.lib.stride_tricks.sliding_window_view(a[:N - 1], n) == a[N - n:]).all(1)  # starts 0..N-n-1
         if hits.any():
             start = int(hits.argmax())
             return ctx[start + n:start + n + k]
@@ -938,29 +969,35 @@ def ngram_lookup(ctx, k, lo, hi):
 
 
 class NgramProposer:
-    def __init__(self, engine, spec):
-        self.k, self.lo, self.hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+    """method ngram: prompt lookup over each request's tokens, on the host."""
+    taps = ()
 
-    def prefill(self, engine, req, hidden, ids, pos):
+    def __init__(self, spec, io):
+        self.io = io
+        self.k = spec.num_speculative_tokens
+        self.lo = spec.prompt_lookup_min
+        self.hi = spec.prompt_lookup_max
+
+    def prefill(self, req, hidden, taps, ids, pos):
         pass
 
-    def propose(self, engine, reqs):
-        drafts = torch.full((len(reqs), self.k), -1, dtype=torch.long)
-        for b, r in enumerate(reqs):
-            room = engine.max_model_len - len(r.tokens)
+    def propose(self, batch):
+        drafts = torch.full((len(batch.reqs), self.k), -1, dtype=torch.long)
+        for b, r in enumerate(batch.reqs):
+            room = self.io.max_model_len - len(r.tokens)
             d = ngram_lookup(r.tokens, min(self.k, room), self.lo, self.hi) if room > 0 else []
             drafts[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return engine.h2d(drafts), None
+        return self.io.h2d(drafts), None
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         pass
 
 
-def draft_noise(engine, reqs, k):
+def draft_noise(io, reqs, k):
     """Per-request inputs of probabilistic drafting: temperatures [B] and uniforms [B, k] from each
     request's generator (drawn on the host so a captured graph can take them as inputs)."""
-    t = engine.h2d([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs])
-    return t, engine.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
+    t = io.h2d([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs])
+    return t, io.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
 
 
 def draft_pick(logits, temp=None, u=None):
@@ -978,53 +1015,57 @@ class MTPProposer:
     accepted tokens after each verify. The MTP output hidden at the last committed position is kept
     per slot; propose() turns it into d1 and feeds its own output back for d2..dk. On the GPU the
     whole chain, and the commit pass, run as captured graphs."""
-    def __init__(self, engine, spec):
-        self.engine, self.k, self.greedy = engine, spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
-        m = engine.model
-        self.hidden = torch.zeros(engine.max_num_seqs + 1, m.cfg.hidden_size, dtype=engine.dtype, device=engine.device)
+    taps = ()
 
-    def _run(self, engine, ids, hidden, slots, pos, kv_len):
-        m = engine.model
-        return m.mtp(m.embed_tokens(ids), hidden, Ctx(engine.state, slots, pos, kv_len, "decode"))
+    def __init__(self, spec, io):
+        self.io = io
+        self.model = io.model
+        self.k = spec.num_speculative_tokens
+        self.greedy = spec.draft_sample_method == "greedy"
+        H = io.model.cfg.hidden_size
+        self.hidden = torch.zeros(io.num_slots + 1, H, dtype=io.dtype, device=io.device)  # [slots + 1, H]
 
-    def prefill(self, engine, req, hidden, ids, pos):
+    def _run(self, ids, hidden, slots, pos, kv_len):
+        m = self.model
+        return m.mtp(m.embed_tokens(ids), hidden, Ctx(self.io.state, slots, pos, kv_len, "decode"))
+
+    def prefill(self, req, hidden, taps, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
-        T = ids.shape[1]
-        out = self._run(engine, ids, hidden, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), pos + T)
+        slots = self.io.h2d([req.slot], torch.long)
+        out = self._run(ids, hidden, slots, torch.tensor([pos], device=self.io.device), pos + ids.shape[1])
         self.hidden[req.slot] = out[0, -1]
 
     def _chain(self, kv_len, slots, pos, temp=None, u=None):
-        m, drafts, probs = self.engine.model, [], []
+        drafts = []
+        probs = []
         h = self.hidden[slots]                                                       # [B, H]
         for j in range(self.k):
             if j > 0:
-                h = self._run(self.engine, drafts[-1][:, None], h[:, None], slots, pos + j, kv_len)[:, 0]
-            d, q = draft_pick(m.logits(h), temp, None if u is None else u[:, j])
+                h = self._run(drafts[-1][:, None], h[:, None], slots, pos + j, kv_len)[:, 0]
+            d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
             drafts.append(d)
             probs.append(q)
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
-    def propose(self, engine, reqs):
-        inputs = dict(slots=engine.cur_slots, pos=engine.cur_pos - 1)                # position of the kept hidden
+    def propose(self, batch):
+        inputs = dict(slots=batch.slots, pos=batch.pos - 1)                          # position of the kept hidden
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call("mtp-propose", self._chain, engine.kv_len(reqs, self.k - 1, engine.state.max_len), inputs)
+            inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
+        kv_len = batch.kv_len(self.k - 1, self.io.state.max_len)
+        return self.io.call("mtp-propose", self._chain, kv_len, inputs)
 
     def _commit(self, kv_len, slots, pos, nxt, hidden, n_acc):
-        out = self._run(self.engine, nxt, hidden, slots, pos, kv_len)                 # [B, k+1, H]
+        out = self._run(nxt, hidden, slots, pos, kv_len)                              # [B, k+1, H]
         self.hidden[slots] = out[torch.arange(out.shape[0], device=out.device), n_acc]
         return ()
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         # position p+i gets (h_{p+i}, x_{p+i+1}): the drafts, with the correction/bonus token at n_acc
         rows = torch.arange(ids.shape[0], device=ids.device)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         nxt[rows, n_acc] = tokens[rows, n_acc]
-        engine.call("mtp-commit", self._commit, engine.kv_len(reqs, ids.shape[1], engine.state.max_len),
-                    dict(slots=engine.cur_slots, pos=engine.cur_pos, nxt=nxt, hidden=hidden, n_acc=n_acc))
-
-
-PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
+        inputs = dict(slots=batch.slots, pos=batch.pos, nxt=nxt, hidden=hidden, n_acc=n_acc)
+        self.io.call("mtp-commit", self._commit, batch.kv_len(ids.shape[1], self.io.state.max_len), inputs)
 
 
 # ==============================================================================================
@@ -1327,91 +1368,108 @@ class BlockDrafter(nn.Module):
 
 
 class BlockProposer:
-    """method dflash / dspark: the block drafter, its KV cache (context written at prefill and after each verify),
-    and drafting: one block forward, then argmax/sampling (DFlash) or the Markov stage (DSpark)."""
-    def __init__(self, engine, spec):
-        m, path, K, tcfg = spec.method, spec.model, spec.num_speculative_tokens, engine.model.cfg
-        if path is None:
+    """The block drafters' common part (dflash, dspark): the draft network, its KV cache (context K/V written at
+    prefill and after each verify) and the block forward over [anchor, mask x (Q-1)], whose logits a subclass turns
+    into drafts (_sample)."""
+    method = None
+
+    def __init__(self, spec, io):
+        m = self.method
+        if spec.model is None:
             raise ConfigError(f"method {m!r} needs 'model': the path of a {m} draft checkpoint "
                               "(Qwen3.5/3.6 targets do not ship one)")
-        c, where = read_block_config(path, m), f"{m} draft {path}"
-        L, ids = tcfg.num_hidden_layers, c.target_layer_ids
-        if any(not -1 <= i < L for i in ids):
-            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the target "
-                              f"model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, 'output of layer i')")
-        if m == "dspark" and K < c.block_size:  # vLLM's message
-            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size ({c.block_size}); got {K}. "
-                              f"Smaller values produce incorrect output. Use num_speculative_tokens={c.block_size} "
-                              "or larger.")
-        if c.vocab_size != tcfg.vocab_size:
-            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's {tcfg.vocab_size}")
-        from safetensors import safe_open
-        tensors, shapes = {n: f for n, f in checkpoint_tensors(path).items() if n not in DRAFT_SKIP}, {}
-        for f in set(tensors.values()):  # the header's shapes decide the optional parts and fc's input size
-            with safe_open(f, "pt") as st:
-                shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys() if n in tensors})
-        if "fc.weight" not in shapes:
-            raise ConfigError(f"missing tensor 'fc.weight' in {where}")
-        got = len(ids) * tcfg.hidden_size
-        if shapes["fc.weight"][1] != got:  # vLLM's message
-            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden features but "
-                              f"received {got} ({len(ids)} taps x hidden {tcfg.hidden_size}). This usually means the "
-                              "draft model's target_layer_ids reference layers that do not exist in the target model "
-                              "(incompatible draft/target pair).")
-        with torch.device("meta"):
-            net = BlockDrafter(c, shapes)
-        self.net = fuse_projections(load_weights(net, tensors, engine.dtype, engine.device, where))  # MLP gate/up
-        Vd = net.draft_vocab_size
-        if Vd > tcfg.vocab_size or (Vd < tcfg.vocab_size and (net.d2t is None or net.lm_head is None)):
-            raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {tcfg.vocab_size}: a reduced draft "
-                              "vocabulary needs the draft's lm_head and d2t; a larger one is not supported")
-        if c.hidden_size != tcfg.hidden_size and (net.embed_tokens is None or net.lm_head is None):
-            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's {tcfg.hidden_size}, so "
-                              "the draft must ship its own embed_tokens and lm_head")
-        if not 0 <= c.mask_token_id < tcfg.vocab_size:
-            raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} is outside the vocabulary")
-        self.embed = net.embed_tokens or engine.model.embed_tokens
+        path = spec.model
+        K = spec.num_speculative_tokens
+        tcfg = io.model.cfg
+        c = read_block_config(path, m)
+        where = f"{m} draft {path}"
+        self.check(c, K, tcfg, where)
+        net = self.net = self._load_net(path, c, tcfg, where, io)
+        self.embed = net.embed_tokens or io.model.embed_tokens
         self.mask_vec = self.embed.weight[c.mask_token_id]                           # [H]
         override = os.path.join(path, "mask_embedding.pt")  # some checkpoints ship a trained mask embedding
         if os.path.isfile(override):
             e = torch.load(override, weights_only=True)
             e = e["embedding"] if isinstance(e, dict) else e
-            self.mask_vec = e.reshape(-1).to(engine.device, engine.dtype)
-        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else engine.model.logits
-        self.method, self.k, self.greedy = m, K, spec.draft_sample_method == "greedy"
-        self.topk, self.V = spec.dspark_draft_topk, tcfg.vocab_size
-        if self.topk is not None and self.topk > Vd:
-            raise ConfigError(f"dspark_draft_topk={self.topk} exceeds the draft vocabulary ({Vd})")
+            self.mask_vec = e.reshape(-1).to(io.device, io.dtype)
+        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else io.model.logits
+        self.io = io
+        self.k = K
+        self.greedy = spec.draft_sample_method == "greedy"
+        self.V = tcfg.vocab_size
         self.Q = K if c.from_anchor else K + 1                                       # block queries
         self.out = slice(0, K) if c.from_anchor else slice(1, K + 1)                 # the slots that draft
-        self.taps = tuple(sorted(set(ids)))  # Qwen36.forward returns taps in layer order; self.order restores ours
-        self.order = [self.taps.index(i) for i in ids]
-        self.cache = KVCache(c, engine.max_num_seqs, engine.max_model_len + self.Q + K + 1, engine.dtype, engine.device)
+        self.taps = tuple(sorted(set(c.target_layer_ids)))  # the target returns taps in layer order; .order: ours
+        self.order = [self.taps.index(i) for i in c.target_layer_ids]
+        self.cache = KVCache(c, io.num_slots, io.max_model_len + self.Q + K + 1, io.dtype, io.device)
         self.cfg = c
 
-    # Drafting and the context write after a verify go through engine.call: captured graphs on the GPU (inputs
-    # are device tensors, batch first; kv_len is then the cache length), eager elsewhere.
+    def check(self, c, K, tcfg, where):
+        """Refuse a drafter that does not fit the target."""
+        L, ids = tcfg.num_hidden_layers, c.target_layer_ids
+        if any(not -1 <= i < L for i in ids):
+            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the target "
+                              f"model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, 'output of layer i')")
+        if c.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's {tcfg.vocab_size}")
+
+    @staticmethod
+    def _load_net(path, c, tcfg, where, io):
+        """The draft network, loaded; the checkpoint header's shapes decide its optional parts and fc's input."""
+        from safetensors import safe_open
+        tensors = {n: f for n, f in checkpoint_tensors(path).items() if n not in DRAFT_SKIP}
+        shapes = {}
+        for f in set(tensors.values()):
+            with safe_open(f, "pt") as st:
+                shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys() if n in tensors})
+        if "fc.weight" not in shapes:
+            raise ConfigError(f"missing tensor 'fc.weight' in {where}")
+        n_taps = len(c.target_layer_ids)
+        got = n_taps * tcfg.hidden_size
+        if shapes["fc.weight"][1] != got:  # vLLM's message
+            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden features "
+                              f"but received {got} ({n_taps} taps x hidden {tcfg.hidden_size}). This usually means "
+                              "the draft model's target_layer_ids reference layers that do not exist in the target "
+                              "model (incompatible draft/target pair).")
+        with torch.device("meta"):
+            net = BlockDrafter(c, shapes)
+        net = fuse_projections(load_weights(net, tensors, io.dtype, io.device, where))  # MLP gate/up
+        Vd, V = net.draft_vocab_size, tcfg.vocab_size
+        if Vd > V or (Vd < V and (net.d2t is None or net.lm_head is None)):
+            raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {V}: a reduced draft "
+                              "vocabulary needs the draft's lm_head and d2t; a larger one is not supported")
+        if c.hidden_size != tcfg.hidden_size and (net.embed_tokens is None or net.lm_head is None):
+            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's {tcfg.hidden_size}, "
+                              "so the draft must ship its own embed_tokens and lm_head")
+        if not 0 <= c.mask_token_id < V:
+            raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} is outside the vocabulary")
+        return net
+
+    # Drafting and the context write after a verify go through io.call: captured graphs on the GPU (inputs are
+    # device tensors, batch first; kv_len is then the cache length), eager elsewhere.
     def _context(self, kv_len, slots, pos, feats):
         self.net.write_context(feats, Ctx(self.cache, slots, pos, kv_len))
         return ()
 
-    def _feats(self, engine):
-        return torch.cat([engine.aux[i] for i in self.order], -1)                   # [B, T, n_taps * H_target]
+    def _feats(self, taps):
+        return torch.cat([taps[i] for i in self.order], -1)                         # [B, T, n_taps * H_target]
 
-    def prefill(self, engine, req, hidden, ids, pos):  # eager: prompt chunks come in any length
-        self._context(0, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), self._feats(engine))
+    def prefill(self, req, hidden, taps, ids, pos):  # eager: prompt chunks come in any length
+        slots = self.io.h2d([req.slot], torch.long)
+        self._context(0, slots, torch.tensor([pos], device=self.io.device), self._feats(taps))
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next block,
         # which overwrites them before any query reads them
-        engine.call(f"{self.method}-context", self._context, 0,
-                    dict(slots=engine.cur_slots, pos=engine.cur_pos, feats=self._feats(engine)))
+        inputs = dict(slots=batch.slots, pos=batch.pos, feats=self._feats(taps))
+        self.io.call(f"{self.method}-context", self._context, 0, inputs)
 
-    def propose(self, engine, reqs):
-        inputs = dict(slots=engine.cur_slots, pos=engine.cur_pos, anchor=engine.cur_last)  # the anchor and its position
+    def propose(self, batch):
+        inputs = dict(slots=batch.slots, pos=batch.pos, anchor=batch.last)          # the anchor and its position
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call(f"{self.method}-propose", self._draft, engine.kv_len(reqs, self.Q, self.cache.max_len), inputs)
+            inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
+        kv_len = batch.kv_len(self.Q, self.cache.max_len)
+        return self.io.call(f"{self.method}-propose", self._draft, kv_len, inputs)
 
     def block_logits(self, kv_len, slots, pos, anchor):
         """The block forward over [anchor, mask x (Q-1)] at pos..: base draft logits [B, K, V_d] (fp32)."""
@@ -1420,10 +1478,7 @@ class BlockProposer:
 
     def _draft(self, kv_len, slots, pos, anchor, temp=None, u=None):
         U = self.block_logits(kv_len, slots, pos, anchor)                           # [B, K, V_d]
-        if self.net.markov_head is None and self.topk is None:
-            d, q = self._pick(U, temp, u)
-        else:
-            d, q = self._markov(U, anchor, temp, u)
+        d, q = self._sample(U, anchor, temp, u)
         if self.net.d2t is not None and q is not None:                               # draft vocab -> target vocab
             cols = self._tid(torch.arange(q.shape[-1], device=q.device))
             q = q.new_zeros(*q.shape[:2], self.V).index_copy_(-1, cols, q)
@@ -1440,16 +1495,48 @@ class BlockProposer:
         q = (logits / temp[:, None, None]).softmax(-1)
         return sample_from(q.flatten(0, 1), u.flatten()).view(u.shape), q
 
-    def _markov(self, U, anchor, temp, u):
+
+class DFlashProposer(BlockProposer):
+    """method dflash: mask slot j of the block drafts position P+j (Q = K+1), by argmax or sampling."""
+    method = "dflash"
+
+    def _sample(self, U, anchor, temp, u):
+        return self._pick(U, temp, u)
+
+
+class DSparkProposer(BlockProposer):
+    """method dspark: every slot drafts, the anchor's too (Q = K), and the Markov head biases each draft by the one
+    before it, token by token on the device."""
+    method = "dspark"
+
+    def __init__(self, spec, io):
+        super().__init__(spec, io)
+        self.topk = spec.dspark_draft_topk
+        if self.topk is not None and self.topk > self.net.draft_vocab_size:
+            raise ConfigError(f"dspark_draft_topk={self.topk} exceeds the draft vocabulary "
+                              f"({self.net.draft_vocab_size})")
+
+    def check(self, c, K, tcfg, where):
+        super().check(c, K, tcfg, where)
+        if K < c.block_size:  # vLLM's message
+            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size ({c.block_size}); "
+                              f"got {K}. Smaller values produce incorrect output. "
+                              f"Use num_speculative_tokens={c.block_size} or larger.")
+
+    def _sample(self, U, anchor, temp, u):
         """DSpark's sequential stage: logits_j = U_j + W2 . W1[prev], prev = the anchor, then each new draft (as a
         target id). With dspark_draft_topk the bias goes on the top-k base logits only, the rest -inf. A fixed-length
         loop of device ops without host syncs, so it runs inside the captured drafting graph."""
         head = self.net.markov_head
-        if temp is None and not self.topk and head is not None and self.net.d2t is None:  # greedy: fused kernels
+        if head is None and self.topk is None:
+            return self._pick(U, temp, u)
+        if temp is None and not self.topk and self.net.d2t is None:  # greedy: fused kernels
             return K.markov_greedy(U, head.markov_w1(anchor), head.markov_w1.weight, head.markov_w2.weight), None
         if self.topk:
             vals, idx = U.topk(self.topk, -1)                                        # [B, K, k]
-        prev, ds, qs = anchor, [], []
+        prev = anchor
+        ds = []
+        qs = []
         for j in range(U.shape[1]):
             e = head.markov_w1(prev) if head is not None else None                   # [B, r]
             if self.topk:
@@ -1464,10 +1551,11 @@ class BlockProposer:
         return torch.stack(ds, 1), None if temp is None else torch.cat(qs, 1)
 
 
-def load_draft_lm(path, engine, max_len):
+def load_draft_lm(path, io, max_len):
     """draft_model's LM and its state: a Qwen3.5/3.6 checkpoint (specdec's model, GDN states with stash/commit) or a
     plain Qwen3 one (Qwen3Layer stack, KV cache only)."""
-    top, tv = read_config(path, "draft_model"), engine.model.cfg.vocab_size
+    top = read_config(path, "draft_model")
+    tv = io.model.cfg.vocab_size
     mt = top.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES + ("qwen3",):
         raise ConfigError(f"draft_model {path}: model_type {mt!r} is not supported; the draft must be a Qwen3.5/3.6 "
@@ -1475,22 +1563,23 @@ def load_draft_lm(path, engine, max_len):
     fields, types = qwen3_fields(top, f"draft_model {path}") if mt == "qwen3" else (None, None)
     dv = fields["vocab_size"] if fields else ModelConfig.from_hf(path).vocab_size
     if dv != tv:  # vLLM's message
-        raise ConfigError(f"Target and draft model should have the same vocabulary size. Target model vocab_size={tv}. "
-                          f"Draft model vocab_size={dv}. Using models with different tokenizers can cause out-of-bounds "
-                          "errors during speculative decoding.")
-    args = (engine.max_num_seqs, max_len, engine.dtype, engine.device)
+        raise ConfigError(f"Target and draft model should have the same vocabulary size. Target model "
+                          f"vocab_size={tv}. Draft model vocab_size={dv}. Using models with different tokenizers "
+                          "can cause out-of-bounds errors during speculative decoding.")
+    args = (io.num_slots, max_len, io.dtype, io.device)
     if fields is None:
         try:
-            model, cfg, _ = load_model(path, engine.dtype, engine.device)
+            model, cfg, _ = load_model(path, io.dtype, io.device)
         except FileNotFoundError as e:
             raise ConfigError(f"draft_model {path}: {e}") from None
         return model, State(cfg, *args)
-    c = DraftConfig(**fields, windows=[top.get("sliding_window") if t == "sliding_attention" else None for t in types],
-                    causal=[True] * len(types))
-    tensors = {n: f for n, f in checkpoint_tensors(path).items() if not (c.tie_word_embeddings and n == "lm_head.weight")}
+    windows = [top.get("sliding_window") if t == "sliding_attention" else None for t in types]
+    c = DraftConfig(**fields, windows=windows, causal=[True] * len(types))
+    tied = c.tie_word_embeddings
+    tensors = {n: f for n, f in checkpoint_tensors(path).items() if not (tied and n == "lm_head.weight")}
     with torch.device("meta"):
         model = Qwen3LM(c)
-    model = load_weights(model, tensors, engine.dtype, engine.device, f"draft_model {path}",
+    model = load_weights(model, tensors, io.dtype, io.device, f"draft_model {path}",
                          rename=lambda n: n[len("model."):] if n.startswith("model.") else n)
     return model, KVCache(c, *args)
 
@@ -1501,38 +1590,49 @@ class DraftModelProposer:
     k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the target does); d1 comes
     from the last real position. Drafts d2..dk come from verify-mode passes that never write the GDN states (over
     [d1..dj] for a hybrid draft, just d_j for an attention-only one), so nothing needs rolling back."""
-    def __init__(self, engine, spec):
-        self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
-        self.model, self.state = load_draft_lm(spec.model, engine, engine.max_model_len + 2 * self.k + 2)
+    taps = ()
+
+    def __init__(self, spec, io):
+        self.io = io
+        self.k = spec.num_speculative_tokens
+        self.greedy = spec.draft_sample_method == "greedy"
+        self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + 2 * self.k + 2)
         self.recurrent = bool(self.state.rec)
         # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the accepted
         # n+1 after a verify; right-padded to k+1), how many, and the position of the first
-        S, dev = engine.max_num_seqs + 1, engine.device
-        self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=dev)
-        self.new_n, self.start = torch.ones(S, dtype=torch.long, device=dev), torch.zeros(S, dtype=torch.long, device=dev)
+        S = io.num_slots + 1
+        self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=io.device)     # [S, k+1]
+        self.new_n = torch.ones(S, dtype=torch.long, device=io.device)                    # [S]
+        self.start = torch.zeros(S, dtype=torch.long, device=io.device)                   # [S]
 
-    def prefill(self, engine, req, hidden, ids, pos):
-        T, slots = hidden.shape[1], engine.slot_tensor([req])
+    def prefill(self, req, hidden, taps, ids, pos):
+        T = hidden.shape[1]
+        slots = self.io.h2d([req.slot], torch.long)
         if pos == 0:
             self.state.reset(req.slot)
-        chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=engine.device)
-        self.model(chunk, Ctx(self.state, slots, torch.tensor([pos], device=engine.device), pos + T, "prefill"))
+        chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=self.io.device)
+        self.model(chunk, Ctx(self.state, slots, torch.tensor([pos], device=self.io.device), pos + T, "prefill"))
         if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose consumes it
-            self.new_ids[req.slot, 0], self.new_n[req.slot], self.start[req.slot] = ids[0, -1], 1, pos + T
+            self.new_ids[req.slot, 0] = ids[0, -1]
+            self.new_n[req.slot] = 1
+            self.start[req.slot] = pos + T
 
-    def propose(self, engine, reqs):
-        s = engine.cur_slots
+    def propose(self, batch):
+        s = batch.slots
         inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s], n=self.new_n[s])
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call("draft-propose", self._draft, engine.kv_len(reqs, 2 * self.k + 1, self.state.max_len), inputs)
+            inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
+        kv_len = batch.kv_len(2 * self.k + 1, self.state.max_len)
+        return self.io.call("draft-propose", self._draft, kv_len, inputs)
 
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
         ctx = Ctx(self.state, slots, start, kv_len, "verify")
         h = self.model(ids, ctx)                                                     # [B, k+1, H]
         self.model.commit(ctx, n)                                                    # keep exactly the new tokens
         h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]                  # [B, H] at each anchor
-        p1, drafts, probs = start + n, [], []                                        # p1: position of d1
+        p1 = start + n                                                               # [B] position of d1
+        drafts = []
+        probs = []
         for j in range(self.k):
             if j > 0:
                 x, pos = (torch.stack(drafts, 1), p1) if self.recurrent else (drafts[-1][:, None], p1 + j - 1)
@@ -1542,12 +1642,15 @@ class DraftModelProposer:
             probs.append(q)
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
-        s = engine.cur_slots  # the next propose's first pass consumes the accepted tokens
-        self.new_ids[s], self.new_n[s], self.start[s] = tokens.clamp(min=0), n_acc + 1, engine.cur_pos + 1
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
+        s = batch.slots  # the next propose's first pass consumes the accepted tokens
+        self.new_ids[s] = tokens.clamp(min=0)
+        self.new_n[s] = n_acc + 1
+        self.start[s] = batch.pos + 1
 
 
-PROPOSERS.update(dflash=BlockProposer, dspark=BlockProposer, draft_model=DraftModelProposer)
+PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashProposer, "dspark": DSparkProposer,
+             "draft_model": DraftModelProposer}  # method -> class(spec, io)
 
 # ==============================================================================================
 # Verification & sampling
@@ -1629,8 +1732,20 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     return tokens, n
 
 
+def synthetic_sample(logits, drafts, rates, u_accept):
+    """Benchmark mode (vLLM's `synthetic` rejection_sample_method), not lossless: accept draft i with the conditional
+    probability rates[i] whatever the tokens are (never past the real drafts), then emit the target's argmax.
+    logits [B, k+1, V]; drafts [B, k] (-1 = padding); rates [k]; u_accept [B, k]. Returns tokens [B, k+1] and
+    num_accepted [B], as rejection_sample."""
+    rows = torch.arange(drafts.shape[0], device=drafts.device)
+    n = torch.minimum(torch.cumprod((u_accept < rates).long(), 1).sum(1), (drafts >= 0).sum(1))
+    tokens = torch.cat([drafts, drafts[:, :1]], 1)                                   # the drafts, then the argmax
+    tokens[rows, n] = logits[rows, n].argmax(-1)
+    return tokens, n
+
+
 # ==============================================================================================
-# Engine: slots, requests, the step loop, stops, metrics
+# Engine: ModelRunner runs the steps, Engine schedules the requests (nano-vllm's split)
 # ==============================================================================================
 
 @dataclass
@@ -1663,21 +1778,29 @@ class SpecStats:
         per_pos = ", ".join(f"{a / max(self.num_drafts, 1):.3f}" for a in self.accepted_per_pos)
         return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
                 f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
-                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
+                f"Per-position acceptance rate: {per_pos}, "
+                f"Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
 
 
 class Request:
     """One sequence: its tokens, sampling parameters, output so far, slot and stop state."""
     def __init__(self, rid, prompt_ids, params, tokenizer, seed):
-        self.id, self.prompt_ids, self.params = rid, list(prompt_ids), params
-        self.output_ids, self.text = [], ""
+        self.id = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids = []
+        self.text = ""
         self.tokens = list(prompt_ids)  # prompt + output, kept up to date by Engine._emit (read every step)
         self.logprobs = [] if params.logprobs is not None else None
-        self.finish_reason = self.stop_reason = self.slot = None
+        self.finish_reason = None
+        self.stop_reason = None
+        self.slot = None
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
         self.detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # None: token ids only
         self.spec = SpecStats()
-        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time = None
+        self.finish_time = None
         self.on_update = None  # callback(req, n_new_tokens), e.g. the server's stream
 
     @property
@@ -1685,116 +1808,97 @@ class Request:
         return self.finish_reason is not None
 
 
+def h2d(device, data, dtype=None):
+    """Host data (a list or CPU tensor) on the device without waiting for the device: through pinned memory,
+    copied asynchronously. (A copy from pageable memory waits until every queued kernel has run, which would
+    stall the host once per copy and undo asynchronous steps.)"""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class GraphRunner:
-    """CUDA graphs captured by hand for the target's decode (T = 1) and verify (T = k+1) steps, one per batch
-    bucket (1, 2, 4, 8), sharing one memory pool. Inputs are copied into static buffers; padding rows point at
-    the dummy slot. A verify graph's GDN stash and the commit graph that replays it use the same tensors."""
-    def __init__(self, engine):
-        self.e = engine
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < engine.max_num_seqs] + [engine.max_num_seqs]
-        self.graphs = {}
+    """CUDA graphs captured by hand (nano-vllm's way) for every step that runs often: the target's decode (T = 1),
+    its verify (T = k+1) with the GDN commit after it, and the drafters' steps. One capture path: a step
+    fn(kv_len, **inputs) -> tuple of tensors is captured per batch bucket (1, 2, 4, 8, .., max_num_seqs) and
+    input shape, all in one memory pool. Its inputs are copied into static buffers that its record owns (as it owns
+    the outputs), padding rows beyond the batch get slot = the dummy slot, temperature 1, everything else 0. A batch
+    no bucket holds runs eagerly (the caller's fallback)."""
+    def __init__(self, state):
+        n = state.dummy_slot                                          # max_num_seqs
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < n] + [n]
+        self.dummy_slot = state.dummy_slot
+        self.kv_len = state.max_len   # a graph serves every position: its attention may read the whole cache
+        self.graphs = {}              # (name, bucket, input shapes) -> record: static inputs, outputs, graphs
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, B, T, mode):
-        e, st = self.e, self.e.state
-        dev = e.device
-        g = types.SimpleNamespace()  # static inputs, outputs and the graphs of one (bucket, T)
-        g.ids, g.pos = torch.zeros(B, T, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
-        g.slots = torch.full((B,), st.dummy_slot, dtype=torch.long, device=dev)
-        g.n_keep = torch.zeros(B, dtype=torch.long, device=dev)
-        ctx = Ctx(st, g.slots, g.pos, st.max_len, mode)
-        fwd = lambda: e.model(g.ids, ctx, e.taps) if e.taps else (e.model(g.ids, ctx), None)
-        for _ in range(2):  # warm every kernel (Triton compiles, cuBLAS picks) on this shape before capture
-            g.h, g.aux = fwd()
-            g.logits = e.model.logits(g.h)
-            if mode == "verify":
-                e.model.commit(ctx, g.n_keep)
-        torch.cuda.synchronize()
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.h, g.aux = fwd()
-            g.logits = e.model.logits(g.h)
-        g.commit = None
-        if mode == "verify":  # replays the stash the verify graph just wrote (same tensors on every replay)
-            g.commit = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.commit, pool=self.pool):
-                e.model.commit(ctx, g.n_keep)
-        st.stash.clear()
-        self.graphs[(B, T)] = g
-        return g
+    def pad(self, name):
+        return self.dummy_slot if name == "slots" else (1 if name == "temp" else 0)
 
-    def run(self, ids, pos, slots, mode):
-        """Replay the smallest bucket that fits, or return None (the caller runs eagerly)."""
-        B, T = ids.shape
-        Bp = next((b for b in self.buckets if b >= B), None)
-        if Bp is None:
-            return None
-        g = self.graphs.get((Bp, T)) or self.capture(Bp, T, mode)
-        g.ids[:B].copy_(ids)
-        g.pos[:B].copy_(pos)
-        g.slots[:B].copy_(slots)
-        if Bp > B:
-            g.ids[B:].zero_()
-            g.pos[B:].zero_()
-            g.slots[B:].fill_(self.e.state.dummy_slot)
-        g.graph.replay()
-        return g
-
-    def call(self, name, fn, inputs):
-        """Replay (capturing on first use) fn(kv_len, **inputs) for the smallest bucket that fits, with
-        static input buffers: rows beyond the batch get slot = dummy, temperature 1, everything else 0.
-        Returns fn's outputs (a tuple of tensors or None) cut to the batch, or None if no bucket fits."""
+    def run(self, name, fn, inputs, then=None):
+        """Replay fn's graph for the smallest bucket that holds the batch (capturing it on first use) and return
+        its record (outputs in .out, bucket-sized), or None when no bucket fits. inputs: device tensors, batch
+        first. then: see capture."""
         B = next(iter(inputs.values())).shape[0]
         Bp = next((b for b in self.buckets if b >= B), None)
         if Bp is None:
             return None
         key = (name, Bp) + tuple(t.shape[1:] for t in inputs.values())
-        pad = lambda n: self.e.state.dummy_slot if n == "slots" else (1 if n == "temp" else 0)
-        if key not in self.graphs:
-            static = {n: torch.full((Bp, *t.shape[1:]), pad(n), dtype=t.dtype, device=t.device) for n, t in inputs.items()}
-            for _ in range(2):
-                fn(self.e.state.max_len, **static)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn(self.e.state.max_len, **static)
-            self.graphs[key] = (graph, static, out)
-        graph, static, out = self.graphs[key]
+        g = self.graphs.get(key) or self.capture(key, Bp, fn, inputs, then)
         for n, t in inputs.items():
-            static[n][:B].copy_(t)
+            g.static[n][:B].copy_(t)
             if Bp > B:
-                static[n][B:].fill_(pad(n))
-        graph.replay()
-        return tuple(None if o is None else o[:B] for o in out)
+                g.static[n][B:].fill_(self.pad(n))
+        g.graph.replay()
+        return g
 
-    def commit(self, g, n_keep):
+    def capture(self, key, Bp, fn, inputs, then=None):
+        """Static inputs for bucket Bp, two warm-up runs on them (Triton compiles, cuBLAS picks: nothing may tune
+        inside a capture), then the capture. `then` (after a verify, the commit: then(n_keep=.., **inputs)) is a
+        second graph captured right after fn's, reading what fn left in the state (the GDN stash)."""
+        g = types.SimpleNamespace(then=None)
+        g.static = {n: torch.full((Bp, *t.shape[1:]), self.pad(n), dtype=t.dtype, device=t.device)
+                    for n, t in inputs.items()}
+        g.n_keep = torch.zeros(Bp, dtype=torch.long, device=next(iter(inputs.values())).device)
+        for _ in range(2):
+            fn(self.kv_len, **g.static)
+            if then is not None:
+                then(n_keep=g.n_keep, **g.static)
+        torch.cuda.synchronize()
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.out = fn(self.kv_len, **g.static)
+        if then is not None:
+            g.then = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.then, pool=self.pool):
+                then(n_keep=g.n_keep, **g.static)
+        self.graphs[key] = g
+        return g
+
+    def replay_then(self, g, n_keep):
         g.n_keep.zero_()
         g.n_keep[:n_keep.shape[0]].copy_(n_keep)
-        g.commit.replay()
+        g.then.replay()
 
 
-class Engine:
-    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0, enforce_eager=False,
+class ModelRunner:
+    """Runs the steps on the device. Owns the State (allocated once: max_num_seqs slots + a dummy slot for padding
+    rows), the proposer, the CUDA graphs and each slot's next input (token and position, on the device); prefills a
+    request, launches one decode or speculative step over a batch of running requests, and starts copying its
+    tokens to the host, which reads them back later (Engine: asynchronously, one step behind)."""
+    def __init__(self, model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager=False,
                  async_steps=None):
-        self.model, self.tokenizer, self.spec = model, tokenizer, spec
-        self.max_num_seqs, self.max_model_len, self.dtype, self.device, self.seed = max_num_seqs, max_model_len, dtype, device, seed
+        self.model = model
+        self.max_model_len = max_model_len
+        self.device = device
         self.k = spec.num_speculative_tokens if spec else 0
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
-        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # skipped in text
-        self.state = State(model.cfg, max_num_seqs, max_model_len + self.k + 1, dtype, device, mtp=spec is not None and spec.method == "mtp")
-        self.slots = [None] * max_num_seqs
-        self.waiting = deque()
-        self.stats = SpecStats()
+        mtp = spec is not None and spec.method == "mtp"
+        self.state = State(model.cfg, max_num_seqs, max_model_len + self.k + 1, dtype, device, mtp=mtp)
+        self.h2d = functools.partial(h2d, device)
         self.prefill_chunk = 2048
-        self.proposer = None
-        if spec is not None:
-            self.proposer = PROPOSERS[spec.method](self, spec)
-            self.synthetic = torch.tensor(spec.conditional_rates(), device=device) \
-                if spec.rejection_sample_method == "synthetic" else None
-        self.num_requests = 0
-        self.time_drafts, self.draft_seconds, self.spec_steps = False, 0.0, 0
-        self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
+        self.graphs = GraphRunner(self.state) if device.type == "cuda" and not enforce_eager else None
+        self.eager_drafts = spec is not None and bool(spec.enforce_eager)  # vLLM's override, for the draft alone
         # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their inputs
         # from here and write them back, so launching a step needs nothing from the host.
         self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
@@ -1805,25 +1909,209 @@ class Engine:
         # so it runs synchronously; so does a speculative config with enforce_eager (its eager drafter reads them).
         host_drafts = spec is not None and (spec.method == "ngram" or spec.enforce_eager)
         self.async_steps = (self.graphs is not None if async_steps is None else async_steps) and not host_drafts
+        # the target's steps: fn(kv_len, ids, pos, slots) -> (hidden, logits, *taps), and the one after it
+        self.steps = {"decode": (functools.partial(self._forward, mode="decode"), None),
+                      "verify": (functools.partial(self._forward, mode="verify"), self._commit)}
+        self.proposer = None
+        if spec is not None:
+            io = ProposerIO(model, self.state, max_num_seqs, max_model_len, dtype, device, self.h2d, self.call)
+            self.proposer = PROPOSERS[spec.method](spec, io)
+            if spec.rejection_sample_method == "synthetic":  # benchmarks: accept by the given rates
+                self.rates = torch.tensor(spec.conditional_rates(), device=device)
+                self.accept = self._synthetic_sample
+            else:
+                self.accept = self._rejection_sample
+        self.taps = tuple(getattr(self.proposer, "taps", ()))  # target layers the proposer reads (DFlash, DSpark)
+
+    # -- inputs ------------------------------------------------------------------------------
+    def batch(self, reqs):
+        """The batch of a step over reqs: its slots, and each row's last position and token (on the device)."""
+        slots = self.h2d([r.slot for r in reqs], torch.long)
+        return Batch(reqs, slots, self.next_pos[slots], self.next_ids[slots], not self.async_steps)
+
+    def _advance(self, slots, last, pos):
+        """The next step's inputs, on the device. Positions are capped below max_model_len: a step launched
+        after a request's final one (async) is dropped, but must still write inside the caches."""
+        self.next_ids[slots] = last
+        self.next_pos[slots] = pos.clamp(max=self.max_model_len - 1)
+
+    def call(self, name, fn, kv_len, inputs):
+        """A drafter's step fn(kv_len, **inputs) -> tuple of tensors: its CUDA graph, or eagerly without graphs
+        (or when the speculative config says enforce_eager) and when no bucket fits."""
+        g = None if self.graphs is None or self.eager_drafts else self.graphs.run(name, fn, inputs)
+        if g is None:
+            return fn(kv_len, **inputs)
+        B = next(iter(inputs.values())).shape[0]
+        return tuple(None if o is None else o[:B] for o in g.out)
+
+    # -- the target ----------------------------------------------------------------------------
+    def _hidden(self, ids, ctx):
+        """The target's final-norm hidden states and the outputs of the layers the proposer reads."""
+        return self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), ())
+
+    def _forward(self, kv_len, ids, pos, slots, mode):
+        """The target over ids [B, T] at positions pos.. of slots: (hidden [B, T, H], logits [B, T, V], *taps)."""
+        h, taps = self._hidden(ids, Ctx(self.state, slots, pos, kv_len, mode))
+        return (h, self.model.logits(h), *taps)
+
+    def _commit(self, ids, pos, slots, n_keep):
+        """After a verify: each GDN layer's state advances by the first n_keep [B] tokens (replaying its stash)."""
+        self.model.commit(Ctx(self.state, slots, pos, 0), n_keep)
+
+    def _target(self, batch, ids, mode):
+        """One target step over ids [B, T] at the batch's positions: its graph, or eagerly when none fits.
+        Returns hidden [B, T, H], logits [B, T, V], taps, and commit(n_keep) (after a verify)."""
+        fn, then = self.steps[mode]
+        inputs = dict(ids=ids, pos=batch.pos, slots=batch.slots)
+        g = None if self.graphs is None else self.graphs.run(mode, fn, inputs, then)
+        if g is None:
+            h, logits, *taps = fn(batch.kv_len(ids.shape[1], self.state.max_len), **inputs)
+            return h, logits, taps, lambda n_keep: then(n_keep=n_keep, **inputs)
+        B = ids.shape[0]
+        h, logits, *taps = (o[:B] for o in g.out)
+        return h, logits, taps, lambda n_keep: self.graphs.replay_then(g, n_keep)
+
+    # -- steps -----------------------------------------------------------------------------------
+    def prefill(self, req):
+        """A new request's prompt through the target (chunked) and the proposer; returns the first token (an int:
+        the host waits for it) and its logits [1, V]."""
+        self.state.reset(req.slot)
+        ids = req.prompt_ids
+        n = len(ids)
+        slots = self.h2d([req.slot], torch.long)
+        for s in range(0, n, self.prefill_chunk):
+            chunk = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)
+            T = chunk.shape[1]
+            h, taps = self._hidden(chunk, Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T,
+                                              "prefill"))
+            if s + T == n:
+                logits = self.model.logits(h[:, -1])                                  # [1, V]
+                tok = self._sample(logits, [req])
+            if self.proposer is not None:
+                nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
+                self.proposer.prefill(req, h, taps, torch.tensor([nxt], device=self.device), s)
+        self.next_ids[req.slot] = tok[0]
+        self.next_pos[req.slot] = n
+        return int(tok[0]), logits
+
+    def launch(self, reqs):
+        """Queue one decode or speculative step over reqs on the device; returns it as a pending step."""
+        batch = self.batch(reqs)
+        return self._spec_step(batch) if self.proposer is not None else self._decode_step(batch)
+
+    def _decode_step(self, batch):
+        h, logits, taps, _ = self._target(batch, batch.last[:, None], "decode")
+        toks = self._sample(logits[:, 0], batch.reqs)                                 # [B]
+        self._advance(batch.slots, toks, batch.pos + 1)
+        return self._pending(batch.reqs, toks[:, None], logits)
+
+    def _spec_step(self, batch):
+        """One speculative step, as DESIGN.md tells it: propose, verify, accept, commit, advance."""
+        drafts, q = self.proposer.propose(batch)                                      # [B, k], [B, k, V] | None
+        ids = torch.cat([batch.last[:, None], drafts.clamp(min=0)], 1)               # [B, k+1]: last, d1..dk
+        h, logits, taps, commit = self._target(batch, ids, "verify")                  # [B, k+1, H], [B, k+1, V]
+        tokens, n = self.accept(batch.reqs, logits, drafts, q)                        # [B, k+1], [B] accepted
+        commit(n + 1)                                                                 # GDN states: last, d1..dn
+        self.proposer.commit(batch, h, taps, ids, n, tokens)
+        rows = torch.arange(len(batch.reqs), device=self.device)
+        self._advance(batch.slots, tokens[rows, n], batch.pos + n + 1)                # from the (n+1)-th token
+        out = torch.cat([tokens, n[:, None], (drafts >= 0).sum(1, keepdim=True)], 1)  # [B, k+3]: + n, n drafted
+        return self._pending(batch.reqs, out, logits)
+
+    # -- sampling --------------------------------------------------------------------------------
+    def _sample(self, logits, reqs):
+        """Sample one token per row of logits [B, V] with each request's own generator."""
+        if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
+            return logits.argmax(-1)
+        f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
+        greedy = f("greedy")
+        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float(), self._filtered(reqs))
+        u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
+        return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
+
+    @staticmethod
+    def _filtered(reqs):
+        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
+
+    def _uniforms(self, reqs):
+        """A verify's uniforms from each request's generator: u_accept [B, k], u_sample [B, k+1]."""
+        u_acc = self.h2d(torch.stack([torch.rand(self.k, generator=r.gen) for r in reqs]))
+        u_smp = self.h2d(torch.stack([torch.rand(self.k + 1, generator=r.gen) for r in reqs]))
+        return u_acc, u_smp
+
+    def _rejection_sample(self, reqs, logits, drafts, q):
+        """rejection_sample with each request's sampling parameters."""
+        u_acc, u_smp = self._uniforms(reqs)
+        f = lambda name, dtype: self.h2d([getattr(r.params, name) for r in reqs], dtype)
+        return rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
+                                f("top_p", torch.float32), u_acc, u_smp, all_greedy=all(r.params.greedy for r in reqs),
+                                filtered=self._filtered(reqs))
+
+    def _synthetic_sample(self, reqs, logits, drafts, q):
+        """synthetic_sample with the configured rates (the uniforms are drawn as for rejection_sample)."""
+        u_acc, _ = self._uniforms(reqs)
+        return synthetic_sample(logits, drafts, self.rates, u_acc)
+
+    # -- read-back ------------------------------------------------------------------------------
+    def _pending(self, reqs, out, logits):
+        """Start copying a step's result rows out [B, n] to the host (pinned memory, no wait)."""
+        host = out
+        event = None
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return types.SimpleNamespace(reqs=reqs, host=host, event=event, logits=logits)
+
+    @staticmethod
+    def read(p):
+        """A pending step's rows on the host (waits for its copy)."""
+        if p.event is not None:
+            p.event.synchronize()
+        return p.host.tolist()
+
+
+class Engine:
+    """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what fits (one
+    prefill each), launches one step over the running requests on the ModelRunner, reads the step before back and
+    emits its tokens, stopping each request exactly where plain decoding stops (EOS, stop ids and strings, max_tokens,
+    max_model_len). Counts vLLM's spec-decode metrics."""
+    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0,
+                 enforce_eager=False, async_steps=None):
+        self.runner = ModelRunner(model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager,
+                                  async_steps)
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.vocab_size = model.cfg.vocab_size
+        self.seed = seed
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
+        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # skipped in text
+        self.slots = [None] * max_num_seqs
+        self.waiting = deque()
+        self.stats = SpecStats()
+        self.num_requests = 0
         self.pending = None  # the launched step whose tokens the host has not read yet
-        # target layers whose outputs the proposer reads (DFlash/DSpark taps); the last forward's are in self.aux
-        self.taps, self.aux = tuple(getattr(self.proposer, "taps", ())), None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params, rid=None):
         if not prompt_ids:
             raise ConfigError("the prompt is empty: at least one prompt token is needed")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.cfg.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.model.cfg.vocab_size})")
-        if params.max_tokens is None and len(prompt_ids) >= self.max_model_len:
+            raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        n = len(prompt_ids)
+        if params.max_tokens is None and n >= self.max_model_len:
             raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"request has {len(prompt_ids)} input tokens. Please reduce the length of the input messages.")
-        n, m = len(prompt_ids), params.max_tokens or (self.max_model_len - len(prompt_ids))
+                              f"request has {n} input tokens. Please reduce the length of the input messages.")
+        m = params.max_tokens or (self.max_model_len - n)
         if n + m > self.max_model_len:
             raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {n + m} tokens ({n} in the messages, {m} in the completion). Please reduce "
-                              f"the length of the messages or completion.")
+                              f"requested {n + m} tokens ({n} in the messages, {m} in the completion). Please "
+                              f"reduce the length of the messages or completion.")
         params = dataclasses.replace(params, max_tokens=m)
         self.num_requests += 1
         req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
@@ -1847,37 +2135,6 @@ class Engine:
     def has_work(self):
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
-    def call(self, name, fn, kv_len, inputs):
-        """Run a drafter step fn(kv_len, **inputs) -> tuple of tensors: as a captured graph on the GPU, else eagerly
-        (also when the speculative config says enforce_eager: vLLM's override for the draft)."""
-        eager = self.graphs is None or (self.spec is not None and self.spec.enforce_eager)
-        out = None if eager else self.graphs.call(name, fn, inputs)
-        return out if out is not None else fn(kv_len, **inputs)
-
-    def h2d(self, data, dtype=None):
-        """Host data (a list or CPU tensor) on the engine's device without waiting for the device: through pinned
-        memory, copied asynchronously. (A copy from pageable memory waits until every queued kernel has run,
-        which would stall the host once per copy and undo asynchronous steps.)"""
-        t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def slot_tensor(self, reqs):
-        return self.h2d([r.slot for r in reqs], torch.long)
-
-    def set_batch(self, reqs):
-        """The device inputs of a step over reqs: slots, the position of each row's last token, that token [B].
-        Kept as cur_slots / cur_pos / cur_last for the proposers of this step."""
-        self.cur_slots = slots = self.slot_tensor(reqs)
-        self.cur_pos, self.cur_last = self.next_pos[slots], self.next_ids[slots]
-        return self.cur_slots, self.cur_pos, self.cur_last
-
-    def kv_len(self, reqs, extra, cap):
-        """How far this step's attention reads (eager paths): last position + extra when the host knows the
-        positions (synchronous steps), else cap (the cache length: an async step's positions live on the device)."""
-        return cap if self.async_steps else max(len(r.tokens) - 1 for r in reqs) + extra
-
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self):
@@ -1888,15 +2145,17 @@ class Engine:
             req = self.waiting.popleft()
             req.slot = self.slots.index(None)
             self.slots[req.slot] = req
-            self._prefill(req)
+            token, logits = self.runner.prefill(req)
+            self._emit(req, [token], logits)
             touched.append(req)
         running = [r for r in self.slots if r is not None and r not in touched and not self._ends_in_flight(r)]
-        launched = self._launch(running) if running else None
-        done, self.pending = self.pending, launched
+        done = self.pending
+        self.pending = self.runner.launch(running) if running else None  # launched before `done` is read
         if done is not None:
             touched += self._finish(done)
-        if self.pending is not None and not (self.async_steps and all(r.logprobs is None for r in running)):
-            done, self.pending = self.pending, None  # synchronous: read this step back now
+        if self.pending is not None and not (self.runner.async_steps and all(r.logprobs is None for r in running)):
+            done = self.pending  # synchronous: read this step back now
+            self.pending = None
             touched += self._finish(done)
         return touched
 
@@ -1905,121 +2164,23 @@ class Engine:
         return (self.pending is not None and r in self.pending.reqs and
                 (len(r.output_ids) + 1 >= r.params.max_tokens or len(r.tokens) + 1 >= self.max_model_len))
 
-    def _launch(self, reqs):
-        """Queue one decode or speculative step for reqs on the device; returns it as a pending step."""
-        slots, pos, last = self.set_batch(reqs)
-        return (self._spec_step if self.spec else self._decode_step)(reqs, slots, pos, last)
-
-    def _pending(self, reqs, out, logits):
-        """Start copying a step's result rows out [B, n] to the host (pinned memory, no wait)."""
-        host, event = out, None
-        if out.is_cuda:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return types.SimpleNamespace(reqs=reqs, host=host, event=event, logits=logits)
-
     def _finish(self, p):
         """Read a launched step back and emit its tokens (requests that finished meanwhile are skipped)."""
-        if p.event is not None:
-            p.event.synchronize()
-        rows, live = p.host.tolist(), []
+        rows = self.runner.read(p)
+        live = []
         for b, r in enumerate(p.reqs):
             if r.finished:  # stopped by the step before, or aborted: this step's tokens are not part of it
                 continue
             toks = rows[b]
             if self.spec is not None:  # [tokens (k+1), n accepted, n drafted]
-                toks, n, n_draft = toks[:-2], toks[-2], toks[-1]
+                n = toks[-2]
+                n_draft = toks[-1]
                 r.spec.add(n_draft, n)
                 self.stats.add(n_draft, n)
                 toks = toks[:n + 1]
             self._emit(r, toks, p.logits[b])
             live.append(r)
         return live
-
-    def _prefill(self, req):
-        self.state.reset(req.slot)
-        ids, n = req.prompt_ids, len(req.prompt_ids)
-        slots = self.slot_tensor([req])
-        for s in range(0, n, self.prefill_chunk):
-            chunk = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)
-            T = chunk.shape[1]
-            ctx = Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T, "prefill")
-            h, self.aux = self.model(chunk, ctx, self.taps) if self.taps else (self.model(chunk, ctx), None)
-            if s + T == n:
-                logits = self.model.logits(h[:, -1])                                  # [1, V]
-                tok = self._sample(logits, [req])
-            if self.proposer is not None:
-                nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
-                self.proposer.prefill(self, req, h, torch.tensor([nxt], device=self.device), s)
-        self.next_ids[req.slot], self.next_pos[req.slot] = tok[0], n
-        self._emit(req, [int(tok[0])], logits)
-
-    def _sample(self, logits, reqs):
-        """Sample one token per row of logits [B, V] with each request's own generator."""
-        if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
-            return logits.argmax(-1)
-        f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
-        greedy = f("greedy")
-        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float(), self._filtered(reqs))
-        u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
-        return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
-
-    @staticmethod
-    def _filtered(reqs):
-        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
-
-    def _target(self, reqs, ids, pos, slots, mode):
-        """One target forward over ids [B, T] at positions pos [B] in slots [B]: (hidden, logits, commit-fn)."""
-        B, T = ids.shape
-        g = self.graphs.run(ids, pos, slots, mode) if self.graphs is not None else None
-        if g is not None:
-            self.aux = [a[:B] for a in g.aux] if g.aux is not None else None
-            return g.h[:B], g.logits[:B], lambda n_keep: self.graphs.commit(g, n_keep)
-        ctx = Ctx(self.state, slots, pos, self.kv_len(reqs, T, self.state.max_len), mode)
-        h, self.aux = self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), None)
-        return h, self.model.logits(h), lambda n_keep: self.model.commit(ctx, n_keep)
-
-    def _advance(self, slots, last, pos):
-        """The next step's inputs, on the device. Positions are capped below max_model_len: a step launched
-        after a request's final one (async) is dropped, but must still write inside the caches."""
-        self.next_ids[slots] = last
-        self.next_pos[slots] = pos.clamp(max=self.max_model_len - 1)
-
-    def _decode_step(self, reqs, slots, pos, last):
-        h, logits, _ = self._target(reqs, last[:, None], pos, slots, "decode")
-        toks = self._sample(logits[:, 0], reqs)                                       # [B]
-        self._advance(slots, toks, pos + 1)
-        return self._pending(reqs, toks[:, None], logits)
-
-    def _spec_step(self, reqs, slots, pos, last):
-        B, k = len(reqs), self.k
-        if self.time_drafts:  # bench.py: the drafter's share of a step (costs two syncs per step)
-            torch.cuda.synchronize() if self.device.type == "cuda" else None
-            t0 = time.perf_counter()
-        drafts, q = self.proposer.propose(self, reqs)                                 # [B, k]
-        if self.time_drafts:
-            torch.cuda.synchronize() if self.device.type == "cuda" else None
-            self.draft_seconds, self.spec_steps = self.draft_seconds + time.perf_counter() - t0, self.spec_steps + 1
-        ids = torch.cat([last[:, None], drafts.clamp(min=0)], 1)                     # [B, k+1]
-        h, logits, commit = self._target(reqs, ids, pos, slots, "verify")             # [B, k+1, H], [B, k+1, V]
-        f = lambda name, dt: self.h2d([getattr(r.params, name) for r in reqs], dt)
-        u_acc = self.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
-        u_smp = self.h2d(torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]))
-        rows = torch.arange(B, device=self.device)
-        if self.synthetic is not None:  # benchmark mode: accept by the given rates, whatever the tokens are
-            n = torch.minimum(torch.cumprod((u_acc < self.synthetic).long(), 1).sum(1), (drafts >= 0).sum(1))
-            tokens = torch.cat([drafts, drafts[:, :1]], 1).clone()                    # (real drafts only)
-            tokens[rows, n] = logits[rows, n].argmax(-1)
-        else:
-            tokens, n = rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
-                                         f("top_p", torch.float32), u_acc, u_smp,
-                                         all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs))
-        commit(n + 1)
-        self.proposer.commit(self, reqs, h, ids, n, tokens)
-        self._advance(slots, tokens[rows, n], pos + n + 1)
-        return self._pending(reqs, torch.cat([tokens, n[:, None], (drafts >= 0).sum(1, keepdim=True)], 1), logits)
 
     # -- output --------------------------------------------------------------------------------
     def _emit(self, req, toks, logits):
@@ -2044,12 +2205,15 @@ class Engine:
                 for s in p.stop:
                     j = req.text.find(s, max(0, old - len(s) + 1))
                     if j >= 0:
-                        req.text, req.finish_reason, req.stop_reason = req.text[:j], "stop", s
+                        req.text = req.text[:j]
+                        req.finish_reason = "stop"
+                        req.stop_reason = s
                         break
             if req.finished:
                 break
             if t in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", t
+                req.finish_reason = "stop"
+                req.stop_reason = t
             elif t in self.stop_ids and not p.ignore_eos:
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
@@ -2481,11 +2645,11 @@ class LLM:
         start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks through every
         bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture. Counters reset after."""
         e = self.engine
-        if e.graphs is None and not force:
+        if e.runner.graphs is None and not force:
             return
         prompt = list(range(1, 17))
         for i in range(e.max_num_seqs):
-            n = min(2 + (e.k + 2) * i, self.max_model_len - len(prompt))
+            n = min(2 + (e.runner.k + 2) * i, self.max_model_len - len(prompt))
             e.add_request(prompt, SamplingParams(temperature=0, max_tokens=max(n, 1), ignore_eos=True))
         while e.has_work():
             e.step()

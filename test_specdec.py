@@ -285,8 +285,7 @@ def test_top_k_top_p_masks():
 
 def our_logits(llm, ids, mode):
     """All-position logits of a prompt: one chunked prefill, or one token at a time."""
-    eng = llm.engine
-    st = eng.state
+    st = llm.engine.runner.state
     st.reset(0)
     slots = torch.tensor([0])
     x = torch.tensor([ids])
@@ -367,8 +366,8 @@ def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
 class OracleProposer:
     """Proposes the true greedy continuation with planted mistakes: exercises full acceptance (bonus
     tokens), partial acceptance and rejection at position 0, whatever the draft model's quality."""
-    def __init__(self, k, truth):
-        self.k, self.truth, self.step = k, truth, 0
+    def __init__(self, k, truth, vocab_size):
+        self.k, self.truth, self.step, self.vocab_size = k, truth, 0, vocab_size
 
     def prefill(self, *a):
         pass
@@ -376,7 +375,8 @@ class OracleProposer:
     def commit(self, *a):
         pass
 
-    def propose(self, engine, reqs):
+    def propose(self, batch):
+        reqs = batch.reqs
         d = torch.full((len(reqs), self.k), -1)
         for b, r in enumerate(reqs):
             n = len(r.output_ids)
@@ -384,7 +384,7 @@ class OracleProposer:
             d[b, :len(seq)] = torch.tensor(seq)
             wrong = (self.step + b) % (self.k + 2)  # position of a planted wrong token (none if >= k)
             if wrong < len(seq):
-                d[b, wrong] = (d[b, wrong] + 1) % engine.model.cfg.vocab_size
+                d[b, wrong] = (d[b, wrong] + 1) % self.vocab_size
         self.step += 1
         return d, None
 
@@ -395,7 +395,7 @@ def test_verify_commit_with_oracle_drafts(tiny, spec_off):
     prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
     truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
     assert len(truth) == len(prompts)
-    llm.engine.proposer = OracleProposer(4, truth)
+    llm.engine.runner.proposer = OracleProposer(4, truth, llm.cfg.vocab_size)
     outs = llm.generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
@@ -403,10 +403,53 @@ def test_verify_commit_with_oracle_drafts(tiny, spec_off):
     assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
 
 
+def test_proposer_without_an_engine(tiny):
+    """A proposer's whole world is a ProposerIO (the target, its state, device copies, graph calls: here eager) and
+    the Batch of each step: no Engine. MTP's chained drafts from its caches == the MTP layer recomputed from scratch
+    over the whole sequence for each draft; ngram's == prompt lookup over each request's tokens."""
+    cpu = torch.device("cpu")
+    model, cfg, _ = sd.load_model(tiny, torch.float32, cpu, want_mtp=True)
+    state = sd.State(cfg, 2, 64, torch.float32, cpu, mtp=True)
+    io = sd.ProposerIO(model, state, num_slots=2, max_model_len=60, dtype=torch.float32, device=cpu,
+                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype),
+                       call=lambda name, fn, kv_len, inputs: fn(kv_len, **inputs))
+    k = 3
+    mtp = sd.MTPProposer(sd.SpeculativeConfig(method="mtp", num_speculative_tokens=k), io)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 6)]
+    ctx = lambda slot, pos, n, mode="prefill": sd.Ctx(state, torch.tensor([slot]), torch.tensor([pos]), n, mode)
+    with torch.inference_mode():
+        seqs = []
+        for slot, p in enumerate(prompts):
+            state.reset(slot)
+            h = model(torch.tensor([p]), ctx(slot, 0, len(p)))
+            t = int(model.logits(h[:, -1]).argmax())                      # the first sampled token, at len(p)
+            mtp.prefill(types.SimpleNamespace(slot=slot), h, (), torch.tensor([p[1:] + [t]]), 0)
+            seqs.append((p, t, h))
+        reqs = [types.SimpleNamespace(tokens=p + [t]) for p, t, _ in seqs]
+        batch = sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([len(p) for p in prompts]),
+                         torch.tensor([t for _, t, _ in seqs]), host_knows_pos=True)
+        drafts, q = mtp.propose(batch)
+        assert drafts.shape == (2, k) and q is None
+        for row, (p, t, h) in enumerate(seqs):                            # from scratch, in a fresh slot each time
+            hidden, nxt, want = h, p[1:] + [t], []
+            for j in range(k):
+                L = len(nxt)
+                u = model.mtp(model.embed_tokens(torch.tensor([nxt])), hidden, ctx(2, 0, L, "decode"))  # [1, L, H]
+                want.append(int(model.logits(u[:, -1]).argmax()))
+                hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [want[-1]]
+            assert drafts[row].tolist() == want
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=2), io)
+    reqs = [types.SimpleNamespace(tokens=[1, 2, 3, 1, 2]), types.SimpleNamespace(tokens=[5, 6, 7])]
+    d, q = ngram.propose(sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([2, 7]), True))
+    assert d.tolist() == [[3, 1, 2], [-1, -1, -1]] and q is None
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    m, st = llm.model, llm.engine.state
+    m, st = llm.model, llm.engine.runner.state
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 500, (1, 9), generator=g)
     tail = torch.randint(0, 500, (2, 5), generator=g)  # rows 0, 1: [last token, d1..d4]
@@ -2604,7 +2647,7 @@ def async_case(ckpts, cfg, variants):
             if victim.slot is not None and len(victim.output_ids) >= 2 and not victim.finished:
                 e.abort(victim)  # its slot is reused while a step holding it is still in flight
         outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in reqs])
-        assert (in_flight > 0) == e.async_steps
+        assert (in_flight > 0) == e.runner.async_steps
     assert outs[0][4][2] == "abort" and outs[0][1][2] == "stop" and outs[0][2][2] == "stop"
     return outs
 
@@ -2692,9 +2735,10 @@ def test_graph_inputs_outlive_capture(cfg, ckpts, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
     llm = LLM(model=ckpts["target"], device="cpu", max_num_seqs=2, speculative_config=spec)
-    llm.engine.graphs = sd.GraphRunner(llm.engine)
+    runner = llm.engine.runner
+    runner.graphs = sd.GraphRunner(runner.state)
     llm.generate(SPEC_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(llm.engine.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
+    assert len(runner.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
     assert rec.outside, "nothing was recorded"
     assert rec.freed() == [], "captured graphs read tensors freed after their capture"
 
@@ -2716,7 +2760,7 @@ def test_warmup_leaves_no_trace(tiny):
 def test_dspark_layouts_load_to_the_same_drafter(runs):
     native, _, _, m_native = runs("dspark")
     spec, _, _, m_spec = runs("dspark_spec")
-    a, b = native.engine.proposer, spec.engine.proposer
+    a, b = native.engine.runner.proposer, spec.engine.runner.proposer
     assert a.taps == b.taps == (-1, 1, 3) and a.order == b.order and (a.Q, a.out) == (b.Q, b.out) == (4, slice(0, 4))
     pa, pb = dict(a.net.named_parameters()), dict(b.net.named_parameters())
     assert set(pa) - set(pb) == {"embed_tokens.weight", "lm_head.weight"}  # native ships copies of the target's
@@ -2730,7 +2774,7 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
     ref = reference[0][:24]
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
-    assert llm.engine.proposer.net.d2t is not None
+    assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
     # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
     metrics = []
@@ -2760,12 +2804,11 @@ def test_probabilistic_q_is_the_sampled_distribution(name, extra, ckpts):
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": method, "model": ckpts[name], "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
         **extra})
-    e, prop = llm.engine, llm.engine.proposer
+    e, prop = llm.engine, llm.engine.runner.proposer
     req = e.add_request(llm.tokenizer.encode(SPEC_PROMPTS[0]), SamplingParams(temperature=0.7, max_tokens=8, seed=1))
     e.step()                                                    # prefill: context K/V for the prompt
     with torch.inference_mode():
-        e.set_batch([req])
-        d, q = prop.propose(e, [req])
+        d, q = prop.propose(e.runner.batch([req]))
     assert q.shape == (1, 4, 1024) and torch.allclose(q.sum(-1), torch.ones(1, 4))
     assert bool((q.gather(-1, d[..., None]) > 0).all())
     nonzero = (q > 0).sum(-1)
@@ -2824,21 +2867,21 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
     """After the 48-token batch run (mostly rejected drafts), each slot's context K/V over its committed tokens
     equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation."""
     llm, _, five, _ = runs(name)
-    e, prop = llm.engine, llm.engine.proposer
-    free = e.max_num_seqs - 1                                   # a slot the 5 prompts did not use
+    e, prop = llm.engine.runner, llm.engine.runner.proposer
+    free = llm.engine.max_num_seqs - 1                          # a slot the 5 prompts did not use
     with torch.inference_mode():
         for slot, toks in committed(llm, five):
             n = len(toks) - 1                                   # all but the last token have context K/V
             got = [prop.cache.kv[i][j][slot, :n].clone() for i in prop.cache.kv for j in (0, 1)]
             e.state.reset(free)
             ctx = sd.Ctx(e.state, torch.tensor([free]), torch.tensor([0]), n, "prefill")
-            h, e.aux = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
-            prop.prefill(e, types.SimpleNamespace(slot=free), h, None, 0)
+            h, taps = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
+            prop.prefill(types.SimpleNamespace(slot=free), h, taps, None, 0)
             want = [prop.cache.kv[i][j][free, :n] for i in prop.cache.kv for j in (0, 1)]
             assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got, want))
             anchor = torch.tensor([toks[-1]])
             U = prop.block_logits(n + prop.Q, torch.tensor([slot]), torch.tensor([n]), anchor)
-            feats = torch.cat([e.aux[i] for i in prop.order], -1)
+            feats = torch.cat([taps[i] for i in prop.order], -1)
             block = torch.cat([prop.embed(anchor)[:, None], prop.mask_vec.expand(1, prop.Q - 1, -1)], 1)
             ref = prop.logits(zlab_block_hidden(prop.net, prop.cfg, feats, block)[:, prop.out])
             assert torch.allclose(U, ref, atol=1e-4, rtol=1e-4)
@@ -2847,7 +2890,7 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
 def test_draft_model_state_equals_fresh_prefill(runs):
     """A hybrid draft's GDN conv/recurrent states and KV after the batch run == a prefill over the tokens it consumed."""
     llm, _, five, _ = runs("draft_hybrid")
-    prop = llm.engine.proposer
+    prop = llm.engine.runner.proposer
     m, st = prop.model, prop.state
     free = llm.engine.max_num_seqs - 1
     with torch.inference_mode():
@@ -2885,9 +2928,9 @@ def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
     from safetensors.torch import load_file
     missing, unexpected = hf.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
-    engine = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
-                                   max_num_seqs=1, dtype=torch.float32, device=torch.device("cpu"))
-    m, st = sd.load_draft_lm(path, engine, 64)
+    io = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
+                               num_slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    m, st = sd.load_draft_lm(path, io, 64)
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours = m.logits(m(ids, sd.Ctx(st, torch.tensor([0]), torch.tensor([0]), 11, "prefill")))

@@ -1307,29 +1307,6 @@ class KVCache:
 DRAFT_SKIP = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")  # training-only tensors (speculators)
 
 
-def load_weights(module, tensors, dtype, device, where, rename=lambda n: n):
-    """Fill a module built on the meta device from {checkpoint name: file}: every parameter found with its shape,
-    every tensor used (integer tensors such as d2t keep their dtype); RoPE frequencies computed on the device."""
-    from safetensors import safe_open
-    want, have, handles = dict(module.named_parameters()), {rename(n): n for n in tensors}, {}
-    for m, n in have.items():
-        if m not in want:
-            raise ConfigError(f"unexpected tensor {n!r} in {where}")
-    for m, p in want.items():
-        if m not in have:
-            raise ConfigError(f"missing tensor {m!r} in {where}")
-        f = tensors[have[m]]
-        if f not in handles:
-            handles[f] = safe_open(f, "pt")
-        t = handles[f].get_tensor(have[m])
-        if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError(f"tensor {have[m]!r} in {where} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        mod, _, leaf = m.rpartition(".")
-        module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-    return init_rope(module, device).eval()
-
-
 class BlockDrafter(nn.Module):
     """The DFlash/DSpark draft network. Parameter names are the checkpoint's; the optional parts (own embed_tokens
     and lm_head, d2t, Markov head, confidence head) exist iff the checkpoint has them (`shapes`)."""
@@ -1433,7 +1410,7 @@ class BlockProposer:
                               "model (incompatible draft/target pair).")
         with torch.device("meta"):
             net = BlockDrafter(c, shapes)
-        net = fuse_projections(load_weights(net, tensors, io.dtype, io.device, where))  # MLP gate/up
+        net = fuse_projections(load_weights(net, checkpoint_sources(tensors), io.dtype, io.device, where))
         Vd, V = net.draft_vocab_size, tcfg.vocab_size
         if Vd > V or (Vd < V and (net.d2t is None or net.lm_head is None)):
             raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {V}: a reduced draft "
@@ -1579,8 +1556,8 @@ def load_draft_lm(path, io, max_len):
     tensors = {n: f for n, f in checkpoint_tensors(path).items() if not (tied and n == "lm_head.weight")}
     with torch.device("meta"):
         model = Qwen3LM(c)
-    model = load_weights(model, tensors, io.dtype, io.device, f"draft_model {path}",
-                         rename=lambda n: n[len("model."):] if n.startswith("model.") else n)
+    sources = checkpoint_sources(tensors, lambda n: n[len("model."):] if n.startswith("model.") else n)
+    model = load_weights(model, sources, io.dtype, io.device, f"draft_model {path}")
     return model, KVCache(c, *args)
 
 
@@ -2258,11 +2235,60 @@ def checkpoint_tensors(path):
     return out
 
 
+def checkpoint_sources(files, rename=lambda n: n):
+    """{our parameter name: (checkpoint name, read() -> tensor)} from {checkpoint name: safetensors file};
+    rename maps a checkpoint name to ours (None: skipped). Each file is opened once, each tensor read when loaded."""
+    from safetensors import safe_open
+    handles = {}
+
+    def read(name):
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt")
+        return handles[f].get_tensor(name)
+    return {m: (n, functools.partial(read, n)) for n in files if (m := rename(n)) is not None}
+
+
+def load_weights(module, sources, dtype, device, where):
+    """The one loader: fill a module built on the meta device from sources {our parameter name: (checkpoint name,
+    read())}. Every parameter must be found with its shape and every source used, else a ConfigError names the
+    tensor. Floating tensors become `dtype` (the GDN decay A_log stays fp32; integer ones such as d2t keep theirs);
+    RoPE frequencies are computed on the device."""
+    want = dict(module.named_parameters())
+    for m in sources:
+        if m not in want:
+            raise ConfigError(f"unexpected tensor {m!r} in {where}")
+    for m in want:
+        if m not in sources:
+            raise ConfigError(f"missing tensor {m!r} in {where}")
+    bar = None
+    if len(want) > 200:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(want), desc="loading weights", unit="tensor", file=sys.stderr)
+        except ImportError:
+            pass
+    for m, p in want.items():
+        name, read = sources[m]
+        t = read()
+        if tuple(t.shape) != tuple(p.shape):
+            raise ConfigError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} ({where})")
+        keep = torch.float32 if m.endswith("A_log") else dtype if t.is_floating_point() else t.dtype
+        mod, _, leaf = m.rpartition(".")
+        module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=keep),
+                                                                    requires_grad=False)
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    return init_rope(module, device).eval()
+
+
 SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")  # the vision tower: not used
 
 
-def internal_name(name):
-    """Checkpoint name -> our parameter name (None = skipped by a named rule)."""
+def internal_name(name, where):
+    """The target's name table: checkpoint name -> our parameter name (None: skipped by a named rule)."""
     if name.startswith(SKIP_PREFIXES):
         return None
     for prefix in ("model.language_model.", "model."):
@@ -2270,90 +2296,55 @@ def internal_name(name):
             return name[len(prefix):]
     if name.startswith(("lm_head.", "mtp.")):
         return name
-    return "?" + name
+    raise ConfigError(f"unexpected tensor {name!r} in {where} (not a Qwen3.5/3.6 text-decoder weight)")
+
+
+def stack_experts(sources, num_experts, where):
+    """Per-expert MoE tensors (experts.{e}.{gate,up,down}_proj.weight) become sources of the fused layout:
+    gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]."""
+    parts = {}
+    for m in list(sources):
+        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", m)
+        if hit:
+            parts.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = sources.pop(m)[1]
+    E = num_experts
+    for prefix, p in parts.items():
+        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down")
+                   if (e, w) not in p]
+        if missing:
+            raise ConfigError(f"missing tensor {missing[0]!r} in {where}")
+
+        def gate_up(p=p):
+            return torch.stack([torch.cat([p[(e, "gate")](), p[(e, "up")]()], 0) for e in range(E)])
+
+        def down(p=p):
+            return torch.stack([p[(e, "down")]() for e in range(E)])
+        sources[prefix + ".gate_up_proj"] = (prefix + ".gate_up_proj", gate_up)
+        sources[prefix + ".down_proj"] = (prefix + ".down_proj", down)
+    return sources
 
 
 def load_model(path, dtype, device, want_mtp=False):
-    """Build the model from a checkpoint directory or .gguf file; every parameter is checked by name and shape."""
+    """Build the model from a checkpoint directory or .gguf file -> (model, ModelConfig, Tokenizer)."""
     if str(path).endswith(".gguf"):
         cfg, tensors, tok = read_gguf_model(path, dtype)
-        get = lambda n: tensors[n]
-        names = {internal_name(n): n for n in tensors}
+        sources = {internal_name(n, path): (n, functools.partial(tensors.__getitem__, n)) for n in tensors}
     else:
         cfg = ModelConfig.from_hf(path)
-        files = checkpoint_tensors(path)
-        from safetensors import safe_open
-        handles = {}
-
-        def get(n):
-            f = files[n]
-            if f not in handles:
-                handles[f] = safe_open(f, "pt")
-            return handles[f].get_tensor(n)
-        names = {}
-        for n in files:
-            m = internal_name(n)
-            if m is not None and m.startswith("?"):
-                raise ConfigError(f"unexpected tensor {n!r} in {path} (not a Qwen3.5/3.6 text-decoder weight)")
-            if m is not None:
-                names[m] = n
+        sources = checkpoint_sources(checkpoint_tensors(path), lambda n: internal_name(n, path))
         tok = Tokenizer.from_dir(path)
-    has_mtp = any(n.startswith("mtp.") for n in names)
+    has_mtp = any(m.startswith("mtp.") for m in sources)
     if want_mtp and not has_mtp and str(path).endswith(".gguf"):
         raise ConfigError(f"{path}: {GGUF_NO_MTP_MESSAGE}")
     if want_mtp and not has_mtp:
         raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* tensors "
                           "(the MTP head is missing)")
     if not has_mtp or cfg.mtp_num_hidden_layers == 0:
-        names = {m: n for m, n in names.items() if not m.startswith("mtp.")}
-    # per-expert MoE tensors (experts.{e}.{gate,up,down}_proj.weight) are stacked into the fused layout
-    per_expert = {}
-    for m in list(names):
-        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", m)
-        if hit:
-            per_expert.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = names.pop(m)
+        sources = {m: s for m, s in sources.items() if not m.startswith("mtp.")}
     with torch.device("meta"):
         model = Qwen36(cfg, with_mtp=has_mtp)
-    expected = dict(model.named_parameters())
-    for prefix, parts in per_expert.items():
-        E = cfg.num_experts
-        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down") if (e, w) not in parts]
-        if missing:
-            raise ConfigError(f"missing tensor {missing[0]!r} in {path}")
-        names[prefix + ".gate_up_proj"] = [(parts[(e, "gate")], parts[(e, "up")]) for e in range(E)]
-        names[prefix + ".down_proj"] = [parts[(e, "down")] for e in range(E)]
-    for m in names:
-        if m not in expected:
-            raise ConfigError(f"unexpected tensor {m!r} in {path} for this config")
-    for m in expected:
-        if m not in names:
-            raise ConfigError(f"missing tensor {m!r} in {path}")
-    items = list(expected.items())
-    bar = None
-    if len(items) > 200:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=len(items), desc="loading weights", unit="tensor", file=sys.stderr)
-        except ImportError:
-            pass
-    for m, p in items:
-        src = names[m]
-        if isinstance(src, list):  # per-expert checkpoints
-            t = torch.stack([torch.cat([get(s[0]), get(s[1])], 0) if isinstance(s, tuple) else get(s) for s in src])
-        else:
-            t = get(src)
-        if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError(f"tensor {src if isinstance(src, str) else m!r} has shape {tuple(t.shape)}, "
-                              f"expected {tuple(p.shape)}")
-        keep_fp32 = m.endswith("A_log")  # the GDN decay stays fp32 (fp32 in the checkpoint)
-        t = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
-        mod = model.get_submodule(m.rsplit(".", 1)[0]) if "." in m else model
-        mod._parameters[m.rsplit(".", 1)[-1]] = nn.Parameter(t, requires_grad=False)
-        if bar:
-            bar.update()
-    if bar:
-        bar.close()
-    return fuse_projections(init_rope(model, device).eval()), cfg, tok
+    sources = stack_experts(sources, cfg.num_experts, path)
+    return fuse_projections(load_weights(model, sources, dtype, device, path)), cfg, tok
 
 
 # ==============================================================================================

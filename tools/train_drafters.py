@@ -87,7 +87,7 @@ def build(path, method, device):
         shapes = {n: tuple(st.get_slice(n).get_shape()) for n in st.keys()}
     with torch.device("meta"):
         net = sd.BlockDrafter(c, shapes)
-    net = sd.load_weights(net, {n: f for n in shapes}, torch.float32, device, path)
+    net = sd.load_weights(net, sd.checkpoint_sources({n: f for n in shapes}), torch.float32, device, path)
     for p in net.parameters():
         p.requires_grad_(True)
     return net.train(), c

@@ -1,14 +1,37 @@
 """specdec.py - speculative decoding for the Qwen3.6 hybrid models (Gated DeltaNet + gated attention).
 
-One file, read top to bottom: configs -> tokenizer -> model -> state -> proposers -> verification &
-sampling -> engine -> loading -> API -> CLI.
-
     python specdec.py --model PATH --prompt "def fib(n):" --max-tokens 64
     python specdec.py --model PATH --speculative-config '{"method":"mtp","num_speculative_tokens":2}' ...
 
     from specdec import LLM, SamplingParams
     llm = LLM(model=PATH, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     print(llm.generate(["hello"], SamplingParams(max_tokens=16))[0].outputs[0].text)
+
+One file, read top to bottom; a banner opens each section:
+    Configs             ModelConfig (a text_config; MODEL_CHECKS), SamplingParams
+    Model               Qwen36 = embeddings, DecoderLayers (Attention or GatedDeltaNet, MLP or MoE), MTPHead;
+                        pure functions of (tokens, Ctx), the state comes in through Ctx
+    State               State: every slot's KV caches and GDN states, allocated once
+    Speculative config  SpeculativeConfig: vLLM's JSON object, its rules in SPEC_CHECKS
+    Proposers           the interface (Batch, ProposerIO); ngram and mtp
+    Model drafters      dflash and dspark (BlockProposer, BlockDrafter, KVCache), draft_model (Qwen3LM)
+    Verification        rejection_sample (every method, lossless), synthetic_sample (benchmarks), sampling
+    Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
+    Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder, apply_chat_template
+    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf)
+    API, CLI            LLM (generate, chat), main
+
+Each speculative method is one proposer class (PROPOSERS):
+    ngram        NgramProposer         prompt lookup on the host
+    mtp          MTPProposer           the checkpoint's MTP layer, chained k times
+    dflash       DFlashProposer        a block drafter over the target's hidden-state taps
+    dspark       DSparkProposer        a block drafter plus a Markov head
+    draft_model  DraftModelProposer    a small separate LM
+
+One speculative step (ModelRunner._spec_step): the proposer drafts d1..dk; the target verifies [last, d1..dk] in
+one forward; rejection_sample accepts a prefix and adds one token; the target's GDN states and the proposer's caches
+commit to it; each slot's next input advances, on the device. Engine.step admits requests, launches a step and reads
+the step before back (asynchronous steps), emitting its tokens and applying the stops.
 """
 import argparse
 import codecs
@@ -25,7 +48,6 @@ import unicodedata
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import tiktoken
@@ -45,6 +67,29 @@ class ConfigError(ValueError):
 # ==============================================================================================
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+
+# What ModelConfig.check accepts of a text_config: (key, its default, accepted values, message: {v} the value)
+MODEL_CHECKS = [
+    ("model_type", "qwen3_5_text", ("qwen3_5_text", "qwen3_5_moe_text"),
+     "unsupported text model_type {v!r}; supported: qwen3_5_text, qwen3_5_moe_text"),
+    ("attn_output_gate", True, (True,), "unsupported config: attn_output_gate={v!r} (only True is implemented)"),
+    ("attention_bias", False, (False,), "unsupported config: attention_bias={v!r} (only False is implemented)"),
+    ("hidden_act", "silu", ("silu",), "unsupported hidden_act {v!r}; only silu is implemented"),
+]
+
+
+def _layer_types(cfg):
+    """Per layer, "linear_attention" (GDN) or "full_attention": as listed, or every full_attention_interval-th."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("full_attention_interval", 4)
+        n = cfg["num_hidden_layers"]
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return types
+
+
+def _rope(cfg):
+    return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
 
 
 @dataclass
@@ -89,50 +134,58 @@ class ModelConfig:
             raise ConfigError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                               f"num_key_value_heads={self.num_key_value_heads}")
 
-    @classmethod
-    def from_dict(cls, cfg, top=None):
-        """From a text_config dict (`top` = the wrapper config, for fields it may carry instead)."""
-        top = top or {}
-        mt = cfg.get("model_type", "qwen3_5_text")
-        if mt not in ("qwen3_5_text", "qwen3_5_moe_text"):
-            raise ConfigError(f"unsupported text model_type {mt!r}; supported: qwen3_5_text, qwen3_5_moe_text")
-        moe = mt == "qwen3_5_moe_text"
-        for key, want in (("attn_output_gate", True), ("attention_bias", False)):
-            if cfg.get(key, want) != want:
-                raise ConfigError(f"unsupported config: {key}={cfg[key]!r} (only {want} is implemented)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is implemented")
+    @staticmethod
+    def check(cfg):
+        """Refuse a text_config specdec does not implement: MODEL_CHECKS, then layer types, RoPE, MoE layers."""
+        for key, default, accepted, message in MODEL_CHECKS:
+            if cfg.get(key, default) not in accepted:
+                raise ConfigError(message.format(v=cfg[key]))
         n = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types")
-        if types is None:
-            every = cfg.get("full_attention_interval", 4)
-            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+        types = _layer_types(cfg)
         if len(types) != n or set(types) - {"full_attention", "linear_attention"}:
             raise ConfigError(f"layer_types must list {n} entries of full_attention/linear_attention, got {types}")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope = _rope(cfg)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"unsupported rope_type {rope_type!r}; only default (M-)RoPE is implemented")
+        if cfg.get("model_type") == "qwen3_5_moe_text" and cfg.get("mlp_only_layers"):
+            raise ConfigError("unsupported config: mlp_only_layers (every layer of qwen3_5_moe is MoE)")
+
+    @classmethod
+    def from_dict(cls, cfg, top=None):
+        """From a text_config dict (`top` = the wrapper config, for fields it may carry instead)."""
+        cls.check(cfg)
+        top = top or {}
+        mt = cfg.get("model_type", "qwen3_5_text")
+        moe = mt == "qwen3_5_moe_text"
+        moe_key = lambda key: cfg.get(key, 0) if moe else 0                            # MoE fields only
+        rope = _rope(cfg)
         eos = cfg.get("eos_token_id", top.get("eos_token_id"))
         tie = cfg.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
-        if moe and cfg.get("mlp_only_layers"):
-            raise ConfigError("unsupported config: mlp_only_layers (every layer of qwen3_5_moe is MoE)")
         return cls(
-            moe=moe, model_type=mt, hidden_size=cfg["hidden_size"], num_hidden_layers=n, layer_types=list(types),
-            vocab_size=cfg["vocab_size"], num_attention_heads=cfg["num_attention_heads"],
+            moe=moe,
+            model_type=mt,
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            layer_types=list(_layer_types(cfg)),
+            vocab_size=cfg["vocab_size"],
+            num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            linear_num_key_heads=cfg["linear_num_key_heads"], linear_num_value_heads=cfg["linear_num_value_heads"],
-            linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
+            linear_num_key_heads=cfg["linear_num_key_heads"],
+            linear_num_value_heads=cfg["linear_num_value_heads"],
+            linear_key_head_dim=cfg["linear_key_head_dim"],
+            linear_value_head_dim=cfg["linear_value_head_dim"],
             linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
             intermediate_size=0 if moe else cfg["intermediate_size"],
-            num_experts=cfg.get("num_experts", 0) if moe else 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if moe else 0,
+            num_experts=moe_key("num_experts"),
+            num_experts_per_tok=moe_key("num_experts_per_tok"),
+            moe_intermediate_size=moe_key("moe_intermediate_size"),
+            shared_expert_intermediate_size=moe_key("shared_expert_intermediate_size"),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e7)),
             partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(tie),
             mtp_num_hidden_layers=cfg.get("mtp_num_hidden_layers", 0),
             max_position_embeddings=cfg.get("max_position_embeddings", 262144),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -143,12 +196,14 @@ class ModelConfig:
         """Read `config.json` (multimodal wrapper or text-only) and `generation_config.json` from a directory."""
         f = os.path.join(path, "config.json")
         if not os.path.isfile(f):
-            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a .gguf file)")
+            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a .gguf "
+                              "file)")
         with open(f) as fh:
             top = json.load(fh)
         mt = top.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         text = top["text_config"] if mt in ("qwen3_5", "qwen3_5_moe") else top
         if mt in ("qwen3_5", "qwen3_5_moe") and "model_type" not in text:
             text = dict(text, model_type=mt + "_text")
@@ -161,6 +216,16 @@ class ModelConfig:
                 if e not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(e)
         return cfg
+
+
+# What SamplingParams.check accepts: (field, accepted(value), message: {v} the value)
+SAMPLING_CHECKS = [
+    ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}"),
+    ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}"),
+    ("top_k", lambda v: not (v == 0 or v < -1), "top_k must be -1 (disable) or at least 1, got {v}"),
+    ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}"),
+    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}"),
+]
 
 
 @dataclass
@@ -181,404 +246,18 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ConfigError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ConfigError(f"logprobs must be non-negative, got {self.logprobs}")
+        self.check()
+
+    def check(self):
+        for name, accepted, message in SAMPLING_CHECKS:
+            v = getattr(self, name)
+            if not accepted(v):
+                raise ConfigError(message.format(v=v))
 
     @property
     def greedy(self):
         return self.temperature < 1e-5
 
-
-# ==============================================================================================
-# Speculative config: vLLM's --speculative-config JSON object
-# ==============================================================================================
-
-SPEC_METHODS = ("mtp", "dflash", "dspark", "ngram", "draft_model")
-VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "ngram_gpu", "custom_class",
-                     "extract_hidden_states")
-# vLLM keys that specdec accepts only at their default value (a different value is refused by name)
-UNSUPPORTED_KEYS = {"moe_backend": None, "attention_backend": None, "kv_cache_dtype": None, "code_revision": None,
-                    "index_share_for_mtp_iteration": None, "disable_padded_drafter_batch": False,
-                    "disable_eagle_block_drop": False, "use_local_argmax_reduction": False,
-                    "use_heterogeneous_vocab": False, "parallel_drafting": False,
-                    "num_speculative_tokens_per_batch_size": None, "enable_adaptive_verification": False,
-                    "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
-                    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
-                    "suffix_decoding_min_token_prob": 0.1}
-
-
-@dataclass
-class SpeculativeConfig:
-    """vLLM's speculative config (same keys, same validation rules, same meaning)."""
-    method: str = None
-    model: str = None
-    num_speculative_tokens: int = None
-    prompt_lookup_min: int = None
-    prompt_lookup_max: int = None
-    draft_tensor_parallel_size: int = None
-    quantization: str = None
-    max_model_len: int = None
-    revision: str = None
-    enforce_eager: bool = None
-    rejection_sample_method: str = "standard"
-    synthetic_acceptance_rates: list = None
-    synthetic_acceptance_length: float = None
-    draft_sample_method: str = "greedy"
-    dspark_draft_topk: int = None
-
-    @classmethod
-    def from_json(cls, obj):
-        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message."""
-        if isinstance(obj, SpeculativeConfig) or obj is None:
-            return obj
-        if isinstance(obj, str):
-            try:
-                obj = json.loads(obj)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative config is not valid JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"speculative config must be a JSON object, got {type(obj).__name__}")
-        obj = dict(obj)
-        if "tensor_parallel_size" in obj:
-            raise ConfigError("'tensor_parallel_size' is not a valid argument in the speculative_config. "
-                              "Please pass 'draft_tensor_parallel_size' instead.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in list(obj):
-            if key in UNSUPPORTED_KEYS:
-                if obj[key] != UNSUPPORTED_KEYS[key]:
-                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not support "
-                                      f"(only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
-                del obj[key]
-            elif key not in known:
-                raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in vLLM); "
-                                  f"accepted keys: {', '.join(sorted(known))}")
-        return cls(**obj)
-
-    def __post_init__(self):
-        m = self.method
-        if m is None:  # vLLM's inference: "ngram" model -> ngram, a dotted class path -> custom_class, else draft_model
-            if self.model in ("ngram", "[ngram]"):
-                m = "ngram"
-            elif self.model and "/" not in self.model and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", self.model) \
-                    and not os.path.exists(self.model):
-                m = "custom_class"
-            else:
-                m = "draft_model"
-        if not isinstance(m, str):
-            raise ConfigError(f"speculative method must be a string, got {m!r}")
-        if m.endswith("_mtp"):
-            warnings.warn(f"method `{m}` is deprecated and replaced with mtp.")
-            m = "mtp"
-        if m in VLLM_ONLY_METHODS:
-            raise ConfigError(f"speculative method {m!r} is a vLLM method that specdec does not implement; "
-                              f"accepted methods: {', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
-        if m not in SPEC_METHODS:
-            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: {', '.join(SPEC_METHODS)} "
-                              f"(and the *_mtp aliases of mtp)")
-        self.method = m
-        k = self.num_speculative_tokens
-        if self.model is None and k is not None:
-            if m in ("dflash", "draft_model"):
-                raise ConfigError("num_speculative_tokens was provided but without speculative model.")
-            self.model = m if m == "ngram" else None  # mtp / dspark: the target checkpoint itself
-        if k is None:
-            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the draft "
-                              "model config contains an n_predict parameter.")
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-        if m == "ngram":
-            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-            if lo > hi:
-                raise ConfigError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
-            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise ConfigError("prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'")
-        if self.draft_tensor_parallel_size not in (None, 1):
-            raise ConfigError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} cannot be other value "
-                              "than 1 or target model tensor_parallel_size (1 in specdec)")
-        if self.quantization not in (None, "none", "None"):
-            raise ConfigError(f"draft quantization {self.quantization!r} is not supported; specdec runs drafts "
-                              "in the target's dtype")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if self.rejection_sample_method not in ("standard", "synthetic"):
-            raise ConfigError(f"rejection_sample_method must be 'standard' or 'synthetic', got "
-                              f"{self.rejection_sample_method!r}")
-        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
-        if self.rejection_sample_method == "synthetic":
-            if (rates is None) == (length is None):
-                raise ConfigError("rejection_sample_method 'synthetic' needs exactly one of "
-                                  "synthetic_acceptance_rates and synthetic_acceptance_length")
-            if rates is not None:
-                if not isinstance(rates, list) or len(rates) != k or any(not 0 <= r <= 1 for r in rates):
-                    raise ConfigError(f"synthetic_acceptance_rates must be a list of {k} numbers in [0, 1], got {rates!r}")
-                if any(b > a for a, b in zip(rates, rates[1:])):
-                    raise ConfigError(f"synthetic_acceptance_rates must be non-increasing, got {rates!r}")
-            elif not 1 <= length <= k + 1:
-                raise ConfigError(f"synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k + 1}], "
-                                  f"got {length!r}")
-        elif rates is not None or length is not None:
-            raise ConfigError("synthetic_acceptance_rates / synthetic_acceptance_length need "
-                              "rejection_sample_method 'synthetic'")
-        if self.draft_sample_method not in ("greedy", "probabilistic"):
-            raise ConfigError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {self.draft_sample_method!r}")
-        if self.dspark_draft_topk is not None:
-            if m != "dspark":
-                raise ConfigError("dspark_draft_topk is only valid with method 'dspark'")
-            if not isinstance(self.dspark_draft_topk, int) or self.dspark_draft_topk < 1:
-                raise ConfigError(f"dspark_draft_topk must be an integer >= 1, got {self.dspark_draft_topk!r}")
-        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-
-    def conditional_rates(self):
-        """Synthetic mode: the probability of accepting position i given that positions < i were accepted."""
-        if self.synthetic_acceptance_rates is not None:
-            return list(self.synthetic_acceptance_rates)
-        L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
-        whole = int(math.floor(L - 1))
-        return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
-
-# ==============================================================================================
-# Tokenizer: byte-level BPE on tiktoken, incremental decoding, the Qwen3.6 chat format
-# ==============================================================================================
-# Qwen3.5/3.6 use a byte-level BPE (HF `tokenizers` layout). We run it on tiktoken: the pre-tokenizer
-# regex is tiktoken's pat_str, the BPE vocab its mergeable ranks, the added tokens its special tokens.
-
-QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
-                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-
-
-def _gpt2_byte_chars():
-    # GPT-2 byte-level alphabet: printable bytes stand for themselves, the other 68 map to U+0100..
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    rest = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
-
-
-BYTE_OF_CHAR = {c: b for b, c in _gpt2_byte_chars().items()}
-# str.translate table: byte-level char -> latin-1 char of its byte; any other char -> U+0100 (not latin-1)
-_TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
-
-
-class Tokenizer:
-    def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
-                 special=None, nfc=True, ignore_merges=False):
-        """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
-        (None: ids are the merge ranks, as in tiktoken files); added_tokens: text -> id, matched whole;
-        special: the added tokens that decode(skip_special=True) drops (default: all of them);
-        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole even if no merge makes it."""
-        added_tokens = dict(added_tokens or {})
-        self.nfc, self._vocab = nfc, vocab
-        try:
-            tok_bytes = {t: t.translate(_TO_LATIN1).encode("latin-1") for t in vocab}
-        except UnicodeEncodeError:
-            bad = next(t for t in vocab if any(c not in BYTE_OF_CHAR for c in t))
-            raise ValueError(f"vocab is not byte-level BPE: token {bad!r} has characters outside the GPT-2 "
-                             "byte alphabet") from None
-        if len({b for b in tok_bytes.values() if len(b) == 1}) != 256:
-            raise ValueError("vocab is not byte-level BPE: it lacks some of the 256 single-byte tokens")
-        # id -> bytes for every id we know; ids nobody uses decode to b"" (HF skips unknown ids too)
-        self.vocab_size = max([*vocab.values(), *added_tokens.values()]) + 1
-        self._bytes = [b""] * self.vocab_size
-        for t, i in vocab.items():
-            self._bytes[i] = tok_bytes[t]
-        for t, i in added_tokens.items():
-            self._bytes[i] = t.encode("utf-8")
-        self.special_ids = dict(added_tokens)  # every added token, e.g. "<think>" too
-        self._special = set(added_tokens) if special is None else set(special) & set(added_tokens)
-        self._special_id_set = {added_tokens[t] for t in self._special}
-        self._nonspecial = set(added_tokens) - self._special  # HF always matches these, like <think>
-
-        # tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the
-        # merge with the lowest *merge index*. So a token's tiktoken rank must be its merge priority.
-        if merges is None:  # tiktoken-style vocab: ids are the ranks
-            order = sorted(vocab, key=vocab.get)
-        else:
-            prio = {}
-            for p, m in enumerate(merges):
-                a, b = m.split(" ") if isinstance(m, str) else m
-                if a not in vocab or b not in vocab or a + b not in vocab:
-                    raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
-                prio.setdefault(a + b, p)  # several merges making one token: the first one wins
-            # "orphans" (multi-byte tokens no merge makes) are unreachable in HF BPE: leave them out. With
-            # ignore_merges HF takes a pre-token that is an orphan whole, like tiktoken does; add the orphans
-            # no two mergeable tokens spell, as tiktoken can only ever take those whole too.
-            order = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get) + sorted(prio, key=prio.get)
-            if ignore_merges:
-                have = {tok_bytes[t] for t in order}
-                order += sorted((t for t in vocab if t not in prio and len(b := tok_bytes[t]) > 1
-                                 and not any(b[:k] in have and b[k:] in have for k in range(1, len(b)))), key=vocab.get)
-        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1 and (merges is None or t in prio)]
-        if all(i < j for i, j in zip(merged_ids, merged_ids[1:])):  # ids follow merge order: rank = id
-            self._rank_to_id = None
-            ranks = {tok_bytes[t]: vocab[t] for t in order}
-            specials = added_tokens
-        else:  # ranks follow merge order, and a table maps them back to ids
-            self._rank_to_id = [vocab[t] for t in order] + list(added_tokens.values())
-            ranks = {tok_bytes[t]: r for r, t in enumerate(order)}
-            specials = {t: len(order) + k for k, t in enumerate(added_tokens)}
-        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-        if eos_token is None:
-            eos_token = next((t for t in ("<|im_end|>", "<|endoftext|>") if t in added_tokens), None)
-        self.eos_token_id = None if eos_token is None else self.id_of(eos_token)
-
-    @classmethod
-    def from_dir(cls, path):
-        """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
-        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
-            tj = json.load(f)
-        model = tj.get("model") or {}
-        if model.get("type") != "BPE":
-            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only byte-level BPE")
-        for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
-            if model.get(key):
-                raise ValueError(f"tokenizer.json: BPE option {key}={model[key]!r} is not supported")
-        pre = tj.get("pre_tokenizer") or {}
-        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-        kinds = [s.get("type") for s in steps]
-        if (kinds != ["Split", "ByteLevel"] or "Regex" not in steps[0].get("pattern", {})
-                or steps[0].get("behavior") != "Isolated" or steps[0].get("invert")
-                or steps[1].get("add_prefix_space") or steps[1].get("use_regex")):
-            raise ValueError(f"tokenizer.json: pre-tokenizer {kinds} is not the byte-level "
-                             "Split(regex, isolated) + ByteLevel(no prefix space, no regex) layout")
-        if (tj.get("decoder") or {}).get("type") != "ByteLevel":
-            raise ValueError("tokenizer.json: decoder is not ByteLevel")
-        norm = (tj.get("normalizer") or {}).get("type")
-        if norm not in (None, "NFC"):
-            raise ValueError(f"tokenizer.json: normalizer {norm!r} is not supported (only NFC or none)")
-        added, special = {}, set()
-        for t in tj.get("added_tokens", []):
-            if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
-                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses lstrip/rstrip/single_word")
-            added[t["content"]] = t["id"]
-            if t.get("special"):
-                special.add(t["content"])
-        eos = None
-        cfg_path = os.path.join(path, "tokenizer_config.json")
-        if os.path.exists(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-        return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
-                   special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
-
-    def encode(self, text, allow_special=True):
-        """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
-        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
-        allowed = self._nonspecial | self._special if allow_special else self._nonspecial
-        ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
-        return ids if self._rank_to_id is None else [self._rank_to_id[r] for r in ids]
-
-    def token_bytes(self, i):
-        return self._bytes[i] if 0 <= i < self.vocab_size else b""
-
-    def decode_bytes(self, ids, skip_special=False):
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids  # torch/numpy ids too
-        ids = [ids] if isinstance(ids, int) else ids
-        skip = self._special_id_set if skip_special else ()
-        return b"".join(self.token_bytes(i) for i in ids if i not in skip)
-
-    def decode(self, ids, skip_special=False):
-        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
-
-    def id_of(self, token):
-        """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
-        text that is exactly one token (" the")."""
-        if token in self.special_ids:
-            return self.special_ids[token]
-        if token in self._vocab:
-            return self._vocab[token]
-        try:
-            r = self._enc.encode_single_token(token.encode("utf-8"))
-        except KeyError:
-            raise KeyError(f"{token!r} is not a single token") from None
-        return r if self._rank_to_id is None else self._rank_to_id[r]
-
-
-class IncrementalDecoder:
-    """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
-
-    def __init__(self, tokenizer, skip_special=False):
-        self.tok, self.skip_special = tokenizer, skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""  # everything emitted so far, for the caller's stop-string checks
-
-    def add(self, ids):
-        new = self._utf8.decode(self.tok.decode_bytes(ids, self.skip_special))
-        self.text += new
-        return new
-
-    def flush(self):
-        new = self._utf8.decode(b"", final=True)  # a dangling partial character becomes U+FFFD
-        self.text += new
-        return new
-
-
-def _content_text(content):
-    # message content: a string, None, or a list of {"type": "text", "text": ...} parts
-    if content is None or isinstance(content, str):
-        return content or ""
-    if any("text" not in part for part in content):
-        raise ValueError("only text content parts are supported (no images, video or audio)")
-    return "".join(part["text"] for part in content)
-
-
-def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, preserve_thinking=False,
-                        tools=None):
-    """Qwen3.5/3.6 chat prompt (ChatML), following the published chat_template.jinja for text-only chats."""
-    if tools:
-        raise ValueError("tool definitions are not supported by this chat template")
-    texts = [_content_text(m.get("content")).strip() for m in messages]
-    # the last real user query (not a tool response): assistant turns after it keep their reasoning
-    is_query = [m["role"] == "user" and not (t.startswith("<tool_response>") and t.endswith("</tool_response>"))
-                for m, t in zip(messages, texts)]
-    last_query = max((i for i, q in enumerate(is_query) if q), default=None)
-    if last_query is None:
-        raise ValueError("no user query found in messages")
-    out = []
-    for i, (m, text) in enumerate(zip(messages, texts)):
-        role = m["role"]
-        if role == "system" and i > 0:
-            raise ValueError("a system message must be the first message")
-        if role in ("system", "user"):
-            out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
-        elif role == "assistant":
-            if m.get("tool_calls"):
-                raise ValueError("assistant tool_calls are not supported by this chat template")
-            reasoning = m.get("reasoning_content")
-            if not isinstance(reasoning, str):
-                reasoning = ""
-                if "</think>" in text:  # reasoning written inline as <think>...</think>
-                    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                    text = text.split("</think>")[-1].lstrip("\n")
-            if preserve_thinking or i > last_query:
-                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip()}\n</think>\n\n{text}<|im_end|>\n")
-            else:
-                out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
-        elif role == "tool":  # consecutive tool results share one user turn
-            first = i > 0 and messages[i - 1]["role"] != "tool"
-            last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
-            out.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{text}\n</tool_response>"
-                       + ("<|im_end|>\n" if last else ""))
-        else:
-            raise ValueError(f"unexpected message role {role!r}")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
-    return "".join(out)
 
 # ==============================================================================================
 # Model
@@ -902,6 +581,191 @@ class State:
         """A new sequence starts from zero GDN state (stale KV beyond its length is never read)."""
         for t in (*self.conv.values(), *self.rec.values()):
             t[slot].zero_()
+
+
+# ==============================================================================================
+# Speculative config: vLLM's --speculative-config JSON object
+# ==============================================================================================
+
+SPEC_METHODS = ("mtp", "dflash", "dspark", "ngram", "draft_model")
+VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "ngram_gpu", "custom_class",
+                     "extract_hidden_states")
+# vLLM keys that specdec accepts only at their default value (a different value is refused by name)
+UNSUPPORTED_KEYS = {
+    "moe_backend": None, "attention_backend": None, "kv_cache_dtype": None, "code_revision": None,
+    "index_share_for_mtp_iteration": None, "disable_padded_drafter_batch": False,
+    "disable_eagle_block_drop": False, "use_local_argmax_reduction": False, "use_heterogeneous_vocab": False,
+    "parallel_drafting": False, "num_speculative_tokens_per_batch_size": None,
+    "enable_adaptive_verification": False, "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1}
+
+
+def _positive_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# What SpeculativeConfig.check accepts once the method and k are known, in this order: (field, accepted(value,
+# config), message: {v} the value, {k} num_speculative_tokens, {k1} k + 1)
+SPEC_CHECKS = [
+    ("draft_tensor_parallel_size", lambda v, c: v in (None, 1),
+     "draft_tensor_parallel_size={v} cannot be other value than 1 or target model tensor_parallel_size "
+     "(1 in specdec)"),
+    ("quantization", lambda v, c: v in (None, "none", "None"),
+     "draft quantization {v!r} is not supported; specdec runs drafts in the target's dtype"),
+    ("max_model_len", lambda v, c: v is None or (isinstance(v, int) and v >= 1),
+     "max_model_len must be a positive integer, got {v!r}"),
+    ("rejection_sample_method", lambda v, c: v in ("standard", "synthetic"),
+     "rejection_sample_method must be 'standard' or 'synthetic', got {v!r}"),
+    ("synthetic_acceptance_rates",                                     # not without synthetic mode
+     lambda v, c: c.synthetic or (v is None and c.synthetic_acceptance_length is None),
+     "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method 'synthetic'"),
+    ("synthetic_acceptance_rates",                                     # synthetic mode: one of the two
+     lambda v, c: not c.synthetic or (v is None) != (c.synthetic_acceptance_length is None),
+     "rejection_sample_method 'synthetic' needs exactly one of synthetic_acceptance_rates and "
+     "synthetic_acceptance_length"),
+    ("synthetic_acceptance_rates",
+     lambda v, c: v is None or (isinstance(v, list) and len(v) == c.num_speculative_tokens
+                                and all(0 <= r <= 1 for r in v)),
+     "synthetic_acceptance_rates must be a list of {k} numbers in [0, 1], got {v!r}"),
+    ("synthetic_acceptance_rates", lambda v, c: v is None or not any(b > a for a, b in zip(v, v[1:])),
+     "synthetic_acceptance_rates must be non-increasing, got {v!r}"),
+    ("synthetic_acceptance_length", lambda v, c: v is None or 1 <= v <= c.num_speculative_tokens + 1,
+     "synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k1}], got {v!r}"),
+    ("draft_sample_method", lambda v, c: v in ("greedy", "probabilistic"),
+     "draft_sample_method must be 'greedy' or 'probabilistic', got {v!r}"),
+    ("dspark_draft_topk", lambda v, c: v is None or c.method == "dspark",
+     "dspark_draft_topk is only valid with method 'dspark'"),
+    ("dspark_draft_topk", lambda v, c: v is None or (isinstance(v, int) and v >= 1),
+     "dspark_draft_topk must be an integer >= 1, got {v!r}"),
+    ("enforce_eager", lambda v, c: v is None or isinstance(v, bool),
+     "enforce_eager must be true or false, got {v!r}"),
+]
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative config (same keys, same validation rules, same meaning)."""
+    method: str = None
+    model: str = None
+    num_speculative_tokens: int = None
+    prompt_lookup_min: int = None
+    prompt_lookup_max: int = None
+    draft_tensor_parallel_size: int = None
+    quantization: str = None
+    max_model_len: int = None
+    revision: str = None
+    enforce_eager: bool = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list = None
+    synthetic_acceptance_length: float = None
+    draft_sample_method: str = "greedy"
+    dspark_draft_topk: int = None
+
+    @classmethod
+    def from_json(cls, obj):
+        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message."""
+        if isinstance(obj, SpeculativeConfig) or obj is None:
+            return obj
+        if isinstance(obj, str):
+            try:
+                obj = json.loads(obj)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"speculative config must be a JSON object, got {type(obj).__name__}")
+        obj = dict(obj)
+        if "tensor_parallel_size" in obj:
+            raise ConfigError("'tensor_parallel_size' is not a valid argument in the speculative_config. "
+                              "Please pass 'draft_tensor_parallel_size' instead.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in list(obj):
+            if key in UNSUPPORTED_KEYS:
+                if obj[key] != UNSUPPORTED_KEYS[key]:
+                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not support "
+                                      f"(only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
+                del obj[key]
+            elif key not in known:
+                raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in "
+                                  f"vLLM); accepted keys: {', '.join(sorted(known))}")
+        return cls(**obj)
+
+    def __post_init__(self):
+        self.check()
+
+    @property
+    def synthetic(self):
+        return self.rejection_sample_method == "synthetic"
+
+    def check(self):
+        """vLLM's validation, and its defaults: the method (inferred as vLLM infers it; `*_mtp` aliases are mtp),
+        the model (mtp and dspark draft with the target's), ngram's lookup window; then SPEC_CHECKS."""
+        self.method = self._method()
+        k = self.num_speculative_tokens
+        if self.model is None and k is not None:
+            if self.method in ("dflash", "draft_model"):
+                raise ConfigError("num_speculative_tokens was provided but without speculative model.")
+            self.model = "ngram" if self.method == "ngram" else None
+        if k is None:
+            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the draft "
+                              "model config contains an n_predict parameter.")
+        if not _positive_int(k):
+            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+        if self.method == "ngram":
+            self._lookup_window()
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ConfigError("prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'")
+        for name, accepted, message in SPEC_CHECKS:
+            v = getattr(self, name)
+            if not accepted(v, self):
+                raise ConfigError(message.format(v=v, k=k, k1=k + 1))
+
+    def _method(self):
+        m = self.method
+        if m is None:  # vLLM: model "ngram" -> ngram, a dotted class path -> custom_class, else draft_model
+            if self.model in ("ngram", "[ngram]"):
+                m = "ngram"
+            elif (self.model and "/" not in self.model and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", self.model)
+                  and not os.path.exists(self.model)):
+                m = "custom_class"
+            else:
+                m = "draft_model"
+        if not isinstance(m, str):
+            raise ConfigError(f"speculative method must be a string, got {m!r}")
+        if m.endswith("_mtp"):
+            warnings.warn(f"method `{m}` is deprecated and replaced with mtp.")
+            m = "mtp"
+        if m in VLLM_ONLY_METHODS:
+            raise ConfigError(f"speculative method {m!r} is a vLLM method that specdec does not implement; "
+                              f"accepted methods: {', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
+        if m not in SPEC_METHODS:
+            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: {', '.join(SPEC_METHODS)} "
+                              f"(and the *_mtp aliases of mtp)")
+        return m
+
+    def _lookup_window(self):
+        """ngram: [prompt_lookup_min, prompt_lookup_max], 5/5 by default; one given stands for both."""
+        lo = self.prompt_lookup_min
+        hi = self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _positive_int(v):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if lo > hi:
+            raise ConfigError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        self.prompt_lookup_min = lo
+        self.prompt_lookup_max = hi
+
+    def conditional_rates(self):
+        """Synthetic mode: the probability of accepting position i given that positions < i were accepted."""
+        if self.synthetic_acceptance_rates is not None:
+            return list(self.synthetic_acceptance_rates)
+        L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
+        whole = int(math.floor(L - 1))
+        return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
 
 
 # ==============================================================================================
@@ -1629,6 +1493,7 @@ class DraftModelProposer:
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashProposer, "dspark": DSparkProposer,
              "draft_model": DraftModelProposer}  # method -> class(spec, io)
 
+
 # ==============================================================================================
 # Verification & sampling
 # ==============================================================================================
@@ -2207,6 +2072,237 @@ class Engine:
 
 
 # ==============================================================================================
+# Tokenizer: byte-level BPE on tiktoken, incremental decoding, the Qwen3.6 chat format
+# ==============================================================================================
+# Qwen3.5/3.6 use a byte-level BPE (HF `tokenizers` layout). We run it on tiktoken: the pre-tokenizer
+# regex is tiktoken's pat_str, the BPE vocab its mergeable ranks, the added tokens its special tokens.
+
+QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def _gpt2_byte_chars():
+    # GPT-2 byte-level alphabet: printable bytes stand for themselves, the other 68 map to U+0100..
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+BYTE_OF_CHAR = {c: b for b, c in _gpt2_byte_chars().items()}
+# str.translate table: byte-level char -> latin-1 char of its byte; any other char -> U+0100 (not latin-1)
+_TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
+
+
+class Tokenizer:
+    def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
+                 special=None, nfc=True, ignore_merges=False):
+        """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
+        (None: ids are the merge ranks, as in tiktoken files); added_tokens: text -> id, matched whole;
+        special: the added tokens that decode(skip_special=True) drops (default: all of them);
+        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole even if no merge makes it."""
+        added_tokens = dict(added_tokens or {})
+        self.nfc, self._vocab = nfc, vocab
+        try:
+            tok_bytes = {t: t.translate(_TO_LATIN1).encode("latin-1") for t in vocab}
+        except UnicodeEncodeError:
+            bad = next(t for t in vocab if any(c not in BYTE_OF_CHAR for c in t))
+            raise ValueError(f"vocab is not byte-level BPE: token {bad!r} has characters outside the GPT-2 "
+                             "byte alphabet") from None
+        if len({b for b in tok_bytes.values() if len(b) == 1}) != 256:
+            raise ValueError("vocab is not byte-level BPE: it lacks some of the 256 single-byte tokens")
+        # id -> bytes for every id we know; ids nobody uses decode to b"" (HF skips unknown ids too)
+        self.vocab_size = max([*vocab.values(), *added_tokens.values()]) + 1
+        self._bytes = [b""] * self.vocab_size
+        for t, i in vocab.items():
+            self._bytes[i] = tok_bytes[t]
+        for t, i in added_tokens.items():
+            self._bytes[i] = t.encode("utf-8")
+        self.special_ids = dict(added_tokens)  # every added token, e.g. "<think>" too
+        self._special = set(added_tokens) if special is None else set(special) & set(added_tokens)
+        self._special_id_set = {added_tokens[t] for t in self._special}
+        self._nonspecial = set(added_tokens) - self._special  # HF always matches these, like <think>
+
+        # tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the
+        # merge with the lowest *merge index*. So a token's tiktoken rank must be its merge priority.
+        if merges is None:  # tiktoken-style vocab: ids are the ranks
+            order = sorted(vocab, key=vocab.get)
+        else:
+            prio = {}
+            for p, m in enumerate(merges):
+                a, b = m.split(" ") if isinstance(m, str) else m
+                if a not in vocab or b not in vocab or a + b not in vocab:
+                    raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
+                prio.setdefault(a + b, p)  # several merges making one token: the first one wins
+            # "orphans" (multi-byte tokens no merge makes) are unreachable in HF BPE: leave them out. With
+            # ignore_merges HF takes a pre-token that is an orphan whole, like tiktoken does; add the orphans
+            # no two mergeable tokens spell, as tiktoken can only ever take those whole too.
+            order = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get) + sorted(prio, key=prio.get)
+            if ignore_merges:
+                have = {tok_bytes[t] for t in order}
+                order += sorted((t for t in vocab if t not in prio and len(b := tok_bytes[t]) > 1
+                                 and not any(b[:k] in have and b[k:] in have for k in range(1, len(b)))), key=vocab.get)
+        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1 and (merges is None or t in prio)]
+        if all(i < j for i, j in zip(merged_ids, merged_ids[1:])):  # ids follow merge order: rank = id
+            self._rank_to_id = None
+            ranks = {tok_bytes[t]: vocab[t] for t in order}
+            specials = added_tokens
+        else:  # ranks follow merge order, and a table maps them back to ids
+            self._rank_to_id = [vocab[t] for t in order] + list(added_tokens.values())
+            ranks = {tok_bytes[t]: r for r, t in enumerate(order)}
+            specials = {t: len(order) + k for k, t in enumerate(added_tokens)}
+        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        if eos_token is None:
+            eos_token = next((t for t in ("<|im_end|>", "<|endoftext|>") if t in added_tokens), None)
+        self.eos_token_id = None if eos_token is None else self.id_of(eos_token)
+
+    @classmethod
+    def from_dir(cls, path):
+        """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+            tj = json.load(f)
+        model = tj.get("model") or {}
+        if model.get("type") != "BPE":
+            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only byte-level BPE")
+        for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(key):
+                raise ValueError(f"tokenizer.json: BPE option {key}={model[key]!r} is not supported")
+        pre = tj.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = [s.get("type") for s in steps]
+        if (kinds != ["Split", "ByteLevel"] or "Regex" not in steps[0].get("pattern", {})
+                or steps[0].get("behavior") != "Isolated" or steps[0].get("invert")
+                or steps[1].get("add_prefix_space") or steps[1].get("use_regex")):
+            raise ValueError(f"tokenizer.json: pre-tokenizer {kinds} is not the byte-level "
+                             "Split(regex, isolated) + ByteLevel(no prefix space, no regex) layout")
+        if (tj.get("decoder") or {}).get("type") != "ByteLevel":
+            raise ValueError("tokenizer.json: decoder is not ByteLevel")
+        norm = (tj.get("normalizer") or {}).get("type")
+        if norm not in (None, "NFC"):
+            raise ValueError(f"tokenizer.json: normalizer {norm!r} is not supported (only NFC or none)")
+        added, special = {}, set()
+        for t in tj.get("added_tokens", []):
+            if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
+                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses lstrip/rstrip/single_word")
+            added[t["content"]] = t["id"]
+            if t.get("special"):
+                special.add(t["content"])
+        eos = None
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+        return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
+                   special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
+
+    def encode(self, text, allow_special=True):
+        """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
+        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        allowed = self._nonspecial | self._special if allow_special else self._nonspecial
+        ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
+        return ids if self._rank_to_id is None else [self._rank_to_id[r] for r in ids]
+
+    def token_bytes(self, i):
+        return self._bytes[i] if 0 <= i < self.vocab_size else b""
+
+    def decode_bytes(self, ids, skip_special=False):
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids  # torch/numpy ids too
+        ids = [ids] if isinstance(ids, int) else ids
+        skip = self._special_id_set if skip_special else ()
+        return b"".join(self.token_bytes(i) for i in ids if i not in skip)
+
+    def decode(self, ids, skip_special=False):
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def id_of(self, token):
+        """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
+        text that is exactly one token (" the")."""
+        if token in self.special_ids:
+            return self.special_ids[token]
+        if token in self._vocab:
+            return self._vocab[token]
+        try:
+            r = self._enc.encode_single_token(token.encode("utf-8"))
+        except KeyError:
+            raise KeyError(f"{token!r} is not a single token") from None
+        return r if self._rank_to_id is None else self._rank_to_id[r]
+
+
+class IncrementalDecoder:
+    """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
+
+    def __init__(self, tokenizer, skip_special=False):
+        self.tok, self.skip_special = tokenizer, skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # everything emitted so far, for the caller's stop-string checks
+
+    def add(self, ids):
+        new = self._utf8.decode(self.tok.decode_bytes(ids, self.skip_special))
+        self.text += new
+        return new
+
+    def flush(self):
+        new = self._utf8.decode(b"", final=True)  # a dangling partial character becomes U+FFFD
+        self.text += new
+        return new
+
+
+def _content_text(content):
+    # message content: a string, None, or a list of {"type": "text", "text": ...} parts
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any("text" not in part for part in content):
+        raise ValueError("only text content parts are supported (no images, video or audio)")
+    return "".join(part["text"] for part in content)
+
+
+def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, preserve_thinking=False,
+                        tools=None):
+    """Qwen3.5/3.6 chat prompt (ChatML), following the published chat_template.jinja for text-only chats."""
+    if tools:
+        raise ValueError("tool definitions are not supported by this chat template")
+    texts = [_content_text(m.get("content")).strip() for m in messages]
+    # the last real user query (not a tool response): assistant turns after it keep their reasoning
+    is_query = [m["role"] == "user" and not (t.startswith("<tool_response>") and t.endswith("</tool_response>"))
+                for m, t in zip(messages, texts)]
+    last_query = max((i for i, q in enumerate(is_query) if q), default=None)
+    if last_query is None:
+        raise ValueError("no user query found in messages")
+    out = []
+    for i, (m, text) in enumerate(zip(messages, texts)):
+        role = m["role"]
+        if role == "system" and i > 0:
+            raise ValueError("a system message must be the first message")
+        if role in ("system", "user"):
+            out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
+        elif role == "assistant":
+            if m.get("tool_calls"):
+                raise ValueError("assistant tool_calls are not supported by this chat template")
+            reasoning = m.get("reasoning_content")
+            if not isinstance(reasoning, str):
+                reasoning = ""
+                if "</think>" in text:  # reasoning written inline as <think>...</think>
+                    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                    text = text.split("</think>")[-1].lstrip("\n")
+            if preserve_thinking or i > last_query:
+                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip()}\n</think>\n\n{text}<|im_end|>\n")
+            else:
+                out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
+        elif role == "tool":  # consecutive tool results share one user turn
+            first = i > 0 and messages[i - 1]["role"] != "tool"
+            last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+            out.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{text}\n</tool_response>"
+                       + ("<|im_end|>\n" if last else ""))
+        else:
+            raise ValueError(f"unexpected message role {role!r}")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
+    return "".join(out)
+
+
+# ==============================================================================================
 # Loading: safetensors (sharded, multimodal names, fused or per-expert MoE) and GGUF
 # ==============================================================================================
 
@@ -2448,24 +2544,29 @@ def read_gguf(path, dtype=torch.float32):
     arch = meta("general.architecture")
     if arch not in ("qwen35", "qwen35moe"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (specdec reads 'qwen35' and 'qwen35moe')")
-    k = lambda key, default=None: meta(f"{arch}.{key}", default)  # noqa: E731
     byname = {t.name: t for t in r.tensors}
+    cfg = _gguf_config(lambda key, default=None: meta(f"{arch}.{key}", default), meta, arch, byname)
+    return cfg, _gguf_tensors(byname, cfg, dtype, path), _gguf_tokenizer(meta)
+
+
+def _gguf_config(k, meta, arch, byname):
+    """The text_config from the file's metadata (k: a key of the architecture) and tensor names."""
     nextn = k("nextn_predict_layers", 0)
     n = k("block_count") - nextn  # block_count includes the MTP layers
-    hd, hv = k("attention.key_length"), k("ssm.time_step_rank")
+    hd = k("attention.key_length")
+    hv = k("ssm.time_step_rank")
+    rope = dict(rope_type="default", rope_theta=_f32(k("rope.freq_base")),
+                partial_rotary_factor=k("rope.dimension_count") / hd,
+                mrope_section=list(k("rope.dimension_sections", [11, 11, 10, 0]))[:3], mrope_interleaved=True)
     cfg = dict(
-        model_type="qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text", hidden_size=k("embedding_length"),
-        num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
-        num_key_value_heads=k("attention.head_count_kv"), head_dim=hd,
-        linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=hv, linear_key_head_dim=k("ssm.state_size"),
+        model_type="qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text",
+        hidden_size=k("embedding_length"), num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
+        num_key_value_heads=k("attention.head_count_kv"), head_dim=hd, linear_num_key_heads=k("ssm.group_count"),
+        linear_num_value_heads=hv, linear_key_head_dim=k("ssm.state_size"),
         linear_value_head_dim=k("ssm.inner_size") // hv, linear_conv_kernel_dim=k("ssm.conv_kernel"),
         full_attention_interval=k("full_attention_interval", 4),
         layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention" for i in range(n)],
-        rope_parameters=dict(rope_type="default", rope_theta=_f32(k("rope.freq_base")),
-                             partial_rotary_factor=k("rope.dimension_count") / hd,
-                             mrope_section=list(k("rope.dimension_sections", [11, 11, 10, 0]))[:3],
-                             mrope_interleaved=True),
-        rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
+        rope_parameters=rope, rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
         vocab_size=int(byname["token_embd.weight"].shape[1]),  # ne = {H, V}
         tie_word_embeddings="output.weight" not in byname,
         mtp_num_hidden_layers=nextn if any(x.startswith(f"blk.{n}.nextn.") for x in byname) else 0,
@@ -2477,8 +2578,14 @@ def read_gguf(path, dtype=torch.float32):
         cfg.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
                    moe_intermediate_size=k("expert_feed_forward_length"),
                    shared_expert_intermediate_size=k("expert_shared_feed_forward_length"))
+    return cfg
 
-    tensors, split = {}, {}
+
+def _gguf_tensors(byname, cfg, dtype, path):
+    """{HF text-only name: tensor}: names through the tables, every converter transform undone."""
+    n = cfg["num_hidden_layers"]
+    tensors = {}
+    split = {}
     for name, rt in byname.items():
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
         i, leaf = (int(m[1]), m[2]) if m else (-1, name)
@@ -2488,8 +2595,10 @@ def read_gguf(path, dtype=torch.float32):
         if leaf in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
             split.setdefault(pre, {})[leaf] = _gguf_tensor(rt).to(dtype)  # [E, I, H]
             continue
-        hf = _GGUF_TOP.get(name) if m is None else _GGUF_NEXTN.get(leaf) or (
-            pre + _GGUF_BLK[leaf] if leaf in _GGUF_BLK else None)
+        if m is None:
+            hf = _GGUF_TOP.get(name)
+        else:
+            hf = _GGUF_NEXTN.get(leaf) or (pre + _GGUF_BLK[leaf] if leaf in _GGUF_BLK else None)
         if hf is None:
             raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
         t = _gguf_tensor(rt)
@@ -2502,22 +2611,28 @@ def read_gguf(path, dtype=torch.float32):
             t = t.unsqueeze(1)  # [C, K] -> [C, 1, K]
         tensors[hf] = t.to(torch.float32 if hf.endswith(".A_log") else dtype)  # the GDN decay stays fp32
     for pre, d in split.items():  # gate rows first, then up
-        tensors[pre + "mlp.experts.gate_up_proj"] = torch.cat([d["ffn_gate_exps.weight"], d["ffn_up_exps.weight"]], 1)
+        gate_up = torch.cat([d["ffn_gate_exps.weight"], d["ffn_up_exps.weight"]], 1)
+        tensors[pre + "mlp.experts.gate_up_proj"] = gate_up
+    return tensors
 
+
+def _gguf_tokenizer(meta):
+    """The tokenizer.ggml.* metadata as a dict (read_gguf_model builds the Tokenizer from it)."""
     toks = meta("tokenizer.ggml.tokens", [])
     types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user-defined, 5 unused
-    eos, pre_tok = meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.pre")
+    eos = meta("tokenizer.ggml.eos_token_id")
+    pre_tok = meta("tokenizer.ggml.pre")
     added = {t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty in (3, 4)}
     stops = {eos, meta("tokenizer.ggml.eot_token_id"), added.get("<|im_end|>"), added.get("<|endoftext|>")}
-    tok = dict(model=meta("tokenizer.ggml.model"), pre=pre_tok, pattern=_PRETOKENIZE.get(pre_tok), tokens=toks,
-               token_types=types, merges=meta("tokenizer.ggml.merges", []), eos_token_id=eos,
-               eos_token=toks[eos] if eos is not None and eos < len(toks) else None,
-               bos_token_id=meta("tokenizer.ggml.bos_token_id"), pad_token_id=meta("tokenizer.ggml.padding_token_id"),
-               chat_template=meta("tokenizer.chat_template"), added_tokens=added,
-               special_tokens=[t for t, ty in zip(toks, types) if ty == 3],  # dropped by skip_special decoding
-               vocab={t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty not in (3, 4, 5)},
-               stop_token_ids=sorted(s for s in stops if s is not None))
-    return cfg, tensors, tok
+    return dict(
+        model=meta("tokenizer.ggml.model"), pre=pre_tok, pattern=_PRETOKENIZE.get(pre_tok), tokens=toks,
+        token_types=types, merges=meta("tokenizer.ggml.merges", []), eos_token_id=eos,
+        eos_token=toks[eos] if eos is not None and eos < len(toks) else None,
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"), pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+        chat_template=meta("tokenizer.chat_template"), added_tokens=added,
+        special_tokens=[t for t, ty in zip(toks, types) if ty == 3],  # dropped by skip_special decoding
+        vocab={t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty not in (3, 4, 5)},
+        stop_token_ids=sorted(s for s in stops if s is not None))
 
 
 def read_gguf_model(path, dtype):
@@ -2531,6 +2646,7 @@ def read_gguf_model(path, dtype):
     tokenizer = Tokenizer(tok["vocab"], tok["merges"], tok["added_tokens"], tok["pattern"] or QWEN_PATTERN,
                           tok["eos_token"], special=tok["special_tokens"])
     return cfg, tensors, tokenizer
+
 
 # ==============================================================================================
 # API: LLM(...).generate / .chat, shaped like vLLM's offline API

@@ -28,10 +28,11 @@ Each speculative method is one proposer class (PROPOSERS):
     dspark       DSparkProposer        a block drafter plus a Markov head
     draft_model  DraftModelProposer    a small separate LM
 
-One speculative step (ModelRunner._spec_step): the proposer drafts d1..dk; the target verifies [last, d1..dk] in
-one forward; rejection_sample accepts a prefix and adds one token; the target's GDN states and the proposer's caches
-commit to it; each slot's next input advances, on the device. Engine.step admits requests, launches a step and reads
-the step before back (asynchronous steps), emitting its tokens and applying the stops.
+One speculative step (ModelRunner._spec_step): the proposer drafts d1..dk; the target verifies
+[last, d1..dk] in one forward; rejection_sample accepts a prefix and adds one token; the target's GDN states
+and the proposer's caches commit to it; each slot's next input advances, on the device. Engine.step admits
+requests, launches a step and reads the step before back (asynchronous steps), emitting its tokens and
+applying the stops.
 """
 import argparse
 import codecs
@@ -72,14 +73,17 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_
 MODEL_CHECKS = [
     ("model_type", "qwen3_5_text", ("qwen3_5_text", "qwen3_5_moe_text"),
      "unsupported text model_type {v!r}; supported: qwen3_5_text, qwen3_5_moe_text"),
-    ("attn_output_gate", True, (True,), "unsupported config: attn_output_gate={v!r} (only True is implemented)"),
-    ("attention_bias", False, (False,), "unsupported config: attention_bias={v!r} (only False is implemented)"),
+    ("attn_output_gate", True, (True,),
+     "unsupported config: attn_output_gate={v!r} (only True is implemented)"),
+    ("attention_bias", False, (False,),
+     "unsupported config: attention_bias={v!r} (only False is implemented)"),
     ("hidden_act", "silu", ("silu",), "unsupported hidden_act {v!r}; only silu is implemented"),
 ]
 
 
 def _layer_types(cfg):
-    """Per layer, "linear_attention" (GDN) or "full_attention": as listed, or every full_attention_interval-th."""
+    """Per layer "linear_attention" (GDN) or "full_attention": as listed, or each
+    full_attention_interval-th."""
     types = cfg.get("layer_types")
     if types is None:
         every = cfg.get("full_attention_interval", 4)
@@ -136,14 +140,15 @@ class ModelConfig:
 
     @staticmethod
     def check(cfg):
-        """Refuse a text_config specdec does not implement: MODEL_CHECKS, then layer types, RoPE, MoE layers."""
+        """Refuse a text_config specdec does not implement: MODEL_CHECKS, layer types, RoPE, MoE layers."""
         for key, default, accepted, message in MODEL_CHECKS:
             if cfg.get(key, default) not in accepted:
                 raise ConfigError(message.format(v=cfg[key]))
         n = cfg["num_hidden_layers"]
         types = _layer_types(cfg)
         if len(types) != n or set(types) - {"full_attention", "linear_attention"}:
-            raise ConfigError(f"layer_types must list {n} entries of full_attention/linear_attention, got {types}")
+            raise ConfigError(f"layer_types must list {n} entries of full_attention/linear_attention, "
+                              f"got {types}")
         rope = _rope(cfg)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
@@ -193,11 +198,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path):
-        """Read `config.json` (multimodal wrapper or text-only) and `generation_config.json` from a directory."""
+        """Read a directory's `config.json` (multimodal wrapper or text-only) and `generation_config.json`."""
         f = os.path.join(path, "config.json")
         if not os.path.isfile(f):
-            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a .gguf "
-                              "file)")
+            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a "
+                              ".gguf file)")
         with open(f) as fh:
             top = json.load(fh)
         mt = top.get("model_type")
@@ -291,7 +296,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim, eps, plain=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim) if plain else torch.zeros(dim))
-        self.eps, self.plain = eps, plain
+        self.eps = eps
+        self.plain = plain
 
     def forward(self, x):
         return (K.plain_rms_norm if self.plain else K.rms_norm)(x, self.weight, self.eps)
@@ -305,22 +311,23 @@ class Ctx:
     pos: torch.Tensor            # [B] long, position of each row's first token
     kv_len: int                  # cache prefix attention must look at (>= max(pos) + T)
     mode: str = "decode"         # "prefill" (chunked GDN), "decode" (T tokens, commit all), "verify"
-    no_write: "torch.Tensor | None" = field(init=False, default=None)  # verify: [B] zeros, the GDN kernels' n_keep
+    no_write: "torch.Tensor | None" = field(init=False, default=None)  # verify: [B] zeros, GDN n_keep
 
     def __post_init__(self):
-        # A verify leaves the GDN states as they are (n_keep = 0). The zeros are the state's own, allocated once: a
-        # tensor made here would die with the Ctx, and a CUDA graph captured with this Ctx would then read freed
-        # memory on every replay (in 0d2d4b3 it did: garbage n_keep, illegal memory accesses on the H200).
+        # A verify leaves the GDN states as they are (n_keep = 0). The zeros are the state's own, allocated
+        # once: a tensor made here would die with the Ctx, and a CUDA graph captured with this Ctx would then
+        # read freed memory on every replay (in 0d2d4b3 it did: garbage n_keep, illegal memory accesses on the
+        # H200).
         if self.mode == "verify":
             self.no_write = self.state.keep_none[:self.slots.shape[0]]
-
 
 
 class Attention(nn.Module):
     """Gated full attention: per-head [query | gate] from q_proj, q/k RMSNorm, partial RoPE, GQA."""
     def __init__(self, cfg, layer_id):
         super().__init__()
-        self.layer_id, self.nh, self.nkv, self.hd = layer_id, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim  # sizes
         H = cfg.hidden_size
         self.q_proj = Linear(H, 2 * self.nh * self.hd, bias=False)
         self.k_proj = Linear(H, self.nkv * self.hd, bias=False)
@@ -334,7 +341,8 @@ class Attention(nn.Module):
     def forward(self, x, ctx):
         B, T, _ = x.shape
         if hasattr(self, "qkv"):  # fused after loading: one GEMM, views of its output
-            qg, k, v = K.linear(x, self.qkv).split([2 * self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+            kv_dim = self.nkv * self.hd
+            qg, k, v = K.linear(x, self.qkv).split([2 * self.nh * self.hd, kv_dim, kv_dim], -1)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qg = qg.view(B, T, self.nh, 2 * self.hd)                                     # per head [query | gate]
@@ -344,14 +352,15 @@ class Attention(nn.Module):
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
                              k_cache, v_cache, ctx.slots, ctx.pos)                   # [B, T, nh, hd]
         o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
-        return self.o_proj(K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1))     # output gate: sigmoid(gate)
+        return self.o_proj(K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1))   # output gate: sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule; its state is a conv window plus a d_k x d_v matrix per head."""
+    """Linear attention by the gated delta rule; its state: a conv window and a d_k x d_v matrix per head."""
     def __init__(self, cfg, layer_id):
         super().__init__()
-        self.layer_id, self.cfg = layer_id, cfg
+        self.layer_id = layer_id
+        self.cfg = cfg
         H, C, Kc = cfg.hidden_size, cfg.conv_dim, cfg.linear_conv_kernel_dim
         self.in_proj_qkv = Linear(H, C, bias=False)
         self.in_proj_z = Linear(H, cfg.value_dim, bias=False)
@@ -386,11 +395,12 @@ class GatedDeltaNet(nn.Module):
         y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], ctx.no_write)
         q, k, v = self.split(y, B, T)
         if ctx.mode == "prefill" and T > 1:
-            g, beta = K.gdn_gates(a, b, self.A_log, self.dt_bias)  # beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+            # beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+            g, beta = K.gdn_gates(a, b, self.A_log, self.dt_bias)
             o = K.gdn_chunked(q, k, v, g, beta, st.rec[self.layer_id], ctx.slots)
         else:  # the gates are computed inside the recurrent kernel
-            o = K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[self.layer_id], ctx.slots,
-                                      ctx.no_write)
+            o = K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[self.layer_id],
+                                      ctx.slots, ctx.no_write)
         if ctx.mode == "verify":
             # Rollback by replay: a verify leaves the state untouched and keeps its per-token inputs; commit()
             # re-runs the accepted prefix. Measured against per-position snapshots (27B layer, H_v=48, d=128):
@@ -406,8 +416,10 @@ class GatedDeltaNet(nn.Module):
     def commit(self, ctx, n_keep):
         """After a verify: advance the conv window and recurrent state by the first n_keep[b] tokens."""
         mixed, q, k, v, a, b = ctx.state.stash.pop(self.layer_id)  # states only: the verify made the outputs
-        K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, ctx.state.rec[self.layer_id], ctx.slots, n_keep,
-                              outputs=False, conv=(mixed, ctx.state.conv[self.layer_id]))  # + conv window: one launch
+        st = ctx.state
+        i = self.layer_id
+        K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[i], ctx.slots, n_keep,
+                              outputs=False, conv=(mixed, st.conv[i]))          # + the conv window
 
 
 class MLP(nn.Module):
@@ -418,8 +430,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, H, bias=False)
 
     def forward(self, x, residual=None):
-        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM's kernel]."""
-        if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation kernel
+        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM]."""
+        if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation
             return K.linear(K.silu_mul(K.linear(x, self.gate_up)), self.down_proj.weight, residual)
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return y if residual is None else residual + y
@@ -433,16 +445,16 @@ class MoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.gate = Linear(H, E, bias=False)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, then up rows
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, up rows
         self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))         # [E, H, I]
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1, bias=False)
 
     def forward(self, x, residual=None):
-        """The routed experts plus the gated shared expert [+ residual], as one output (one fused epilogue)."""
+        """The routed experts plus the gated shared expert [+ residual], as one output (a fused epilogue)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
-        if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up, one GEMM
+        if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up
             E, I = self.experts.gate_up_proj.shape[0], self.shared_expert.down_proj.weight.shape[1]
             logits, sg, gu = K.linear(x, self.router_shared).split([E, 1, 2 * I], -1)
             shared = self.shared_expert.down_proj(K.silu_mul(gu))
@@ -450,7 +462,8 @@ class MoE(nn.Module):
             logits, sg, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
         w, idx = K.moe_route(logits, self.top_k)
         res = None if residual is None else residual.reshape(-1, shape[-1])
-        return K.moe_experts(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj, shared, sg, res).view(shape)
+        experts = self.experts
+        return K.moe_experts(x, w, idx, experts.gate_up_proj, experts.down_proj, shared, sg, res).view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -495,9 +508,10 @@ class Qwen36(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t == "full_attention") for i, t in enumerate(cfg.layer_types))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t == "full_attention")
+                                    for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTPHead(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
 
     def forward(self, ids, ctx, taps=()):
@@ -564,16 +578,22 @@ class State:
     """
     def __init__(self, cfg, num_slots, max_len, dtype, device, mtp=False):
         S = num_slots + 1
-        self.dummy_slot, self.max_len = num_slots, max_len
-        self.kv, self.conv, self.rec, self.stash = {}, {}, {}, {}
+        self.dummy_slot = num_slots                                   # the last slot: padding rows
+        self.max_len = max_len
+        self.kv = {}                                                  # layer id -> (K, V)
+        self.conv = {}                                                # GDN layer id -> conv window
+        self.rec = {}                                                 # GDN layer id -> recurrent state
+        self.stash = {}                                               # GDN layer id -> a verify's inputs
         self.keep_none = torch.zeros(S, dtype=torch.long, device=device)  # n_keep = 0 per row: a verify (Ctx)
         kv_shape = (S, max_len, cfg.num_key_value_heads, cfg.head_dim)
         ids = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] + (["mtp"] if mtp else [])
         for i in ids:
-            self.kv[i] = (torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device))
+            self.kv[i] = (torch.zeros(kv_shape, dtype=dtype, device=device),
+                          torch.zeros(kv_shape, dtype=dtype, device=device))
         for i, t in enumerate(cfg.layer_types):
             if t == "linear_attention":
-                self.conv[i] = torch.zeros(S, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+                K1 = cfg.linear_conv_kernel_dim - 1
+                self.conv[i] = torch.zeros(S, cfg.conv_dim, K1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(S, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                           cfg.linear_value_head_dim, dtype=torch.float32, device=device)
 
@@ -599,6 +619,9 @@ UNSUPPORTED_KEYS = {
     "enable_adaptive_verification": False, "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
     "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1}
+
+
+CLASS_PATH = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+"  # a dotted Python path (vLLM: custom_class)
 
 
 def _positive_int(v):
@@ -682,8 +705,8 @@ class SpeculativeConfig:
         for key in list(obj):
             if key in UNSUPPORTED_KEYS:
                 if obj[key] != UNSUPPORTED_KEYS[key]:
-                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not support "
-                                      f"(only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
+                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not "
+                                      f"support (only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
                 del obj[key]
             elif key not in known:
                 raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in "
@@ -698,8 +721,8 @@ class SpeculativeConfig:
         return self.rejection_sample_method == "synthetic"
 
     def check(self):
-        """vLLM's validation, and its defaults: the method (inferred as vLLM infers it; `*_mtp` aliases are mtp),
-        the model (mtp and dspark draft with the target's), ngram's lookup window; then SPEC_CHECKS."""
+        """vLLM's validation, and its defaults: the method (inferred as vLLM infers it; `*_mtp` aliases are
+        mtp), the model (mtp and dspark draft with the target's), ngram's lookup window; then SPEC_CHECKS."""
         self.method = self._method()
         k = self.num_speculative_tokens
         if self.model is None and k is not None:
@@ -707,8 +730,8 @@ class SpeculativeConfig:
                 raise ConfigError("num_speculative_tokens was provided but without speculative model.")
             self.model = "ngram" if self.method == "ngram" else None
         if k is None:
-            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the draft "
-                              "model config contains an n_predict parameter.")
+            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the "
+                              "draft model config contains an n_predict parameter.")
         if not _positive_int(k):
             raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
         if self.method == "ngram":
@@ -725,7 +748,7 @@ class SpeculativeConfig:
         if m is None:  # vLLM: model "ngram" -> ngram, a dotted class path -> custom_class, else draft_model
             if self.model in ("ngram", "[ngram]"):
                 m = "ngram"
-            elif (self.model and "/" not in self.model and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", self.model)
+            elif (self.model and "/" not in self.model and re.fullmatch(CLASS_PATH, self.model)
                   and not os.path.exists(self.model)):
                 m = "custom_class"
             else:
@@ -739,8 +762,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative method {m!r} is a vLLM method that specdec does not implement; "
                               f"accepted methods: {', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
         if m not in SPEC_METHODS:
-            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: {', '.join(SPEC_METHODS)} "
-                              f"(and the *_mtp aliases of mtp)")
+            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: "
+                              f"{', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
         return m
 
     def _lookup_window(self):
@@ -771,18 +794,19 @@ class SpeculativeConfig:
 # ==============================================================================================
 # Proposers: draft k tokens per sequence
 # ==============================================================================================
-# One interface. A proposer is built as cls(spec, io), where io (ProposerIO) is all it may use of the engine;
-# each step hands it the Batch of running rows.
-#   prefill(req, hidden, taps, ids, pos)   see a prompt chunk at positions pos.. (model drafters fill their caches):
-#       hidden [1, T, H] the target's final-norm states, taps the outputs of the target layers it reads (.taps),
-#       ids [1, T] the next token of each position
+# One interface. A proposer is built as cls(spec, io), where io (ProposerIO) is all it may use of the
+# engine; each step hands it the Batch of running rows.
+#   prefill(req, hidden, taps, ids, pos)   see a prompt chunk at positions pos.. (model drafters fill their
+#       caches): hidden [1, T, H] the target's final-norm states, taps the outputs of the target layers it
+#       reads (.taps), ids [1, T] the next token of each position
 #   propose(batch) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
-#   commit(batch, hidden, taps, ids, n_acc, tokens)   see the verified step over ids [B, k+1]: keep the accepted prefix
-#   taps: the target layers whose outputs it reads (DFlash/DSpark), [B, T, H] each, in its order; () for none
+#   commit(batch, hidden, taps, ids, n_acc, tokens)   see the verified step over ids [B, k+1]; keep the
+#       accepted prefix
+#   taps: the target layers whose outputs it reads (DFlash/DSpark), [B, T, H] each, in its order; () if none
 
 @dataclass
 class Batch:
-    """The rows of one step: the requests and, on the device, each row's slot, last position and last token."""
+    """The rows of one step: the requests and, on the device, each row's slot, last position, last token."""
     reqs: list                # [B] requests
     slots: torch.Tensor       # [B] long, the state slot of each row
     pos: torch.Tensor         # [B] long, the position of each row's last token (the step's first input)
@@ -790,8 +814,8 @@ class Batch:
     host_knows_pos: bool      # synchronous steps; an asynchronous step's positions live on the device only
 
     def kv_len(self, extra, cap):
-        """How far an eager step's attention reads: the last position + extra when the host knows the positions,
-        else cap (the cache length)."""
+        """How far an eager step's attention reads: the last position + extra when the host knows the
+        positions, else cap (the cache length)."""
         return max(len(r.tokens) for r in self.reqs) - 1 + extra if self.host_knows_pos else cap
 
 
@@ -800,7 +824,7 @@ class ProposerIO:
     """What a proposer may use of the engine, and nothing more (a test builds one without an Engine)."""
     model: nn.Module          # the target: its embeddings, lm_head, MTP head and config
     state: "State"            # the target's state (the MTP layer's KV cache, layer id "mtp", lives there)
-    num_slots: int            # max_num_seqs; a drafter's caches get one slot more, the dummy slot of padding rows
+    num_slots: int            # max_num_seqs; a drafter's caches get one slot more: the padding rows' dummy
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
@@ -809,8 +833,8 @@ class ProposerIO:
 
 
 def ngram_lookup_ref(ctx, k, lo, hi):
-    """vLLM's prompt lookup, plainly: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
-    earliest occurrence, and up to k tokens that followed it."""
+    """vLLM's prompt lookup, plainly: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier,
+    its earliest occurrence, and up to k tokens that followed it."""
     N = len(ctx)
     for n in range(min(hi, N - 1), lo - 1, -1):
         tail = ctx[N - n:]
@@ -912,7 +936,7 @@ class MTPProposer:
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
     def propose(self, batch):
-        inputs = dict(slots=batch.slots, pos=batch.pos - 1)                          # position of the kept hidden
+        inputs = dict(slots=batch.slots, pos=batch.pos - 1)                   # where the kept hidden is
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
         kv_len = batch.kv_len(self.k - 1, self.io.state.max_len)
@@ -939,13 +963,14 @@ class MTPProposer:
 # Facts from z-lab/dflash, deepseek-ai/DeepSpec, vllm-project/speculators and vLLM (shared/reference/
 # speculative-methods.md §5, §6, §8).
 #
-# A block drafter is a stack of plain Qwen3 layers (RMSNorm x*w, not zero-centred; no output gate; full NeoX RoPE)
-# with its own KV cache, indexed by position. Committed tokens enter it as "context" K/V: c = hidden_norm(fc(concat
-# taps)), then per layer k = RoPE(k_norm(k_proj(c))), v = v_proj(c) (no input_layernorm). A draft is one forward
-# over [anchor, mask x (Q-1)] at positions P..P+Q-1, each query seeing all context before P and the whole block.
-# DFlash: Q = K+1, mask slot j predicts position P+j. DSpark: Q = K, slot j predicts P+j+1 (the anchor predicts
-# too), then a low-rank Markov bias is added token by token. Rejected context needs no rollback: the next block
-# overwrites those positions before anything reads them.
+# A block drafter is a stack of plain Qwen3 layers (RMSNorm x*w, not zero-centred; no output gate; full NeoX
+# RoPE) with its own KV cache, indexed by position. Committed tokens enter it as "context" K/V: c =
+# hidden_norm(fc(concat taps)), then per layer k = RoPE(k_norm(k_proj(c))), v = v_proj(c) (no
+# input_layernorm). A draft is one forward over [anchor, mask x (Q-1)] at positions P..P+Q-1, each query
+# seeing all context before P and the whole block. DFlash: Q = K+1, mask slot j predicts position P+j.
+# DSpark: Q = K, slot j predicts P+j+1 (the anchor predicts too), then a low-rank Markov bias is added token
+# by token. Rejected context needs no rollback: the next block overwrites those positions before anything
+# reads them.
 
 @dataclass
 class DraftConfig:
@@ -980,17 +1005,22 @@ def qwen3_fields(d, where):
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"{where}: unsupported RoPE scaling {rope!r}; only default RoPE is implemented")
     n = d["num_hidden_layers"]
-    types = d.get("layer_types") or ["sliding_attention" if d.get("use_sliding_window") and
-                                     i >= d.get("max_window_layers", n) else "full_attention" for i in range(n)]
+    sliding = lambda i: d.get("use_sliding_window") and i >= d.get("max_window_layers", n)     # noqa: E731
+    types = d.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention"
+                                     for i in range(n)]
     if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
-        raise ConfigError(f"{where}: layer_types must list {n} full_attention/sliding_attention entries, got {types}")
-    return dict(hidden_size=d["hidden_size"], num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
-                num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-                intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-                rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", d.get("rope_theta", 1e6)),
-                attention_bias=bool(d.get("attention_bias", False)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False))), types
+        raise ConfigError(f"{where}: layer_types must list {n} full_attention/sliding_attention entries, "
+                          f"got {types}")
+    fields = dict(hidden_size=d["hidden_size"], num_hidden_layers=n,
+                  num_attention_heads=d["num_attention_heads"],
+                  num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+                  head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                  intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+                  rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                  rope_theta=rope.get("rope_theta", d.get("rope_theta", 1e6)),
+                  attention_bias=bool(d.get("attention_bias", False)),
+                  tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+    return fields, types
 
 
 def read_config(path, what):
@@ -1001,23 +1031,31 @@ def read_config(path, what):
         return json.load(fh)
 
 
-def read_block_config(path, method):
-    """config.json of a DFlash/DSpark draft in any published layout -> DraftConfig (ids in our tap convention)."""
-    top = read_config(path, f"{method} draft")
-    arch, smt = top.get("architectures") or [], top.get("speculators_model_type")
-    if smt in ("dflash", "dspark"):  # speculators: the layer config nested, aux ids in vLLM's "entering layer L"
-        kind, base, dc, layout = smt, top["transformer_layer_config"], {}, f"speculators {smt}"
+def block_layout(top, method, path):
+    """The published layout of a DFlash/DSpark config.json -> (the method it is for, its layer config, its
+    dflash_config, the layout's name, the target layer ids (our convention), whether the anchor drafts)."""
+    arch = top.get("architectures") or []
+    smt = top.get("speculators_model_type")
+    if smt in ("dflash", "dspark"):  # speculators: the layer config nested, vLLM's aux ids ("entering L")
         ids = [i - 1 for i in top["aux_hidden_state_layer_ids"]]
         from_anchor = top.get("sample_from_anchor", smt == "dspark")
-    elif "DFlashDraftModel" in arch:  # z-lab
-        kind, base, dc, layout = "dflash", top, top.get("dflash_config") or {}, "z-lab DFlashDraftModel"
-        ids, from_anchor = dc.get("target_layer_ids"), dc.get("sample_from_anchor", False)
-    elif "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and top.get("model_type") == "qwen3"):  # DeepSpec
-        kind, base, dc, layout = "dspark", top, top.get("dflash_config") or {}, "DeepSpec Qwen3DSparkModel"
-        ids, from_anchor = top.get("target_layer_ids"), True
-    else:
-        raise ConfigError(f"{method} draft {path}: not a DFlash/DSpark checkpoint (architectures {arch}); expected "
-                          "DFlashDraftModel (z-lab), Qwen3DSparkModel (DeepSpec) or speculators_model_type dflash/dspark")
+        return smt, top["transformer_layer_config"], {}, f"speculators {smt}", ids, from_anchor
+    if "DFlashDraftModel" in arch:  # z-lab
+        dc = top.get("dflash_config") or {}
+        ids = dc.get("target_layer_ids")
+        return "dflash", top, dc, "z-lab DFlashDraftModel", ids, dc.get("sample_from_anchor", False)
+    if "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and top.get("model_type") == "qwen3"):
+        dc = top.get("dflash_config") or {}                                          # DeepSpec
+        return "dspark", top, dc, "DeepSpec Qwen3DSparkModel", top.get("target_layer_ids"), True
+    raise ConfigError(f"{method} draft {path}: not a DFlash/DSpark checkpoint (architectures {arch}); "
+                      "expected DFlashDraftModel (z-lab), Qwen3DSparkModel (DeepSpec) or "
+                      "speculators_model_type dflash/dspark")
+
+
+def read_block_config(path, method):
+    """config.json of a DFlash/DSpark draft in any published layout -> DraftConfig (ids in our convention)."""
+    top = read_config(path, f"{method} draft")
+    kind, base, dc, layout, ids, from_anchor = block_layout(top, method, path)
     where = f"{method} draft {path} ({layout})"
     if kind != method:
         raise ConfigError(f"{where} is a {kind} checkpoint: use method {kind!r}")
@@ -1038,13 +1076,14 @@ def read_block_config(path, method):
         sliding = [True] * len(types)
     window = dc.get("swa_window_size", base.get("sliding_window"))
     if any(sliding) and not window:
-        raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or sliding_window)")
+        raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or "
+                          "sliding_window)")
     forced = top.get("is_causal", dc.get("causal"))
     causal = [bool(forced) if forced is not None else s and not top.get("sliding_window_non_causal", False)
               for s in sliding]
     return DraftConfig(**fields, windows=[window if s else None for s in sliding], causal=causal,
-                       block_size=int(top.get("block_size", dc.get("block_size", 16))), mask_token_id=int(mask),
-                       target_layer_ids=list(ids), from_anchor=bool(from_anchor),
+                       block_size=int(top.get("block_size", dc.get("block_size", 16))),
+                       mask_token_id=int(mask), target_layer_ids=list(ids), from_anchor=bool(from_anchor),
                        draft_vocab_size=top.get("draft_vocab_size"),
                        markov_rank=int(dc.get("markov_rank", top.get("markov_rank", 0))),
                        confidence_with_markov=bool(top.get("confidence_head_with_markov", False)))
@@ -1052,10 +1091,11 @@ def read_block_config(path, method):
 
 def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
     """Attention of T queries at positions pos[b]..pos[b]+T-1 over the slot's cached keys (the block's own
-    keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal: keys up
-    to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and, when non-causal,
-    k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B]; kv_len >= max(pos)+T.
-    Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU kernel); else a masked reference."""
+    keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal:
+    keys up to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and,
+    when non-causal, k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B];
+    kv_len >= max(pos)+T. Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU
+    kernel); else a masked reference."""
     B, T, nh, d = q.shape
     if window is None and causal:
         return K.attention(q, k_cache, v_cache, slots, pos, kv_len)
@@ -1077,11 +1117,13 @@ def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, windo
 
 
 class Qwen3Attention(nn.Module):
-    """Qwen3 attention (per-head q/k RMSNorm, full NeoX RoPE, GQA, no output gate) over a position-indexed cache."""
+    """Qwen3 attention (per-head q/k RMSNorm, full NeoX RoPE, GQA, no output gate), position-indexed cache."""
     def __init__(self, c, layer_id):
         super().__init__()
-        self.layer_id, self.nh, self.nkv, self.hd = layer_id, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.causal, self.window = c.causal[layer_id], c.windows[layer_id]
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim  # sizes
+        self.causal = c.causal[layer_id]
+        self.window = c.windows[layer_id]
         H, b = c.hidden_size, c.attention_bias
         self.q_proj = nn.Linear(H, self.nh * self.hd, bias=b)
         self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
@@ -1093,13 +1135,14 @@ class Qwen3Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(self.rope_dim, self.rope_theta), persistent=False)
 
     def write_kv(self, x, ctx, q=None):
-        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the query
-        projection q [B, T, nh, hd] also returns RoPE(q_norm(q)). One kernel on the GPU (kernels.attention_prep)."""
+        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the
+        query projection q [B, T, nh, hd] also returns RoPE(q_norm(q)). One kernel on the GPU."""
         B, T, _ = x.shape
         k, v = self.k_proj(x).view(B, T, self.nkv, self.hd), self.v_proj(x).view(B, T, self.nkv, self.hd)
         k_cache, v_cache = ctx.state.kv[self.layer_id]
-        return K.attention_prep(k[:, :, :0] if q is None else q, k, v, self.q_norm.weight, self.k_norm.weight,
-                                self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos, plain=True)
+        q = k[:, :, :0] if q is None else q
+        return K.attention_prep(q, k, v, self.q_norm.weight, self.k_norm.weight, self.k_norm.eps,
+                                self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos, plain=True)
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
@@ -1123,8 +1166,8 @@ class Qwen3Layer(nn.Module):
 
 
 def qwen3_layer_tensors(H, nh, nkv, hd, I):
-    """A plain Qwen3 decoder layer's checkpoint tensors {name: shape} (Qwen3Layer's parameters), in the order the
-    random-weight writers (bench.py, tools/train_drafters.py, the tests) draw them."""
+    """A plain Qwen3 decoder layer's checkpoint tensors {name: shape} (Qwen3Layer's parameters), in the
+    order the random-weight writers (bench.py, tools/train_drafters.py, the tests) draw them."""
     return {"self_attn.q_proj.weight": (nh * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),
             "self_attn.v_proj.weight": (nkv * hd, H), "self_attn.o_proj.weight": (H, nh * hd),
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
@@ -1133,7 +1176,8 @@ def qwen3_layer_tensors(H, nh, nkv, hd, I):
 
 
 class Qwen3LM(nn.Module):
-    """A plain Qwen3 causal LM (draft_model), with Qwen36's interface: forward -> final-norm hidden, logits, commit."""
+    """A plain Qwen3 causal LM (draft_model) with Qwen36's interface: forward (final-norm hidden), logits,
+    commit."""
     def __init__(self, c):
         super().__init__()
         self.cfg = c
@@ -1155,13 +1199,18 @@ class Qwen3LM(nn.Module):
 
 
 class KVCache:
-    """Per-layer K, V caches [slots + 1, max_len, n_kv, head_dim] of a draft network (last slot: padding rows).
-    Shaped like State for the Qwen3 layers; nothing recurrent, so nothing to reset or roll back."""
+    """Per-layer K, V caches [slots + 1, max_len, n_kv, head_dim] of a draft network (last slot: padding
+    rows). Shaped like State for the Qwen3 layers; nothing recurrent, so nothing to reset or roll back."""
     def __init__(self, c, num_slots, max_len, dtype, device):
         shape = (num_slots + 1, max_len, c.num_key_value_heads, c.head_dim)
-        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device))
                    for i in range(c.num_hidden_layers)}
-        self.conv, self.rec, self.stash, self.dummy_slot, self.max_len = {}, {}, {}, num_slots, max_len
+        self.conv = {}                                                # nothing recurrent
+        self.rec = {}
+        self.stash = {}
+        self.dummy_slot = num_slots
+        self.max_len = max_len
         self.keep_none = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # as State's
 
     def reset(self, slot):
@@ -1172,8 +1221,9 @@ DRAFT_SKIP = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")  # train
 
 
 class BlockDrafter(nn.Module):
-    """The DFlash/DSpark draft network. Parameter names are the checkpoint's; the optional parts (own embed_tokens
-    and lm_head, d2t, Markov head, confidence head) exist iff the checkpoint has them (`shapes`)."""
+    """The DFlash/DSpark draft network. Parameter names are the checkpoint's; the optional parts (own
+    embed_tokens and lm_head, d2t, Markov head, confidence head) exist iff the checkpoint has them
+    (`shapes`)."""
     def __init__(self, c, shapes):
         super().__init__()
         H, V, r = c.hidden_size, c.vocab_size, c.markov_rank
@@ -1184,9 +1234,11 @@ class BlockDrafter(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps, plain=True)
         self.embed_tokens = nn.Embedding(V, H) if "embed_tokens.weight" in shapes else None
         self.lm_head = nn.Linear(H, Vd, bias=False) if "lm_head.weight" in shapes else None
-        self.d2t = nn.Parameter(torch.zeros(Vd, dtype=torch.long), requires_grad=False) if "d2t" in shapes else None
+        self.d2t = None                                                              # draft id -> target id
+        if "d2t" in shapes:
+            self.d2t = nn.Parameter(torch.zeros(Vd, dtype=torch.long), requires_grad=False)
         self.markov_head = self.confidence_head = None
-        if r:  # DSpark: bias_k = W2 . W1[prev]; W1 embeds target ids [V, r], W2 projects to draft logits [V_d, r]
+        if r:  # DSpark: bias_k = W2 . W1[prev]; W1 embeds target ids [V, r], W2 [V_d, r] makes draft logits
             self.markov_head = nn.Module()
             self.markov_head.markov_w1 = nn.Embedding(V, r)
             self.markov_head.markov_w2 = nn.Linear(r, Vd, bias=False)
@@ -1196,7 +1248,8 @@ class BlockDrafter(nn.Module):
         self.draft_vocab_size = Vd
 
     def write_context(self, feats, ctx):
-        """Context K/V of committed tokens from their concatenated target taps feats [B, T, n_taps * H_target]."""
+        """Context K/V of committed tokens from their concatenated target taps feats [B, T, n_taps *
+        H_target]."""
         c = self.hidden_norm(self.fc(feats))                                         # [B, T, H]
         for layer in self.layers:
             layer.self_attn.write_kv(c, ctx)
@@ -1209,9 +1262,9 @@ class BlockDrafter(nn.Module):
 
 
 class BlockProposer:
-    """The block drafters' common part (dflash, dspark): the draft network, its KV cache (context K/V written at
-    prefill and after each verify) and the block forward over [anchor, mask x (Q-1)], whose logits a subclass turns
-    into drafts (_sample)."""
+    """The block drafters' common part (dflash, dspark): the draft network, its KV cache (context K/V
+    written at prefill and after each verify) and the block forward over [anchor, mask x (Q-1)], whose
+    logits a subclass turns into drafts (_sample)."""
     method = None
 
     def __init__(self, spec, io):
@@ -1240,23 +1293,26 @@ class BlockProposer:
         self.V = tcfg.vocab_size
         self.Q = K if c.from_anchor else K + 1                                       # block queries
         self.out = slice(0, K) if c.from_anchor else slice(1, K + 1)                 # the slots that draft
-        self.taps = tuple(sorted(set(c.target_layer_ids)))  # the target returns taps in layer order; .order: ours
+        self.taps = tuple(sorted(set(c.target_layer_ids)))   # the target gives them in layer order: .order
         self.order = [self.taps.index(i) for i in c.target_layer_ids]
         self.cache = KVCache(c, io.num_slots, io.max_model_len + self.Q + K + 1, io.dtype, io.device)
         self.cfg = c
 
     def check(self, c, K, tcfg, where):
         """Refuse a drafter that does not fit the target."""
-        L, ids = tcfg.num_hidden_layers, c.target_layer_ids
+        L = tcfg.num_hidden_layers
+        ids = c.target_layer_ids
         if any(not -1 <= i < L for i in ids):
-            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the target "
-                              f"model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, 'output of layer i')")
+            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the "
+                              f"target model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, "
+                              "'output of layer i')")
         if c.vocab_size != tcfg.vocab_size:
-            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's {tcfg.vocab_size}")
+            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's "
+                              f"{tcfg.vocab_size}")
 
     @staticmethod
     def _load_net(path, c, tcfg, where, io):
-        """The draft network, loaded; the checkpoint header's shapes decide its optional parts and fc's input."""
+        """The draft network, loaded; the checkpoint's shapes decide its optional parts and fc's input."""
         from safetensors import safe_open
         tensors = {n: f for n, f in checkpoint_tensors(path).items() if n not in DRAFT_SKIP}
         shapes = {}
@@ -1268,10 +1324,10 @@ class BlockProposer:
         n_taps = len(c.target_layer_ids)
         got = n_taps * tcfg.hidden_size
         if shapes["fc.weight"][1] != got:  # vLLM's message
-            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden features "
-                              f"but received {got} ({n_taps} taps x hidden {tcfg.hidden_size}). This usually means "
-                              "the draft model's target_layer_ids reference layers that do not exist in the target "
-                              "model (incompatible draft/target pair).")
+            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden "
+                              f"features but received {got} ({n_taps} taps x hidden {tcfg.hidden_size}). "
+                              "This usually means the draft model's target_layer_ids reference layers that "
+                              "do not exist in the target model (incompatible draft/target pair).")
         with torch.device("meta"):
             net = BlockDrafter(c, shapes)
         net = fuse_projections(load_weights(net, checkpoint_sources(tensors), io.dtype, io.device, where))
@@ -1280,8 +1336,8 @@ class BlockProposer:
             raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {V}: a reduced draft "
                               "vocabulary needs the draft's lm_head and d2t; a larger one is not supported")
         if c.hidden_size != tcfg.hidden_size and (net.embed_tokens is None or net.lm_head is None):
-            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's {tcfg.hidden_size}, "
-                              "so the draft must ship its own embed_tokens and lm_head")
+            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's "
+                              f"{tcfg.hidden_size}, so the draft must ship its own embed_tokens and lm_head")
         if not 0 <= c.mask_token_id < V:
             raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} is outside the vocabulary")
         return net
@@ -1293,20 +1349,20 @@ class BlockProposer:
         return ()
 
     def _feats(self, taps):
-        return torch.cat([taps[i] for i in self.order], -1)                         # [B, T, n_taps * H_target]
+        return torch.cat([taps[i] for i in self.order], -1)                         # [B, T, n_taps * H_t]
 
     def prefill(self, req, hidden, taps, ids, pos):  # eager: prompt chunks come in any length
         slots = self.io.h2d([req.slot], torch.long)
         self._context(0, slots, torch.tensor([pos], device=self.io.device), self._feats(taps))
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
-        # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next block,
-        # which overwrites them before any query reads them
+        # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next
+        # block, which overwrites them before any query reads them
         inputs = dict(slots=batch.slots, pos=batch.pos, feats=self._feats(taps))
         self.io.call(f"{self.method}-context", self._context, 0, inputs)
 
     def propose(self, batch):
-        inputs = dict(slots=batch.slots, pos=batch.pos, anchor=batch.last)          # the anchor and its position
+        inputs = dict(slots=batch.slots, pos=batch.pos, anchor=batch.last)          # the anchor, its position
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
         kv_len = batch.kv_len(self.Q, self.cache.max_len)
@@ -1320,7 +1376,7 @@ class BlockProposer:
     def _draft(self, kv_len, slots, pos, anchor, temp=None, u=None):
         U = self.block_logits(kv_len, slots, pos, anchor)                           # [B, K, V_d]
         d, q = self._sample(U, anchor, temp, u)
-        if self.net.d2t is not None and q is not None:                               # draft vocab -> target vocab
+        if self.net.d2t is not None and q is not None:                              # draft -> target vocab
             cols = self._tid(torch.arange(q.shape[-1], device=q.device))
             q = q.new_zeros(*q.shape[:2], self.V).index_copy_(-1, cols, q)
         return self._tid(d), q
@@ -1329,8 +1385,8 @@ class BlockProposer:
         return d if self.net.d2t is None else d + self.net.d2t[d]
 
     def _pick(self, logits, temp, u):
-        """draft_pick over positions: logits [B, n, V_d]; temp [B] (None: greedy argmax, verified as one-hot q);
-        u [B, n] uniforms. Probabilistic: samples of softmax(logits / temp), returned as q [B, n, V_d]."""
+        """draft_pick over positions: logits [B, n, V_d]; temp [B] (None: greedy argmax, verified as one-hot
+        q); u [B, n] uniforms. Probabilistic: samples of softmax(logits / temp), returned as q [B, n, V_d]."""
         if temp is None:
             return logits.argmax(-1), None
         q = (logits / temp[:, None, None]).softmax(-1)
@@ -1346,8 +1402,8 @@ class DFlashProposer(BlockProposer):
 
 
 class DSparkProposer(BlockProposer):
-    """method dspark: every slot drafts, the anchor's too (Q = K), and the Markov head biases each draft by the one
-    before it, token by token on the device."""
+    """method dspark: every slot drafts, the anchor's too (Q = K), and the Markov head biases each draft by
+    the one before it, token by token on the device."""
     method = "dspark"
 
     def __init__(self, spec, io):
@@ -1360,19 +1416,20 @@ class DSparkProposer(BlockProposer):
     def check(self, c, K, tcfg, where):
         super().check(c, K, tcfg, where)
         if K < c.block_size:  # vLLM's message
-            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size ({c.block_size}); "
-                              f"got {K}. Smaller values produce incorrect output. "
+            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size "
+                              f"({c.block_size}); got {K}. Smaller values produce incorrect output. "
                               f"Use num_speculative_tokens={c.block_size} or larger.")
 
     def _sample(self, U, anchor, temp, u):
-        """DSpark's sequential stage: logits_j = U_j + W2 . W1[prev], prev = the anchor, then each new draft (as a
-        target id). With dspark_draft_topk the bias goes on the top-k base logits only, the rest -inf. A fixed-length
-        loop of device ops without host syncs, so it runs inside the captured drafting graph."""
+        """DSpark's sequential stage: logits_j = U_j + W2 . W1[prev], prev = the anchor, then each new
+        draft (as a target id). With dspark_draft_topk the bias goes on the top-k base logits only, the
+        rest -inf. A fixed-length loop of device ops without host syncs: it runs inside the drafting graph."""
         head = self.net.markov_head
         if head is None and self.topk is None:
             return self._pick(U, temp, u)
         if temp is None and not self.topk and self.net.d2t is None:  # greedy: fused kernels
-            return K.markov_greedy(U, head.markov_w1(anchor), head.markov_w1.weight, head.markov_w2.weight), None
+            w1, w2 = head.markov_w1, head.markov_w2
+            return K.markov_greedy(U, w1(anchor), w1.weight, w2.weight), None
         if self.topk:
             vals, idx = U.topk(self.topk, -1)                                        # [B, K, k]
         prev = anchor
@@ -1382,7 +1439,8 @@ class DSparkProposer(BlockProposer):
             e = head.markov_w1(prev) if head is not None else None                   # [B, r]
             if self.topk:
                 bias = 0 if e is None else (head.markov_w2.weight[idx[:, j]] @ e[..., None])[..., 0]  # [B, k]
-                lj = torch.full_like(U[:, j], float("-inf")).scatter_(-1, idx[:, j], (vals[:, j] + bias).float())
+                lj = torch.full_like(U[:, j], float("-inf"))                     # [B, V_d]: -inf but top-k
+                lj.scatter_(-1, idx[:, j], (vals[:, j] + bias).float())
             else:
                 lj = U[:, j] + head.markov_w2(e).float()                             # [B, V_d]
             d, q = self._pick(lj[:, None], temp, None if u is None else u[:, j:j + 1])
@@ -1393,20 +1451,21 @@ class DSparkProposer(BlockProposer):
 
 
 def load_draft_lm(path, io, max_len):
-    """draft_model's LM and its state: a Qwen3.5/3.6 checkpoint (specdec's model, GDN states with stash/commit) or a
-    plain Qwen3 one (Qwen3Layer stack, KV cache only)."""
+    """draft_model's LM and its state: a Qwen3.5/3.6 checkpoint (specdec's model, GDN states with
+    stash/commit) or a plain Qwen3 one (Qwen3Layer stack, KV cache only)."""
     top = read_config(path, "draft_model")
     tv = io.model.cfg.vocab_size
     mt = top.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES + ("qwen3",):
-        raise ConfigError(f"draft_model {path}: model_type {mt!r} is not supported; the draft must be a Qwen3.5/3.6 "
-                          f"({', '.join(SUPPORTED_MODEL_TYPES)}) or plain Qwen3 (qwen3) checkpoint")
+        raise ConfigError(f"draft_model {path}: model_type {mt!r} is not supported; the draft must be a "
+                          f"Qwen3.5/3.6 ({', '.join(SUPPORTED_MODEL_TYPES)}) or plain Qwen3 (qwen3) "
+                          "checkpoint")
     fields, types = qwen3_fields(top, f"draft_model {path}") if mt == "qwen3" else (None, None)
     dv = fields["vocab_size"] if fields else ModelConfig.from_hf(path).vocab_size
     if dv != tv:  # vLLM's message
         raise ConfigError(f"Target and draft model should have the same vocabulary size. Target model "
-                          f"vocab_size={tv}. Draft model vocab_size={dv}. Using models with different tokenizers "
-                          "can cause out-of-bounds errors during speculative decoding.")
+                          f"vocab_size={tv}. Draft model vocab_size={dv}. Using models with different "
+                          "tokenizers can cause out-of-bounds errors during speculative decoding.")
     args = (io.num_slots, max_len, io.dtype, io.device)
     if fields is None:
         try:
@@ -1426,11 +1485,12 @@ def load_draft_lm(path, io, max_len):
 
 
 class DraftModelProposer:
-    """method draft_model: a small LM drafts k tokens autoregressively with its own caches, one token behind the
-    target like vLLM. At each propose a first pass feeds it the tokens committed since the last one (right-padded to
-    k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the target does); d1 comes
-    from the last real position. Drafts d2..dk come from verify-mode passes that never write the GDN states (over
-    [d1..dj] for a hybrid draft, just d_j for an attention-only one), so nothing needs rolling back."""
+    """method draft_model: a small LM drafts k tokens autoregressively with its own caches, one token behind
+    the target like vLLM. At each propose a first pass feeds it the tokens committed since the last one
+    (right-padded to k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the
+    target does); d1 comes from the last real position. Drafts d2..dk come from verify-mode passes that
+    never write the GDN states (over [d1..dj] for a hybrid draft, just d_j for an attention-only one), so
+    nothing needs rolling back."""
     taps = ()
 
     def __init__(self, spec, io):
@@ -1439,8 +1499,8 @@ class DraftModelProposer:
         self.greedy = spec.draft_sample_method == "greedy"
         self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + 2 * self.k + 2)
         self.recurrent = bool(self.state.rec)
-        # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the accepted
-        # n+1 after a verify; right-padded to k+1), how many, and the position of the first
+        # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the
+        # accepted n+1 after a verify; right-padded to k+1), how many, and the position of the first
         S = io.num_slots + 1
         self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=io.device)     # [S, k+1]
         self.new_n = torch.ones(S, dtype=torch.long, device=io.device)                    # [S]
@@ -1452,8 +1512,9 @@ class DraftModelProposer:
         if pos == 0:
             self.state.reset(req.slot)
         chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=self.io.device)
-        self.model(chunk, Ctx(self.state, slots, torch.tensor([pos], device=self.io.device), pos + T, "prefill"))
-        if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose consumes it
+        pos_t = torch.tensor([pos], device=self.io.device)
+        self.model(chunk, Ctx(self.state, slots, pos_t, pos + T, "prefill"))
+        if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose eats it
             self.new_ids[req.slot, 0] = ids[0, -1]
             self.new_n[req.slot] = 1
             self.start[req.slot] = pos + T
@@ -1469,7 +1530,7 @@ class DraftModelProposer:
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
         ctx = Ctx(self.state, slots, start, kv_len, "verify")
         h = self.model(ids, ctx)                                                     # [B, k+1, H]
-        self.model.commit(ctx, n)                                                    # keep exactly the new tokens
+        self.model.commit(ctx, n)                                                    # keep the new tokens
         h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]                  # [B, H] at each anchor
         p1 = start + n                                                               # [B] position of d1
         drafts = []
@@ -1499,10 +1560,10 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashPropose
 # ==============================================================================================
 
 def target_probs(logits, temperature, top_k, top_p, filtered=None):
-    """The target distribution p that sampling and verification draw from: temperature, then top-k,
-    then top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N]
-    tensors (temperature 0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32.
-    `filtered` (optional, known on the host): whether any row has top-k or top-p; None reads it from the device."""
+    """The target distribution p that sampling and verification draw from: temperature, then top-k, then
+    top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N] tensors (temperature
+    0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32. `filtered` (optional, known on
+    the host): whether any row has top-k or top-p; None reads it from the device."""
     t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
     x = logits / t[:, None]
     if filtered is None:
@@ -1514,7 +1575,7 @@ def target_probs(logits, temperature, top_k, top_p, filtered=None):
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
         drop = rank >= k[:, None]                                                    # top-k
         p = srt.masked_fill(drop, float("-inf")).softmax(-1)
-        drop |= (p.cumsum(-1) - p) > top_p[:, None]                                  # top-p: keep the set reaching p
+        drop |= (p.cumsum(-1) - p) > top_p[:, None]                        # top-p: keep the set reaching p
         drop[:, 0] = False
         x = x.scatter(-1, order, srt.masked_fill(drop, float("-inf")))
     return x.softmax(-1)
@@ -1527,19 +1588,19 @@ def sample_from(probs, u):
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample, all_greedy=None,
-                     filtered=None):
+def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample,
+                     all_greedy=None, filtered=None):
     """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
 
     logits [B, k+1, V] fp32 target logits at [last token, d1..dk]; drafts [B, k] long (-1 = padding,
-    always rejected); draft_probs [B, k, V] or None (= one-hot q at the draft); temperature, top_k,
-    top_p [B]; u_accept [B, k], u_sample [B, k+1] uniforms in [0, 1).
-    Greedy rows (temperature 0) accept while draft == argmax, then emit the argmax. Random rows accept
-    d_i with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
+    always rejected); draft_probs [B, k, V] or None (= one-hot q at the draft); temperature, top_k, top_p [B];
+    u_accept [B, k], u_sample [B, k+1] uniforms in [0, 1).
+    Greedy rows (temperature 0) accept while draft == argmax, then emit the argmax. Random rows accept d_i
+    with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
     norm(max(0, p_i - q_i)); when all k are accepted a bonus token is drawn from p_{k+1}.
     Returns tokens [B, k+1] (-1 after the emitted ones) and num_accepted [B] (bonus excluded).
-    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy; `filtered`
-    is passed to target_probs.
+    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy;
+    `filtered` is passed to target_probs.
     """
     B, k1, V = logits.shape
     k = k1 - 1
@@ -1549,7 +1610,8 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     if all_greedy:
         argmax = logits.argmax(-1)                                                   # [B, k+1]
         n = torch.cumprod(((drafts == argmax[:, :k]) & (drafts >= 0)).long(), dim=1).sum(1)
-        tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
+        padded = torch.cat([drafts, drafts[:, :1]], 1)                               # [B, k+1]
+        tokens = torch.where(pos < n[:, None], padded, torch.full_like(argmax, -1))  # the accepted drafts
         tokens[rows, n] = argmax[rows, n]
         return tokens, n
     rep = lambda t: t.repeat_interleave(k1)
@@ -1563,25 +1625,27 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     n = torch.cumprod(ok.long(), dim=1).sum(1)                                       # accepted prefix length
     # the token after the accepted prefix: greedy -> argmax; random -> residual at a rejection, p at the bonus
     p_n = p[rows, n]                                                                 # [B, V]
-    d_n = drafts[rows, n.clamp(max=k - 1)]                                          # draft at the stop (if any)
-    q_n = F.one_hot(d_n.clamp(min=0), V).to(p.dtype) if draft_probs is None else draft_probs[rows, n.clamp(max=k - 1)]
+    stop = n.clamp(max=k - 1)
+    d_n = drafts[rows, stop]                                                     # the draft at the stop
+    q_n = F.one_hot(d_n.clamp(min=0), V).to(p.dtype) if draft_probs is None else draft_probs[rows, stop]
     q_n = q_n * (d_n >= 0)[:, None]                                                  # padding has q = 0
     resid = torch.where((n < k)[:, None], (p_n - q_n).clamp(min=0), p_n)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)                 # p == q: any draw from p
     extra = torch.where(greedy, argmax[rows, n], sample_from(resid, u_sample[rows, n]))
-    tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
+    padded = torch.cat([drafts, drafts[:, :1]], 1)                                   # [B, k+1]
+    tokens = torch.where(pos < n[:, None], padded, torch.full_like(argmax, -1))      # the accepted drafts
     tokens[rows, n] = extra
     return tokens, n
 
 
 def synthetic_sample(logits, drafts, rates, u_accept):
-    """Benchmark mode (vLLM's `synthetic` rejection_sample_method), not lossless: accept draft i with the conditional
-    probability rates[i] whatever the tokens are (never past the real drafts), then emit the target's argmax.
-    logits [B, k+1, V]; drafts [B, k] (-1 = padding); rates [k]; u_accept [B, k]. Returns tokens [B, k+1] and
-    num_accepted [B], as rejection_sample."""
+    """Benchmark mode (vLLM's `synthetic` rejection_sample_method), not lossless: accept draft i with the
+    conditional probability rates[i] whatever the tokens are (never past the real drafts), then emit the
+    target's argmax. logits [B, k+1, V]; drafts [B, k] (-1 = padding); rates [k]; u_accept [B, k]. Returns
+    tokens [B, k+1] and num_accepted [B], as rejection_sample."""
     rows = torch.arange(drafts.shape[0], device=drafts.device)
     n = torch.minimum(torch.cumprod((u_accept < rates).long(), 1).sum(1), (drafts >= 0).sum(1))
-    tokens = torch.cat([drafts, drafts[:, :1]], 1)                                   # the drafts, then the argmax
+    tokens = torch.cat([drafts, drafts[:, :1]], 1)                               # the drafts, then the argmax
     tokens[rows, n] = logits[rows, n].argmax(-1)
     return tokens, n
 
@@ -1661,12 +1725,12 @@ def h2d(device, data, dtype=None):
 
 
 class GraphRunner:
-    """CUDA graphs captured by hand (nano-vllm's way) for every step that runs often: the target's decode (T = 1),
-    its verify (T = k+1) with the GDN commit after it, and the drafters' steps. One capture path: a step
-    fn(kv_len, **inputs) -> tuple of tensors is captured per batch bucket (1, 2, 4, 8, .., max_num_seqs) and
-    input shape, all in one memory pool. Its inputs are copied into static buffers that its record owns (as it owns
-    the outputs), padding rows beyond the batch get slot = the dummy slot, temperature 1, everything else 0. A batch
-    no bucket holds runs eagerly (the caller's fallback)."""
+    """CUDA graphs captured by hand (nano-vllm's way) for every step that runs often: the target's decode (T
+    = 1), its verify (T = k+1) with the GDN commit after it, and the drafters' steps. One capture path: a
+    step fn(kv_len, **inputs) -> tuple of tensors is captured per batch bucket (1, 2, 4, 8, ..,
+    max_num_seqs) and input shape, all in one memory pool. Its inputs are copied into static buffers that
+    its record owns (as it owns the outputs), padding rows beyond the batch get slot = the dummy slot,
+    temperature 1, everything else 0. A batch no bucket holds runs eagerly (the caller's fallback)."""
     def __init__(self, state):
         n = state.dummy_slot                                          # max_num_seqs
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < n] + [n]
@@ -1679,9 +1743,9 @@ class GraphRunner:
         return self.dummy_slot if name == "slots" else (1 if name == "temp" else 0)
 
     def run(self, name, fn, inputs, then=None):
-        """Replay fn's graph for the smallest bucket that holds the batch (capturing it on first use) and return
-        its record (outputs in .out, bucket-sized), or None when no bucket fits. inputs: device tensors, batch
-        first. then: see capture."""
+        """Replay fn's graph for the smallest bucket that holds the batch (capturing it on first use) and
+        return its record (outputs in .out, bucket-sized), or None when no bucket fits. inputs: device
+        tensors, batch first. then: see capture."""
         B = next(iter(inputs.values())).shape[0]
         Bp = next((b for b in self.buckets if b >= B), None)
         if Bp is None:
@@ -1696,9 +1760,10 @@ class GraphRunner:
         return g
 
     def capture(self, key, Bp, fn, inputs, then=None):
-        """Static inputs for bucket Bp, two warm-up runs on them (Triton compiles, cuBLAS picks: nothing may tune
-        inside a capture), then the capture. `then` (after a verify, the commit: then(n_keep=.., **inputs)) is a
-        second graph captured right after fn's, reading what fn left in the state (the GDN stash)."""
+        """Static inputs for bucket Bp, two warm-up runs on them (Triton compiles, cuBLAS picks: nothing may
+        tune inside a capture), then the capture. `then` (after a verify, the commit:
+        then(n_keep=.., **inputs)) is a second graph captured right after fn's, reading what fn leaves in the
+        state (the GDN stash)."""
         g = types.SimpleNamespace(then=None)
         g.static = {n: torch.full((Bp, *t.shape[1:]), self.pad(n), dtype=t.dtype, device=t.device)
                     for n, t in inputs.items()}
@@ -1725,10 +1790,11 @@ class GraphRunner:
 
 
 class ModelRunner:
-    """Runs the steps on the device. Owns the State (allocated once: max_num_seqs slots + a dummy slot for padding
-    rows), the proposer, the CUDA graphs and each slot's next input (token and position, on the device); prefills a
-    request, launches one decode or speculative step over a batch of running requests, and starts copying its
-    tokens to the host, which reads them back later (Engine: asynchronously, one step behind)."""
+    """Runs the steps on the device. Owns the State (allocated once: max_num_seqs slots + a dummy slot for
+    padding rows), the proposer, the CUDA graphs and each slot's next input (token and position, on the
+    device); prefills a request, launches one decode or speculative step over a batch of running requests,
+    and starts copying its tokens to the host, which reads them back later (asynchronous steps: a step later).
+    """
     def __init__(self, model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager=False,
                  async_steps=None):
         self.model = model
@@ -1740,34 +1806,37 @@ class ModelRunner:
         self.h2d = functools.partial(h2d, device)
         self.prefill_chunk = 2048
         self.graphs = GraphRunner(self.state) if device.type == "cuda" and not enforce_eager else None
-        self.eager_drafts = spec is not None and bool(spec.enforce_eager)  # vLLM's override, for the draft alone
-        # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their inputs
-        # from here and write them back, so launching a step needs nothing from the host.
+        self.eager_drafts = spec is not None and bool(spec.enforce_eager)  # vLLM's override, for the draft
+        # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their
+        # inputs from here and write them back, so launching a step needs nothing from the host.
         self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
-        # Asynchronous steps (default with CUDA graphs): step n+1 is launched before step n's tokens are read back,
-        # so the host's work (stop checks, detokenising, the next launch) overlaps the device's. A request's stop
-        # is then seen one step late: the extra step's tokens are dropped. Ngram drafts from the host's tokens,
-        # so it runs synchronously; so does a speculative config with enforce_eager (its eager drafter reads them).
+        # Asynchronous steps (default with CUDA graphs): step n+1 is launched before step n's tokens are
+        # read back, so the host's work (stop checks, detokenising, the next launch) overlaps the device's.
+        # A request's stop is then seen one step late: the extra step's tokens are dropped. Ngram drafts
+        # from the host's tokens, so it runs synchronously; so does a speculative config with enforce_eager
+        # (its eager drafter reads them).
         host_drafts = spec is not None and (spec.method == "ngram" or spec.enforce_eager)
-        self.async_steps = (self.graphs is not None if async_steps is None else async_steps) and not host_drafts
+        default_async = self.graphs is not None
+        self.async_steps = (default_async if async_steps is None else async_steps) and not host_drafts
         # the target's steps: fn(kv_len, ids, pos, slots) -> (hidden, logits, *taps), and the one after it
         self.steps = {"decode": (functools.partial(self._forward, mode="decode"), None),
                       "verify": (functools.partial(self._forward, mode="verify"), self._commit)}
         self.proposer = None
         if spec is not None:
-            io = ProposerIO(model, self.state, max_num_seqs, max_model_len, dtype, device, self.h2d, self.call)
+            io = ProposerIO(model, self.state, max_num_seqs, max_model_len, dtype, device, h2d=self.h2d,
+                            call=self.call)
             self.proposer = PROPOSERS[spec.method](spec, io)
             if spec.rejection_sample_method == "synthetic":  # benchmarks: accept by the given rates
                 self.rates = torch.tensor(spec.conditional_rates(), device=device)
                 self.accept = self._synthetic_sample
             else:
                 self.accept = self._rejection_sample
-        self.taps = tuple(getattr(self.proposer, "taps", ()))  # target layers the proposer reads (DFlash, DSpark)
+        self.taps = tuple(getattr(self.proposer, "taps", ()))  # target layers the proposer reads (DFlash)
 
     # -- inputs ------------------------------------------------------------------------------
     def batch(self, reqs):
-        """The batch of a step over reqs: its slots, and each row's last position and token (on the device)."""
+        """The Batch of a step over reqs: slots, and each row's last position and token (on the device)."""
         slots = self.h2d([r.slot for r in reqs], torch.long)
         return Batch(reqs, slots, self.next_pos[slots], self.next_ids[slots], not self.async_steps)
 
@@ -1778,8 +1847,8 @@ class ModelRunner:
         self.next_pos[slots] = pos.clamp(max=self.max_model_len - 1)
 
     def call(self, name, fn, kv_len, inputs):
-        """A drafter's step fn(kv_len, **inputs) -> tuple of tensors: its CUDA graph, or eagerly without graphs
-        (or when the speculative config says enforce_eager) and when no bucket fits."""
+        """A drafter's step fn(kv_len, **inputs) -> tuple of tensors: its CUDA graph, or eagerly without
+        graphs (or when the speculative config says enforce_eager) and when no bucket fits."""
         g = None if self.graphs is None or self.eager_drafts else self.graphs.run(name, fn, inputs)
         if g is None:
             return fn(kv_len, **inputs)
@@ -1792,12 +1861,12 @@ class ModelRunner:
         return self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), ())
 
     def _forward(self, kv_len, ids, pos, slots, mode):
-        """The target over ids [B, T] at positions pos.. of slots: (hidden [B, T, H], logits [B, T, V], *taps)."""
+        """The target over ids [B, T] at positions pos.. of slots -> hidden [B, T, H], logits, *taps."""
         h, taps = self._hidden(ids, Ctx(self.state, slots, pos, kv_len, mode))
         return (h, self.model.logits(h), *taps)
 
     def _commit(self, ids, pos, slots, n_keep):
-        """After a verify: each GDN layer's state advances by the first n_keep [B] tokens (replaying its stash)."""
+        """After a verify: each GDN layer's state advances by the first n_keep [B] tokens (its stash)."""
         self.model.commit(Ctx(self.state, slots, pos, 0), n_keep)
 
     def _target(self, batch, ids, mode):
@@ -1815,8 +1884,8 @@ class ModelRunner:
 
     # -- steps -----------------------------------------------------------------------------------
     def prefill(self, req):
-        """A new request's prompt through the target (chunked) and the proposer; returns the first token (an int:
-        the host waits for it) and its logits [1, V]."""
+        """A new request's prompt through the target (chunked) and the proposer; returns the first token (an
+        int: the host waits for it) and its logits [1, V]."""
         self.state.reset(req.slot)
         ids = req.prompt_ids
         n = len(ids)
@@ -1849,15 +1918,16 @@ class ModelRunner:
 
     def _spec_step(self, batch):
         """One speculative step, as DESIGN.md tells it: propose, verify, accept, commit, advance."""
-        drafts, q = self.proposer.propose(batch)                                      # [B, k], [B, k, V] | None
-        ids = torch.cat([batch.last[:, None], drafts.clamp(min=0)], 1)               # [B, k+1]: last, d1..dk
-        h, logits, taps, commit = self._target(batch, ids, "verify")                  # [B, k+1, H], [B, k+1, V]
-        tokens, n = self.accept(batch.reqs, logits, drafts, q)                        # [B, k+1], [B] accepted
-        commit(n + 1)                                                                 # GDN states: last, d1..dn
+        drafts, q = self.proposer.propose(batch)                          # [B, k], [B, k, V] or None
+        ids = torch.cat([batch.last[:, None], drafts.clamp(min=0)], 1)    # [B, k+1]: last, d1..dk
+        h, logits, taps, commit = self._target(batch, ids, "verify")      # [B, k+1, H], [B, k+1, V]
+        tokens, n = self.accept(batch.reqs, logits, drafts, q)            # [B, k+1], [B] drafts accepted
+        commit(n + 1)                                                     # GDN states after last, d1..dn
         self.proposer.commit(batch, h, taps, ids, n, tokens)
         rows = torch.arange(len(batch.reqs), device=self.device)
-        self._advance(batch.slots, tokens[rows, n], batch.pos + n + 1)                # from the (n+1)-th token
-        out = torch.cat([tokens, n[:, None], (drafts >= 0).sum(1, keepdim=True)], 1)  # [B, k+3]: + n, n drafted
+        self._advance(batch.slots, tokens[rows, n], batch.pos + n + 1)    # next: the (n+1)-th token
+        n_drafted = (drafts >= 0).sum(1, keepdim=True)                    # [B, 1]
+        out = torch.cat([tokens, n[:, None], n_drafted], 1)               # [B, k+3] for the host
         return self._pending(batch.reqs, out, logits)
 
     # -- sampling --------------------------------------------------------------------------------
@@ -1867,7 +1937,8 @@ class ModelRunner:
             return logits.argmax(-1)
         f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
         greedy = f("greedy")
-        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float(), self._filtered(reqs))
+        temperature = f("temperature").float()
+        p = target_probs(logits, temperature, f("top_k"), f("top_p").float(), self._filtered(reqs))
         u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
         return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
 
@@ -1886,8 +1957,8 @@ class ModelRunner:
         u_acc, u_smp = self._uniforms(reqs)
         f = lambda name, dtype: self.h2d([getattr(r.params, name) for r in reqs], dtype)
         return rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
-                                f("top_p", torch.float32), u_acc, u_smp, all_greedy=all(r.params.greedy for r in reqs),
-                                filtered=self._filtered(reqs))
+                                f("top_p", torch.float32), u_acc, u_smp,
+                                all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs))
 
     def _synthetic_sample(self, reqs, logits, drafts, q):
         """synthetic_sample with the configured rates (the uniforms are drawn as for rejection_sample)."""
@@ -1915,10 +1986,10 @@ class ModelRunner:
 
 
 class Engine:
-    """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what fits (one
-    prefill each), launches one step over the running requests on the ModelRunner, reads the step before back and
-    emits its tokens, stopping each request exactly where plain decoding stops (EOS, stop ids and strings, max_tokens,
-    max_model_len). Counts vLLM's spec-decode metrics."""
+    """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what
+    fits (one prefill each), launches one step over the running requests on the ModelRunner, reads the step
+    before back and emits its tokens, stopping each request exactly where plain decoding stops (EOS, stop
+    ids and strings, max_tokens, max_model_len). Counts vLLM's spec-decode metrics."""
     def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0,
                  enforce_eager=False, async_steps=None):
         self.runner = ModelRunner(model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager,
@@ -1931,7 +2002,7 @@ class Engine:
         self.seed = seed
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
-        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # skipped in text
+        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # not in text
         self.slots = [None] * max_num_seqs
         self.waiting = deque()
         self.stats = SpecStats()
@@ -1947,13 +2018,14 @@ class Engine:
             raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
         n = len(prompt_ids)
         if params.max_tokens is None and n >= self.max_model_len:
-            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"request has {n} input tokens. Please reduce the length of the input messages.")
+            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your request has {n} input tokens. Please reduce the length of the input "
+                              "messages.")
         m = params.max_tokens or (self.max_model_len - n)
         if n + m > self.max_model_len:
-            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {n + m} tokens ({n} in the messages, {m} in the completion). Please "
-                              f"reduce the length of the messages or completion.")
+            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"you requested {n + m} tokens ({n} in the messages, {m} in the completion). "
+                              f"Please reduce the length of the messages or completion.")
         params = dataclasses.replace(params, max_tokens=m)
         self.num_requests += 1
         req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
@@ -1990,19 +2062,21 @@ class Engine:
             token, logits = self.runner.prefill(req)
             self._emit(req, [token], logits)
             touched.append(req)
-        running = [r for r in self.slots if r is not None and r not in touched and not self._ends_in_flight(r)]
+        running = [r for r in self.slots
+                   if r is not None and r not in touched and not self._ends_in_flight(r)]
         done = self.pending
         self.pending = self.runner.launch(running) if running else None  # launched before `done` is read
         if done is not None:
             touched += self._finish(done)
-        if self.pending is not None and not (self.runner.async_steps and all(r.logprobs is None for r in running)):
+        stay_async = self.runner.async_steps and all(r.logprobs is None for r in running)  # logprobs: sync
+        if self.pending is not None and not stay_async:
             done = self.pending  # synchronous: read this step back now
             self.pending = None
             touched += self._finish(done)
         return touched
 
     def _ends_in_flight(self, r):
-        """r is in the step in flight, which surely ends it (it yields >= 1 token): another step would be wasted."""
+        """r is in the step in flight, which surely ends it (it yields >= 1 token): another step is waste."""
         return (self.pending is not None and r in self.pending.reqs and
                 (len(r.output_ids) + 1 >= r.params.max_tokens or len(r.tokens) + 1 >= self.max_model_len))
 
@@ -2099,9 +2173,10 @@ class Tokenizer:
         """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
         (None: ids are the merge ranks, as in tiktoken files); added_tokens: text -> id, matched whole;
         special: the added tokens that decode(skip_special=True) drops (default: all of them);
-        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole even if no merge makes it."""
+        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole (no merge need make it)."""
         added_tokens = dict(added_tokens or {})
-        self.nfc, self._vocab = nfc, vocab
+        self.nfc = nfc
+        self._vocab = vocab
         try:
             tok_bytes = {t: t.translate(_TO_LATIN1).encode("latin-1") for t in vocab}
         except UnicodeEncodeError:
@@ -2122,26 +2197,8 @@ class Tokenizer:
         self._special_id_set = {added_tokens[t] for t in self._special}
         self._nonspecial = set(added_tokens) - self._special  # HF always matches these, like <think>
 
-        # tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the
-        # merge with the lowest *merge index*. So a token's tiktoken rank must be its merge priority.
-        if merges is None:  # tiktoken-style vocab: ids are the ranks
-            order = sorted(vocab, key=vocab.get)
-        else:
-            prio = {}
-            for p, m in enumerate(merges):
-                a, b = m.split(" ") if isinstance(m, str) else m
-                if a not in vocab or b not in vocab or a + b not in vocab:
-                    raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
-                prio.setdefault(a + b, p)  # several merges making one token: the first one wins
-            # "orphans" (multi-byte tokens no merge makes) are unreachable in HF BPE: leave them out. With
-            # ignore_merges HF takes a pre-token that is an orphan whole, like tiktoken does; add the orphans
-            # no two mergeable tokens spell, as tiktoken can only ever take those whole too.
-            order = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get) + sorted(prio, key=prio.get)
-            if ignore_merges:
-                have = {tok_bytes[t] for t in order}
-                order += sorted((t for t in vocab if t not in prio and len(b := tok_bytes[t]) > 1
-                                 and not any(b[:k] in have and b[k:] in have for k in range(1, len(b)))), key=vocab.get)
-        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1 and (merges is None or t in prio)]
+        order, merged = self._merge_order(vocab, tok_bytes, merges, ignore_merges)
+        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1 and t in merged]
         if all(i < j for i, j in zip(merged_ids, merged_ids[1:])):  # ids follow merge order: rank = id
             self._rank_to_id = None
             ranks = {tok_bytes[t]: vocab[t] for t in order}
@@ -2150,10 +2207,37 @@ class Tokenizer:
             self._rank_to_id = [vocab[t] for t in order] + list(added_tokens.values())
             ranks = {tok_bytes[t]: r for r, t in enumerate(order)}
             specials = {t: len(order) + k for k, t in enumerate(added_tokens)}
-        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks,
+                                      special_tokens=specials)
         if eos_token is None:
             eos_token = next((t for t in ("<|im_end|>", "<|endoftext|>") if t in added_tokens), None)
         self.eos_token_id = None if eos_token is None else self.id_of(eos_token)
+
+    @staticmethod
+    def _merge_order(vocab, tok_bytes, merges, ignore_merges):
+        """The tokens in tiktoken rank order, and those that merges make (all, for a tiktoken-style vocab).
+        tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the merge
+        with the lowest *merge index*. So a token's tiktoken rank must be its merge priority."""
+        if merges is None:  # tiktoken-style vocab: ids are the ranks
+            return sorted(vocab, key=vocab.get), vocab
+        prio = {}
+        for p, m in enumerate(merges):
+            a, b = m.split(" ") if isinstance(m, str) else m
+            if a not in vocab or b not in vocab or a + b not in vocab:
+                raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
+            prio.setdefault(a + b, p)  # several merges making one token: the first one wins
+        # "orphans" (multi-byte tokens no merge makes) are unreachable in HF BPE: leave them out. With
+        # ignore_merges HF takes a pre-token that is an orphan whole, like tiktoken does; add the orphans
+        # no two mergeable tokens spell, as tiktoken can only ever take those whole too.
+        singles = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get)
+        order = singles + sorted(prio, key=prio.get)
+        if ignore_merges:
+            have = {tok_bytes[t] for t in order}
+            spelled = lambda b: any(b[:k] in have and b[k:] in have for k in range(1, len(b)))  # noqa: E731
+            orphans = (t for t in vocab
+                       if t not in prio and len(tok_bytes[t]) > 1 and not spelled(tok_bytes[t]))
+            order += sorted(orphans, key=vocab.get)
+        return order, prio
 
     @classmethod
     def from_dir(cls, path):
@@ -2162,7 +2246,8 @@ class Tokenizer:
             tj = json.load(f)
         model = tj.get("model") or {}
         if model.get("type") != "BPE":
-            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only byte-level BPE")
+            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only "
+                             "byte-level BPE")
         for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
             if model.get(key):
                 raise ValueError(f"tokenizer.json: BPE option {key}={model[key]!r} is not supported")
@@ -2182,7 +2267,8 @@ class Tokenizer:
         added, special = {}, set()
         for t in tj.get("added_tokens", []):
             if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
-                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses lstrip/rstrip/single_word")
+                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses "
+                                 "lstrip/rstrip/single_word")
             added[t["content"]] = t["id"]
             if t.get("special"):
                 special.add(t["content"])
@@ -2234,7 +2320,8 @@ class IncrementalDecoder:
     """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
 
     def __init__(self, tokenizer, skip_special=False):
-        self.tok, self.skip_special = tokenizer, skip_special
+        self.tok = tokenizer
+        self.skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""  # everything emitted so far, for the caller's stop-string checks
 
@@ -2265,7 +2352,8 @@ def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=Tr
         raise ValueError("tool definitions are not supported by this chat template")
     texts = [_content_text(m.get("content")).strip() for m in messages]
     # the last real user query (not a tool response): assistant turns after it keep their reasoning
-    is_query = [m["role"] == "user" and not (t.startswith("<tool_response>") and t.endswith("</tool_response>"))
+    tool_result = lambda t: t.startswith("<tool_response>") and t.endswith("</tool_response>")  # noqa: E731
+    is_query = [m["role"] == "user" and not tool_result(t)
                 for m, t in zip(messages, texts)]
     last_query = max((i for i, q in enumerate(is_query) if q), default=None)
     if last_query is None:
@@ -2287,7 +2375,8 @@ def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=Tr
                     reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
                     text = text.split("</think>")[-1].lstrip("\n")
             if preserve_thinking or i > last_query:
-                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip()}\n</think>\n\n{text}<|im_end|>\n")
+                think = f"<think>\n{reasoning.strip()}\n</think>\n\n"
+                out.append(f"<|im_start|>assistant\n{think}{text}<|im_end|>\n")
             else:
                 out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
         elif role == "tool":  # consecutive tool results share one user turn
@@ -2319,7 +2408,8 @@ def checkpoint_tensors(path):
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
-        raise ConfigError(f"{path}: no model.safetensors, model-*.safetensors or model.safetensors.index.json found")
+        raise ConfigError(f"{path}: no model.safetensors, model-*.safetensors or "
+                          "model.safetensors.index.json found")
     out = {}
     for f in files:
         full = os.path.join(path, f)
@@ -2333,7 +2423,7 @@ def checkpoint_tensors(path):
 
 def checkpoint_sources(files, rename=lambda n: n):
     """{our parameter name: (checkpoint name, read() -> tensor)} from {checkpoint name: safetensors file};
-    rename maps a checkpoint name to ours (None: skipped). Each file is opened once, each tensor read when loaded."""
+    rename maps a checkpoint name to ours (None: skipped). Each file opens once; tensors are read on use."""
     from safetensors import safe_open
     handles = {}
 
@@ -2346,10 +2436,10 @@ def checkpoint_sources(files, rename=lambda n: n):
 
 
 def load_weights(module, sources, dtype, device, where):
-    """The one loader: fill a module built on the meta device from sources {our parameter name: (checkpoint name,
-    read())}. Every parameter must be found with its shape and every source used, else a ConfigError names the
-    tensor. Floating tensors become `dtype` (the GDN decay A_log stays fp32; integer ones such as d2t keep theirs);
-    RoPE frequencies are computed on the device."""
+    """The one loader: fill a module built on the meta device from sources {our parameter name: (checkpoint
+    name, read())}. Every parameter must be found with its shape and every source used, else a ConfigError
+    names the tensor. Floating tensors become `dtype` (the GDN decay A_log stays fp32; integer ones such as
+    d2t keep theirs); RoPE frequencies are computed on the device."""
     want = dict(module.named_parameters())
     for m in sources:
         if m not in want:
@@ -2368,7 +2458,8 @@ def load_weights(module, sources, dtype, device, where):
         name, read = sources[m]
         t = read()
         if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} ({where})")
+            raise ConfigError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} "
+                              f"({where})")
         keep = torch.float32 if m.endswith("A_log") else dtype if t.is_floating_point() else t.dtype
         mod, _, leaf = m.rpartition(".")
         module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=keep),
@@ -2380,7 +2471,7 @@ def load_weights(module, sources, dtype, device, where):
     return init_rope(module, device).eval()
 
 
-SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")  # the vision tower: not used
+SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")  # the vision tower
 
 
 def internal_name(name, where):
@@ -2433,8 +2524,8 @@ def load_model(path, dtype, device, want_mtp=False):
     if want_mtp and not has_mtp and str(path).endswith(".gguf"):
         raise ConfigError(f"{path}: {GGUF_NO_MTP_MESSAGE}")
     if want_mtp and not has_mtp:
-        raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* tensors "
-                          "(the MTP head is missing)")
+        raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* "
+                          "tensors (the MTP head is missing)")
     if not has_mtp or cfg.mtp_num_hidden_layers == 0:
         sources = {m: s for m, s in sources.items() if not m.startswith("mtp.")}
     with torch.device("meta"):
@@ -2446,21 +2537,24 @@ def load_model(path, dtype, device, want_mtp=False):
 # ==============================================================================================
 # GGUF loading (llama.cpp qwen35 / qwen35moe files)
 # ==============================================================================================
-# llama.cpp GGUF files (arch `qwen35` / `qwen35moe`) <-> HF text-only names and layouts. read_gguf undoes every
-# transform of llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel), so its tensors
-# go into the same loader as safetensors; the tests' write_gguf applies them. ggml lists dims innermost first
-# (`ne`); the gguf reader hands back numpy arrays in PyTorch order (reversed ne): 2-D [out, in], experts
-# [E, I, H] (gate, up) and [E, H, I] (down), as HF stores them.
+# llama.cpp GGUF files (arch `qwen35` / `qwen35moe`) <-> HF text-only names and layouts. read_gguf undoes
+# every transform of llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel), so
+# its tensors go into the same loader as safetensors; the tests' write_gguf applies them. ggml lists dims
+# innermost first (`ne`); the gguf reader hands back numpy arrays in PyTorch order (reversed ne): 2-D [out,
+# in], experts [E, I, H] (gate, up) and [E, H, I] (down), as HF stores them.
 
 GGUF_NO_MTP_MESSAGE = (
-    "this GGUF file has no MTP block (no blk.N.nextn.* tensors), so `method: mtp` cannot run on it. Re-export it "
-    "with llama.cpp's convert_hf_to_gguf.py WITHOUT `--no-mtp`, from a Hugging Face checkpoint that has the mtp.* "
-    "tensors (older converters drop them: use a recent llama.cpp), or pick another speculative method.")
+    "this GGUF file has no MTP block (no blk.N.nextn.* tensors), so `method: mtp` cannot run on it. "
+    "Re-export it with llama.cpp's convert_hf_to_gguf.py WITHOUT `--no-mtp`, from a Hugging Face checkpoint "
+    "that has the mtp.* tensors (older converters drop them: use a recent llama.cpp), or pick another "
+    "speculative method.")
 
 _GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}  # no output.weight = tied embeddings
-_GGUF_BLK = {  # blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary tensors -> mtp.layers.0.<value>
-    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+# blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary tensors -> mtp.layers.0.<value>
+_GGUF_BLK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -2473,25 +2567,27 @@ _GGUF_BLK = {  # blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary
     "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight", "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # only with --fuse-gate-up-exps: cat([gate, up], 1)
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # only with --fuse-gate-up-exps: cat([gate, up])
 }  # the default ffn_gate_exps + ffn_up_exps [E, I, H] are re-fused into mlp.experts.gate_up_proj [E, 2I, H]
-_GGUF_NEXTN = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+_GGUF_NEXTN = {"nextn.eh_proj.weight": "mtp.fc.weight",
+               "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
                "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
                "nextn.shared_head_norm.weight": "mtp.norm.weight"}  # in block num_hidden_layers
-_GGUF_SKIP = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # optional; the shared ones are used
+_GGUF_SKIP = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # optional: the shared ones serve
 
 _PRETOKENIZE = {  # split regex by tokenizer.ggml.pre (\p{..} needs the `regex` module)
-    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
              r"|\s*[\r\n]+|\s+(?!\S)|\s+"}
 
 
 def _vhead_perm(t, dim, a, b, d):
-    """View `dim` as [a, b, d] and swap a and b. HF grouped -> GGUF tiled value heads: a = H_k, b = R = H_v / H_k
-    (head g*R + r moves to r*H_k + g, where ggml's broadcast repeat pairs it with key head g);
-    GGUF -> HF: a = R, b = H_k."""
+    """View `dim` as [a, b, d] and swap a and b. HF grouped -> GGUF tiled value heads: a = H_k, b = R = H_v
+    / H_k (head g*R + r moves to r*H_k + g, where ggml's broadcast repeat pairs it with key head g); GGUF ->
+    HF: a = R, b = H_k."""
     dim, s = dim % t.ndim, list(t.shape)
     return t.reshape(s[:dim] + [a, b, d] + s[dim + 1:]).transpose(dim, dim + 1).reshape(s)
 
@@ -2514,9 +2610,10 @@ def _gdn_reorder(name, t, cfg, to_gguf):
 
 
 def _is_shifted_norm(name):
-    """Zero-centred RMSNorm weights, stored by the converter as 1 + w (the GDN gated norm is not). The MTP pre-fc
-    norms count: the converter tests `endswith("norm.weight")` after renaming them to enorm / hnorm."""
-    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") or "pre_fc_norm_" in name
+    """Zero-centred RMSNorm weights, stored by the converter as 1 + w (the GDN gated norm is not). The MTP
+    pre-fc norms count: the converter tests `endswith("norm.weight")` after renaming them to enorm / hnorm."""
+    gated = name.endswith("linear_attn.norm.weight")
+    return name.endswith("norm.weight") and not gated or "pre_fc_norm_" in name
 
 
 def _gguf_tensor(rt):
@@ -2561,11 +2658,13 @@ def _gguf_config(k, meta, arch, byname):
     cfg = dict(
         model_type="qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text",
         hidden_size=k("embedding_length"), num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
-        num_key_value_heads=k("attention.head_count_kv"), head_dim=hd, linear_num_key_heads=k("ssm.group_count"),
+        num_key_value_heads=k("attention.head_count_kv"), head_dim=hd,
+        linear_num_key_heads=k("ssm.group_count"),
         linear_num_value_heads=hv, linear_key_head_dim=k("ssm.state_size"),
         linear_value_head_dim=k("ssm.inner_size") // hv, linear_conv_kernel_dim=k("ssm.conv_kernel"),
         full_attention_interval=k("full_attention_interval", 4),
-        layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention" for i in range(n)],
+        layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention"
+                     for i in range(n)],
         rope_parameters=rope, rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
         vocab_size=int(byname["token_embd.weight"].shape[1]),  # ne = {H, V}
         tie_word_embeddings="output.weight" not in byname,
@@ -2590,7 +2689,7 @@ def _gguf_tensors(byname, cfg, dtype, path):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
         i, leaf = (int(m[1]), m[2]) if m else (-1, name)
         pre = f"model.layers.{i}." if i < n else f"mtp.layers.{i - n}."
-        if leaf in _GGUF_SKIP or (leaf.startswith("nextn.") and i != n):  # nextn.* is copied into every MTP block
+        if leaf in _GGUF_SKIP or (leaf.startswith("nextn.") and i != n):  # nextn.*: copied to every MTP block
             continue
         if leaf in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
             split.setdefault(pre, {})[leaf] = _gguf_tensor(rt).to(dtype)  # [E, I, H]
@@ -2619,7 +2718,7 @@ def _gguf_tensors(byname, cfg, dtype, path):
 def _gguf_tokenizer(meta):
     """The tokenizer.ggml.* metadata as a dict (read_gguf_model builds the Tokenizer from it)."""
     toks = meta("tokenizer.ggml.tokens", [])
-    types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user-defined, 5 unused
+    types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user, 5 unused
     eos = meta("tokenizer.ggml.eos_token_id")
     pre_tok = meta("tokenizer.ggml.pre")
     added = {t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty in (3, 4)}
@@ -2628,7 +2727,8 @@ def _gguf_tokenizer(meta):
         model=meta("tokenizer.ggml.model"), pre=pre_tok, pattern=_PRETOKENIZE.get(pre_tok), tokens=toks,
         token_types=types, merges=meta("tokenizer.ggml.merges", []), eos_token_id=eos,
         eos_token=toks[eos] if eos is not None and eos < len(toks) else None,
-        bos_token_id=meta("tokenizer.ggml.bos_token_id"), pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        pad_token_id=meta("tokenizer.ggml.padding_token_id"),
         chat_template=meta("tokenizer.chat_template"), added_tokens=added,
         special_tokens=[t for t, ty in zip(toks, types) if ty == 3],  # dropped by skip_special decoding
         vocab={t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty not in (3, 4, 5)},
@@ -2677,8 +2777,8 @@ def resolve_device_dtype(device, dtype):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype in (None, "auto"):
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-              "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+              "half": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
     if dtype not in dtypes and not isinstance(dtype, torch.dtype):
         raise ConfigError(f"unsupported dtype {dtype!r}; choose one of auto, bfloat16, float16, float32")
     return torch.device(device), dtypes.get(dtype, dtype)
@@ -2690,25 +2790,27 @@ class LLM:
         spec = SpeculativeConfig.from_json(speculative_config)
         model = model or default_model_path()
         if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
-            raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from a "
-                              "re-quantised copy of the model the drafter was not trained on; use the safetensors "
-                              "checkpoint as the target")
+            raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from "
+                              "a re-quantised copy of the model the drafter was not trained on; use the "
+                              "safetensors checkpoint as the target")
         if not os.path.exists(model):
             raise ConfigError(f"model path {model!r} does not exist")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device,
-                                                          want_mtp=spec is not None and spec.method == "mtp")
+        want_mtp = spec is not None and spec.method == "mtp"
+        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp=want_mtp)
         max_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
         if max_len > self.cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                               f"{self.cfg.max_position_embeddings}")
         if spec is not None and spec.max_model_len is not None:
             max_len = min(max_len, spec.max_model_len)
-        self.model_path, self.max_model_len, self.spec = model, max_len, spec
-        self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device, seed,
-                             enforce_eager, async_scheduling)
+        self.model_path = model
+        self.max_model_len = max_len
+        self.spec = spec
+        self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
+                             seed, enforce_eager, async_scheduling)
 
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):
@@ -2718,7 +2820,8 @@ class LLM:
         return None, list(prompt)
 
     def generate(self, prompts, sampling_params=None):
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        one_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)  # a prompt's ids
+        single = isinstance(prompts, str) or one_ids
         prompts = [prompts] if single else list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -2748,9 +2851,10 @@ class LLM:
         return self.engine.stats
 
     def warmup(self, force=False):
-        """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM captures at
-        start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks through every
-        bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture. Counters reset after."""
+        """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM
+        captures at start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks
+        through every bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture.
+        Counters reset after."""
         e = self.engine
         if e.runner.graphs is None and not force:
             return
@@ -2760,7 +2864,8 @@ class LLM:
             e.add_request(prompt, SamplingParams(temperature=0, max_tokens=max(n, 1), ignore_eos=True))
         while e.has_work():
             e.step()
-        e.stats, e.num_requests = SpecStats(), 0
+        e.stats = SpecStats()
+        e.num_requests = 0
 
 
 def default_model_path():
@@ -2780,12 +2885,16 @@ def add_engine_args(ap):
     ap.add_argument("--model", default=None, help="checkpoint directory (HF safetensors) or .gguf file "
                                                    "(default: the shipped toy model in models/)")
     ap.add_argument("--speculative-config", default=None, help="vLLM's speculative config as JSON, e.g. "
-                    '\'{"method":"mtp","num_speculative_tokens":2}\' (methods: ' + ", ".join(SPEC_METHODS) + ")")
-    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
+                    '\'{"method":"mtp","num_speculative_tokens":2}\' (methods: ' + ", ".join(SPEC_METHODS)
+                    + ")")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens (default min(model, 4096))")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="max prompt + output tokens (default min(model, 4096))")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="max concurrent sequences (slots)")
-    ap.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed derive theirs from it)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="engine seed (requests without a seed derive theirs from it)")
     ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="launch step n+1 before reading step n back (default: on with CUDA graphs)")
@@ -2793,15 +2902,17 @@ def add_engine_args(ap):
 
 def llm_from_args(a):
     return LLM(model=a.model, speculative_config=a.speculative_config, dtype=a.dtype, device=a.device,
-               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed, enforce_eager=a.enforce_eager,
-               async_scheduling=a.async_scheduling)
+               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed,
+               enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="specdec: generate text with a Qwen3.6 model, optionally speculating")
+    ap = argparse.ArgumentParser(description="specdec: generate text with a Qwen3.6 model, optionally "
+                                             "speculating")
     add_engine_args(ap)
     ap.add_argument("--prompt", default="def fib(n):", help="the prompt text")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
+    ap.add_argument("--chat", action="store_true",
+                    help="wrap the prompt as one user turn of the chat template")
     ap.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact argmax)")
@@ -2814,8 +2925,8 @@ def main(argv=None):
         prompt = a.prompt
         if a.chat:
             prompt = apply_chat_template([{"role": "user", "content": prompt}], True, not a.no_thinking)
-        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                                seed=a.seed, ignore_eos=a.ignore_eos)
+        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)
     except ConfigError as e:
@@ -2835,8 +2946,9 @@ def main(argv=None):
     n = len(req.output_ids)
     ttft = req.first_token_time - t0
     rate = (n - 1) / (t1 - req.first_token_time) if n > 1 and t1 > req.first_token_time else float("nan")
-    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {n}, time to first token: {ttft * 1e3:.1f} ms, "
-          f"{rate:.1f} tok/s, finish: {req.finish_reason}]", file=sys.stderr)
+    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {n}, "
+          f"time to first token: {ttft * 1e3:.1f} ms, {rate:.1f} tok/s, finish: {req.finish_reason}]",
+          file=sys.stderr)
     if llm.spec is not None:
         print(f"[{req.spec.summary()}]", file=sys.stderr)
     return 0

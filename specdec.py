@@ -1725,11 +1725,11 @@ def h2d(device, data, dtype=None):
 
 
 class GraphRunner:
-    """CUDA graphs captured by hand (nano-vllm's way) for every step that runs often: the target's decode (T
-    = 1), its verify (T = k+1) with the GDN commit after it, and the drafters' steps. One capture path: a
-    step fn(kv_len, **inputs) -> tuple of tensors is captured per batch bucket (1, 2, 4, 8, ..,
+    """CUDA graphs captured by hand (nano-vllm's way) for every step that runs often: the target's decode
+    (T = 1), its verify (T = k+1) with the GDN commit after it, and the drafters' steps. One capture path:
+    a step fn(kv_len, **inputs) -> tuple of tensors is captured per batch bucket (1, 2, 4, 8, ..,
     max_num_seqs) and input shape, all in one memory pool. Its inputs are copied into static buffers that
-    its record owns (as it owns the outputs), padding rows beyond the batch get slot = the dummy slot,
+    its record owns (as it owns the outputs); padding rows beyond the batch get slot = the dummy slot,
     temperature 1, everything else 0. A batch no bucket holds runs eagerly (the caller's fallback)."""
     def __init__(self, state):
         n = state.dummy_slot                                          # max_num_seqs

@@ -1004,7 +1004,7 @@ _HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (sd._GGUF_T
 
 
 def gguf_has_mtp(src):
-    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block; else GGUF_NO_MTP_MESSAGE."""
+    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block."""
     if isinstance(src, dict):
         return src.get("mtp_num_hidden_layers", 0) > 0
     import gguf

@@ -406,7 +406,8 @@ def test_verify_commit_with_oracle_drafts(tiny, spec_off):
 def test_proposer_without_an_engine(tiny):
     """A proposer's whole world is a ProposerIO (the target, its state, device copies, graph calls: here eager) and
     the Batch of each step: no Engine. MTP's chained drafts from its caches == the MTP layer recomputed from scratch
-    over the whole sequence for each draft; ngram's == prompt lookup over each request's tokens."""
+    over the whole sequence for each draft (greedy: the tokens; probabilistic: q); ngram's == prompt lookup over
+    each request's tokens."""
     cpu = torch.device("cpu")
     model, cfg, _ = sd.load_model(tiny, torch.float32, cpu, want_mtp=True)
     state = sd.State(cfg, 2, 64, torch.float32, cpu, mtp=True)
@@ -414,7 +415,9 @@ def test_proposer_without_an_engine(tiny):
                        h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype),
                        call=lambda name, fn, kv_len, inputs: fn(kv_len, **inputs))
     k = 3
-    mtp = sd.MTPProposer(sd.SpeculativeConfig(method="mtp", num_speculative_tokens=k), io)
+    greedy, sampled = (sd.MTPProposer(sd.SpeculativeConfig(method="mtp", num_speculative_tokens=k,
+                                                           draft_sample_method=m), io)
+                       for m in ("greedy", "probabilistic"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 6)]
     ctx = lambda slot, pos, n, mode="prefill": sd.Ctx(state, torch.tensor([slot]), torch.tensor([pos]), n, mode)
@@ -424,21 +427,26 @@ def test_proposer_without_an_engine(tiny):
             state.reset(slot)
             h = model(torch.tensor([p]), ctx(slot, 0, len(p)))
             t = int(model.logits(h[:, -1]).argmax())                      # the first sampled token, at len(p)
-            mtp.prefill(types.SimpleNamespace(slot=slot), h, (), torch.tensor([p[1:] + [t]]), 0)
+            for prop in (greedy, sampled):
+                prop.prefill(types.SimpleNamespace(slot=slot), h, (), torch.tensor([p[1:] + [t]]), 0)
             seqs.append((p, t, h))
-        reqs = [types.SimpleNamespace(tokens=p + [t]) for p, t, _ in seqs]
+        reqs = [types.SimpleNamespace(tokens=p + [t], params=SamplingParams(temperature=0.7),
+                                      gen=torch.Generator().manual_seed(i)) for i, (p, t, _) in enumerate(seqs)]
         batch = sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([len(p) for p in prompts]),
                          torch.tensor([t for _, t, _ in seqs]), host_knows_pos=True)
-        drafts, q = mtp.propose(batch)
-        assert drafts.shape == (2, k) and q is None
-        for row, (p, t, h) in enumerate(seqs):                            # from scratch, in a fresh slot each time
-            hidden, nxt, want = h, p[1:] + [t], []
-            for j in range(k):
-                L = len(nxt)
-                u = model.mtp(model.embed_tokens(torch.tensor([nxt])), hidden, ctx(2, 0, L, "decode"))  # [1, L, H]
-                want.append(int(model.logits(u[:, -1]).argmax()))
-                hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [want[-1]]
-            assert drafts[row].tolist() == want
+        for prop in (greedy, sampled):
+            drafts, q = prop.propose(batch)
+            assert drafts.shape == (2, k) and (q is None) == (prop is greedy)
+            for row, (p, t, h) in enumerate(seqs):                        # from scratch, in a fresh slot each time
+                hidden, nxt = h, p[1:] + [t]
+                for j in range(k):
+                    u = model.mtp(model.embed_tokens(torch.tensor([nxt])), hidden, ctx(2, 0, len(nxt), "decode"))
+                    logits = model.logits(u[0, -1])                        # [V] at the draft's position
+                    if q is None:
+                        assert int(drafts[row, j]) == int(logits.argmax())
+                    else:
+                        assert torch.allclose(q[row, j], (logits / 0.7).softmax(-1), atol=1e-5)
+                    hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [int(drafts[row, j])]
     ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                                                   prompt_lookup_max=2), io)
     reqs = [types.SimpleNamespace(tokens=[1, 2, 3, 1, 2]), types.SimpleNamespace(tokens=[5, 6, 7])]

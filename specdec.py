@@ -1750,7 +1750,7 @@ class GraphRunner:
         Bp = next((b for b in self.buckets if b >= B), None)
         if Bp is None:
             return None
-        key = (name, Bp) + tuple(t.shape[1:] for t in inputs.values())
+        key = (name, Bp, *[t.shape[1:] for t in inputs.values()])
         g = self.graphs.get(key) or self.capture(key, Bp, fn, inputs, then)
         for n, t in inputs.items():
             g.static[n][:B].copy_(t)
@@ -1853,7 +1853,7 @@ class ModelRunner:
         if g is None:
             return fn(kv_len, **inputs)
         B = next(iter(inputs.values())).shape[0]
-        return tuple(None if o is None else o[:B] for o in g.out)
+        return tuple([None if o is None else o[:B] for o in g.out])
 
     # -- the target ----------------------------------------------------------------------------
     def _hidden(self, ids, ctx):
@@ -1879,7 +1879,7 @@ class ModelRunner:
             h, logits, *taps = fn(batch.kv_len(ids.shape[1], self.state.max_len), **inputs)
             return h, logits, taps, lambda n_keep: then(n_keep=n_keep, **inputs)
         B = ids.shape[0]
-        h, logits, *taps = (o[:B] for o in g.out)
+        h, logits, *taps = [o[:B] for o in g.out]
         return h, logits, taps, lambda n_keep: self.graphs.replay_then(g, n_keep)
 
     # -- steps -----------------------------------------------------------------------------------

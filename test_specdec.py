@@ -32,6 +32,7 @@ except ImportError:  # the GPU image has no gguf package: the GGUF tests skip th
     gguf = None
 needs_gguf = pytest.mark.skipif(gguf is None, reason="needs the gguf package")
 
+import bench
 import kernels as K
 import specdec as sd
 from specdec import LLM, SamplingParams, ConfigError
@@ -284,8 +285,7 @@ def test_top_k_top_p_masks():
 
 def our_logits(llm, ids, mode):
     """All-position logits of a prompt: one chunked prefill, or one token at a time."""
-    eng = llm.engine
-    st = eng.state
+    st = llm.engine.runner.state
     st.reset(0)
     slots = torch.tensor([0])
     x = torch.tensor([ids])
@@ -366,8 +366,8 @@ def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
 class OracleProposer:
     """Proposes the true greedy continuation with planted mistakes: exercises full acceptance (bonus
     tokens), partial acceptance and rejection at position 0, whatever the draft model's quality."""
-    def __init__(self, k, truth):
-        self.k, self.truth, self.step = k, truth, 0
+    def __init__(self, k, truth, vocab_size):
+        self.k, self.truth, self.step, self.vocab_size = k, truth, 0, vocab_size
 
     def prefill(self, *a):
         pass
@@ -375,7 +375,8 @@ class OracleProposer:
     def commit(self, *a):
         pass
 
-    def propose(self, engine, reqs):
+    def propose(self, batch):
+        reqs = batch.reqs
         d = torch.full((len(reqs), self.k), -1)
         for b, r in enumerate(reqs):
             n = len(r.output_ids)
@@ -383,7 +384,7 @@ class OracleProposer:
             d[b, :len(seq)] = torch.tensor(seq)
             wrong = (self.step + b) % (self.k + 2)  # position of a planted wrong token (none if >= k)
             if wrong < len(seq):
-                d[b, wrong] = (d[b, wrong] + 1) % engine.model.cfg.vocab_size
+                d[b, wrong] = (d[b, wrong] + 1) % self.vocab_size
         self.step += 1
         return d, None
 
@@ -394,7 +395,7 @@ def test_verify_commit_with_oracle_drafts(tiny, spec_off):
     prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
     truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
     assert len(truth) == len(prompts)
-    llm.engine.proposer = OracleProposer(4, truth)
+    llm.engine.runner.proposer = OracleProposer(4, truth, llm.cfg.vocab_size)
     outs = llm.generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
@@ -402,10 +403,61 @@ def test_verify_commit_with_oracle_drafts(tiny, spec_off):
     assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
 
 
+def test_proposer_without_an_engine(tiny):
+    """A proposer's whole world is a ProposerIO (the target, its state, device copies, graph calls: here eager) and
+    the Batch of each step: no Engine. MTP's chained drafts from its caches == the MTP layer recomputed from scratch
+    over the whole sequence for each draft (greedy: the tokens; probabilistic: q); ngram's == prompt lookup over
+    each request's tokens."""
+    cpu = torch.device("cpu")
+    model, cfg, _ = sd.load_model(tiny, torch.float32, cpu, want_mtp=True)
+    state = sd.State(cfg, 2, 64, torch.float32, cpu, mtp=True)
+    io = sd.ProposerIO(model, state, num_slots=2, max_model_len=60, dtype=torch.float32, device=cpu,
+                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype),
+                       call=lambda name, fn, kv_len, inputs: fn(kv_len, **inputs))
+    k = 3
+    greedy, sampled = (sd.MTPProposer(sd.SpeculativeConfig(method="mtp", num_speculative_tokens=k,
+                                                           draft_sample_method=m), io)
+                       for m in ("greedy", "probabilistic"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 6)]
+    ctx = lambda slot, pos, n, mode="prefill": sd.Ctx(state, torch.tensor([slot]), torch.tensor([pos]), n, mode)
+    with torch.inference_mode():
+        seqs = []
+        for slot, p in enumerate(prompts):
+            state.reset(slot)
+            h = model(torch.tensor([p]), ctx(slot, 0, len(p)))
+            t = int(model.logits(h[:, -1]).argmax())                      # the first sampled token, at len(p)
+            for prop in (greedy, sampled):
+                prop.prefill(types.SimpleNamespace(slot=slot), h, (), torch.tensor([p[1:] + [t]]), 0)
+            seqs.append((p, t, h))
+        reqs = [types.SimpleNamespace(tokens=p + [t], params=SamplingParams(temperature=0.7),
+                                      gen=torch.Generator().manual_seed(i)) for i, (p, t, _) in enumerate(seqs)]
+        batch = sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([len(p) for p in prompts]),
+                         torch.tensor([t for _, t, _ in seqs]), host_knows_pos=True)
+        for prop in (greedy, sampled):
+            drafts, q = prop.propose(batch)
+            assert drafts.shape == (2, k) and (q is None) == (prop is greedy)
+            for row, (p, t, h) in enumerate(seqs):                        # from scratch, in a fresh slot each time
+                hidden, nxt = h, p[1:] + [t]
+                for j in range(k):
+                    u = model.mtp(model.embed_tokens(torch.tensor([nxt])), hidden, ctx(2, 0, len(nxt), "decode"))
+                    logits = model.logits(u[0, -1])                        # [V] at the draft's position
+                    if q is None:
+                        assert int(drafts[row, j]) == int(logits.argmax())
+                    else:
+                        assert torch.allclose(q[row, j], (logits / 0.7).softmax(-1), atol=1e-5)
+                    hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [int(drafts[row, j])]
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=2), io)
+    reqs = [types.SimpleNamespace(tokens=[1, 2, 3, 1, 2]), types.SimpleNamespace(tokens=[5, 6, 7])]
+    d, q = ngram.propose(sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([2, 7]), True))
+    assert d.tolist() == [[3, 1, 2], [-1, -1, -1]] and q is None
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    m, st = llm.model, llm.engine.state
+    m, st = llm.model, llm.engine.runner.state
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 500, (1, 9), generator=g)
     tail = torch.randint(0, 500, (2, 5), generator=g)  # rows 0, 1: [last token, d1..d4]
@@ -496,7 +548,7 @@ def gguf_from_checkpoint(path, out, ftype, with_mtp=True):
     with open(os.path.join(path, "config.json")) as fh:
         top = json.load(fh)
     w = load_file(os.path.join(path, "model.safetensors"))
-    sd.write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
+    write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
     return out
 
 
@@ -952,7 +1004,121 @@ def test_chat_template_tool_results_and_errors():
 # ==============================================================================================
 
 import numpy as np  # noqa: E402
-from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, gguf_has_mtp, read_gguf, write_gguf  # noqa: E402
+from pathlib import Path  # noqa: E402
+from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, read_gguf  # noqa: E402
+
+# the writer: llama.cpp's converter (conversion/qwen.py) in miniature, the inverse of specdec's read_gguf
+_HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (sd._GGUF_TOP, sd._GGUF_BLK, sd._GGUF_NEXTN))
+
+
+def gguf_has_mtp(src):
+    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block."""
+    if isinstance(src, dict):
+        return src.get("mtp_num_hidden_layers", 0) > 0
+    import gguf
+    return any(".nextn." in t.name for t in gguf.GGUFReader(src).tensors)
+
+
+def write_gguf(hf_config, tensors, out_path, ftype="F16", tokenizer_json_path=None, with_mtp=True):
+    """Write HF text-only tensors as llama.cpp's converter does. ftype: F32 | F16 | BF16 | Q8_0;
+    with_mtp=False is the converter's --no-mtp. Without a tokenizer.json, a byte-level vocab is written."""
+    import gguf
+    Q, c, g = gguf.GGMLQuantizationType, hf_config, hf_config.get
+    qtype, ftype_id = {"F32": (Q.F32, 0), "F16": (Q.F16, 1), "BF16": (Q.BF16, 32), "Q8_0": (Q.Q8_0, 7)}[ftype]
+    n, n_mtp = c["num_hidden_layers"], g("mtp_num_hidden_layers", 0) if with_mtp else 0
+    hf = {k.replace("model.language_model.", "model."): t for k, t in tensors.items()
+          if "visual." not in k and (n_mtp or not k.startswith("mtp."))}
+    for k in [k for k in hf if k.endswith(".experts.0.gate_proj.weight")]:  # per-expert checkpoints -> fused
+        p = k[: -len("0.gate_proj.weight")]
+        st = lambda w: torch.stack([hf.pop(f"{p}{e}.{w}_proj.weight") for e in range(c["num_experts"])])  # noqa
+        hf[p + "gate_up_proj"], hf[p + "down_proj"] = torch.cat([st("gate"), st("up")], 1), st("down")
+
+    w = gguf.GGUFWriter(out_path, "qwen35moe" if "num_experts" in c else "qwen35")
+    rp, hd = g("rope_parameters") or {}, c["head_dim"]
+    for add, v in [  # the converter's keys, in its order; None = not written
+            (w.add_type, gguf.GGUFType.MODEL), (w.add_block_count, n + n_mtp),
+            (w.add_context_length, c["max_position_embeddings"]), (w.add_embedding_length, c["hidden_size"]),
+            (w.add_feed_forward_length, g("intermediate_size")), (w.add_head_count, c["num_attention_heads"]),
+            (w.add_head_count_kv, c["num_key_value_heads"]),
+            (w.add_rope_dimension_sections, (list(rp.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4]),
+            (w.add_rope_freq_base, rp.get("rope_theta", g("rope_theta"))),
+            (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
+            (w.add_expert_count, g("num_experts")), (w.add_expert_used_count, g("num_experts_per_tok")),
+            (w.add_key_length, hd), (w.add_value_length, hd), (w.add_file_type, ftype_id),
+            (w.add_expert_feed_forward_length, g("moe_intermediate_size")),
+            (w.add_expert_shared_feed_forward_length, g("shared_expert_intermediate_size")),
+            (w.add_ssm_conv_kernel, c["linear_conv_kernel_dim"]), (w.add_ssm_state_size, c["linear_key_head_dim"]),
+            (w.add_ssm_group_count, c["linear_num_key_heads"]), (w.add_ssm_time_step_rank, c["linear_num_value_heads"]),
+            (w.add_ssm_inner_size, c["linear_value_head_dim"] * c["linear_num_value_heads"]),
+            (w.add_full_attention_interval, g("full_attention_interval", 4)),
+            (w.add_rope_dimension_count, int(hd * rp.get("partial_rotary_factor", g("partial_rotary_factor", 0.25)))),
+            (w.add_nextn_predict_layers, n_mtp or None), (w.add_quantization_version, gguf.GGML_QUANT_VERSION)]:
+        if v is not None:
+            add(v)
+    _write_vocab(w, c, tokenizer_json_path)
+
+    for name, t in hf.items():
+        t = t.float()
+        if sd._is_shifted_norm(name):
+            t = t + 1.0
+        elif name.endswith(".A_log"):
+            t = -torch.exp(t)
+        t = sd._gdn_reorder(name, t.squeeze(1) if name.endswith(".conv1d.weight") else t, c, to_gguf=True)
+        m = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.(.+)", name)
+        b = m and int(m[2]) + (n if m[1] == "mtp" else 0)
+        if m is None:  # mtp.fc and the 3 MTP norms go into every MTP block
+            out = [(_HF_TOP[name], t)] if name in _HF_TOP else [
+                (f"blk.{j}.{_HF_NEXTN[name]}", t) for j in range(n, n + n_mtp)]
+        elif m[3] == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up [E, I, H] (ne {H, I, E})
+            i = t.shape[1] // 2
+            out = [(f"blk.{b}.ffn_gate_exps.weight", t[:, :i]), (f"blk.{b}.ffn_up_exps.weight", t[:, i:])]
+        else:
+            out = [(f"blk.{b}.{_HF_BLK[m[3]]}", t)]
+        for gname, t in out:  # the converter keeps 1-D tensors, norms, routers and the conv in F32
+            a = t.contiguous().numpy()
+            f32 = a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") or re.search(
+                r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$", gname)
+            q = Q.F32 if f32 else qtype
+            try:
+                data = gguf.quants.quantize(a, q)
+            except gguf.QuantError:  # row length not a multiple of the block: F16, as the converter does
+                q, data = Q.F16, a.astype(np.float16)
+            w.add_tensor(gname, data, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_vocab(w, c, tokenizer_json_path):
+    """tokenizer.ggml.* as the converter writes them: model gpt2, pre qwen35, ids up to vocab_size, gaps [PADi]."""
+    eos = c.get("eos_token_id")
+    eos, merges, template = eos[0] if isinstance(eos, list) else eos, [], None
+    if tokenizer_json_path is None:  # the GPT-2 byte alphabet (specdec's), then the specials
+        vocab = dict(sd.BYTE_OF_CHAR)
+        special = {s: True for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+        vocab.update({s: 256 + j for j, s in enumerate(special)})
+    else:
+        tj = json.loads(Path(tokenizer_json_path).read_text(encoding="utf-8"))
+        vocab = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+        special = {a["content"]: a.get("special", False) for a in tj.get("added_tokens", [])}
+        tc = Path(tokenizer_json_path).with_name("tokenizer_config.json")
+        tc = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
+        e = tc.get("eos_token")  # the converter's SpecialVocab takes eos from tokenizer_config.json first
+        eos, template = vocab.get(e.get("content") if isinstance(e, dict) else e, eos), tc.get("chat_template")
+    rev = {i: t for t, i in vocab.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(c["vocab_size"])]
+    types = [5 if i not in rev else 1 if t not in special else 3 if special[t] or (t[:2], t[-2:]) == ("<|", "|>")
+             else 4 for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for add, v in ((w.add_token_merges, merges), (w.add_eos_token_id, eos), (w.add_chat_template, template)):
+        if v or v == 0:
+            add(v)
+
 
 Q = gguf.GGMLQuantizationType if gguf else None
 
@@ -2256,10 +2422,7 @@ def test_fused_projections_equal_separate(tiny):
     with torch.device("meta"):
         plain = sd.Qwen36(fused.cfg)
     plain.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()}, assign=True)
-    for m in plain.modules():
-        if isinstance(m, sd.Attention):
-            rd = fused.cfg.rotary_dim
-            m.inv_freq = 1.0 / fused.cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd)
+    sd.init_rope(plain, "cpu")
     assert hasattr(fused.layers[0].linear_attn, "in_proj") and not hasattr(plain.layers[0].linear_attn, "in_proj")
     ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     outs = []
@@ -2700,13 +2863,7 @@ def qwen3_layers(cfg, g, prefix=""):
     one = lambda n: 1 + torch.randn(n, generator=g) * 0.1
     w = {}
     for i in range(cfg["num_hidden_layers"]):
-        p = f"{prefix}layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
-                  p + "mlp.down_proj.weight": r(H, I), p + "input_layernorm.weight": one(H),
-                  p + "post_attention_layernorm.weight": one(H)})
+        w.update(bench.random_qwen3_layer(f"{prefix}layers.{i}.", H, nh, nkv, hd, I, r, one))
     return w
 
 
@@ -2891,7 +3048,7 @@ def async_case(ckpts, cfg, variants):
             if victim.slot is not None and len(victim.output_ids) >= 2 and not victim.finished:
                 e.abort(victim)  # its slot is reused while a step holding it is still in flight
         outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in reqs])
-        assert (in_flight > 0) == e.async_steps
+        assert (in_flight > 0) == e.runner.async_steps
     assert outs[0][4][2] == "abort" and outs[0][1][2] == "stop" and outs[0][2][2] == "stop"
     return outs
 
@@ -2979,9 +3136,10 @@ def test_graph_inputs_outlive_capture(cfg, ckpts, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
     llm = LLM(model=ckpts["target"], device="cpu", max_num_seqs=2, speculative_config=spec)
-    llm.engine.graphs = sd.GraphRunner(llm.engine)
+    runner = llm.engine.runner
+    runner.graphs = sd.GraphRunner(runner.state)
     llm.generate(SPEC_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(llm.engine.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
+    assert len(runner.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
     assert rec.outside, "nothing was recorded"
     assert rec.freed() == [], "captured graphs read tensors freed after their capture"
 
@@ -3003,7 +3161,7 @@ def test_warmup_leaves_no_trace(tiny):
 def test_dspark_layouts_load_to_the_same_drafter(runs):
     native, _, _, m_native = runs("dspark")
     spec, _, _, m_spec = runs("dspark_spec")
-    a, b = native.engine.proposer, spec.engine.proposer
+    a, b = native.engine.runner.proposer, spec.engine.runner.proposer
     assert a.taps == b.taps == (-1, 1, 3) and a.order == b.order and (a.Q, a.out) == (b.Q, b.out) == (4, slice(0, 4))
     pa, pb = dict(a.net.named_parameters()), dict(b.net.named_parameters())
     assert set(pa) - set(pb) == {"embed_tokens.weight", "lm_head.weight"}  # native ships copies of the target's
@@ -3017,7 +3175,7 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
     ref = reference[0][:24]
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
-    assert llm.engine.proposer.net.d2t is not None
+    assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
     # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
     metrics = []
@@ -3047,12 +3205,11 @@ def test_probabilistic_q_is_the_sampled_distribution(name, extra, ckpts):
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": method, "model": ckpts[name], "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
         **extra})
-    e, prop = llm.engine, llm.engine.proposer
+    e, prop = llm.engine, llm.engine.runner.proposer
     req = e.add_request(llm.tokenizer.encode(SPEC_PROMPTS[0]), SamplingParams(temperature=0.7, max_tokens=8, seed=1))
     e.step()                                                    # prefill: context K/V for the prompt
     with torch.inference_mode():
-        e.set_batch([req])
-        d, q = prop.propose(e, [req])
+        d, q = prop.propose(e.runner.batch([req]))
     assert q.shape == (1, 4, 1024) and torch.allclose(q.sum(-1), torch.ones(1, 4))
     assert bool((q.gather(-1, d[..., None]) > 0).all())
     nonzero = (q > 0).sum(-1)
@@ -3111,21 +3268,21 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
     """After the 48-token batch run (mostly rejected drafts), each slot's context K/V over its committed tokens
     equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation."""
     llm, _, five, _ = runs(name)
-    e, prop = llm.engine, llm.engine.proposer
-    free = e.max_num_seqs - 1                                   # a slot the 5 prompts did not use
+    e, prop = llm.engine.runner, llm.engine.runner.proposer
+    free = llm.engine.max_num_seqs - 1                          # a slot the 5 prompts did not use
     with torch.inference_mode():
         for slot, toks in committed(llm, five):
             n = len(toks) - 1                                   # all but the last token have context K/V
             got = [prop.cache.kv[i][j][slot, :n].clone() for i in prop.cache.kv for j in (0, 1)]
             e.state.reset(free)
             ctx = sd.Ctx(e.state, torch.tensor([free]), torch.tensor([0]), n, "prefill")
-            h, e.aux = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
-            prop.prefill(e, types.SimpleNamespace(slot=free), h, None, 0)
+            h, taps = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
+            prop.prefill(types.SimpleNamespace(slot=free), h, taps, None, 0)
             want = [prop.cache.kv[i][j][free, :n] for i in prop.cache.kv for j in (0, 1)]
             assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got, want))
             anchor = torch.tensor([toks[-1]])
             U = prop.block_logits(n + prop.Q, torch.tensor([slot]), torch.tensor([n]), anchor)
-            feats = torch.cat([e.aux[i] for i in prop.order], -1)
+            feats = torch.cat([taps[i] for i in prop.order], -1)
             block = torch.cat([prop.embed(anchor)[:, None], prop.mask_vec.expand(1, prop.Q - 1, -1)], 1)
             ref = prop.logits(zlab_block_hidden(prop.net, prop.cfg, feats, block)[:, prop.out])
             assert torch.allclose(U, ref, atol=1e-4, rtol=1e-4)
@@ -3134,7 +3291,7 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
 def test_draft_model_state_equals_fresh_prefill(runs):
     """A hybrid draft's GDN conv/recurrent states and KV after the batch run == a prefill over the tokens it consumed."""
     llm, _, five, _ = runs("draft_hybrid")
-    prop = llm.engine.proposer
+    prop = llm.engine.runner.proposer
     m, st = prop.model, prop.state
     free = llm.engine.max_num_seqs - 1
     with torch.inference_mode():
@@ -3172,9 +3329,9 @@ def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
     from safetensors.torch import load_file
     missing, unexpected = hf.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
-    engine = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
-                                   max_num_seqs=1, dtype=torch.float32, device=torch.device("cpu"))
-    m, st = sd.load_draft_lm(path, engine, 64)
+    io = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
+                               num_slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    m, st = sd.load_draft_lm(path, io, 64)
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours = m.logits(m(ids, sd.Ctx(st, torch.tensor([0]), torch.tensor([0]), 11, "prefill")))

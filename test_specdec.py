@@ -2209,22 +2209,27 @@ def test_half_closed_client_gets_its_answer(srv):
 
 FAULTS = '''
 import specdec
-prefill, decode_step = specdec.Engine._prefill, specdec.Engine._decode_step
+init, prefill, launch = specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch
 marked = lambda req, mark: req.prompt_ids[:3] == [mark] * 3
+engines = []
+
+def _init(self, *a, **kw):
+    engines.append(self)
+    init(self, *a, **kw)
 
 def _prefill(self, req):
     if marked(req, 7):
         raise RuntimeError("injected fault in a prefill")
     return prefill(self, req)
 
-def _decode_step(self, reqs, *args):
-    if any(marked(r, 8) for r in reqs) and self.waiting:  # once another request waits for a slot
+def _launch(self, reqs):
+    if any(marked(r, 8) for r in reqs) and engines[0].waiting:  # once another request waits for a slot
         raise ValueError("injected fault in a batched step")
     if any(marked(r, 9) for r in reqs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-    return decode_step(self, reqs, *args)
+    return launch(self, reqs)
 
-specdec.Engine._prefill, specdec.Engine._decode_step = _prefill, _decode_step
+specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch = _init, _prefill, _launch
 '''
 
 
@@ -3627,7 +3632,7 @@ def test_reference_logits_batch_invariant(tiny):
     """The CPU reference path (fp32): a token's logits are the same bits as a decode token alone, as token 0 of a
     T = 4 verify, and as a row of a batch of 3 decode tokens (the property speculation's losslessness rests on)."""
     llm = LLM(model=tiny, device="cpu", max_num_seqs=3)
-    m, st = llm.model, llm.engine.state
+    m, st = llm.model, llm.engine.runner.state
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 500, (3, 9), generator=g)
     nxt = torch.randint(0, 500, (3, 4), generator=g)

@@ -1331,7 +1331,9 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         y = _empty((P, H), torch.float32, x.device)                                  # [P, H]
         BP = _p2(P)
         _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
-        if P <= E:  # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above)
+        # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above); with
+        # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
+        if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
             _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
                 xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
                 TOPK=k, BI=16, BH=min(512, _p2(H)), num_warps=4, num_stages=3)

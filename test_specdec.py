@@ -3628,6 +3628,45 @@ def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
     assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
 
 
+def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0):
+    """The MoE experts (router weights and ids given) of token x0 alone, then as the first and the last token of
+    steps of N tokens (other tokens' experts overlap its own), with the shared expert and the residual."""
+    g = gen(seed)
+    gu, dn = randn(E, 2 * I, H, g=g, dtype=dtype, scale=H ** -0.5), randn(E, H, I, g=g, dtype=dtype, scale=I ** -0.5)
+
+    def tokens(N):
+        x, sh, gt, res = (randn(N, d, g=g, dtype=dtype) for d in (H, H, 1, H))
+        idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + i))[:k]
+                           for i in range(N)]).to(DEV)
+        w = torch.rand(N, k, generator=torch.Generator().manual_seed(seed + N)).to(DEV).softmax(-1)
+        return [x, w, idx, sh, gt, res]
+    one = tokens(1)
+    run = lambda x, w, idx, sh, gt, res: fast(K.moe_experts, x, w, idx, gu, dn, sh, gt, res)
+    alone = run(*one)
+    got = []
+    for N in sizes:
+        many = tokens(N)
+        for at in (0, N - 1):
+            for t, t0 in zip(many, one):
+                t[at] = t0[0]
+            got.append(run(*many)[at:at + 1])
+    return alone, got
+
+
+@needs_kernels
+def test_kernel_moe_invariant():
+    alone, got = moe_rows_case(16, 24, 40, 4, torch.float32, sizes=(2, 5, 9))     # 9 x 4 pairs > 16 experts
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+def test_kernel_gpu_invariance_moe():
+    """bf16 at the 35B-A3B's expert shapes (256 experts, top 8): a token alone == the token in steps of 2 .. 136
+    tokens (more pairs than experts from 40 tokens on)."""
+    alone, got = moe_rows_case(256, 512, 2048, 8, torch.bfloat16)
+    assert all(torch.equal(y, alone) for y in got)
+
+
 def test_reference_logits_batch_invariant(tiny):
     """The CPU reference path (fp32): a token's logits are the same bits as a decode token alone, as token 0 of a
     T = 4 verify, and as a row of a batch of 3 decode tokens (the property speculation's losslessness rests on)."""

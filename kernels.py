@@ -14,6 +14,7 @@ Shapes: B = sequences in the batch, T = tokens per sequence in this step, S = st
 H_k / H_v = GDN key / value heads, d_k / d_v = their head dims, C = GDN conv channels, N = tokens,
 E = experts, k = experts per token, I = expert intermediate size.
 """
+import contextlib
 import math
 import os
 
@@ -240,7 +241,21 @@ GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the
 # False: the fastest kernel per step shape (cuBLAS by M, the M = 1 GEMV, splits by load): a token may then differ
 # between speculation on and off, or between batch sizes, at near-ties.
 BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"  # vLLM's variable; here on unless "0"
-INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); longer steps (prefill chunks): cuBLAS
+INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); prefill runs under not_invariant()
+
+
+@contextlib.contextmanager
+def not_invariant():
+    """Prefill runs inside this: each prompt is prefilled alone (one request per forward, whatever else runs), by
+    the same kernels with speculation on and off, so its rows need no invariance; cuBLAS and the wide tiles are
+    faster there (27B, a 256-token prompt through the row-invariant kernel took 2.6x the time to first token)."""
+    global BATCH_INVARIANT
+    old = BATCH_INVARIANT
+    BATCH_INVARIANT = False
+    try:
+        yield
+    finally:
+        BATCH_INVARIANT = old
 
 
 # (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows on the

@@ -2217,10 +2217,10 @@ def _init(self, *a, **kw):
     engines.append(self)
     init(self, *a, **kw)
 
-def _prefill(self, req):
+def _prefill(self, req, *a):
     if marked(req, 7):
         raise RuntimeError("injected fault in a prefill")
-    return prefill(self, req)
+    return prefill(self, req, *a)
 
 def _launch(self, reqs):
     if any(marked(r, 8) for r in reqs) and engines[0].waiting:  # once another request waits for a slot
@@ -3693,6 +3693,88 @@ def test_reference_logits_batch_invariant(tiny):
     fresh()
     batch = logits(nxt[:, :1], [0, 1, 2], "decode")[1, 0]
     assert torch.equal(verify, alone) and torch.equal(batch, alone)
+
+
+def test_chunked_prefill_equals_whole(tiny):
+    """A prompt prefilled in pieces of 7 tokens (chunked prefill) leaves the same KV cache, GDN conv windows and
+    recurrent states, MTP hidden state and first-token logits as one whole prefill (fp32, within 1e-5)."""
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = []
+    for budget in (None, 7):
+        llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=budget,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        runner = llm.engine.runner
+        assert runner.prefill_chunk == (budget or 2048)
+        req = sd.Request("x", prompt, SamplingParams(temperature=0), None, 0)
+        req.slot = 1
+        with torch.inference_mode():
+            tok, logits = runner.prefill(req)
+        st = runner.state
+        got.append((tok, logits, [kv[i][1, :40] for kv in st.kv.values() for i in (0, 1)],
+                    [c[1] for c in st.conv.values()], [r[1] for r in st.rec.values()],
+                    runner.proposer.hidden[1]))
+    (t0, l0, kv0, c0, r0, h0), (t1, l1, kv1, c1, r1, h1) = got
+    assert t0 == t1 and rel(l1, l0) < 1e-5 and rel(h1, h0) < 1e-5
+    assert len(kv0) and len(c0) and len(r0)
+    for a, b in zip(kv0 + c0 + r0, kv1 + c1 + r1):
+        assert rel(b, a) < 1e-5
+
+
+def test_chunked_prefill_keeps_running_streams(tiny):
+    """A long prompt admitted while a request decodes is prefilled a piece per step (max_num_batched_tokens 8
+    minus the running request's k+1 = 3 verify tokens leaves less than a piece, so one piece per step) and the
+    running request gets tokens in every one of those steps; both outputs equal plain decoding (speculation off,
+    whole prefill), token for token."""
+    g = torch.Generator().manual_seed(2)
+    short = torch.randint(0, 500, (4,), generator=g).tolist()
+    long_ = torch.randint(0, 500, (60,), generator=g).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cpu", max_num_seqs=2,
+                                                   enable_chunked_prefill=False).generate([short, long_], sp)]
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=8,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    eng = llm.engine
+    a = eng.add_request(short, sp)
+    eng.step()
+    eng.step()
+    assert a.output_ids and not eng.prefilling
+    b = eng.add_request(long_, sp)
+    prefill_steps = 0
+    while not b.output_ids:
+        n_a = len(a.output_ids)
+        done_before = b.prefilled
+        eng.step()
+        prefill_steps += 1
+        assert b.prefilled - done_before == 8 or b.prefilled == 60
+        assert len(a.output_ids) > n_a or a.finished
+    assert prefill_steps == 8  # ceil(60 / 8)
+    while eng.has_work():
+        eng.step()
+    assert [a.output_ids, b.output_ids] == plain
+
+
+def test_chunked_prefill_budget_error(tiny):
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(2\) must be greater than or equal to "
+                                          r"max_num_seqs \(4\)"):
+        LLM(model=tiny, device="cpu", max_num_seqs=4, max_num_batched_tokens=2)
+
+def test_prefill_alone_steps_invariant(tiny, monkeypatch):
+    """Only prefill leaves batch invariance (K.not_invariant: a prompt is prefilled alone, nothing to be invariant
+    against); every verify step of the target runs with it, and the opt-out (VLLM_BATCH_INVARIANT=0) stays off."""
+    seen = []
+    real = sd.Qwen36.forward
+    monkeypatch.setattr(sd.Qwen36, "forward", lambda self, ids, ctx, *a: (
+        seen.append((ctx.mode, K.BATCH_INVARIANT)), real(self, ids, ctx, *a))[1])
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, speculative_config={"method": "mtp",
+                                                                               "num_speculative_tokens": 2})
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for invariant in (True, False):
+        monkeypatch.setattr(K, "BATCH_INVARIANT", invariant)
+        seen.clear()
+        llm.generate([[5, 6, 7], [8, 9, 10, 11]], sp)
+        assert {m for m, _ in seen} == {"prefill", "verify"}
+        assert all(on == (invariant and mode != "prefill") for mode, on in seen), seen
+        assert K.BATCH_INVARIANT == invariant
 
 if __name__ == "__main__":
     import argparse

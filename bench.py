@@ -313,9 +313,9 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
 
 
 def run_stall(model, spec, streams, prompt_len, long_len, gen_len, device, dtype, budget, chunked, seed=0):
-    """`streams` requests decode; once each has 16 tokens a long_len-token prompt arrives. Returns the streams'
-    inter-token latencies (host time between a stream's token emissions, per token) before it arrived and while it
-    was prefilled, and its TTFT. Warm-up first (graphs, and one long prompt alone: its kernels compile)."""
+    """`streams` requests decode; 24 steps after each has 16 tokens a long_len-token prompt arrives. Returns the
+    streams' inter-token latencies (host time between a stream's token emissions, per token) in those 24 steps
+    and while it was prefilled, and its TTFT. Warm-up first (graphs, and one long prompt alone: its kernels compile)."""
     k = spec.num_speculative_tokens if spec else 0
     eng = sd.Engine(model, None, spec, streams + 1, long_len + gen_len + 8 + 2 * k, dtype, device, seed,
                     max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
@@ -333,7 +333,10 @@ def run_stall(model, spec, streams, prompt_len, long_len, gen_len, device, dtype
     reqs = [eng.add_request(prompt(prompt_len), sp) for _ in range(streams)]
     for r in reqs:
         r.on_update = lambda r, n: marks.setdefault(r.id, []).append((time.perf_counter(), n))
-    while min(len(r.output_ids) for r in reqs) < 16:
+    while min(len(r.output_ids) for r in reqs) < 16:  # every stream admitted and running
+        eng.step()
+    t_steady = time.perf_counter()
+    for _ in range(24):
         eng.step()
     t_arrive = time.perf_counter()
     long_req = eng.add_request(prompt(long_len), sd.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -349,7 +352,8 @@ def run_stall(model, spec, streams, prompt_len, long_len, gen_len, device, dtype
     for r in reqs:
         m = marks[r.id]
         for (t0, _), (t1, n) in zip(m, m[1:]):
-            (before if t1 <= t_arrive else during if t0 < t_first else []).extend([(t1 - t0) / n] * n)
+            if t0 >= t_steady:
+                (before if t1 <= t_arrive else during if t0 < t_first else []).extend([(t1 - t0) / n] * n)
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
     return dict(streams=streams, prompt_len=prompt_len, long_len=long_len, budget=budget, chunked=chunked,
                 ttft_long_ms=1e3 * (t_first - t_arrive), tpot_before_ms=1e3 * statistics.mean(before),

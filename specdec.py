@@ -920,7 +920,7 @@ class MTPProposer:
     def prefill(self, req, hidden, taps, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
         slots = self.io.h2d([req.slot], torch.long)
-        out = self._run(ids, hidden, slots, torch.tensor([pos], device=self.io.device), pos + ids.shape[1])
+        out = self._run(ids, hidden, slots, self.io.h2d([pos]), pos + ids.shape[1])
         self.hidden[req.slot] = out[0, -1]
 
     def _chain(self, kv_len, slots, pos, temp=None, u=None):
@@ -1353,7 +1353,7 @@ class BlockProposer:
 
     def prefill(self, req, hidden, taps, ids, pos):  # eager: prompt chunks come in any length
         slots = self.io.h2d([req.slot], torch.long)
-        self._context(0, slots, torch.tensor([pos], device=self.io.device), self._feats(taps))
+        self._context(0, slots, self.io.h2d([pos]), self._feats(taps))
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next
@@ -1511,8 +1511,8 @@ class DraftModelProposer:
         slots = self.io.h2d([req.slot], torch.long)
         if pos == 0:
             self.state.reset(req.slot)
-        chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=self.io.device)
-        pos_t = torch.tensor([pos], device=self.io.device)
+        chunk = self.io.h2d([req.prompt_ids[pos:pos + T]])
+        pos_t = self.io.h2d([pos])
         self.model(chunk, Ctx(self.state, slots, pos_t, pos + T, "prefill"))
         if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose eats it
             self.new_ids[req.slot, 0] = ids[0, -1]
@@ -1897,16 +1897,16 @@ class ModelRunner:
         slots = self.h2d([req.slot], torch.long)
         with K.not_invariant():  # one prompt alone: nothing to be invariant against (kernels.BATCH_INVARIANT)
             for s in range(start, end, self.prefill_chunk):
-                chunk = torch.tensor([ids[s:min(s + self.prefill_chunk, end)]], device=self.device)
+                chunk = self.h2d([ids[s:min(s + self.prefill_chunk, end)]])  # no wait for the step in flight
                 T = chunk.shape[1]
-                pos = torch.tensor([s], device=self.device)
+                pos = self.h2d([s])
                 h, taps = self._hidden(chunk, Ctx(self.state, slots, pos, s + T, "prefill"))
                 if s + T == n:
                     logits = self.model.logits(h[:, -1])                              # [1, V]
                     tok = self._sample(logits, [req])
                 if self.proposer is not None:
                     nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
-                    self.proposer.prefill(req, h, taps, torch.tensor([nxt], device=self.device), s)
+                    self.proposer.prefill(req, h, taps, self.h2d([nxt]), s)
         if end < n:
             return None
         self.next_ids[req.slot] = tok[0]

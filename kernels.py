@@ -234,14 +234,27 @@ GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the
 # (the losslessness sweep of tools/lossless_sweep.py saw it at T = 2 on the toy model). So with BATCH_INVARIANT every
 # decode / verify row gets one arithmetic whatever M, T and the batch are:
 #   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose tiles and K split are
-#     a function of the weight's shape alone (_rows_config), rows in 16-row tl.dot tiles (a row's products do not
-#     depend on the other rows of its tile); cuBLAS picks its algorithm by M and is left to prefill;
+#     a function of the weight's shape alone (_rows_config), rows in tl.dot tiles of 16 rows (64 above 16
+#     rows: _rows_bm; a row's products do not depend on the other rows of its tile, nor on its height);
+#     cuBLAS picks its algorithm by M and is left to prefill;
 #   - attention: keys split at fixed multiples of ATTN_CHUNK, the splits merged in order, one query-tile shape;
 #   - the GDN recurrence: one value-block size and warp count.
 # False: the fastest kernel per step shape (cuBLAS by M, the M = 1 GEMV, splits by load): a token may then differ
 # between speculation on and off, or between batch sizes, at near-ties.
 BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"  # vLLM's variable; here on unless "0"
 INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); prefill runs under not_invariant()
+ROWS_BM = 64  # the row-invariant linear's row tile above 16 rows (16 up to 16): see _rows_bm
+
+
+def _rows_bm(M):
+    """Rows per tile of the row-invariant linear for a step of M rows. A row's bits do not depend on the
+    tile's height: tl.dot computes each row of a tile alone, adding its K products in the same order (BK
+    chunks, k16 steps) whatever the tile. Measured on the H200 (tools/tile_sweep.py rowsbm): the same bits
+    with tiles of 16, 32, 64 and 128 rows at the 27B shapes; the `gpu` invariance tests check a row alone
+    (a 16-row tile) against it in steps of 17, 40 and 136 rows (64-row tiles) at every real shape. 16-row
+    tiles are the fastest up to 16 rows; above, every tile reads the weights again, and 64-row tiles read
+    them 4x less (27B, 128 rows: MLP gate_up 321 -> 174 us, lm_head 2535 -> 1049 us; cuBLAS 93 / 643)."""
+    return 16 if M <= 16 else ROWS_BM
 
 
 @contextlib.contextmanager
@@ -263,8 +276,8 @@ def not_invariant():
 # in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5 (17.1, 18.6),
 # gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7 (550.9, 590.0); 35B-A3B:
 # in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5), shared down 3.2 (2.6),
-# lm_head 223.7 (221.1). At M = 128 (8 x 16-token verifies) every 16-row tile reads the weights again: 2.4-4x
-# cuBLAS's time - the price of invariance for big verify batches until one program serves several row tiles.
+# lm_head 223.7 (221.1). Above 16 rows every 64-row tile reads the weights again: at M = 128 (8 x
+# 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x): invariance's price for big verifies.
 ROWS_CONFIG = {
     (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 3, 4, 4),
     (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 3, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
@@ -383,7 +396,7 @@ def _gemv_launch(x, w, cfg, residual=None):
     xr = _rows(x)
     M = xr.shape[0]
     if cfg == "rows":
-        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), 16
+        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
     else:
         (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
         assert M <= 32

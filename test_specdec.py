@@ -3502,9 +3502,9 @@ def rowwise_dot(monkeypatch):
         monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
 
 
-def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40), residual=False, seed=0):
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0):
     """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
-    row 0 and as the last row of steps of M rows."""
+    row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles)."""
     g = gen(seed)
     w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
     x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
@@ -3608,7 +3608,8 @@ def test_kernel_gdn_invariant():
                                    (248320, 5120), (12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048),
                                    (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
 def test_kernel_gpu_invariance_linear(N, Kin):
-    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 40 rows."""
+    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 136 rows (a 16-row
+    tile alone; 64-row tiles from 17 rows)."""
     _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
     assert all(torch.equal(y, alone) for y in got)
 

@@ -260,14 +260,50 @@ def test_seeded_sampling_reproducible(tiny):
     assert c.outputs[0].token_ids != a
 
 
-def test_ngram_lookup_matches_reference_and_vllm_example():
-    assert sd.ngram_lookup([1, 2, 3, 4, 2, 3], 4, 2, 3) == [4, 2, 3]  # vLLM's docstring example
+def ngram_reference(ctx, k, lo, hi):
+    """Prompt lookup as README.md states it, written plainly: of the suffixes of ctx with lo..hi tokens that also occur
+    earlier (an occurrence may overlap the suffix but not be it), the longest; its earliest occurrence; the up to k
+    tokens that follow that occurrence."""
+    N, best = len(ctx), None
+    for n in range(lo, hi + 1):                                   # shortest first: a longer match replaces it
+        suffix = list(ctx[N - n:]) if n < N else None
+        starts = [i for i in range(N - n) if suffix is not None and list(ctx[i:i + n]) == suffix]
+        if starts:
+            best = (n, starts[0])
+    return [] if best is None else list(ctx[best[0] + best[1]:best[0] + best[1] + k])
+
+
+NGRAM_CASES = [  # (ctx, k, lo, hi, drafts): each tells one rule from its plausible wrong version
+    ([1, 2, 3, 4, 2, 3], 4, 2, 3, [4, 2, 3]),                     # vLLM's docstring example
+    ([1, 2, 7, 1, 2, 8, 1, 2], 3, 2, 2, [7, 1, 2]),               # earliest occurrence ([8, 1, 2]: the latest)
+    ([3, 8, 2, 3, 9, 2, 3], 3, 1, 2, [9, 2, 3]),                  # longest n-gram ([8, 2, 3]: the 1-gram [3] first)
+    ([3, 8, 2, 3, 9, 5, 2, 3], 3, 1, 1, [8, 2, 3]),               # hi = 1: only 1-grams
+    ([0, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3], 3, 1, 3, [6, 1, 2]),      # the 3-gram [1, 2, 3]
+    ([0, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3], 3, 1, 2, [5, 1, 2]),      # hi = 2 caps it: the 2-gram [2, 3], earliest
+    ([3, 8, 2, 3], 3, 2, 4, []),                                  # lo = 2: the 1-gram match does not count
+    ([3, 8, 2, 3], 3, 1, 4, [8, 2, 3]),                           # lo = 1: it does
+    ([4, 5], 2, 1, 1, []),                                        # the suffix itself is no occurrence
+    ([7], 3, 1, 5, []),                                           # one token: nothing earlier
+    ([1, 1, 1], 5, 1, 5, [1]),                                    # n <= N - 1; overlapping match; runs to the end
+    ([6, 6, 6, 6, 6], 2, 3, 3, [6, 6]),                           # k caps the drafts
+    ([2, 9, 9, 2, 5, 2], 4, 1, 1, [9, 9, 2, 5]),                  # exactly k tokens after the first 2
+]
+
+
+@pytest.mark.parametrize("ctx,k,lo,hi,want", NGRAM_CASES)
+def test_ngram_lookup_cases(ctx, k, lo, hi, want):
+    assert ngram_reference(ctx, k, lo, hi) == want               # the reference is right on the hand-made cases
+    assert sd.ngram_lookup(ctx, k, lo, hi) == want
+
+
+def test_ngram_lookup_matches_reference():
     g = torch.Generator().manual_seed(0)
-    for _ in range(300):
+    for _ in range(400):
         ctx = torch.randint(0, 4, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
         lo = int(torch.randint(1, 4, (1,), generator=g))
         hi = lo + int(torch.randint(0, 3, (1,), generator=g))
-        assert sd.ngram_lookup(ctx, 5, lo, hi) == sd.ngram_lookup_ref(ctx, 5, lo, hi), (ctx, lo, hi)
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        assert sd.ngram_lookup(ctx, k, lo, hi) == ngram_reference(ctx, k, lo, hi), (ctx, k, lo, hi)
 
 
 def test_top_k_top_p_masks():

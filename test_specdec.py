@@ -479,27 +479,123 @@ def test_rejection_sampler_greedy():
     assert torch.equal(tok2, tok) and torch.equal(n2, n)
 
 
-@pytest.mark.parametrize("full_q", [False, True])
-def test_rejection_sampler_preserves_distribution(full_q):
-    """Emitted first token ~ p for random p, q: chi-square over 200k trials (fixed seed)."""
-    g = torch.Generator().manual_seed(0)
-    V, N = 6, 200_000
-    p_logits = torch.randn(V, generator=g) * 1.5
-    p = p_logits.softmax(-1)
-    q = (torch.randn(V, generator=g) * 1.5).softmax(-1)
-    if full_q:
-        drafts = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
-        draft_probs = q.expand(N, 1, V)
-    else:
-        drafts = torch.full((N, 1), 2)            # a deterministic draft: one-hot q
-        draft_probs = None
-    logits = p_logits.expand(N, 2, V).clone()
-    tok, n = sd.rejection_sample(logits, drafts, draft_probs, torch.ones(N), torch.full((N,), -1), torch.ones(N),
-                                 torch.rand(N, 1, generator=g), torch.rand(N, 2, generator=g))
-    counts = torch.bincount(tok[:, 0], minlength=V).double()
-    chi2 = float(((counts - N * p.double()) ** 2 / (N * p.double())).sum())
-    assert chi2 < 20.5, chi2  # 99.9% quantile of chi-square with 5 dof
-    assert 0 < float(n.float().mean()) < 1
+def chi2_sf(x, dof):
+    """P(X > x) for X ~ chi-square with dof degrees of freedom (the regularised upper incomplete gamma function)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def goodness_of_fit(counts, law):
+    """Pearson's chi-square p-value of counts [V] (int) against law [V]; a count where law is 0 gives p = 0."""
+    counts, law = counts.double(), law.double()
+    if counts[law == 0].sum() > 0:
+        return 0.0
+    m = law > 0
+    if int(m.sum()) == 1:
+        return 1.0
+    expected = counts.sum() * law[m]
+    return chi2_sf(float(((counts[m] - expected) ** 2 / expected).sum()), int(m.sum()) - 1)
+
+
+def target_law(logits, temperature, top_k, top_p):
+    """The law a sampled token must follow, written out: logits / temperature, the top_k largest kept (-1: all),
+    then the smallest set of the largest probabilities whose mass reaches top_p, renormalised. logits [V]."""
+    p = (logits.double() / temperature).softmax(-1)
+    order = p.argsort(descending=True).tolist()
+    keep = order[:top_k] if top_k > 0 else order
+    p = torch.zeros_like(p).index_put_((torch.tensor(keep),), p[keep] / p[keep].sum())
+    kept, mass = [], 0.0
+    for i in keep:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(p[i])
+    out = torch.zeros_like(p)
+    out[kept] = p[kept] / p[kept].sum()
+    return out
+
+
+RS_GROUPS = [(1.0, -1, 1.0), (1.3, 6, 0.95)]  # (temperature, top_k, top_p) of even and odd rows
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("drafting", ["one_hot", "full_q", "one_hot_padded"])
+def test_rejection_sampler_distribution_every_position(k, drafting):
+    """Lossless sampling, position by position: over the rows whose step reaches position j (n >= j), the token
+    emitted there follows the target law p_j, for j = 0..k (j = k: the bonus token). The drafts at positions > j
+    and the uniforms of position j are independent of reaching j, so this holds for any q. Drafts: one-hot q (a
+    draft per row, draft_probs None: greedy drafting), full q (drafts sampled from q_j, draft_probs = q_j), or
+    one-hot with -1 padding after a random number of real drafts (ngram without a long enough match). Also the
+    acceptance rate at each position equals its law: sum_x min(p_j, q_j) (full q), E_d min(1, p_j(d)) (one-hot).
+
+    Bounds: every check is a test at false-alarm rate 1e-6 (chi-square p-value; binomial z = 4.9), at most 16 checks
+    per case: a correct sampler fails a case with probability < 2e-5. The seed is fixed, so the run is reproducible;
+    the rate says what a failure means. Two row groups with different temperature / top-k / top-p, interleaved."""
+    g = torch.Generator().manual_seed(k)
+    V, N = 8, 240_000
+    likely = torch.randint(0, V, (k + 1,), generator=g)                          # a likely token per position, so
+    logits = torch.randn(k + 1, V, generator=g) + 2.5 * F.one_hot(likely, V)     # that runs reach position k often
+    q_logits = torch.randn(k, V, generator=g) + 2.0 * F.one_hot(likely[:k], V)   # per position: different laws
+    q_law = q_logits.softmax(-1)                                                 # q_j (full) or the draft mix (one-hot)
+    drafts = torch.stack([torch.multinomial(q_law[j], N, replacement=True, generator=g) for j in range(k)], 1)
+    n_real = torch.full((N,), k)
+    if drafting == "one_hot_padded":
+        n_real = torch.randint(0, 2 * k + 1, (N,), generator=g).clamp(max=k)      # half the rows: no padding
+        drafts[torch.arange(k)[None] >= n_real[:, None]] = -1
+    draft_probs = q_law.expand(N, k, V) if drafting == "full_q" else None
+    group = torch.arange(N) % 2
+    temperature = torch.tensor([RS_GROUPS[i][0] for i in group.tolist()])
+    top_k = torch.tensor([RS_GROUPS[i][1] for i in group.tolist()])
+    top_p = torch.tensor([RS_GROUPS[i][2] for i in group.tolist()])
+    tok, n = sd.rejection_sample(logits.expand(N, k + 1, V).clone(), drafts, draft_probs, temperature, top_k, top_p,
+                                 torch.rand(N, k, generator=g), torch.rand(N, k + 1, generator=g))
+    assert tok.shape == (N, k + 1) and bool((n >= 0).all()) and bool((n <= n_real).all())
+    emitted = torch.arange(k + 1)[None] <= n[:, None]
+    assert bool((tok[emitted] >= 0).all()) and bool((tok[emitted] < V).all()) and bool((tok[~emitted] == -1).all())
+    assert torch.equal(tok[:, :k][torch.arange(k)[None] < n[:, None]], drafts[torch.arange(k)[None] < n[:, None]])
+    z = 4.9                                                                      # two-sided normal 1e-6
+    for gi, (temp, tk, tp) in enumerate(RS_GROUPS):
+        p = torch.stack([target_law(logits[j], temp, tk, tp) for j in range(k + 1)])
+        for j in range(k + 1):
+            reach = (group == gi) & (n >= j)
+            assert int(reach.sum()) > 2000, (gi, j)
+            counts = torch.bincount(tok[reach, j], minlength=V)
+            assert goodness_of_fit(counts, p[j]) > 1e-6, (gi, j, counts.tolist(), p[j].tolist())
+            if j == k:
+                continue
+            has = reach & (n_real > j)                                         # a real draft at position j
+            if drafting == "full_q":
+                rate = float(torch.minimum(p[j], q_law[j].double()).sum())
+            else:
+                rate = float((q_law[j].double() * p[j].clamp(max=1)).sum())   # p <= 1 already: E_d p_j(d)
+            m, acc = int(has.sum()), int((n[has] > j).sum())
+            assert abs(acc / m - rate) <= z * math.sqrt(rate * (1 - rate) / m) + 1e-9, (gi, j, acc / m, rate)
+            if drafting == "one_hot_padded":
+                assert int((n[reach & (n_real == j)] > j).sum()) == 0            # a -1 draft is never accepted
+
+
+def test_rejection_sampler_mixed_greedy_and_sampled_rows():
+    """Greedy rows (temperature 0) in a batch with sampled rows decide exactly as an all-greedy batch does."""
+    g = torch.Generator().manual_seed(5)
+    B, k, V = 64, 3, 10
+    logits = torch.randn(B, k + 1, V, generator=g)
+    am = logits.argmax(-1)
+    drafts = am[:, :k].clone()
+    wrong = torch.randint(0, k + 1, (B,), generator=g)                            # first wrong draft (k: none)
+    for b in range(B):
+        if wrong[b] < k:
+            drafts[b, wrong[b]] = (drafts[b, wrong[b]] + 1) % V
+    drafts[::7, 1:] = -1                                                         # some padded rows
+    temperature = torch.where(torch.arange(B) % 2 == 0, torch.zeros(B), torch.full((B,), 0.9))
+    args = (torch.full((B,), -1), torch.ones(B), torch.rand(B, k, generator=g), torch.rand(B, k + 1, generator=g))
+    tok, n = sd.rejection_sample(logits, drafts, None, temperature, *args)
+    greedy = torch.arange(0, B, 2)
+    tok_g, n_g = sd.rejection_sample(logits[greedy], drafts[greedy], None, torch.zeros(len(greedy)),
+                                     *(a[greedy] for a in args), all_greedy=True)
+    assert torch.equal(tok[greedy], tok_g) and torch.equal(n[greedy], n_g)
+    for i, b in enumerate(greedy.tolist()):                                      # and that is the argmax rule
+        real = int((drafts[b] >= 0).sum())
+        want = min(int(wrong[b]), real)
+        assert int(n_g[i]) == want and tok_g[i, :want + 1].tolist() == am[b, :want + 1].tolist()
 
 
 def test_sampled_distribution_same_with_speculation(tiny):

@@ -122,11 +122,60 @@ def random_weights(cfg, seed=0, mtp=True, per_expert=False):
     return w
 
 
+def cycles(V, g, lo=3, hi=9):
+    """A permutation of range(V) made of cycles of lo..hi ids (the last may be shorter): nxt[x]."""
+    order, nxt, i = torch.randperm(V, generator=g).tolist(), list(range(V)), 0
+    while i < V:
+        c = order[i:i + int(torch.randint(lo, hi + 1, (), generator=g))]
+        for a, b in zip(c, c[1:] + c[:1]):
+            nxt[a] = b
+        i += len(c)
+    return torch.tensor(nxt)
+
+
+def bigram_hidden(w):
+    """What the target's final norm makes of each token's embedding alone [V, H] (text-only names)."""
+    e = w["model.embed_tokens.weight"]
+    return e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w["model.norm.weight"])
+
+
+PREDICTABLE_MIX = 0.1  # the mixers' and MLPs' output projections, scaled
+
+
+def make_predictable(w, cfg, seed):
+    """Random tensors -> a target that a drafter can predict, so speculative tests see multi-token acceptance:
+    - every mixer's and MLP's output projection scaled by PREDICTABLE_MIX: the last token decides most of the next
+      one (a bigram model), while the context still moves every logit (~0.2 on average: wrong GDN or KV state
+      shows in the logprobs, and flips ~15 % of the greedy tokens);
+    - the lm_head rows tilted toward a permutation of the vocabulary made of short cycles (cycles()): the bigram
+      then walks a cycle, so greedy text repeats (ngram drafts it), with some tokens tilted too weakly to win;
+    - the MTP head wired to that bigram: fc passes the normed embedding through (plus a little of the hidden
+      state), its final norm is the target's;
+    - the last id (unused by the tokenizer; the block drafters' mask token) has a zero embedding.
+    Measured on SPEC_PROMPTS (48 tokens): mtp k=4 4.07 tokens per step, ngram k=4 4.57; 3 of the 5 outputs cycle."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(seed + 100)
+    for n in w:
+        if n.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+            w[n] = w[n] * PREDICTABLE_MIX
+    w["model.embed_tokens.weight"][V - 1] = 0
+    h = bigram_hidden(w)
+    tilt = (0.25 + 2 * torch.rand(V, 1, generator=g)) * h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    head = "model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"
+    assert head == "lm_head.weight", "a predictable target needs its own lm_head"
+    w[head] = w[head].index_add(0, cycles(V, g), tilt)                           # row nxt[x] += tilt toward h(x)
+    if "mtp.fc.weight" in w:
+        w["mtp.fc.weight"] = torch.cat([torch.eye(H), torch.randn(H, H, generator=g) * 0.01], 1)
+        w["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+        w["mtp.norm.weight"] = w["model.norm.weight"].clone()
+    return w
+
+
 def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, shards=1, per_expert=False, seed=0,
-                          tokenizer=True, extra=None, drop=None):
+                          tokenizer=True, extra=None, drop=None, predictable=False):
     """Write config.json, generation_config.json, tokenizer files and safetensors in the published layout:
     `wrapper` = multimodal Qwen3_5ForConditionalGeneration names (model.language_model.*, a vision tower
-    that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*)."""
+    that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*). `predictable`: make_predictable."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     tok_vocab = 0
@@ -142,6 +191,8 @@ def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, sh
         ids = {t["content"]: t["id"] for t in tj["added_tokens"]}
         text["eos_token_id"] = ids["<|endoftext|>"]
     w = random_weights(text, seed, mtp, per_expert)
+    if predictable:
+        w = make_predictable(w, text, seed)
     if wrapper:
         top = {"model_type": "qwen3_5_moe" if moe else "qwen3_5",
                "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
@@ -377,16 +428,32 @@ SPEC_CONFIGS = [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_
 
 
 @pytest.fixture(scope="session")
-def spec_off(tiny):
-    llm = LLM(model=tiny, device="cpu")
+def tiny_spec(tmp_path_factory):
+    """The tiny target made predictable (make_predictable): its MTP head and the ngram lookup get drafts accepted."""
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_spec")), predictable=True)
+
+
+@pytest.fixture(scope="session")
+def spec_off(tiny_spec):
+    llm = LLM(model=tiny_spec, device="cpu")
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     return sp, llm.generate(SPEC_PROMPTS, sp), llm.generate(SPEC_PROMPTS[:1], sp)
 
 
+def assert_multi_token(stats, k, at_least):
+    """Speculation did its work: mean acceptance length (tokens per verify step) >= at_least, some steps accepted
+    all k drafts (bonus tokens), and (k > 1) some accepted a part of them. Without acceptance every step emits one
+    token (length 1.0), and a lossless check could not see what happens inside a multi-token run."""
+    assert stats.num_drafts > 0
+    assert stats.mean_acceptance_length >= at_least, (stats.mean_acceptance_length, at_least)
+    assert stats.accepted_per_pos[k - 1] > 0                                     # all k accepted
+    assert k == 1 or stats.accepted_per_pos[0] > stats.accepted_per_pos[k - 1]  # runs that end inside the drafts
+
+
 @pytest.mark.parametrize("cfg", SPEC_CONFIGS, ids=lambda c: f"{c['method']}{c['num_speculative_tokens']}")
-def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
+def test_greedy_spec_equals_plain(cfg, tiny_spec, spec_off):
     sp, ref, ref1 = spec_off
-    llm = LLM(model=tiny, device="cpu", speculative_config=cfg)
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg)
     one = llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0]
     assert one.token_ids == ref1[0].outputs[0].token_ids
     outs = llm.generate(SPEC_PROMPTS, sp)  # a batch of 5 prompts of different lengths
@@ -395,15 +462,16 @@ def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
             assert abs(a[t] - b[t]) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
             assert set(a) == set(b)
-    if cfg["method"] == "mtp" or cfg.get("prompt_lookup_min") == 1:  # these always find a draft
-        assert llm.get_metrics().num_drafts > 0
+    k = cfg["num_speculative_tokens"]
+    assert_multi_token(llm.get_metrics(), k, 1 + 0.5 * k)  # half of what was measured (MAKE_PREDICTABLE's doc)
 
 
 class OracleProposer:
-    """Proposes the true greedy continuation with planted mistakes: exercises full acceptance (bonus
-    tokens), partial acceptance and rejection at position 0, whatever the draft model's quality."""
-    def __init__(self, k, truth):
-        self.k, self.truth, self.step = k, truth, 0
+    """Proposes the true greedy continuation `truth` (prompt's first id -> plain decoding's output ids), with planted
+    mistakes when `mistakes`: exercises full acceptance (bonus tokens), partial acceptance and rejection at position
+    0, whatever a draft model's quality. Without mistakes every draft is accepted: each step emits k+1 tokens."""
+    def __init__(self, k, truth, mistakes=True):
+        self.k, self.truth, self.mistakes, self.step = k, truth, mistakes, 0
 
     def prefill(self, *a):
         pass
@@ -418,15 +486,15 @@ class OracleProposer:
             seq = self.truth[r.prompt_ids[0]][n:n + self.k]
             d[b, :len(seq)] = torch.tensor(seq)
             wrong = (self.step + b) % (self.k + 2)  # position of a planted wrong token (none if >= k)
-            if wrong < len(seq):
+            if self.mistakes and wrong < len(seq):
                 d[b, wrong] = (d[b, wrong] + 1) % engine.model.cfg.vocab_size
         self.step += 1
         return d, None
 
 
-def test_verify_commit_with_oracle_drafts(tiny, spec_off):
+def test_verify_commit_with_oracle_drafts(tiny_spec, spec_off):
     sp, ref, _ = spec_off
-    llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
     truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
     assert len(truth) == len(prompts)
@@ -787,12 +855,12 @@ def test_request_errors(tiny):
             SamplingParams(**bad)
 
 
-def test_stops_inside_speculative_steps(tiny, spec_off):
-    """EOS / stop ids / stop strings / max_tokens cut the accepted run where plain decoding stops."""
+def test_stops_inside_speculative_steps(tiny_spec, spec_off):
+    """EOS / stop ids / stop strings / max_tokens cut the accepted run where plain decoding stops (MTP k = 4)."""
     sp, ref, _ = spec_off
     full = ref[0].outputs[0]
-    plain = LLM(model=tiny, device="cpu")
-    spec = LLM(model=tiny, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 4})
+    plain = LLM(model=tiny_spec, device="cpu")
+    spec = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 4})
     stop_id = full.token_ids[7]
     text = full.text
     stop_str = text[len(text) // 2: len(text) // 2 + 3]
@@ -802,6 +870,68 @@ def test_stops_inside_speculative_steps(tiny, spec_off):
         a, b = plain.generate([SPEC_PROMPTS[0]], p)[0].outputs[0], spec.generate([SPEC_PROMPTS[0]], p)[0].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
     assert b.finish_reason == "stop" and b.stop_reason == stop_str and stop_str not in b.text
+    assert spec.get_metrics().mean_acceptance_length >= 2.0                   # the stops met multi-token runs
+
+
+def oracle_stop_cases(tok, prompts, outs, k):
+    """Stops that plain decoding meets at a token emitted at each offset of a run of the no-mistakes oracle (token 0
+    from the prefill, then k+1 tokens a step: offset (i - 1) % (k + 1); offset k = the bonus token): per kind and
+    offset, the first prompt and index i where it is the first stop. -> {(kind, offset): (prompt, i, kwargs)}."""
+    import codecs
+    cases = {}
+    for p, ids in zip(prompts, outs):
+        utf8, text, starts = codecs.getincrementaldecoder("utf-8")(errors="replace"), "", [0]
+        for t in ids:                                                            # the streamed text: bytes of a
+            if t not in tok._special_id_set:                                     # partial character wait
+                text += utf8.decode(tok.token_bytes(t))
+            starts.append(len(text))                                             # text before token j
+        for i in range(1, len(ids)):
+            o = (i - 1) % (k + 1)
+            if ids[i] not in ids[:i]:
+                cases.setdefault(("stop_id", o), (p, i, dict(stop_token_ids=[ids[i]])))
+                cases.setdefault(("eos", o), (p, i, dict(eos=ids[i])))
+            s = text[starts[i] - 2:starts[i] + 1]                                # 2 characters of i-1, 1 of i
+            if starts[i] - starts[i - 1] >= 2 and starts[i + 1] > starts[i] and text.find(s) == starts[i] - 2:
+                cases.setdefault(("stop_string", o), (p, i, dict(stop=[s])))
+            cases.setdefault(("max_tokens", o), (p, i, dict(max_tokens=i + 1)))
+    return cases
+
+
+def test_stops_inside_accepted_runs(tiny_spec, spec_off):
+    """Every draft accepted (an oracle proposing plain decoding's own tokens, k = 3: each step emits 4 tokens): a stop
+    met at each offset of a run - first draft, middle, last draft, bonus token - ends the output exactly where plain
+    decoding ends it: stop ids, EOS, stop strings spanning two tokens, max_tokens. Output ids, text, finish and stop
+    reasons (hence the token count) equal, and it is the intended token."""
+    sp, ref, _ = spec_off
+    k, kinds = 3, ("stop_id", "eos", "stop_string", "max_tokens")
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=16)
+    spec = LLM(model=tiny_spec, device="cpu", max_num_seqs=16,
+               speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    prompts = [plain.tokenizer.encode(p) for p in SPEC_PROMPTS]
+    truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+    spec.engine.proposer = OracleProposer(k, truth, mistakes=False)
+    cases = oracle_stop_cases(plain.tokenizer, prompts, [r.outputs[0].token_ids for r in ref], k)
+    assert set(cases) == {(kind, o) for kind in kinds for o in range(k + 1)}    # every kind at every offset
+    keys = sorted(cases)
+    outs = []
+    for llm in (plain, spec):
+        batch = [key for key in keys if key[0] != "eos"]                         # one batch: stops at every offset
+        params = [SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 48, **cases[key][2]}) for key in batch]
+        got = dict(zip(batch, llm.generate([cases[key][0] for key in batch], params)))
+        for key in keys:
+            if key[0] == "eos":                                                  # the model's EOS, for this case
+                p, _, args = cases[key]
+                llm.engine.stop_ids = {args["eos"]}
+                got[key] = llm.generate([p], SamplingParams(temperature=0, max_tokens=48))[0]
+        outs.append({key: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                           o.outputs[0].stop_reason) for key, o in got.items()})
+    for key in keys:
+        (kind, o), (p, i, args), a = key, cases[key], outs[0][key]
+        assert outs[1][key] == a, key
+        assert len(a[0]) == i + 1 and a[2] == ("length" if kind == "max_tokens" else "stop"), key
+        assert a[3] == {"stop_id": args.get("stop_token_ids", [None])[0], "stop_string": args.get("stop", [None])[0]}.get(kind)
+    s = spec.get_metrics()
+    assert s.num_accepted_tokens == s.num_draft_tokens and s.accepted_per_pos[k - 1] > 0   # every draft accepted
 
 
 # ==============================================================================================

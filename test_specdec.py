@@ -515,6 +515,71 @@ def test_verify_commit_with_oracle_drafts(tiny_spec, spec_off):
     assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
 
 
+def mtp_chain_reference(model, ids, k, temp=None, u=None):
+    """MTP drafts after the committed tokens ids (prompt + output; the last not yet seen by the target), from scratch
+    with the MTP module, step by step: target hidden states h_t over ids[:-1]; the MTP layer over positions
+    t = 0..L-1 fed (h_t, ids[t+1]) (L = len(ids) - 1); its output at L-1 gives d1; step j (1..k-1) runs at position
+    L-1+j fed (its own previous output, d_j). Greedy: argmax; temp: d_j drawn by inverse CDF with u[j] from
+    q_j = softmax(logits / temp). -> (drafts, [q_j] or None)."""
+    L = len(ids) - 1
+    st = sd.State(model.cfg, 1, L + k + 1, torch.float32, "cpu", mtp=True)
+    x, slot = torch.tensor([ids]), torch.tensor([0])
+    ctx = lambda p, n, mode="decode": sd.Ctx(st, slot, torch.tensor([p]), n, mode)
+    with torch.inference_mode():
+        h = model(x[:, :L], ctx(0, L, "prefill"))                                    # [1, L, H]
+        g = model.mtp(model.embed_tokens(x[:, 1:]), h, ctx(0, L))[:, -1]             # [1, H] at position L-1
+        out, qs = [], []
+        for j in range(k):
+            if j > 0:
+                g = model.mtp(model.embed_tokens(torch.tensor([[out[-1]]])), g[:, None], ctx(L - 1 + j, L + j))[:, 0]
+            logits = model.logits(g)[0]
+            if temp is None:
+                out.append(int(logits.argmax()))
+                continue
+            q = (logits / temp).softmax(-1)
+            qs.append(q)
+            out.append(min(int((q.cumsum(-1) <= u[j] * q.sum()).sum()), len(q) - 1))
+    return out, (qs if temp is not None else None)
+
+
+@pytest.mark.parametrize("ckpt,drafting", [("tiny", "probabilistic"), ("tiny_spec", "probabilistic"),
+                                           ("tiny_spec", "greedy")])
+def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):
+    """MTPProposer's k = 3 drafts (and q, when drafting is probabilistic) at every position == mtp_chain_reference,
+    right after the prefill and after each of 4 verify steps (its commit: MTP cache over the accepted tokens, the
+    hidden state kept at the last one), two requests with different lengths in one batch. tiny: random weights,
+    where positions and fed hidden states move the draft laws a lot; tiny_spec: drafts get accepted."""
+    path, k = request.getfixturevalue(ckpt), 3
+    llm = LLM(model=path, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                                             "draft_sample_method": drafting})
+    e, m = llm.engine, llm.model
+    prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS[2:4]]
+    reqs = [e.add_request(p, SamplingParams(temperature=0.8, max_tokens=30, seed=i, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    e.step()                                                                       # prefills
+    accepted = 0
+    for _ in range(5):
+        running = [r for r in e.slots if r is not None]
+        assert len(running) == 2
+        saved = [r.gen.get_state() for r in running]
+        with torch.inference_mode():
+            e.set_batch(running)
+            drafts, q = e.proposer.propose(e, running)
+        for b, r in enumerate(running):
+            u = torch.rand(k, generator=torch.Generator().set_state(saved[b])) if drafting != "greedy" else None
+            temp = 0.8 if drafting != "greedy" else None
+            want, q_ref = mtp_chain_reference(m, r.tokens, k, temp, u)
+            assert drafts[b].tolist() == want
+            if q_ref is not None:
+                assert (q[b] - torch.stack(q_ref)).abs().max() <= 1e-5
+        for r, st in zip(running, saved):
+            r.gen.set_state(st)                                                    # the step draws them again
+        before = e.stats.num_accepted_tokens
+        e.step()
+        accepted += e.stats.num_accepted_tokens - before
+    assert ckpt == "tiny" or accepted >= 3                                         # commits after accepted drafts
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})

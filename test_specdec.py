@@ -1111,10 +1111,16 @@ def test_cli_errors_are_one_line(args, msg, tiny):
 
 
 def test_cli_help_documents_every_flag():
+    """--help exits 0 and lists, each with its help text, the CLI's flags and the engine flags README.md names."""
     r = run_cli("--help")
-    for flag in ("--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype",
-                 "--device", "--max-model-len", "--chat", "--speculative-config", "--enforce-eager"):
-        assert flag in r.stdout
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+    readme = open(os.path.join(HERE, "README.md")).read()
+    named = set(re.findall(r"`(--[a-z-]+)`", readme[readme.index("Every flag"):readme.index("The CLI streams")]))
+    assert {"--model", "--speculative-config", "--max-num-seqs", "--async-scheduling"} <= named
+    for flag in named | {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--device", "--chat",
+                         "--ignore-eos", "--no-thinking"}:
+        m = re.search(r"^  (?:-\w, )?" + re.escape(flag) + r"\b[^\n]*?(?: {2,}|\n {10,})(\S[^\n]*)", r.stdout, re.M)
+        assert m, flag                                                             # an option line with its help
 
 
 # ==============================================================================================
@@ -2383,14 +2389,25 @@ def test_kernel_gdn_recurrent_gated(dtype):
     x = randn(B, T, C + 4, g=g_, dtype=dtype)[..., 2:2 + C]                         # strided conv inputs
     cpool = randn(3, C, W, g=g_, dtype=dtype)
     for keep in (n_keep, torch.tensor([0, 5], device=DEV)):  # the commit: states only, n_keep tokens (0: untouched)
-        p3, p4 = pool.clone(), pool.clone()
+        p3, p_ref = pool.clone(), pool.clone()
         assert fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p3, slots, keep, outputs=False) is None
-        fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p4, slots, keep)
-        assert torch.equal(p3, p4)
+        K.gdn_recurrent_ref(q, k, v, g, beta, p_ref, slots, keep)                  # the reference's states
+        assert rel(p3, p_ref) <= (1e-5 if dtype == torch.float32 else 1e-2), keep
+        for i in range(B):
+            assert int(keep[i]) > 0 or torch.equal(p3[slots[i]], pool[slots[i]])
+        # plain decoding reaches its states one token at a time (T = 1 launches, outputs on): the commit's must be
+        # those bit for bit, or speculation would not reproduce plain decoding's logits exactly
+        p4 = pool.clone()
+        for t in range(T):
+            r = torch.tensor([i for i in range(B) if t < int(keep[i])], dtype=torch.long, device=DEV)
+            if len(r):
+                one = lambda x_: x_[r, t:t + 1]
+                fast(K.gdn_recurrent_gated, one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, p4, slots[r])
+        assert torch.equal(p3, p4), keep
         p5, c5, c6 = pool.clone(), cpool.clone(), cpool.clone()                    # + the conv window, one launch
         fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p5, slots, keep, outputs=False, conv=(x, c5))
         K.causal_conv_ref(x, c6, slots, randn(C, W + 1, g=g_, dtype=dtype), keep)
-        assert torch.equal(p5, p4) and torch.equal(c5, c6) and not torch.equal(c5, cpool)
+        assert torch.equal(p5, p3) and torch.equal(c5, c6) and not torch.equal(c5, cpool)
 
 
 @needs_kernels
@@ -2473,20 +2490,31 @@ def test_kernel_attention_prep(dtype, T):
     for b in range(B):
         assert changed[slots[b], pos[b]:pos[b] + T].all()
     assert changed.sum() == B * T
-    # Qwen3's layers (the drafters): plain q/k norm weights, full rotary; and a cache write without queries.
-    # (bf16 only on the GPU: the interpreter emulates bf16 casts by truncation, and a full rotation chains more
-    # of them than the zero-centred check above, past bf16's tolerance, which is not a kernel error)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_kernel_attention_prep_plain(dtype, T):
+    """Qwen3's layers (the drafters): plain q/k norm weights, full rotary; and a cache write without queries."""
     if dtype != torch.float32 and not CUDA:
-        return
-    q3 = qg[..., :hd]
+        pytest.skip("bf16 plain mode runs on the GPU only: the interpreter emulates bf16 casts by truncation, and a "
+                    "full rotation chains more of them than the zero-centred check, past bf16's tolerance")
+    B, nh, nkv, hd, L = 2, 6, 2, 32, 3000
+    g = gen(T + 20)
+    q3 = randn(B, T, nh, hd, g=g, dtype=dtype)
+    k, v = randn(B, T, nkv, hd, g=g, dtype=dtype), randn(B, T, nkv, hd, g=g, dtype=dtype)
+    qw3, kw3 = 1 + randn(hd, g=g, dtype=dtype, scale=0.1), 1 + randn(hd, g=g, dtype=dtype, scale=0.1)
     inv3 = 1.0 / 1e6 ** (torch.arange(0, hd, 2, device=DEV).float() / hd)
-    qw3, kw3 = 1 + qw, 1 + kw
+    kc, vc = randn(B + 1, L, nkv, hd, g=g, dtype=dtype), randn(B + 1, L, nkv, hd, g=g, dtype=dtype)
+    slots, pos = torch.tensor([2, 0], device=DEV), torch.tensor([7, 2900], device=DEV)
     for qq in (q3, k[:, :, :0]):
         k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
         q = fast(K.attention_prep, qq, k, v, qw3, kw3, 1e-6, inv3, k1, v1, slots, pos, plain=True)
         q_ref = K.attention_prep_ref(qq, k, v, qw3, kw3, 1e-6, inv3, k2, v2, slots, pos, plain=True)
         assert q.shape == q_ref.shape and rel(k1, k2) <= TOL[dtype] and torch.equal(v1, v2)
         assert q.numel() == 0 or rel(q, q_ref) <= TOL[dtype]
+        assert not torch.equal(k1, kc)
 
 
 @needs_kernels
@@ -3164,15 +3192,39 @@ def test_draft_model_state_equals_fresh_prefill(runs):
 # Building blocks
 # ==============================================================================================
 
-def test_block_attention_folded_kernel_equals_masked_reference():
+def block_attention_reference(q, kc, vc, slots, pos, causal):
+    """Attention of T queries at positions pos[b] + t over the slot's keys, plainly, in float64: a query sees keys
+    0 .. pos[b] + T - 1 (non-causal block) or 0 .. its own position (causal); query head h reads KV head h // group."""
+    B, T, nh, d = q.shape
+    group = nh // kc.shape[2]
+    out = torch.zeros(B, T, nh, d, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            last = int(pos[b]) + (t if causal else T - 1)
+            for h in range(nh):
+                keys = kc[slots[b], :last + 1, h // group].double()                # [L, d]
+                p = (keys @ q[b, t, h].double() / math.sqrt(d)).softmax(0)
+                out[b, t, h] = p @ vc[slots[b], :last + 1, h // group].double()
+    return out
+
+
+@needs_kernels
+def test_block_attention_folded_kernel_equals_masked_reference(monkeypatch):
+    """DFlash / DSpark block attention without a window: the non-causal block folded into the head axis and served
+    by the causal attention kernel as one decode token (and the causal case), through the Triton kernel
+    (interpreted on CPU), against block_attention_reference; the windowed masked path against it too."""
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(3, 40, 2, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g)
     q, slots, pos = torch.randn(2, 5, 4, 16, generator=g), torch.tensor([2, 0]), torch.tensor([17, 30])
-    fold = sd.block_attention(q, kc, vc, slots, pos, 35)               # the non-causal path through K.attention
-    ref = sd.block_attention(q, kc, vc, slots, pos, 35, window=10 ** 6)
-    assert torch.allclose(fold, ref, atol=1e-5)
-    assert torch.allclose(sd.block_attention(q, kc, vc, slots, pos, 35, causal=True),
-                          sd.block_attention(q, kc, vc, slots, pos, 35, causal=True, window=10 ** 6), atol=1e-5)
+    launches, launch = [], K._attention_launch
+    monkeypatch.setattr(K, "_attention_launch", lambda *a, **kw: launches.append(a[0].shape) or launch(*a, **kw))
+    for causal in (False, True):
+        ref = block_attention_reference(q, kc, vc, slots, pos, causal)
+        got = fast(sd.block_attention, q, kc, vc, slots, pos, 35, causal=causal)
+        assert launches[-1] == ((2, 1, 20, 16) if not causal else (2, 5, 4, 16))  # folded: 4 heads x 5 queries
+        assert rel(got, ref) <= TOL[torch.float32], causal
+        assert rel(sd.block_attention(q, kc, vc, slots, pos, 35, causal=causal, window=10 ** 6), ref) <= 1e-6
+    assert len(launches) == 2
 
 
 def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
@@ -3262,7 +3314,10 @@ def test_kernel_gemv(M, N, Kin, gemv_calls):
     r = randn(1, M, N, g=g)                                                        # the skip connection
     y = gemv(xs, w, residual=r)
     assert rel(y, r + F.linear(xs, w)) <= TOL[torch.float32] and len(gemv_calls) == 3
-    assert torch.equal(K.linear(xs, w, r), r + K.linear(xs, w))                   # the reference path
+    exact_ = r.double() + xs.double() @ w.double().T                              # the reference path (CPU) against
+    assert rel(K.linear(xs, w, r), exact_) <= 1e-6 and len(gemv_calls) == 3        # float64; and row by row, each
+    for i in range(M):                                                             # row as if it were alone
+        assert torch.equal(K.linear(xs[:, i:i + 1], w), K.linear(xs, w)[:, i:i + 1]) or CUDA
 
 
 @needs_kernels
@@ -3270,9 +3325,8 @@ def test_kernel_gemv_dispatch(gemv_calls):
     """Without GEMV_ALWAYS the CPU keeps its row-wise reference; ineligible inputs always take F.linear."""
     g = gen(0)
     w, x = randn(24, 200, g=g), randn(5, 200, g=g)
-    ref = K.linear(x, w)                                                           # the plain CPU / cuBLAS path
     if not CUDA:
-        assert torch.equal(gemv(x, w, always=False), ref) and not gemv_calls
+        assert rel(gemv(x, w, always=False), F.linear(x, w)) <= 1e-6 and not gemv_calls
     for xi, wi in [(randn(33, 200, g=g), w),                                       # M > 32
                    (x, randn(200, 24, g=g).t()),                                   # w not contiguous
                    (x.double(), w.double())]:                                      # fp64
@@ -3280,13 +3334,33 @@ def test_kernel_gemv_dispatch(gemv_calls):
     with pytest.raises(RuntimeError):                                              # mixed dtypes: F.linear refuses
         gemv(x, w.double())
     assert not gemv_calls
-    # the rule on CUDA (27B shapes, bf16; M = 1, 8): Triton where the H200 measurements say it wins
-    shapes = [(34816, 5120), (5120, 17408), (16480, 5120), (248320, 5120), (5120, 6144), (14336, 5120)]
-    wins = {(N, Kin): [K._gemv_config(M, N, Kin, True, torch.bfloat16) is not None for M in (1, 8)] for N, Kin in shapes}
-    assert wins == {(34816, 5120): [True, False], (5120, 17408): [True, True], (16480, 5120): [True, True],
-                    (248320, 5120): [True, True], (5120, 6144): [True, False], (14336, 5120): [True, False]}
-    assert K._gemv_config(1, 248320, 5120, True, torch.float32) is None                # fp32: cuBLAS
-    assert K._gemv_config(1, 64, 64, True, torch.bfloat16) is None                     # tiny: cuBLAS
+
+
+GEMV_SHAPES = [(N, K) for N in (64, 512, 1281, 2048, 4096, 5120, 6144, 8192, 14336, 16480, 17408, 25600, 34816,
+                                51200, 248320) for K in (512, 2048, 5120, 6144, 17408)]
+
+
+@needs_kernels
+def test_kernel_gemv_every_gpu_config():
+    """Every tile configuration the GPU rule (_gemv_config on CUDA, bf16, M = 1..32, the 27B / 35B shapes and
+    around them) can choose computes x @ w^T (F.linear in float64 is the reference; run here through the
+    interpreter on small odd shapes: the blocks' masks and the split-K sum, with the GPU's block sizes). And the
+    rule's documented invariants: fp32 always cuBLAS; K split only for tall weights (K >= 3N), never at M = 1."""
+    cfgs = set()
+    for M in range(1, 33):
+        for N, Kin in GEMV_SHAPES:
+            c = K._gemv_config(M, N, Kin, True, torch.bfloat16)
+            assert K._gemv_config(M, N, Kin, True, torch.float32) is None
+            if c is not None:
+                assert c[2] == 1 or (Kin >= 3 * N and M > 1), (M, N, Kin, c)
+                cfgs.add(c)
+    assert len(cfgs) >= 5
+    g = gen(1)
+    for c in sorted(cfgs):
+        for M, N, Kin in ((1, 37, 300), (5, 70, 212), (17, 9, 530)):
+            x, w, r = randn(M, Kin, g=g), randn(N, Kin, g=g), randn(M, N, g=g)
+            y = fast(K._gemv_launch, x, w, c, r)
+            assert rel(y, r.double() + x.double() @ w.double().T) <= TOL[torch.float32], (c, M, N, Kin)
 
 
 @needs_cuda

@@ -677,6 +677,8 @@ def test_rejection_sampler_distribution_every_position(k, drafting):
     likely = torch.randint(0, V, (k + 1,), generator=g)                          # a likely token per position, so
     logits = torch.randn(k + 1, V, generator=g) + 2.5 * F.one_hot(likely, V)     # that runs reach position k often
     q_logits = torch.randn(k, V, generator=g) + 2.0 * F.one_hot(likely[:k], V)   # per position: different laws
+    if drafting != "full_q":                                                     # one-hot drafts never use the last
+        q_logits[:, V - 1] = float("-inf")                                       # id (q's width is V, not max + 1)
     q_law = q_logits.softmax(-1)                                                 # q_j (full) or the draft mix (one-hot)
     drafts = torch.stack([torch.multinomial(q_law[j], N, replacement=True, generator=g) for j in range(k)], 1)
     n_real = torch.full((N,), k)
@@ -713,6 +715,48 @@ def test_rejection_sampler_distribution_every_position(k, drafting):
             assert abs(acc / m - rate) <= z * math.sqrt(rate * (1 - rate) / m) + 1e-9, (gi, j, acc / m, rate)
             if drafting == "one_hot_padded":
                 assert int((n[reach & (n_real == j)] > j).sum()) == 0            # a -1 draft is never accepted
+
+
+def test_rejection_sampler_edges():
+    """Edge cases of the ratio test, each with its reason:
+    - u = 0 (torch.rand can return it) never accepts a draft the target gives probability 0 (outside its top-k);
+    - p == q with the draft's probability subnormal and u just below 1: u * q(d) rounds to q(d), the draft is rejected
+      and max(0, p - q) is all zero: the next token is drawn from p (another row's residual is not);
+    - temperature exactly 1e-5 is sampled, not greedy (SamplingParams.greedy is temperature < 1e-5, and plain decoding
+      samples it): between two tied top logits the sampled law is 1/2 each, so a draft of the second is accepted."""
+    V = 6
+    logits = torch.tensor([[3.0, 2.5, 1.0, 0.0, -1.0, -2.0]] * 2)[None]          # B = 1, k = 1
+    for draft_probs in (None, torch.full((1, 1, V), 1.0 / V)):
+        tok, n = sd.rejection_sample(logits, torch.tensor([[4]]), draft_probs, torch.ones(1), torch.tensor([2]),
+                                     torch.ones(1), torch.zeros(1, 1), torch.full((1, 2), 0.5))
+        assert int(n[0]) == 0 and int(tok[0, 0]) in (0, 1)
+    zlog = torch.tensor([[0.0, -100.0, 1.0, 0.5, 0.2, 0.1], [2.0, -1.0, 0.0, 0.0, 0.0, 0.0]])  # row 0: p(1) ~ 4e-44
+    zl = zlog[:, None].expand(2, 2, V).clone()                                  # k = 1
+    p = sd.target_probs(zl.reshape(-1, V), torch.ones(4), torch.full((4,), -1), torch.ones(4)).view(2, 2, V)
+    assert 0 < float(p[0, 0, 1]) < 1e-38                                          # subnormal
+    q = p[:, :1].clone()
+    q[1, 0] = torch.tensor([0.0, 0.2, 0.2, 0.2, 0.2, 0.2])                        # row 1: residual mass on id 0
+    below_one = torch.tensor(1.0).nextafter(torch.tensor(0.0))
+    tok, n = sd.rejection_sample(zl, torch.tensor([[1], [3]]), q, torch.ones(2), torch.full((2,), -1), torch.ones(2),
+                                 torch.tensor([[below_one], [0.99]]), torch.zeros(2, 2))
+    assert n.tolist() == [0, 0] and tok[:, 0].tolist() == [0, 0]                  # the first id with mass, both rows
+    tie = torch.tensor([[1.0, 4.0, 0.0, 4.0, 2.0, 0.0]] * 2)[None]
+    assert not SamplingParams(temperature=1e-5).greedy
+    tok, n = sd.rejection_sample(tie, torch.tensor([[3]]), None, torch.full((1,), 1e-5), torch.full((1,), -1),
+                                 torch.ones(1), torch.full((1, 1), 0.25), torch.full((1, 2), 0.5))
+    assert int(n[0]) == 1 and int(tok[0, 0]) == 3
+
+
+def test_rejection_sampler_stays_on_the_logits_device():
+    """Every tensor rejection_sample makes is on the logits' device (the GPU in production): run on the meta device,
+    where an operation mixing in a CPU tensor fails. Greedy, sampled with one-hot q, sampled with full q."""
+    B, k, V, meta = 3, 2, 7, torch.device("meta")
+    args = lambda temp: (torch.randn(B, k + 1, V, device=meta), torch.zeros(B, k, dtype=torch.long, device=meta))
+    rest = lambda temp: (torch.full((B,), temp, device=meta), torch.full((B,), -1, device=meta),
+                         torch.ones(B, device=meta), torch.rand(B, k, device=meta), torch.rand(B, k + 1, device=meta))
+    for temp, q, greedy in ((0.0, None, True), (1.0, None, False), (1.0, torch.rand(B, k, V, device=meta), False)):
+        tok, n = sd.rejection_sample(*args(temp), q, *rest(temp), all_greedy=greedy, filtered=False)
+        assert tok.device == meta and n.device == meta and tok.shape == (B, k + 1) and n.shape == (B,)
 
 
 def test_rejection_sampler_mixed_greedy_and_sampled_rows():

@@ -623,7 +623,8 @@ def test_rejection_sampler_greedy():
 
 def chi2_sf(x, dof):
     """P(X > x) for X ~ chi-square with dof degrees of freedom (the regularised upper incomplete gamma function)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+    half = lambda v: torch.tensor(v / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(half(dof), half(x)))
 
 
 def goodness_of_fit(counts, law):
@@ -916,7 +917,8 @@ def test_gguf_mtp_greedy_lossless_and_refusals(tiny_spec, tmp_path):
     with pytest.raises(ConfigError, match="no MTP block"):
         LLM(model=nomtp, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ConfigError, match="'dspark' is refused for a GGUF target"):
-        LLM(model=f, device="cpu", speculative_config={"method": "dspark", "model": tiny_spec, "num_speculative_tokens": 7})
+        LLM(model=f, device="cpu",
+            speculative_config={"method": "dspark", "model": tiny_spec, "num_speculative_tokens": 7})
 
 
 # ==============================================================================================
@@ -1103,7 +1105,8 @@ def test_stops_inside_accepted_runs(tiny_spec, spec_off):
     outs = []
     for llm in (plain, spec):
         batch = [key for key in keys if key[0] != "eos"]                         # one batch: stops at every offset
-        params = [SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 48, **cases[key][2]}) for key in batch]
+        params = [SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 48, **cases[key][2]})
+                  for key in batch]
         got = dict(zip(batch, llm.generate([cases[key][0] for key in batch], params)))
         for key in keys:
             if key[0] == "eos":                                                  # the model's EOS, for this case
@@ -1116,7 +1119,8 @@ def test_stops_inside_accepted_runs(tiny_spec, spec_off):
         (kind, o), (p, i, args), a = key, cases[key], outs[0][key]
         assert outs[1][key] == a, key
         assert len(a[0]) == i + 1 and a[2] == ("length" if kind == "max_tokens" else "stop"), key
-        assert a[3] == {"stop_id": args.get("stop_token_ids", [None])[0], "stop_string": args.get("stop", [None])[0]}.get(kind)
+        reason = {"stop_id": args.get("stop_token_ids", [None])[0], "stop_string": args.get("stop", [None])[0]}
+        assert a[3] == reason.get(kind), key
     s = spec.get_metrics()
     assert s.num_accepted_tokens == s.num_draft_tokens and s.accepted_per_pos[k - 1] > 0   # every draft accepted
 
@@ -2891,7 +2895,8 @@ def dspark_parts(target, ids, block, rank, seed):
     w = predictive_backbone(layer_cfg, len(ids), seed, target, out_scale=0.05)
     tw = load_file(os.path.join(target, "model.safetensors"))
     g = torch.Generator().manual_seed(seed + 1)
-    bigram = bigram_hidden({"model.embed_tokens.weight": emb, "model.norm.weight": tw["model.language_model.norm.weight"]})
+    bigram = bigram_hidden({"model.embed_tokens.weight": emb,
+                            "model.norm.weight": tw["model.language_model.norm.weight"]})
     assert rank == bigram.shape[1]
     w.update({"markov_head.markov_w1.weight": bigram.clone(), "markov_head.markov_w2.weight": head.clone(),
               "confidence_head.proj.weight": torch.randn(1, 64 + rank, generator=g) * 0.1,
@@ -2935,7 +2940,8 @@ def write_qwen3_lm(path, vocab, seed=0, tie=True, like=None):
     if like is not None:
         t = like_target(like)
         w.update({"model.embed_tokens.weight": t["model.language_model.embed_tokens.weight"],
-                  "lm_head.weight": t["lm_head.weight"], "model.norm.weight": 1 + t["model.language_model.norm.weight"]})
+                  "lm_head.weight": t["lm_head.weight"],
+                  "model.norm.weight": 1 + t["model.language_model.norm.weight"]})
         for n in w:
             if n.endswith(("o_proj.weight", "down_proj.weight")):
                 w[n] = w[n] * PREDICTABLE_MIX

@@ -1044,6 +1044,107 @@ def test_request_errors(tiny):
             SamplingParams(**bad)
 
 
+def emit_reference(tok, stream, params, eos, room):
+    """A request's output after the tokens of `stream`, by the stop rules written plainly: tokens are appended one at a
+    time; EOS and special ids add no text; after each token, the first of params.stop (in its order) found in the
+    text ends the output (the text cut before it; the token stays), else a stop id (kept), else EOS unless ignore_eos,
+    else max_tokens or the context (room: tokens left). -> (ids, text, finish_reason, stop_reason)."""
+    ids, text_ids = [], []
+    for t in stream:
+        ids.append(t)
+        if t not in eos and t not in tok._special_id_set:
+            text_ids.append(t)
+            text = tok.decode(text_ids)
+            hit = next((x for x in params.stop if x in text), None)
+            if hit is not None:
+                return ids, text[:text.index(hit)], "stop", hit
+        text = tok.decode(text_ids)
+        if t in params.stop_token_ids:
+            return ids, text, "stop", t
+        if t in eos and not params.ignore_eos:
+            return ids, text, "stop", None
+        if len(ids) >= min(params.max_tokens, room):
+            return ids, text, "length", None
+    return ids, tok.decode(text_ids), None, None
+
+
+def test_emit_matches_the_stop_rules(tiny):
+    """Engine._emit, fed token runs of 1 to 5 tokens at a time (a speculative step's accepted run) with logits, against
+    emit_reference on 300 random requests: output ids, text, finish and stop reasons; logprobs (top-2 and the token's,
+    from the logits); the stream callback's count per run; first / finish times; the slot freed at the finish.
+    Streams of ASCII tokens with EOS and special ids mixed in, some with a character split over two tokens; stop
+    strings that span token boundaries, start the text, occur twice within one token, or never occur; stop ids;
+    several stops per request."""
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=1, max_model_len=64)
+    e, tok = llm.engine, llm.tokenizer
+    V = llm.model.cfg.vocab_size
+    ascii_ids = [i for i in range(tok.vocab_size) if i not in tok._special_id_set and tok.token_bytes(i)
+                 and all(32 <= c < 127 for c in tok.token_bytes(i))]
+    twice = [i for i in ascii_ids if any(tok.token_bytes(i).count(c) >= 2 for c in set(tok.token_bytes(i)))]
+    byte = {tok.token_bytes(i)[0]: i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1}
+    dangling = [i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) >= 2 and 32 <= tok.token_bytes(i)[0] < 127
+                and 0xC2 <= tok.token_bytes(i)[-1] <= 0xF4]                      # ASCII, then a character's first byte
+    assert dangling
+    eos = sorted(e.stop_ids)
+    g = torch.Generator().manual_seed(0)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (), generator=g))]
+    for trial in range(300):
+        n = int(torch.randint(1, 30, (), generator=g))
+        stream = [pick(ascii_ids) for _ in range(n)]
+        for _ in range(int(torch.randint(0, 3, (), generator=g))):              # EOS / special ids inside
+            stream[int(torch.randint(n, (), generator=g))] = pick(eos + sorted(tok._special_id_set))
+        if trial % 7 == 0:
+            stream[0] = pick(twice)
+        if trial % 6 == 1:                                                       # a 2-byte character split over
+            at = 1 + int(torch.randint(n, (), generator=g))                      # two tokens (a stop between them:
+            stream[at:at + 1] = [byte[0xC3], byte[0xA9]]                         # the dangling byte flushes as U+FFFD)
+            n = len(stream)
+        text = tok.decode([t for t in stream if t not in eos and t not in tok._special_id_set])
+        stops = []
+        for _ in range(int(torch.randint(0, 3, (), generator=g))):
+            kind = int(torch.randint(4, (), generator=g))
+            a = int(torch.randint(len(text) + 1, (), generator=g))
+            cand = [text[a:a + 3], text[:2], "\x01never", "".join(chr(c) for c in tok.token_bytes(stream[0]))][kind]
+            if kind == 3 and trial % 7 == 0:                                     # a character twice in token 0
+                b = tok.token_bytes(stream[0])
+                cand = chr(next(c for c in b if b.count(c) >= 2))
+            if cand:
+                stops.append(cand)
+        if trial % 13 == 5:                                                      # a stop string ends where a token
+            stream[0] = pick(dangling)                                           # leaves a partial character: the cut
+            stops.insert(0, chr(tok.token_bytes(stream[0])[0]))                  # text gets no U+FFFD from it
+        params = SamplingParams(temperature=0, max_tokens=int(torch.randint(1, 32, (), generator=g)), stop=stops,
+                                stop_token_ids=[pick(stream)] if trial % 3 == 0 else None, ignore_eos=trial % 4 == 0,
+                                logprobs=2 if trial % 5 == 0 else None)
+        prompt = [pick(ascii_ids) for _ in range(int(torch.randint(1, 31, (), generator=g)))]
+        req = e.add_request(prompt, params)
+        e.waiting.remove(req)
+        req.slot, e.slots[0] = 0, req
+        calls = []
+        req.on_update = lambda r, k: calls.append(k)
+        want = emit_reference(tok, stream, req.params, set(eos), e.max_model_len - len(prompt))
+        at, runs, first = 0, [], None
+        while at < len(stream) and not req.finished:
+            k = int(torch.randint(1, 6, (), generator=g))
+            logits = torch.randn(k, V, generator=g)
+            before = len(req.output_ids)
+            e._emit(req, stream[at:at + k], logits)
+            runs.append((len(req.output_ids) - before, logits))
+            first = first or req.first_token_time
+            assert req.first_token_time == first and first is not None
+            at += k
+        assert (req.output_ids, req.text, req.finish_reason, req.stop_reason) == want, (trial, stream, params)
+        assert req.tokens == prompt + req.output_ids and calls == [m for m, _ in runs]
+        assert (req.finish_time is not None) == req.finished == (e.slots[0] is None) == (req.slot is None)
+        if req.logprobs is not None:
+            lps = [lg[i].double().log_softmax(-1) for m, lg in runs for i in range(m)]
+            assert len(req.logprobs) == len(req.output_ids)
+            for d, lp, t in zip(req.logprobs, lps, req.output_ids):
+                top = set(lp.topk(2).indices.tolist()) | {t}
+                assert set(d) == top and all(abs(d[x] - float(lp[x])) < 1e-5 for x in top)
+        e.slots[0] = None
+
+
 def test_stops_inside_speculative_steps(tiny_spec, spec_off):
     """EOS / stop ids / stop strings / max_tokens cut the accepted run where plain decoding stops (MTP k = 4)."""
     sp, ref, _ = spec_off

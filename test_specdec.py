@@ -4,6 +4,7 @@ written here in the real published layouts. Run: python -m pytest -q test_specde
 
 Also a tool: `python test_specdec.py make-tiny DIR [--moe]` writes a tiny random checkpoint.
 """
+import dataclasses
 import http.client
 import json
 import math
@@ -975,46 +976,142 @@ def test_fp32_a_log_in_bf16_model_and_vision_skipped(tiny):
     assert len(llm.generate("hi", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids) == 4
 
 
-SPEC_ERRORS = [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "'eagle3' is a vLLM method that specdec does not implement; accepted methods: mtp, dflash, dspark, ngram, draft_model"),
-    ({"method": "ngram_gpu", "num_speculative_tokens": 2}, "'ngram_gpu' is a vLLM method"),
-    ({"method": "foo", "num_speculative_tokens": 2}, "unknown speculative method 'foo'; accepted methods: mtp, dflash"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "bogus": 1}, "unknown speculative config key 'bogus'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "tensor_parallel_size": 1}, "Please pass 'draft_tensor_parallel_size' instead"),
-    ({"method": "mtp"}, "num_speculative_tokens must be provided"),
-    ({"method": "ngram"}, "num_speculative_tokens must be provided"),
+def json_error(text):
+    """The json module's own message for text."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return str(e)
+
+
+VLLM_ONLY = "is a vLLM method that specdec does not implement; " \
+            "accepted methods: mtp, dflash, dspark, ngram, draft_model (and the *_mtp aliases of mtp)"
+SPEC_ERRORS = [  # (config, the whole message): the user-facing text, vLLM's own where vLLM has one
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, f"speculative method 'eagle3' {VLLM_ONLY}"),
+    ({"method": "ngram_gpu", "num_speculative_tokens": 2}, f"speculative method 'ngram_gpu' {VLLM_ONLY}"),
+    ({"method": "foo", "num_speculative_tokens": 2}, "unknown speculative method 'foo'; accepted methods: mtp, dflash, "
+                                                     "dspark, ngram, draft_model (and the *_mtp aliases of mtp)"),
+    ({"method": 3, "num_speculative_tokens": 2}, "speculative method must be a string, got 3"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "bogus": 1}, "unknown speculative config key 'bogus' (extra keys are "
+     "forbidden, as in vLLM); accepted keys: " + ", ".join(sorted(f.name for f in dataclasses.fields(sd.SpeculativeConfig)))),
+    ({"method": "mtp", "num_speculative_tokens": 2, "tensor_parallel_size": 1}, "'tensor_parallel_size' is not a valid "
+     "argument in the speculative_config. Please pass 'draft_tensor_parallel_size' instead."),
+    ({"method": "mtp"}, "num_speculative_tokens must be provided with speculative model unless the draft model config "
+                        "contains an n_predict parameter."),
+    ({"method": "ngram"}, "num_speculative_tokens must be provided with speculative model unless the draft model config "
+                          "contains an n_predict parameter."),
     ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
-    ({"method": "mtp", "num_speculative_tokens": -1}, "must be a positive integer, got -1"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be a positive integer"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "only valid with method 'ngram'"),
+    ({"method": "mtp", "num_speculative_tokens": -1}, "num_speculative_tokens must be a positive integer, got -1"),
+    ({"method": "mtp", "num_speculative_tokens": True}, "num_speculative_tokens must be a positive integer, got True"),
+    ({"method": "mtp", "num_speculative_tokens": 2.0}, "num_speculative_tokens must be a positive integer, got 2.0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "prompt_lookup_min must be a positive integer, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": True},
+     "prompt_lookup_max must be a positive integer, got True"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"},
+     "prompt_lookup_min must be a positive integer, got '3'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'"),
     ({"method": "dflash", "num_speculative_tokens": 2}, "num_speculative_tokens was provided but without speculative model."),
-    ({"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "cannot be other value than 1"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "quantization": "fp8"}, "draft quantization 'fp8' is not supported"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"}, "must be 'standard' or 'synthetic'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "needs exactly one of"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2.0}, "need rejection_sample_method 'synthetic'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5]}, "must be a list of 2 numbers"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5, 0.9]}, "must be non-increasing"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.5}, r"must be in \[1, num_speculative_tokens \+ 1 = 3\]"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "beam"}, "draft_sample_method must be 'greedy' or 'probabilistic'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "dspark_draft_topk": 4}, "dspark_draft_topk is only valid with method 'dspark'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch' is a vLLM option specdec does not support"),
-    ({"model": "my.pkg.Proposer", "num_speculative_tokens": 2}, "'custom_class' is a vLLM method"),
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "must be a JSON object"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "num_speculative_tokens was provided but without speculative model."),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2 cannot "
+     "be other value than 1 or target model tensor_parallel_size (1 in specdec)"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "quantization": "fp8"},
+     "draft quantization 'fp8' is not supported; specdec runs drafts in the target's dtype"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len must be a positive integer, got 0"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "max_model_len": "8"},
+     "max_model_len must be a positive integer, got '8'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
+     "rejection_sample_method must be 'standard' or 'synthetic', got 'block'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "rejection_sample_method "
+     "'synthetic' needs exactly one of synthetic_acceptance_rates and synthetic_acceptance_length"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.0, 1.0], "synthetic_acceptance_length": 2.0}, "rejection_sample_method "
+     "'synthetic' needs exactly one of synthetic_acceptance_rates and synthetic_acceptance_length"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2.0},
+     "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method 'synthetic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [1.0, 1.0]},
+     "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method 'synthetic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.5]}, "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got [0.5]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.0, -0.5]},
+     "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got [1.0, -0.5]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.5, 1.0]},
+     "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got [1.5, 1.0]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": "0.5"}, "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got '0.5'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.5, 0.9]}, "synthetic_acceptance_rates must be non-increasing, got [0.5, 0.9]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 3.5},
+     "synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = 3], got 3.5"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 0.5},
+     "synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = 3], got 0.5"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "beam"},
+     "draft_sample_method must be 'greedy' or 'probabilistic', got 'beam'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "dspark_draft_topk": 4},
+     "dspark_draft_topk is only valid with method 'dspark'"),
+    ({"method": "dspark", "num_speculative_tokens": 4, "dspark_draft_topk": 0},
+     "dspark_draft_topk must be an integer >= 1, got 0"),
+    ({"method": "dspark", "num_speculative_tokens": 4, "dspark_draft_topk": 2.5},
+     "dspark_draft_topk must be an integer >= 1, got 2.5"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "enforce_eager": "yes"}, "enforce_eager must be true or false, got 'yes'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}, "speculative config key "
+     "'disable_padded_drafter_batch' is a vLLM option specdec does not support (only its default False is accepted)"),
+    ({"model": "my.pkg.Proposer", "num_speculative_tokens": 2}, f"speculative method 'custom_class' {VLLM_ONLY}"),
+    ("{not json", "speculative config is not valid JSON: " + json_error("{not json")),
+    ("[1, 2]", "speculative config must be a JSON object, got list"),
+    ("3", "speculative config must be a JSON object, got int"),
 ]
 
 
 @pytest.mark.parametrize("cfg,msg", SPEC_ERRORS, ids=[m[:40] for _, m in SPEC_ERRORS])
 def test_spec_config_errors(cfg, msg):
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConfigError) as e:
         sd.SpeculativeConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    assert str(e.value) == msg
 
 
-def test_spec_config_inference_and_aliases():
+def test_spec_config_inference_and_aliases(tmp_path):
     c = sd.SpeculativeConfig.from_json({"model": "ngram", "num_speculative_tokens": 3})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
+    assert sd.SpeculativeConfig.from_json(c) is c and sd.SpeculativeConfig.from_json(None) is None
+    c = sd.SpeculativeConfig.from_json('{"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 3}')
+    assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", "[ngram]", 3, 3)
+    c = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)   # vLLM sets model = "ngram"
+    c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 2, "quantization": "None",
+                                        "draft_tensor_parallel_size": 1, "enforce_eager": True, "max_model_len": 9,
+                                        "disable_padded_drafter_batch": False, "draft_sample_method": "probabilistic"})
+    assert (c.method, c.model, c.enforce_eager, c.max_model_len, c.draft_sample_method) == \
+        ("mtp", None, True, 9, "probabilistic")
+    dotted = tmp_path / "my.draft"                                       # a dotted name that is a directory: a model
+    dotted.mkdir()
+    os.chdir(tmp_path)
+    try:
+        assert sd.SpeculativeConfig.from_json({"model": "my.draft", "num_speculative_tokens": 1}).method == "draft_model"
+    finally:
+        os.chdir(HERE)
+    assert sd.SpeculativeConfig.from_json({"model": "org.pkg/Draft", "num_speculative_tokens": 1}).method == \
+        "draft_model"
+    c = sd.SpeculativeConfig.from_json({"method": "dspark", "model": "d", "num_speculative_tokens": 4,
+                                        "dspark_draft_topk": 1})
+    assert (c.method, c.dspark_draft_topk) == ("dspark", 1)
+    c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method":
+                                        "synthetic", "synthetic_acceptance_rates": [1.0, 0.5, 0.0]})
+    assert c.conditional_rates() == [1.0, 0.5, 0.0]
+    for length in (1, 4):                                                # the ends of [1, k + 1]
+        c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 3,
+                                            "rejection_sample_method": "synthetic", "synthetic_acceptance_length": length})
+        assert c.conditional_rates() == ([0.0] * 3 if length == 1 else [1.0] * 3)
     c = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 7})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (7, 7)
     assert sd.SpeculativeConfig.from_json({"model": "some/draft", "num_speculative_tokens": 3}).method == "draft_model"

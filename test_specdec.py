@@ -581,6 +581,25 @@ def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):
     assert ckpt == "tiny" or accepted >= 3                                         # commits after accepted drafts
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_mtp_chain_and_target_attention_reads_are_bounded(tiny_spec, asynchronous, monkeypatch):
+    """Every attention call of a speculative run (target prefill / decode / verify, the MTP chain and its commit)
+    gets what Ctx promises: kv_len an int with max(pos) + T <= kv_len <= the cache length (the keys it may read).
+    Synchronous steps compute it from the host's lengths, asynchronous ones pass the cache length."""
+    seen, attention = [], K.attention
+
+    def checked(q, k_cache, v_cache, slots, pos, kv_len):
+        assert isinstance(kv_len, int) and int((pos + q.shape[1]).max()) <= kv_len <= k_cache.shape[1], kv_len
+        seen.append(q.shape[1])
+        return attention(q, k_cache, v_cache, slots, pos, kv_len)
+    monkeypatch.setattr(K, "attention", checked)
+    llm = LLM(model=tiny_spec, device="cpu", async_scheduling=asynchronous,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    out = llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out) and llm.get_metrics().num_accepted_tokens > 0
+    assert {1, 4} <= set(seen)                                                     # decode-sized and verify calls
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
@@ -1165,7 +1184,7 @@ def emit_reference(tok, stream, params, eos, room):
     return ids, tok.decode(text_ids), None, None
 
 
-def test_emit_matches_the_stop_rules(tiny):
+def test_stops_inside_runs_match_the_stop_rules(tiny):
     """Engine._emit, fed token runs of 1 to 5 tokens at a time (a speculative step's accepted run) with logits, against
     emit_reference on 300 random requests: output ids, text, finish and stop reasons; logprobs (top-2 and the token's,
     from the logits); the stream callback's count per run; first / finish times; the slot freed at the finish.

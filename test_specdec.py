@@ -1186,8 +1186,8 @@ def emit_reference(tok, stream, params, eos, room):
 
 def test_stops_inside_runs_match_the_stop_rules(tiny):
     """Engine._emit, fed token runs of 1 to 5 tokens at a time (a speculative step's accepted run) with logits, against
-    emit_reference on 300 random requests: output ids, text, finish and stop reasons; logprobs (top-2 and the token's,
-    from the logits); the stream callback's count per run; first / finish times; the slot freed at the finish.
+    emit_reference on 300 random requests: output ids, text, finish and stop reasons; logprobs (top-2 or top-0, and the
+    token's, from the logits); the stream callback's count per run; first / finish times; the slot freed at the finish.
     Streams of ASCII tokens with EOS and special ids mixed in, some with a character split over two tokens; stop
     strings that span token boundaries, start the text, occur twice within one token, or never occur; stop ids;
     several stops per request."""
@@ -1231,7 +1231,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
             stops.insert(0, chr(tok.token_bytes(stream[0])[0]))                  # text gets no U+FFFD from it
         params = SamplingParams(temperature=0, max_tokens=int(torch.randint(1, 32, (), generator=g)), stop=stops,
                                 stop_token_ids=[pick(stream)] if trial % 3 == 0 else None, ignore_eos=trial % 4 == 0,
-                                logprobs=2 if trial % 5 == 0 else None)
+                                logprobs=[2, 0, None, None, None][trial % 5])
         prompt = [pick(ascii_ids) for _ in range(int(torch.randint(1, 31, (), generator=g)))]
         req = e.add_request(prompt, params)
         e.waiting.remove(req)
@@ -1256,7 +1256,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
             lps = [lg[i].double().log_softmax(-1) for m, lg in runs for i in range(m)]
             assert len(req.logprobs) == len(req.output_ids)
             for d, lp, t in zip(req.logprobs, lps, req.output_ids):
-                top = set(lp.topk(2).indices.tolist()) | {t}
+                top = set(lp.topk(params.logprobs).indices.tolist()) | {t}             # logprobs=0: the token's only
                 assert set(d) == top and all(abs(d[x] - float(lp[x])) < 1e-5 for x in top)
         e.slots[0] = None
 

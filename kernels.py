@@ -15,6 +15,7 @@ H_k / H_v = GDN key / value heads, d_k / d_v = their head dims, C = GDN conv cha
 E = experts, k = experts per token, I = expert intermediate size.
 """
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ except ImportError:  # no Triton (e.g. macOS): the references serve everywhere
 USE_TRITON = True  # the Triton kernels on CUDA tensors; False: references everywhere
 INTERPRET = False  # tests: also take the Triton path on CPU tensors (needs TRITON_INTERPRET=1 at import)
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+# A kernel whose arguments T (tokens per row) must not be specialised: Triton compiles a separate kernel for an
+# integer argument equal to 1, so a decode step (T = 1) would run other machine code than a verify (T = k+1).
+_jit_any_T = triton.jit(do_not_specialize=["T"]) if triton is not None else (lambda fn: fn)
 
 
 def _fast(x):
@@ -111,7 +115,7 @@ def add_rms_norm_ref(x, residual, weight, eps):
 
 
 def gated_rms_norm_ref(x, z, weight, eps):
-    xf = x.float()
+    xf = x.float().contiguous()  # (x may be a transposed view: torch then sums the rows in an order set by T)
     y = (xf * exact(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y
     return (y * exact(F.silu, z.float())).to(x.dtype)
@@ -223,6 +227,50 @@ def gated_rms_norm(x, z, weight, eps):
 
 GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the interpreter: any M <= 32)
 
+# Batch invariance (the default). Speculation is lossless only if a verify row (T = k+1) computes exactly what the
+# same token's decode row (T = 1) would, and concurrency changes no token only if a row's result does not depend on
+# the other rows of its step. In bf16 near-ties are common enough that a different rounding flips a greedy token
+# (the losslessness sweep of tools/lossless_sweep.py saw it at T = 2 on the toy model). So with BATCH_INVARIANT every
+# decode / verify row gets one arithmetic whatever M, T and the batch are:
+#   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose tiles and K split are
+#     a function of the weight's shape alone (_rows_config), rows in 16-row tl.dot tiles (a row's products do not
+#     depend on the other rows of its tile); cuBLAS picks its algorithm by M and is left to prefill;
+#   - attention: keys split at fixed multiples of ATTN_CHUNK, the splits merged in order, one query-tile shape;
+#   - the GDN recurrence: one value-block size and warp count.
+# False: the fastest kernel per step shape (cuBLAS by M, the M = 1 GEMV, splits by load): a token may then differ
+# between speculation on and off, or between batch sizes, at near-ties.
+BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"  # vLLM's variable; here on unless "0"
+INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); longer steps (prefill chunks): cuBLAS
+
+
+# (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows on the
+# H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets). 27B:
+# in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5 (17.1, 18.6),
+# gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7 (550.9, 590.0); 35B-A3B:
+# in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5), shared down 3.2 (2.6),
+# lm_head 223.7 (221.1). At M = 128 (8 x 16-token verifies) every 16-row tile reads the weights again: 2.4-4x
+# cuBLAS's time - the price of invariance for big verify batches until one program serves several row tiles.
+ROWS_CONFIG = {
+    (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 3, 4, 4),
+    (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 3, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
+    (12352, 2048): (32, 128, 1, 4, 4), (9216, 2048): (32, 128, 1, 4, 4), (2048, 4096): (32, 128, 4, 4, 4),
+    (1281, 2048): (32, 256, 1, 4, 4), (2048, 512): (16, 256, 1, 4, 4), (248320, 2048): (64, 256, 1, 3, 4),
+    (776, 256): (16, 256, 1, 4, 4), (768, 256): (16, 256, 1, 4, 4), (256, 256): (16, 256, 1, 4, 4),
+    (2048, 256): (16, 256, 1, 4, 4), (256, 1024): (32, 128, 4, 4, 4), (8256, 256): (64, 64, 1, 5, 4)}
+
+
+def _rows_config(N, K, device):
+    """(BN, BK, SPLIT, num_stages, num_warps) of the row-invariant skinny GEMM for w [N, K]: a function of the
+    shape (and of the GPU's size) only, never of M. A measured entry of ROWS_CONFIG, else a rule: enough programs
+    to fill the GPU, with a K split when the N blocks alone are too few (each split keeps at least two BK chunks);
+    the splits are added in a fixed order."""
+    if (N, K) in ROWS_CONFIG:
+        return ROWS_CONFIG[(N, K)]
+    BN, BK = 64, min(128, _p2(K))
+    blocks = _cdiv(N, BN)
+    split = max(1, min(8, (2 * _sm_count(device)) // blocks, K // (2 * BK)))
+    return BN, BK, split, 4 if K >= 4096 else 3, 4
+
 
 def _gemv_config(M, N, K, cuda, dtype):
     """(BN, BK, SPLIT, num_stages, num_warps) of the Triton GEMV for x [M, K] @ w [N, K]^T, or None for
@@ -239,12 +287,16 @@ def _gemv_config(M, N, K, cuda, dtype):
       17 <= M <= 32 (DSpark's 17-token verify; BM = 32): the M > 1 rules, measured at M = 17 (cuBLAS takes the
         same time at M = 16 and 17; MLP down 51.5 -> 46.1 us, lm_head 600 -> 593, GDN in_proj 43.3 -> 42.7);
         M = 18 .. 32 is not measured.
+    These rules apply with BATCH_INVARIANT = False; with it (the default), every bf16 / fp16 step of up to
+    INVARIANT_ROWS rows on CUDA takes _rows_config's tiles instead.
     fp32 stays with cuBLAS (3x slower in Triton at M = 8, an fp32 'ieee' dot; mixed at M = 1). Off CUDA
     (the interpreter; GEMV_ALWAYS only): small blocks, so that tests cover the loops, the masks and split-K."""
     tall = K >= 3 * N
     if not cuda:
         return (16, 32, 4 if tall else 1, 1, 4) if GEMV_ALWAYS else None
     if dtype != torch.float32:
+        if BATCH_INVARIANT:
+            return "rows" if M <= INVARIANT_ROWS else None
         if M == 1 and 1 << 20 <= N * K < 1 << 23:  # small (35B's router | shared gate_up, shared down): latency
             return (4, min(2048, _p2(K)), 1, 2, 4)    # bound; cuBLAS 4.5 / 3.7 us, these 4-row blocks 3.5 / 2.6
         if M == 1 and N * K >= 1 << 23:
@@ -265,13 +317,14 @@ def _gemv_config(M, N, K, cuda, dtype):
 @_jit
 def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr):
-    # program (N block, K split): y[:, N block] (SPLIT == 1) or part[split, :, N block] (SPLIT > 1)
-    # = x[:, K slice] @ w[N block, K slice]^T, K slice = columns k0 .. k0 + BK - 1 for k0 = split * BK,
-    # (split + SPLIT) * BK, ... in fp32
-    i_n, i_k = tl.program_id(0), tl.program_id(1)
+    # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or part[split, row tile, N block]
+    # (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice = columns k0 .. k0 + BK - 1 for
+    # k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the fastest grid axis: the programs that
+    # read one weight tile run side by side (the repeats come from L2).
+    i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
     o_n = i_n * BN + o_bn
-    o_m = tl.arange(0, BM)
+    o_m = i_m * BM + tl.arange(0, BM)
     m_n = o_n < N
     p_wb = p_w + (i_n * BN).to(tl.int64) * K + o_bn[:, None] * K                       # [BN, 1] weight rows
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -309,19 +362,22 @@ def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr
 
 
 def _gemv_launch(x, w, cfg, residual=None):
-    """x [..., K] (M = rows <= 32), w [N, K] contiguous of x's dtype, cfg from _gemv_config, residual None or
-    [..., N] -> [residual +] x @ w^T [..., N]."""
-    BN, BK, SPLIT, stages, warps = cfg
+    """x [..., K] (M rows), w [N, K] contiguous of x's dtype, cfg from _gemv_config ("rows": _rows_config's
+    tiles, any M in 16-row tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N]."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
-    assert 1 <= M <= 32 and xr.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
+    if cfg == "rows":
+        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), 16
+    else:
+        (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
+        assert M <= 32
+    assert M >= 1 and xr.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
     dot = _dot_dtype(w)
     prec = "ieee" if dot == tl.float32 else "tf32"
-    BM = 1 if M == 1 else (16 if M <= 16 else 32)
-    grid = (_cdiv(N, BN), SPLIT)
+    grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
     if SPLIT == 1:
         _gemv_kernel[grid](xr, w, y, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot, PREC=prec,
                            RES=residual is not None, num_stages=stages, num_warps=warps)
@@ -337,17 +393,18 @@ def _gemv_launch(x, w, cfg, residual=None):
 
 def linear(x, w, residual=None):
     """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
-    added inside the Triton GEMV's last kernel, before its one rounding). On the GPU: cuBLAS, except steps of
-    at most 32 rows on the weight shapes where the Triton GEMV above is faster (_gemv_config). The CPU
-    reference computes small steps (<= 256 rows) one row at a time, so that a token's result does not depend
+    added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of up
+    to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it, cuBLAS
+    except steps of at most 32 rows on the weight shapes where the Triton GEMV is faster (_gemv_config). The
+    CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's result does not depend
     on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1): spec-on logprobs then
     equal spec-off's."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (_fast(x) and 1 <= M <= 32 and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.device == x.device
-            and (residual is None or residual.dtype == x.dtype)):
+    if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
+            and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and w.device == x.device and (residual is None or residual.dtype == x.dtype)):
         cfg = _gemv_config(M, w.shape[0], w.shape[1], x.is_cuda, x.dtype)
-        if cfg is not None:
+        if cfg is not None and (cfg == "rows" or M <= 32):
             return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
@@ -546,7 +603,7 @@ def _gdn_prep(q, k, v, g, beta):
     """l2-normalise q, k (fp32, eps inside the sqrt), scale q by d_k^-0.5 and repeat the key heads
     over their group of value heads. Returns fp32 tensors [B, H_v, T, d]."""
     Hk, Hv = q.shape[2], v.shape[2]
-    q, k = (t.float() for t in (q, k))
+    q, k = (t.float().contiguous() for t in (q, k))  # (strided views: torch would sum d in an order set by T)
     q = q * exact(torch.rsqrt, (q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
     k = k * exact(torch.rsqrt, (k * k).sum(-1, keepdim=True) + 1e-6)
     if Hv != Hk:  # value head j reads key head j // (H_v / H_k)
@@ -598,7 +655,7 @@ def gdn_chunked_ref(q, k, v, g, beta, state_pool, slots, chunk=64):
     return out.transpose(1, 2).to(dtype)
 
 
-@_jit
+@_jit_any_T
 def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_slots, p_keep, p_o, T, scale,
                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_bb, s_bt,
                           HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -686,8 +743,10 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     BK = _p2(Dk)
     # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 / 1
     # warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
-    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s
-    BV = min(_p2(Dv), 32 if B * Hv * _cdiv(Dv, 16) > 1536 else 16)
+    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s. BATCH_INVARIANT: 16
+    # always (the warp count and tile shape set how d_k is summed: a row's result must not depend on B)
+    wide = not BATCH_INVARIANT and B * Hv * _cdiv(Dv, 16) > 1536
+    BV = min(_p2(Dv), 32 if wide else 16)
     gates = A_log is not None
     assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous() and A_log.shape == dt_bias.shape == (Hv,))
     extra = dict(p_cx=q, p_cp=state_pool, C=0, s_cxb=0, s_cxt=0, s_cps=0, s_cpc=0, s_cpk=0, CONV=False, KW=1, BCW=1,
@@ -896,16 +955,18 @@ def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     return out
 
 
-@_jit
+@_jit_any_T
 def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, NSPLIT, qk_scale,
-                      s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh,
+                      s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, CHUNK: tl.constexpr,
                       NH: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     # program (b, kv head * NM + query tile, split). A query tile holds BM rows r = t * GROUP + g: the
     # GROUP query heads sharing this KV head, for consecutive new tokens t, so each K/V tile loaded
     # serves them all. Keys run up to the tile's own causal end pos + t_max + 1 (never kv_len); with
-    # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding) and the partial softmax
-    # states (acc, max, sum) go to p_part / p_ml for _attention_combine_kernel.
+    # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding), or, with CHUNK > 0, into pieces of CHUNK
+    # keys starting at multiples of CHUNK (the same pieces for a key whatever T and the tile are: batch-invariant;
+    # pieces past the end are empty), and the partial softmax states (acc, max, sum) go to p_part / p_ml for
+    # _attention_combine_kernel.
     i_b, i_hm, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kv, i_m = i_hm // NM, i_hm % NM
     o_r = i_m * BM + tl.arange(0, BM)
@@ -922,7 +983,9 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
     lo = 0
     hi = end
     if SPLIT:
-        per = tl.cdiv(tl.cdiv(end, NSPLIT), BN) * BN
+        per = CHUNK
+        if CHUNK == 0:
+            per = tl.cdiv(tl.cdiv(end, NSPLIT), BN) * BN
         lo = tl.minimum(i_s * per, end)
         hi = tl.minimum(lo + per, end)
     p_kb = p_k + slot * s_ks + i_kv * s_kh + o_d[None, :]
@@ -957,19 +1020,29 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
 
 
 @_jit
-def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
-    # program per output row (b, t, head): merge the NSPLIT partial softmax states
+def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl.constexpr):
+    # program per output row (b, t, head): merge the NSPLIT partial softmax states one after the other, in order
+    # (empty pieces, max -inf, change nothing: the result does not depend on how many trail the last key)
     i_r = tl.program_id(0).to(tl.int64)
-    o_s = tl.arange(0, BS)
     o_d = tl.arange(0, BD)
-    m_s = o_s < NSPLIT
-    b_m = tl.load(p_ml + (i_r * NSPLIT + o_s) * 2, mask=m_s, other=float("-inf"))
-    b_l = tl.load(p_ml + (i_r * NSPLIT + o_s) * 2 + 1, mask=m_s, other=0.0)
-    b_w = tl.exp2(b_m - tl.max(b_m, 0))                                              # empty splits: 0
-    b_acc = tl.load(p_part + (i_r * NSPLIT + o_s)[:, None] * D + o_d[None, :],
-                    mask=m_s[:, None] & (o_d < D)[None, :], other=0.0)
-    b_o = tl.sum(b_acc * b_w[:, None], 0) / tl.sum(b_l * b_w, 0)
-    tl.store(p_o + i_r * D + o_d, b_o.to(p_o.dtype.element_ty), mask=o_d < D)
+    b_m = tl.full([1], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([1], dtype=tl.float32)
+    b_acc = tl.zeros([BD], dtype=tl.float32)
+    for s in range(NSPLIT):
+        o_p = i_r * NSPLIT + s
+        m_s = tl.load(p_ml + o_p * 2 + tl.arange(0, 1))
+        l_s = tl.load(p_ml + o_p * 2 + 1 + tl.arange(0, 1))
+        a_s = tl.load(p_part + o_p * D + o_d, mask=o_d < D, other=0.0)
+        m_n = tl.maximum(b_m, m_s)
+        m_u = tl.where(m_n == float("-inf"), 0.0, m_n)                               # nothing seen yet
+        c_old, c_new = tl.exp2(b_m - m_u), tl.exp2(m_s - m_u)
+        b_acc = b_acc * c_old + a_s * c_new
+        b_l = b_l * c_old + l_s * c_new
+        b_m = m_n
+    tl.store(p_o + i_r * D + o_d, (b_acc / b_l).to(p_o.dtype.element_ty), mask=o_d < D)
+
+
+ATTN_CHUNK = 512  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many
 
 
 def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
@@ -981,9 +1054,14 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
     if q.stride(3) != 1:
         q = q.contiguous()
     G = nh // nkv
-    BM = max(16, min(64, _p2(G * T)))
+    chunk = 0
+    if BATCH_INVARIANT and T <= 64 and nsplit is None:  # decode / verify: one tile shape, fixed key pieces
+        BM, BN, chunk = 16, 64 if d <= 128 else 32, ATTN_CHUNK
+        nsplit = _cdiv(kv_len, chunk)
+    else:
+        BM = max(16, min(64, _p2(G * T)))
+        BN = 64 if d <= 128 or BM <= 32 else 32
     NM = _cdiv(G * T, BM)
-    BN = 64 if d <= 128 or BM <= 32 else 32
     if nsplit is None:  # enough programs to fill the GPU, at least 128 keys a split (kv_len: upper bound)
         nsplit = max(1, min(64, _cdiv(kv_len, 128), _cdiv(2 * _sm_count(q.device), B * nkv * NM)))
     o = _empty((B, T, nh, d), q.dtype, q.device)
@@ -995,12 +1073,12 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
     _attention_kernel[(B, nkv * NM, nsplit)](
         q, k_cache, v_cache, slots, pos, o, part, ml, T, NM, nsplit, d ** -0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), CHUNK=chunk,
         NH=nh, GROUP=G, D=d, BD=_p2(d), BM=BM, BN=BN, SPLIT=nsplit > 1, DOT=dot,
         PREC="ieee" if dot == tl.float32 else "tf32",
         num_warps=8 if BM * _p2(d) >= 64 * 256 else 4, num_stages=2)
     if nsplit > 1:
-        _attention_combine_kernel[(B * T * nh,)](part, ml, o, nsplit, D=d, BD=_p2(d), BS=_p2(nsplit), num_warps=4)
+        _attention_combine_kernel[(B * T * nh,)](part, ml, o, nsplit, D=d, BD=_p2(d), num_warps=4)
     return o
 
 
@@ -1253,7 +1331,9 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         y = _empty((P, H), torch.float32, x.device)                                  # [P, H]
         BP = _p2(P)
         _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
-        if P <= E:  # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above)
+        # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above); with
+        # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
+        if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
             _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
                 xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
                 TOPK=k, BI=16, BH=min(512, _p2(H)), num_warps=4, num_stages=3)

@@ -12,13 +12,24 @@ threads (one per connection) parse, validate and tokenize a request, put ("add",
 inbox and wait on the job's own queue: first "accepted" (or an error, e.g. the context-length 400), then one
 update per engine step that gave the request tokens, pushed by Request.on_update on the engine thread. The
 engine thread sleeps on its inbox only when it has no work and never waits on a client. A client that goes
-away (a failed write, or a closed socket noticed while waiting) puts ("abort", job) on the inbox: its slot is
-free by the next step.
+away (a broken connection: a failed write, or a probe the peer resets) puts ("abort", job) on the inbox: its
+slot is free by the next step. A client that only half-closes (shuts its sending side) still gets its answer.
+
+Faults. Every field is bounded here, with vLLM's messages, so nothing out of range reaches the engine. If a
+step raises anyway, the requests it was serving end with a 500 and the others go on; a device fault (a CUDA
+error: the context is lost) makes the process say so in one line and exit non-zero, for a supervisor to
+restart it. HTTP/1.1 framing is checked before a body is read (405, 411, 413, 415, 401, 400 for a bad or
+doubled Content-Length), a request's head and its body must each arrive within --request-timeout, and at most
+--max-connections connections are open (one more gets a 503 at once).
 """
 import argparse
 import hmac
+import io
 import json
+import math
+import os
 import queue
+import re
 import select
 import socket
 import sys
@@ -27,13 +38,17 @@ import time
 import traceback
 import uuid
 from collections import namedtuple
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+import torch
 
 from specdec import ConfigError, SamplingParams, add_engine_args, apply_chat_template, llm_from_args
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_BODY = 1 << 26  # bytes of one request body
+INT64 = 1 << 63  # seeds are signed 64-bit, as in vLLM's protocol
 
 
 # ==============================================================================================
@@ -41,23 +56,36 @@ MAX_BODY = 1 << 26  # bytes of one request body
 # ==============================================================================================
 
 class ApiError(Exception):
-    """Answered as {"error": {"message", "type", "param", "code"}} with HTTP status `status`."""
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 500: "InternalServerError",
+    """Answered as {"error": {"message", "type", "param", "code"}} with HTTP status `status`. The API's
+    errors are typed as vLLM's serving code types them; errors of HTTP itself (no such route, a wrong method,
+    bad framing) by their status phrase, as vLLM's HTTPException handler does. `headers` go out with it."""
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
-    def __init__(self, status, message, param=None):
+    def __init__(self, status, message, param=None, http=False, headers=None):
         super().__init__(message)
-        self.status, self.body = status, {"error": {"message": message, "type": self.TYPES[status], "param": param,
-                                                    "code": status}}
+        kind = HTTPStatus(status).phrase if http else self.TYPES[status]
+        self.status, self.headers = status, headers or {}
+        self.body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def bad(message, param=None):
     return ApiError(400, message, param)
 
 
+def http_error(status, message, **headers):
+    return ApiError(status, message, http=True, headers=headers)
+
+
 JSON_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
               "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict)}
+
+
+def short(v):
+    """A value for an error message: a 10**400 sent as `top_k` is not echoed whole."""
+    s = json.dumps(v)
+    return s if len(s) <= 40 else s[:37] + "..."
 
 
 def get(body, name, kind, default=None):
@@ -66,56 +94,108 @@ def get(body, name, kind, default=None):
     if v is None:
         return default
     if not JSON_TYPES[kind](v):
-        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {json.dumps(v)[:40]}", name)
+        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {short(v)}", name)
     return v
 
 
-def parse_json(raw, headers):
-    if (headers.get("Content-Type") or "").split(";")[0].strip().lower() != "application/json":
-        raise bad("Unsupported Media Type: Only 'application/json' is allowed")
+FINITE = (lambda v: abs(v) < math.inf, "must be a finite number")  # JSON's 1e999 parses to inf
 
+
+def checked(body, name, kind, default, *rules):
+    """get(), then each (test, "must be ...") rule in order, failing as vLLM's SamplingParams does:
+    "<name> must be ..., got <value>." """
+    v = get(body, name, kind, default)
+    for test, rule in rules if v is not None else ():
+        if not test(v):
+            raise bad(f"{name} {rule}, got {short(v)}.", name)
+    return v
+
+
+def parse_json(raw):
     def no_nan(c):
         raise ValueError(f"{c} is not valid JSON")
     try:
         body = json.loads(raw, parse_constant=no_nan)
-    except (ValueError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # also bytes that are not UTF-8, integers of over 4300 digits
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
 
 
-# OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (other unknown fields: ignored)
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-               "best_of": 1, "logit_bias": {}, "suffix": "", "include_stop_str_in_output": False,
-               "skip_special_tokens": True, "continue_final_message": False, "tools": [],
-               "response_format": {"type": "text"}, "prompt_embeds": None}
+# OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (others: ignored)
+UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
+               "min_tokens": 0, "best_of": 1, "logit_bias": {}, "suffix": "",
+               "include_stop_str_in_output": False, "skip_special_tokens": True,
+               "continue_final_message": False, "tools": [], "response_format": {"type": "text"},
+               "prompt_embeds": None}
+# ... the numeric ones after vLLM's own range checks (so an out-of-range value gets vLLM's message)
+PENALTY = (lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+UNSUPPORTED_RANGES = {
+    "presence_penalty": ("number", PENALTY), "frequency_penalty": ("number", PENALTY),
+    "repetition_penalty": ("number", FINITE, (lambda v: v > 0, "must be greater than zero")),
+    "min_p": ("number", (lambda v: 0 <= v <= 1, "must be in [0, 1]")),
+    "min_tokens": ("integer", (lambda v: v >= 0, "must be greater than or equal to 0")),
+    "best_of": ("integer", (lambda v: v >= 1, "must be at least 1"))}
 
 
-def sampling_params(body, max_tokens, logprobs, logprobs_field):
+def max_tokens_field(body, name, default):
+    return checked(body, name, "integer", default, (lambda v: v >= 1, "must be at least 1"))
+
+
+def logprobs_count(body, name, vocab):
+    """`logprobs` (completions) or `top_logprobs` (chat) as vLLM reads it: -1 asks for the whole vocabulary,
+    and no more than --max-logprobs (and the vocabulary) may be asked for."""
+    v = get(body, name, "integer")
+    if v is None:
+        return None
+    if v < -1:
+        raise bad(f"`{name}` must be a positive value or -1.", name)
+    n, most = vocab if v == -1 else v, min(MAX_LOGPROBS, vocab)
+    if n > most:
+        raise bad(f"Requested sample logprobs of {short(n)}, which is greater than max allowed: {most}", name)
+    return n
+
+
+def sampling_params(body, max_tokens, logprobs, vocab):
+    """The sampling fields, each bounded as vLLM bounds it (sampling_params.py and the OpenAI protocol), so
+    nothing out of range reaches the engine: a bad value is a 400 here, never a failure inside a step."""
+    for name, (kind, *rules) in UNSUPPORTED_RANGES.items():
+        checked(body, name, kind, None, *rules)
     for name, ok in UNSUPPORTED.items():
         if body.get(name) not in (None, ok):
             raise bad(f"'{name}' is not supported by this server (only {json.dumps(ok)} is accepted)", name)
-    if get(body, "n", "integer", 1) != 1:
+    if checked(body, "n", "integer", 1, (lambda v: v >= 1, "must be at least 1")) != 1:
         raise bad("only n=1 is supported", "n")
+    temperature = checked(body, "temperature", "number", 1.0, FINITE,
+                          (lambda v: v >= 0, "must be non-negative"), (lambda v: v <= 2, "must be in [0, 2]"))
+    top_p = checked(body, "top_p", "number", 1.0, (lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    top_k = checked(body, "top_k", "integer", -1, (lambda v: v >= -1, "must be 0 (disable), or at least 1"))
+    top_k = -1 if top_k == 0 or top_k >= vocab else top_k  # 0 and any k >= the vocabulary keep every token
+    seed = get(body, "seed", "integer")
+    if seed is not None and not -INT64 <= seed < INT64:  # vLLM: a pydantic bound, with pydantic's message
+        raise bad(f"seed: Input should be less than or equal to {INT64 - 1}" if seed > 0 else
+                  f"seed: Input should be greater than or equal to {-INT64}", "seed")
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("'stop' must be a string or a list of strings", "stop")
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(JSON_TYPES["integer"](t) for t in ids)):
         raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad(f"'{logprobs_field}' must be between 0 and {MAX_LOGPROBS}, got {logprobs}", logprobs_field)
+    if ids and not all(0 <= t < vocab for t in ids):
+        wrong = short([t for t in ids if not 0 <= t < vocab])
+        raise bad(f"token_id(s) {wrong} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+                  f"{vocab}", "stop_token_ids")
     try:
-        return SamplingParams(temperature=get(body, "temperature", "number", 1.0), max_tokens=max_tokens,
-                              top_p=get(body, "top_p", "number", 1.0), top_k=get(body, "top_k", "integer", -1),
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
                               stop=[s for s in stop or [] if s], stop_token_ids=ids, logprobs=logprobs,
-                              ignore_eos=get(body, "ignore_eos", "boolean", False), seed=get(body, "seed", "integer"))
+                              ignore_eos=get(body, "ignore_eos", "boolean", False),
+                              seed=None if seed == -1 else seed)  # vLLM: seed -1 means none
     except ConfigError as e:  # "temperature must be ...": the first word names the field
         raise bad(str(e), str(e).split()[0]) from None
 
 
-def parse_completion(tok, body):
+def parse_completion(tok, body, vocab):
     """A /v1/completions body -> (prompt ids, echo text, SamplingParams)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -127,17 +207,17 @@ def parse_completion(tok, body):
     elif isinstance(prompt, list) and all(JSON_TYPES["integer"](t) for t in prompt):
         ids, prompt = prompt, None
     else:
-        raise bad("'prompt' is required" if prompt is None else "'prompt' must be a string or a list of token ids",
-                  "prompt")
-    logprobs, echo = get(body, "logprobs", "integer"), get(body, "echo", "boolean", False)
+        raise bad("'prompt' is required" if prompt is None else
+                  "'prompt' must be a string or a list of token ids", "prompt")
+    logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
     if echo and logprobs is not None:
         raise bad("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     echo = (tok.decode(ids) if prompt is None else prompt) if echo else ""
-    max_tokens = get(body, "max_tokens", "integer") if "max_tokens" in body else 16
-    return ids, echo, sampling_params(body, max_tokens, logprobs, "logprobs")
+    max_tokens = max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
+    return ids, echo, sampling_params(body, max_tokens, logprobs, vocab)
 
 
-def parse_chat(tok, body):
+def parse_chat(tok, body, vocab):
     """A /v1/chat/completions body -> (prompt ids, "" (no echo), SamplingParams)."""
     msgs = body.get("messages")
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -149,12 +229,14 @@ def parse_chat(tok, body):
                                      bool(kwargs.get("enable_thinking", True)))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad(f"invalid messages: {e}", "messages") from None
-    max_tokens = get(body, "max_completion_tokens", "integer")
-    max_tokens = get(body, "max_tokens", "integer") if max_tokens is None else max_tokens  # None: up to the context
+    max_tokens = max_tokens_field(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = max_tokens_field(body, "max_tokens", None)  # None: up to the context
     want, top = get(body, "logprobs", "boolean", False), get(body, "top_logprobs", "integer")
-    if top is not None and not want:
+    if top is not None and (top == -1 or top > 0) and not want:
         raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    return tok.encode(prompt), "", sampling_params(body, max_tokens, (top or 0) if want else None, "top_logprobs")
+    top = logprobs_count(body, "top_logprobs", vocab)
+    return tok.encode(prompt), "", sampling_params(body, max_tokens, (top or 0) if want else None, vocab)
 
 
 # ==============================================================================================
@@ -163,12 +245,12 @@ def parse_chat(tok, body):
 
 TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
-BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                  40.0, 80.0, 160.0, 640.0, 2560.0],
-           ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                 80.0],
-           E2E: [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                 960.0, 1920.0, 7680.0]}
+BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+           ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0],
+           E2E: [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0, 1920.0, 7680.0]}
 
 
 class Metrics:
@@ -178,8 +260,8 @@ class Metrics:
         esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         self.labels, self.k, self.lock = f'model_name="{esc}",engine="0"', num_spec_tokens, threading.Lock()
         self.running = self.waiting = self.prompt_tokens = self.generation_tokens = 0
-        self.success = dict.fromkeys(("stop", "length", "abort"), 0)
-        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, count
+        self.success = dict.fromkeys(("stop", "length", "abort", "error"), 0)
+        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, n
         self.spec = (0, 0, 0, [0] * self.k)  # drafts, draft tokens, accepted tokens, accepted per position
 
     def _observe(self, name, v):
@@ -207,11 +289,12 @@ class Metrics:
         spec = (eng.stats.num_drafts, eng.stats.num_draft_tokens, eng.stats.num_accepted_tokens,
                 per_pos + [0] * (self.k - len(per_pos)))
         with self.lock:
-            self.running, self.waiting, self.spec = sum(r is not None for r in eng.slots), len(eng.waiting), spec
+            self.running, self.waiting = sum(r is not None for r in eng.slots), len(eng.waiting)
+            self.spec = spec
 
-    def count_abort(self):
+    def count_end(self, reason):  # ended by the server: "abort" (its client left) or "error" (it failed)
         with self.lock:
-            self.success["abort"] += 1
+            self.success[reason] += 1
 
     def render(self):
         out = []
@@ -238,7 +321,8 @@ class Metrics:
                 for what, v in zip(("drafts", "draft_tokens", "accepted_tokens"), self.spec):
                     family(f"vllm:spec_decode_num_{what}", "counter", f"Number of spec decoding {what}.",
                            [("_total", "", v)])
-                family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+                family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                       "Accepted tokens per draft position.",
                        [("_total", f',position="{i}"', v) for i, v in enumerate(self.spec[3])])
         return "\n".join(out) + "\n"
 
@@ -261,6 +345,13 @@ class Job:
         self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
 
 
+def device_fault(e):
+    """Whether `e` leaves the device unusable: a CUDA error (an illegal address, a device-side assert) poisons
+    the CUDA context, so no later step can succeed and only a new process helps. Anything else (a ValueError,
+    an out-of-memory error) is a fault of the requests being served."""
+    return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
+
+
 class EngineLoop:
     def __init__(self, llm, max_queue, metrics):
         self.engine, self.metrics, self.max_queue = llm.engine, metrics, max_queue
@@ -277,9 +368,9 @@ class EngineLoop:
             if self.dead:
                 raise ApiError(503, f"the engine has stopped ({self.dead})")
             if self.inflight >= self.engine.max_num_seqs + self.max_queue:
-                raise ApiError(503, f"the server is at capacity: {self.inflight} requests are running or waiting "
-                                    f"(--max-num-seqs {self.engine.max_num_seqs} + --max-queue {self.max_queue}); "
-                                    "retry later")
+                raise ApiError(503, f"the server is at capacity: {self.inflight} requests are running or "
+                                    f"waiting (--max-num-seqs {self.engine.max_num_seqs} + --max-queue "
+                                    f"{self.max_queue}); retry later")
             self.inflight += 1
             self.inbox.put(("add", job))
         kind, err = job.events.get()
@@ -298,25 +389,60 @@ class EngineLoop:
                 for kind, job in cmds + list(drain(self.inbox)):
                     self._add(job) if kind == "add" else self._abort(job)
                 if eng.has_work():
-                    eng.step()
+                    batch, waiting = [r for r in eng.slots if r is not None], list(eng.waiting)
+                    try:
+                        eng.step()
+                    except Exception as e:
+                        if device_fault(e):
+                            raise
+                        self._fail_step(e, batch, waiting)
                 self.metrics.after_step(eng)
-        except BaseException as e:
-            traceback.print_exc()
-            with self.lock:
-                self.dead = f"{type(e).__name__}: {e}"
-                pending = [job for kind, job in drain(self.inbox) if kind == "add"]
-            for job in list(self.live) + pending:
-                job.events.put(("error", ApiError(500, f"the engine failed: {self.dead}")))
+        except BaseException as e:  # a device fault, or a fault of this loop itself: nothing can go on
+            self._exit(e)
+
+    def _fail_step(self, e, batch, waiting):
+        """A step raised: end the requests it was serving with a 500, keep the rest. A step first admits
+        waiting requests one at a time (each prefilled into its own freshly reset slot, ending with its first
+        token), then runs one batched step for `batch`. An admitted request without a token failed in its own
+        prefill: it alone ends. Otherwise the batched step (or an admitted request's first token) failed, and
+        every request it touched ends: its state may be a part of a step ahead of its tokens, and going on
+        could silently give wrong tokens. Requests still waiting are untouched."""
+        traceback.print_exc()
+        admitted = [r for r in waiting if r.slot is not None]
+        failed = [r for r in admitted if not r.output_ids] or batch + admitted
+        err = ApiError(500, f"the engine failed while serving this request: {type(e).__name__}: {e}")
+        for job in [job for job in self.live if job.req in failed]:
+            self.engine.abort(job.req)
+            self.metrics.count_end("error")
+            self._release(job)
+            job.events.put(("error", err))
+
+    def _exit(self, e):
+        """An unrecoverable fault: answer every request in flight with a 500, say why in one line, and exit
+        non-zero so that a supervisor restarts the server (as vLLM's does) rather than it lingering at 503."""
+        traceback.print_exc()
+        with self.lock:
+            self.dead = f"{type(e).__name__}: {e}"
+            pending = [job for kind, job in drain(self.inbox) if kind == "add"]
+        for job in list(self.live) + pending:
+            job.events.put(("error", ApiError(500, f"the engine failed: {self.dead}")))
+        print(f"specdec server: fatal engine error, exiting: {' '.join(self.dead.split())}", file=sys.stderr,
+              flush=True)
+        time.sleep(0.5)  # the handlers' 500s go out
+        os._exit(1)
 
     def _add(self, job):
         try:
             job.req = self.engine.add_request(job.prompt_ids, job.params)
-        except Exception as e:  # ConfigError: too long for the context, a token id out of range, an empty prompt
+        except Exception as e:  # ConfigError: too long for the context, a token id out of range, no prompt
+            if device_fault(e):
+                raise
             if not isinstance(e, ConfigError):
                 traceback.print_exc()
             self._release(job)
-            return job.events.put(("error", bad(str(e)) if isinstance(e, ConfigError)
-                                   else ApiError(500, "internal server error; see the server log")))
+            err = bad(str(e)) if isinstance(e, ConfigError) else \
+                ApiError(500, f"the engine refused this request: {type(e).__name__}: {e}")
+            return job.events.put(("error", err))
         job.req.on_update = lambda req, n_new: self._on_update(job, req, n_new)
         self.live.add(job)
         job.events.put(("accepted", None))
@@ -333,7 +459,7 @@ class EngineLoop:
     def _abort(self, job):
         if not job.done:
             self.engine.abort(job.req)
-            self.metrics.count_abort()
+            self.metrics.count_end("abort")
             self._release(job)
 
     def _release(self, job):
@@ -373,7 +499,7 @@ def choice(chat, stream, text, logprobs, finish_reason, stop_reason, role=False)
 class LogprobFormat:
     """The engine's per-token {token_id: logprob} (top-N first, then the chosen token) in OpenAI's shapes:
     completions {tokens, token_logprobs, top_logprobs, text_offset}, chat {content: [{token, logprob, bytes,
-    top_logprobs}]}. Called once per stream chunk (text_offset keeps counting) or once for the whole answer."""
+    top_logprobs}]}. Called once per stream chunk (text_offset keeps counting) or once for a whole answer."""
 
     def __init__(self, tok, chat, n_top):
         self.tok, self.chat, self.n_top, self.offset = tok, chat, n_top, 0
@@ -384,8 +510,8 @@ class LogprobFormat:
         text, lp = lambda t: self.tok.decode([t]), lambda v: max(v, -9999.0)  # -inf is not JSON
         if self.chat:
             entry = lambda t, v: {"token": text(t), "logprob": lp(v), "bytes": list(self.tok.token_bytes(t))}
-            return {"content": [dict(entry(t, d[t]), top_logprobs=[entry(i, v) for i, v in list(d.items())[:self.n_top]
-                                                                   ]) for t, d in zip(ids, lps)]}
+            top = lambda d: [entry(i, v) for i, v in list(d.items())[:self.n_top]]
+            return {"content": [dict(entry(t, d[t]), top_logprobs=top(d)) for t, d in zip(ids, lps)]}
         out = {"tokens": [text(t) for t in ids], "token_logprobs": [lp(d[t]) for t, d in zip(ids, lps)],
                "top_logprobs": [{text(i): lp(v) for i, v in d.items()} for d in lps], "text_offset": []}
         for s in out["tokens"]:
@@ -400,35 +526,78 @@ class LogprobFormat:
 
 ROUTES = {"/health": ("GET", "health"), "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
           "/v1/completions": ("POST", "completions"), "/v1/chat/completions": ("POST", "chat")}
+CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
+DROP_MAX = 1 << 20  # an unread body up to this size is read and dropped after an early answer (see drop_body)
+
+
+class DeadlineReader(io.RawIOBase):
+    """A connection's read side on which every read waits only until `deadline` (time.monotonic(); None: no
+    limit). A per-read timeout would let a client that trickles a byte a second hold its thread for ever; a
+    deadline bounds the whole request head, then the whole body."""
+
+    def __init__(self, sock):
+        self.sock, self.deadline = sock, None
+
+    def readable(self):
+        return True
+
+    def readinto(self, buf):
+        if self.deadline is not None:
+            self.sock.settimeout(max(self.deadline - time.monotonic(), 1e-6))  # then recv raises TimeoutError
+        return self.sock.recv_into(buf)
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
     server_version = "specdec"
+    default_request_version = "HTTP/1.0"  # a refusal before the version is read still has a status line
+    unread = 0  # bytes of the request's body not read yet
+    streaming = chunked = False  # the answer is an SSE stream; in chunks (HTTP/1.1)
 
-    def do_GET(self):
-        self.dispatch("GET")
+    def setup(self):
+        super().setup()
+        self.rfile.close()
+        self.reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self.reader)
 
-    def do_POST(self):
-        self.dispatch("POST")
+    def handle_one_request(self):
+        self.reader.deadline = time.monotonic() + self.server.request_timeout  # for the line and headers
+        super().handle_one_request()  # on a timeout it closes the connection without an answer
 
-    def dispatch(self, method):
+    def parse_request(self):
+        self.command, self.request_version = None, self.default_request_version
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")  # as the stdlib reads it
+        if len(self.requestline.split()) not in (0, 3):  # garbage, or HTTP/0.9's "GET /" (no status line)
+            self.send_error(400, "Bad request line: expected 'METHOD /path HTTP/1.1'")
+            return False
+        return super().parse_request()
+
+    def handle_expect_100(self):
+        return True  # "100 Continue" goes out in read_body, once the head passed every check (the key first)
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (a bad request line or header, an unknown method), in JSON."""
+        self.close_connection = True
+        self.send(code, http_error(code, message or HTTPStatus(code).phrase).body)
+
+    def dispatch(self):
+        """Check the request's head (framing, key, route, method, type, size), then read the body and run the
+        route. Everything checked before the body is read: a refused request costs no more than its head."""
         app, path, self.streaming = self.server.app, urlsplit(self.path).path, False
         try:
-            n = self.headers.get("Content-Length", "0")
-            if self.headers.get("Transfer-Encoding") or not n.isdigit() or int(n) > MAX_BODY:  # drop the connection
-                self.close_connection = True
-                raise bad(f"send the request body with a valid Content-Length of at most {MAX_BODY} bytes "
-                          "(chunked request bodies are not supported)")
-            raw = self.rfile.read(int(n))
+            self.unread = self.content_length()
             if path.startswith("/v1") and not app.authorized(self.headers.get("Authorization")):
                 return self.send(401, {"error": "Unauthorized"})
             if path not in ROUTES:
-                raise ApiError(404, f"Not Found: {path}")
-            if ROUTES[path][0] != method:
-                raise ApiError(405, f"Method Not Allowed: {method} {path}")
-            getattr(self, ROUTES[path][1])(app, raw)
-        except (BrokenPipeError, ConnectionResetError):  # the client left
+                raise http_error(404, f"Not Found: {path}")
+            allowed = ("GET", "HEAD") if ROUTES[path][0] == "GET" else ("POST",)
+            if self.command not in allowed:
+                raise http_error(405, f"Method Not Allowed: {self.command} {path}", Allow=", ".join(allowed))
+            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if self.command == "POST" and ctype != "application/json":
+                raise http_error(415, "Unsupported Media Type: Only 'application/json' is allowed")
+            getattr(self, ROUTES[path][1])(app, self.read_body())
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left, or stopped reading
             self.close_connection = True
         except Exception as e:
             if not isinstance(e, ApiError):  # a bug: the traceback goes to the log, never to the client
@@ -438,17 +607,84 @@ class Handler(BaseHTTPRequestHandler):
                 if self.streaming:  # the headers are out: report in the stream, as vLLM does
                     self.end_stream(e.body)
                 else:
-                    self.send(e.status, e.body)
+                    self.send(e.status, e.body, headers=e.headers)
             except OSError:
                 self.close_connection = True
 
-    def send(self, status, body, ctype="application/json"):
+    # every method HTTP defines reaches dispatch (405 or 404 there); any other gets the stdlib's 501
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = dispatch
+
+    def content_length(self):
+        """The body's length, refusing what RFC 9112 refuses: several or malformed Content-Length values (a
+        request-smuggling vector), a Transfer-Encoding (chunked request bodies are not supported here)."""
+        lengths, coding = self.headers.get_all("Content-Length", []), self.headers.get("Transfer-Encoding")
+        valid = all(CONTENT_LENGTH.fullmatch(v.strip()) for v in lengths)
+        if coding is not None or len(lengths) > 1 or not valid:
+            self.close_connection = True  # where the body ends is unknown: nothing more can be read
+            if coding is not None and not lengths:
+                raise http_error(411, "Length Required: send the body with a Content-Length (chunked request "
+                                      "bodies are not supported)")
+            raise http_error(400, "Bad Request: a request needs one valid Content-Length (or none) and no "
+                                  f"Transfer-Encoding, got Content-Length {lengths}, Transfer-Encoding "
+                                  f"{coding!r}")
+        n = int(lengths[0]) if lengths else 0
+        if n > MAX_BODY:
+            self.close_connection = True
+            raise http_error(413, f"Request Entity Too Large: the body has {n} bytes, at most {MAX_BODY}")
+        return n
+
+    def read_body(self):
+        """The body: all of its Content-Length, within --request-timeout, else 400 (it ended early) or 408."""
+        n, self.unread, timeout = self.unread, 0, self.server.request_timeout
+        if n and self.request_version != "HTTP/1.0" and self.expects_continue():
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.reader.deadline = time.monotonic() + timeout
+        try:
+            raw = self.rfile.read(n)
+        except TimeoutError:
+            self.close_connection = True
+            raise http_error(408, f"Request Timeout: the body ({n} bytes) did not come within {timeout} s") \
+                from None
+        finally:
+            self.reader.deadline = None
+            self.connection.settimeout(timeout)  # and each write of the answer must go out within it
+        if len(raw) < n:
+            self.close_connection = True
+            raise http_error(400, f"Bad Request: the body ended after {len(raw)} of the {n} bytes of its "
+                                  "Content-Length")
+        return raw
+
+    def drop_body(self):
+        """An answer given before the body was read. A client sends its whole body before it reads, so a
+        body of up to DROP_MAX bytes is read and dropped (the client gets the answer, the connection stays
+        usable); a larger one, or one the client holds back for a "100 Continue", is not read: the connection
+        closes."""
+        if self.unread > DROP_MAX or self.expects_continue():
+            self.close_connection = True
+        else:
+            try:
+                self.read_body()
+            except ApiError:  # it never came: read_body closed the connection
+                pass
+        self.unread = 0
+
+    def expects_continue(self):
+        return self.headers.get("Expect", "").lower() == "100-continue"
+
+    def send(self, status, body, ctype="application/json", headers=None):
+        if self.unread:
+            self.drop_body()
         data = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def health(self, app, raw):
         self.send(503 if app.loop.dead else 200, b"", "text/plain")
@@ -462,12 +698,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send(200, app.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     def completions(self, app, raw):
-        body = app.check_model(parse_json(raw, self.headers))
-        self.generate(app, body, *parse_completion(app.tokenizer, body), chat=False)
+        body = app.check_model(parse_json(raw))
+        self.generate(app, body, *parse_completion(app.tokenizer, body, app.vocab), chat=False)
 
     def chat(self, app, raw):
-        body = app.check_model(parse_json(raw, self.headers))
-        self.generate(app, body, *parse_chat(app.tokenizer, body), chat=True)
+        body = app.check_model(parse_json(raw))
+        self.generate(app, body, *parse_chat(app.tokenizer, body, app.vocab), chat=True)
 
     def generate(self, app, body, ids, echo, params, chat):
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
@@ -475,8 +711,8 @@ class Handler(BaseHTTPRequestHandler):
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
         job = Job(ids, params)
         app.loop.submit(job)
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-                "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),
+        kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": kind,
                 "created": int(time.time()), "model": app.name}
         fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
         try:
@@ -494,7 +730,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def updates(self, job):
         """Yield the job's updates, merging any that queued up while we were writing; ends after the last."""
-        check = time.monotonic() + 0.5  # a non-streaming client that leaves is only seen by looking, twice a second
+        check = time.monotonic() + 0.5  # a client that leaves is seen by looking (twice a second)
         while True:
             try:
                 kind, up = job.events.get(timeout=0.5)
@@ -511,8 +747,8 @@ class Handler(BaseHTTPRequestHandler):
                     kind, more = job.events.get_nowait()
                 except queue.Empty:
                     break
-                up = more if kind == "error" else more._replace(
-                    ids=up.ids + more.ids, logprobs=None if more.logprobs is None else up.logprobs + more.logprobs)
+                lps = None if kind == "error" or more.logprobs is None else up.logprobs + more.logprobs
+                up = more if kind == "error" else more._replace(ids=up.ids + more.ids, logprobs=lps)
             if kind == "error":
                 raise up
             yield up
@@ -520,9 +756,20 @@ class Handler(BaseHTTPRequestHandler):
                 return
 
     def client_gone(self):
-        """The peer closed its socket: readable, with nothing to read."""
+        """Whether the connection is broken. A socket that is readable with nothing to read means the client
+        closed its side: for good (it left) or only its sending side (a half-close: it waits for the answer).
+        Only a write tells the two apart, so then a probe goes out that a client skips: an interim "100
+        Continue" before the answer (HTTP/1.1 clients must skip any number of them; an HTTP/1.0 one gets no
+        probe and is answered) or an SSE comment in a stream. A client that left answers the probe with a
+        reset: the next look, half a second later, fails."""
         try:
-            return bool(select.select([self.connection], [], [], 0)[0]) and not self.connection.recv(1, socket.MSG_PEEK)
+            if not select.select([self.connection], [], [], 0)[0] or self.connection.recv(1, socket.MSG_PEEK):
+                return False
+            if self.streaming:
+                self.chunk(b": still generating\n\n")
+            elif self.request_version != "HTTP/1.0":
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            return False
         except (OSError, ValueError):
             return True
 
@@ -530,11 +777,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        self.chunked = self.request_version != "HTTP/1.0"  # HTTP/1.0 has no chunks: closing ends the stream
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.streaming = True
         with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
-        hold = max(map(len, job.params.stop), default=1) - 1  # may be the start of a stop string a later token ends
+        hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
         sent, n_prompt, first = 0, len(job.prompt_ids), True
         for text, ids, lps, n, finish, stop in self.updates(job):
             end = len(text) if finish else max(sent, len(text) - hold)
@@ -542,7 +793,8 @@ class Handler(BaseHTTPRequestHandler):
             extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
             if first:  # vLLM sends the chat role with the first output, not before
                 if chat:
-                    self.sse(dict(head, choices=[choice(True, True, "", None, None, None, role=True)], **extra))
+                    role = choice(True, True, "", None, None, None, role=True)
+                    self.sse(dict(head, choices=[role], **extra))
                 delta, first = echo + delta, False
             self.sse(dict(head, choices=[choice(chat, True, delta, fmt(ids, lps), finish, stop)], **extra))
         self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n)) if with_usage else None)
@@ -551,7 +803,7 @@ class Handler(BaseHTTPRequestHandler):
         self.chunk(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
 
     def chunk(self, data):  # one piece of the chunked transfer encoding
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
 
     def end_stream(self, last=None):
         if last is not None:
@@ -564,18 +816,56 @@ class App:
     """What the handlers share: the model, its name, the engine loop and the metrics."""
 
     def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64):
-        self.llm, self.tokenizer, self.api_key = llm, llm.tokenizer, api_key
+        self.llm, self.tokenizer, self.api_key, self.vocab = llm, llm.tokenizer, api_key, llm.cfg.vocab_size
         self.name, self.created = served_model_name or llm.model_path, int(time.time())
         self.metrics = Metrics(self.name, llm.spec.num_speculative_tokens if llm.spec else 0)
         self.loop = EngineLoop(llm, max_queue, self.metrics)
 
     def authorized(self, header):
-        return not self.api_key or hmac.compare_digest((header or "").encode(), f"Bearer {self.api_key}".encode())
+        want = f"Bearer {self.api_key}".encode()
+        return not self.api_key or hmac.compare_digest((header or "").encode(), want)
 
     def check_model(self, body):
         if body.get("model") is not None and body["model"] != self.name:
             raise ApiError(404, f"The model `{body['model']}` does not exist.", "model")
         return body
+
+
+class Server(ThreadingHTTPServer):
+    """One thread per connection, for at most `max_connections` connections: one more is answered 503 at once
+    by the accepting thread (it never waits on that client), so silent clients cannot pile up threads."""
+    daemon_threads = True
+    request_queue_size = 256  # a deep accept backlog
+
+    def __init__(self, address, app, max_connections, request_timeout):
+        self.app, self.max_connections, self.request_timeout = app, max_connections, request_timeout
+        self.open, self.lock = 0, threading.Lock()  # connections with a thread
+        super().__init__(address, Handler)
+
+    def process_request(self, sock, address):
+        with self.lock:
+            full = self.open >= self.max_connections
+            self.open += not full
+        if not full:
+            return super().process_request(sock, address)
+        err = ApiError(503, f"too many open connections (--max-connections {self.max_connections}); "
+                            "retry later")
+        body = json.dumps(err.body).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n")
+        try:
+            sock.setblocking(False)  # it fits the socket's buffer; if not, the client gets only the close
+            sock.send(head.encode() + body)
+        except OSError:
+            pass
+        self.shutdown_request(sock)
+
+    def process_request_thread(self, sock, address):
+        try:
+            super().process_request_thread(sock, address)
+        finally:
+            with self.lock:
+                self.open -= 1
 
 
 # ==============================================================================================
@@ -591,24 +881,30 @@ def main(argv=None):
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                               "more get 503")
+    ap.add_argument("--max-connections", type=int, default=256, help="open connections served at once; one "
+                                                                     "more gets 503 (default 256)")
+    ap.add_argument("--request-timeout", type=float, default=30.0,
+                    help="seconds a client has to send a request's line and headers (or to start the next "
+                    "one on a kept-alive connection), then its body, and to take each write of the answer "
+                    "(default 30)")
     a = ap.parse_args(argv)
     if a.max_queue < 0:
         ap.error("--max-queue must be >= 0")
+    if a.max_connections < 1 or not 0 < a.request_timeout < math.inf:
+        ap.error("--max-connections must be >= 1 and --request-timeout > 0")
     try:
         llm = llm_from_args(a)
         llm.warmup()  # every graph captured before the first request (on CUDA)
         app = App(llm, a.served_model_name, a.api_key, a.max_queue)
-        httpd = ThreadingHTTPServer((a.host, a.port), Handler, bind_and_activate=False)
-        httpd.daemon_threads, httpd.request_queue_size, httpd.app = True, 256, app  # a deep accept backlog
-        httpd.server_bind()
-        httpd.server_activate()
+        httpd = Server((a.host, a.port), app, a.max_connections, a.request_timeout)
     except Exception as e:  # a bad config or checkpoint, a busy port: one line, no traceback
         msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {msg}" if isinstance(e, ConfigError) else f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        print(f"error: {msg}" if isinstance(e, ConfigError) else f"error: {type(e).__name__}: {msg}",
+              file=sys.stderr)
         return 1
     print(f"specdec server: {app.name!r} on http://{a.host}:{httpd.server_address[1]} (max_num_seqs="
-          f"{llm.engine.max_num_seqs}, max_model_len={llm.max_model_len}, speculative={llm.spec and llm.spec.method})",
-          file=sys.stderr, flush=True)
+          f"{llm.engine.max_num_seqs}, max_model_len={llm.max_model_len}, "
+          f"speculative={llm.spec and llm.spec.method})", file=sys.stderr, flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

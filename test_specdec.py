@@ -33,6 +33,7 @@ except ImportError:  # the GPU image has no gguf package: the GGUF tests skip th
     gguf = None
 needs_gguf = pytest.mark.skipif(gguf is None, reason="needs the gguf package")
 
+import bench
 import kernels as K
 import specdec as sd
 from specdec import LLM, SamplingParams, ConfigError
@@ -381,8 +382,7 @@ def test_top_k_top_p_masks():
 
 def our_logits(llm, ids, mode):
     """All-position logits of a prompt: one chunked prefill, or one token at a time."""
-    eng = llm.engine
-    st = eng.state
+    st = llm.engine.runner.state
     st.reset(0)
     slots = torch.tensor([0])
     x = torch.tensor([ids])
@@ -480,8 +480,8 @@ class OracleProposer:
     """Proposes the true greedy continuation `truth` (prompt's first id -> plain decoding's output ids), with planted
     mistakes when `mistakes`: exercises full acceptance (bonus tokens), partial acceptance and rejection at position
     0, whatever a draft model's quality. Without mistakes every draft is accepted: each step emits k+1 tokens."""
-    def __init__(self, k, truth, mistakes=True):
-        self.k, self.truth, self.mistakes, self.step = k, truth, mistakes, 0
+    def __init__(self, k, truth, vocab_size, mistakes=True):
+        self.k, self.truth, self.vocab_size, self.mistakes, self.step = k, truth, vocab_size, mistakes, 0
 
     def prefill(self, *a):
         pass
@@ -489,7 +489,8 @@ class OracleProposer:
     def commit(self, *a):
         pass
 
-    def propose(self, engine, reqs):
+    def propose(self, batch):
+        reqs = batch.reqs
         d = torch.full((len(reqs), self.k), -1)
         for b, r in enumerate(reqs):
             n = len(r.output_ids)
@@ -497,7 +498,7 @@ class OracleProposer:
             d[b, :len(seq)] = torch.tensor(seq)
             wrong = (self.step + b) % (self.k + 2)  # position of a planted wrong token (none if >= k)
             if self.mistakes and wrong < len(seq):
-                d[b, wrong] = (d[b, wrong] + 1) % engine.model.cfg.vocab_size
+                d[b, wrong] = (d[b, wrong] + 1) % self.vocab_size
         self.step += 1
         return d, None
 
@@ -508,7 +509,7 @@ def test_verify_commit_with_oracle_drafts(tiny_spec, spec_off):
     prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
     truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
     assert len(truth) == len(prompts)
-    llm.engine.proposer = OracleProposer(4, truth)
+    llm.engine.runner.proposer = OracleProposer(4, truth, llm.cfg.vocab_size)
     outs = llm.generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
@@ -553,7 +554,7 @@ def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):
     path, k = request.getfixturevalue(ckpt), 3
     llm = LLM(model=path, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": k,
                                                              "draft_sample_method": drafting})
-    e, m = llm.engine, llm.model
+    e, m, runner = llm.engine, llm.model, llm.engine.runner
     prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS[2:4]]
     reqs = [e.add_request(p, SamplingParams(temperature=0.8, max_tokens=30, seed=i, ignore_eos=True))
             for i, p in enumerate(prompts)]
@@ -564,8 +565,7 @@ def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):
         assert len(running) == 2
         saved = [r.gen.get_state() for r in running]
         with torch.inference_mode():
-            e.set_batch(running)
-            drafts, q = e.proposer.propose(e, running)
+            drafts, q = runner.proposer.propose(runner.batch(running))
         for b, r in enumerate(running):
             u = torch.rand(k, generator=torch.Generator().set_state(saved[b])) if drafting != "greedy" else None
             temp = 0.8 if drafting != "greedy" else None
@@ -600,10 +600,61 @@ def test_mtp_chain_and_target_attention_reads_are_bounded(tiny_spec, asynchronou
     assert {1, 4} <= set(seen)                                                     # decode-sized and verify calls
 
 
+def test_proposer_without_an_engine(tiny):
+    """A proposer's whole world is a ProposerIO (the target, its state, device copies, graph calls: here eager) and
+    the Batch of each step: no Engine. MTP's chained drafts from its caches == the MTP layer recomputed from scratch
+    over the whole sequence for each draft (greedy: the tokens; probabilistic: q); ngram's == prompt lookup over
+    each request's tokens."""
+    cpu = torch.device("cpu")
+    model, cfg, _ = sd.load_model(tiny, torch.float32, cpu, want_mtp=True)
+    state = sd.State(cfg, 2, 64, torch.float32, cpu, mtp=True)
+    io = sd.ProposerIO(model, state, num_slots=2, max_model_len=60, dtype=torch.float32, device=cpu,
+                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype),
+                       call=lambda name, fn, kv_len, inputs: fn(kv_len, **inputs))
+    k = 3
+    greedy, sampled = (sd.MTPProposer(sd.SpeculativeConfig(method="mtp", num_speculative_tokens=k,
+                                                           draft_sample_method=m), io)
+                       for m in ("greedy", "probabilistic"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 6)]
+    ctx = lambda slot, pos, n, mode="prefill": sd.Ctx(state, torch.tensor([slot]), torch.tensor([pos]), n, mode)
+    with torch.inference_mode():
+        seqs = []
+        for slot, p in enumerate(prompts):
+            state.reset(slot)
+            h = model(torch.tensor([p]), ctx(slot, 0, len(p)))
+            t = int(model.logits(h[:, -1]).argmax())                      # the first sampled token, at len(p)
+            for prop in (greedy, sampled):
+                prop.prefill(types.SimpleNamespace(slot=slot), h, (), torch.tensor([p[1:] + [t]]), 0)
+            seqs.append((p, t, h))
+        reqs = [types.SimpleNamespace(tokens=p + [t], params=SamplingParams(temperature=0.7),
+                                      gen=torch.Generator().manual_seed(i)) for i, (p, t, _) in enumerate(seqs)]
+        batch = sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([len(p) for p in prompts]),
+                         torch.tensor([t for _, t, _ in seqs]), host_knows_pos=True)
+        for prop in (greedy, sampled):
+            drafts, q = prop.propose(batch)
+            assert drafts.shape == (2, k) and (q is None) == (prop is greedy)
+            for row, (p, t, h) in enumerate(seqs):                        # from scratch, in a fresh slot each time
+                hidden, nxt = h, p[1:] + [t]
+                for j in range(k):
+                    u = model.mtp(model.embed_tokens(torch.tensor([nxt])), hidden, ctx(2, 0, len(nxt), "decode"))
+                    logits = model.logits(u[0, -1])                        # [V] at the draft's position
+                    if q is None:
+                        assert int(drafts[row, j]) == int(logits.argmax())
+                    else:
+                        assert torch.allclose(q[row, j], (logits / 0.7).softmax(-1), atol=1e-5)
+                    hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [int(drafts[row, j])]
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=2), io)
+    reqs = [types.SimpleNamespace(tokens=[1, 2, 3, 1, 2]), types.SimpleNamespace(tokens=[5, 6, 7])]
+    d, q = ngram.propose(sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([2, 7]), True))
+    assert d.tolist() == [[3, 1, 2], [-1, -1, -1]] and q is None
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    m, st = llm.model, llm.engine.state
+    m, st = llm.model, llm.engine.runner.state
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 500, (1, 9), generator=g)
     tail = torch.randint(0, 500, (2, 5), generator=g)  # rows 0, 1: [last token, d1..d4]
@@ -881,8 +932,8 @@ def test_sampled_ngram_with_padding_rows(tiny_spec):
     spec = LLM(model=tiny_spec, device="cpu", max_num_seqs=8, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     verified = []
-    propose = spec.engine.proposer.propose
-    spec.engine.proposer.propose = lambda e, reqs: verified.append(propose(e, reqs)) or verified[-1]
+    propose = spec.engine.runner.proposer.propose
+    spec.engine.runner.proposer.propose = lambda batch: verified.append(propose(batch)) or verified[-1]
     outs = [[tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)] for llm in (plain, spec)]
     assert all(min(t) >= 0 and len(t) == 3 for o in outs for t in o)
     padded = [bool(((d < 0).all(1)).any() and (d >= 0).any(1).any()) for d, _ in verified]
@@ -903,7 +954,7 @@ def gguf_from_checkpoint(path, out, ftype, with_mtp=True):
     with open(os.path.join(path, "config.json")) as fh:
         top = json.load(fh)
     w = load_file(os.path.join(path, "model.safetensors"))
-    sd.write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
+    write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
     return out
 
 
@@ -1315,7 +1366,7 @@ def test_stops_inside_accepted_runs(tiny_spec, spec_off):
                speculative_config={"method": "ngram", "num_speculative_tokens": k})
     prompts = [plain.tokenizer.encode(p) for p in SPEC_PROMPTS]
     truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
-    spec.engine.proposer = OracleProposer(k, truth, mistakes=False)
+    spec.engine.runner.proposer = OracleProposer(k, truth, spec.cfg.vocab_size, mistakes=False)
     cases = oracle_stop_cases(plain.tokenizer, prompts, [r.outputs[0].token_ids for r in ref], k)
     assert set(cases) == {(kind, o) for kind in kinds for o in range(k + 1)}    # every kind at every offset
     keys = sorted(cases)
@@ -1629,7 +1680,121 @@ def test_chat_template_tool_results_and_errors():
 # ==============================================================================================
 
 import numpy as np  # noqa: E402
-from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, gguf_has_mtp, read_gguf, write_gguf  # noqa: E402
+from pathlib import Path  # noqa: E402
+from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, read_gguf  # noqa: E402
+
+# the writer: llama.cpp's converter (conversion/qwen.py) in miniature, the inverse of specdec's read_gguf
+_HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (sd._GGUF_TOP, sd._GGUF_BLK, sd._GGUF_NEXTN))
+
+
+def gguf_has_mtp(src):
+    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block."""
+    if isinstance(src, dict):
+        return src.get("mtp_num_hidden_layers", 0) > 0
+    import gguf
+    return any(".nextn." in t.name for t in gguf.GGUFReader(src).tensors)
+
+
+def write_gguf(hf_config, tensors, out_path, ftype="F16", tokenizer_json_path=None, with_mtp=True):
+    """Write HF text-only tensors as llama.cpp's converter does. ftype: F32 | F16 | BF16 | Q8_0;
+    with_mtp=False is the converter's --no-mtp. Without a tokenizer.json, a byte-level vocab is written."""
+    import gguf
+    Q, c, g = gguf.GGMLQuantizationType, hf_config, hf_config.get
+    qtype, ftype_id = {"F32": (Q.F32, 0), "F16": (Q.F16, 1), "BF16": (Q.BF16, 32), "Q8_0": (Q.Q8_0, 7)}[ftype]
+    n, n_mtp = c["num_hidden_layers"], g("mtp_num_hidden_layers", 0) if with_mtp else 0
+    hf = {k.replace("model.language_model.", "model."): t for k, t in tensors.items()
+          if "visual." not in k and (n_mtp or not k.startswith("mtp."))}
+    for k in [k for k in hf if k.endswith(".experts.0.gate_proj.weight")]:  # per-expert checkpoints -> fused
+        p = k[: -len("0.gate_proj.weight")]
+        st = lambda w: torch.stack([hf.pop(f"{p}{e}.{w}_proj.weight") for e in range(c["num_experts"])])  # noqa
+        hf[p + "gate_up_proj"], hf[p + "down_proj"] = torch.cat([st("gate"), st("up")], 1), st("down")
+
+    w = gguf.GGUFWriter(out_path, "qwen35moe" if "num_experts" in c else "qwen35")
+    rp, hd = g("rope_parameters") or {}, c["head_dim"]
+    for add, v in [  # the converter's keys, in its order; None = not written
+            (w.add_type, gguf.GGUFType.MODEL), (w.add_block_count, n + n_mtp),
+            (w.add_context_length, c["max_position_embeddings"]), (w.add_embedding_length, c["hidden_size"]),
+            (w.add_feed_forward_length, g("intermediate_size")), (w.add_head_count, c["num_attention_heads"]),
+            (w.add_head_count_kv, c["num_key_value_heads"]),
+            (w.add_rope_dimension_sections, (list(rp.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4]),
+            (w.add_rope_freq_base, rp.get("rope_theta", g("rope_theta"))),
+            (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
+            (w.add_expert_count, g("num_experts")), (w.add_expert_used_count, g("num_experts_per_tok")),
+            (w.add_key_length, hd), (w.add_value_length, hd), (w.add_file_type, ftype_id),
+            (w.add_expert_feed_forward_length, g("moe_intermediate_size")),
+            (w.add_expert_shared_feed_forward_length, g("shared_expert_intermediate_size")),
+            (w.add_ssm_conv_kernel, c["linear_conv_kernel_dim"]), (w.add_ssm_state_size, c["linear_key_head_dim"]),
+            (w.add_ssm_group_count, c["linear_num_key_heads"]), (w.add_ssm_time_step_rank, c["linear_num_value_heads"]),
+            (w.add_ssm_inner_size, c["linear_value_head_dim"] * c["linear_num_value_heads"]),
+            (w.add_full_attention_interval, g("full_attention_interval", 4)),
+            (w.add_rope_dimension_count, int(hd * rp.get("partial_rotary_factor", g("partial_rotary_factor", 0.25)))),
+            (w.add_nextn_predict_layers, n_mtp or None), (w.add_quantization_version, gguf.GGML_QUANT_VERSION)]:
+        if v is not None:
+            add(v)
+    _write_vocab(w, c, tokenizer_json_path)
+
+    for name, t in hf.items():
+        t = t.float()
+        if sd._is_shifted_norm(name):
+            t = t + 1.0
+        elif name.endswith(".A_log"):
+            t = -torch.exp(t)
+        t = sd._gdn_reorder(name, t.squeeze(1) if name.endswith(".conv1d.weight") else t, c, to_gguf=True)
+        m = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.(.+)", name)
+        b = m and int(m[2]) + (n if m[1] == "mtp" else 0)
+        if m is None:  # mtp.fc and the 3 MTP norms go into every MTP block
+            out = [(_HF_TOP[name], t)] if name in _HF_TOP else [
+                (f"blk.{j}.{_HF_NEXTN[name]}", t) for j in range(n, n + n_mtp)]
+        elif m[3] == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up [E, I, H] (ne {H, I, E})
+            i = t.shape[1] // 2
+            out = [(f"blk.{b}.ffn_gate_exps.weight", t[:, :i]), (f"blk.{b}.ffn_up_exps.weight", t[:, i:])]
+        else:
+            out = [(f"blk.{b}.{_HF_BLK[m[3]]}", t)]
+        for gname, t in out:  # the converter keeps 1-D tensors, norms, routers and the conv in F32
+            a = t.contiguous().numpy()
+            f32 = a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") or re.search(
+                r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$", gname)
+            q = Q.F32 if f32 else qtype
+            try:
+                data = gguf.quants.quantize(a, q)
+            except gguf.QuantError:  # row length not a multiple of the block: F16, as the converter does
+                q, data = Q.F16, a.astype(np.float16)
+            w.add_tensor(gname, data, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_vocab(w, c, tokenizer_json_path):
+    """tokenizer.ggml.* as the converter writes them: model gpt2, pre qwen35, ids up to vocab_size, gaps [PADi]."""
+    eos = c.get("eos_token_id")
+    eos, merges, template = eos[0] if isinstance(eos, list) else eos, [], None
+    if tokenizer_json_path is None:  # the GPT-2 byte alphabet (specdec's), then the specials
+        vocab = dict(sd.BYTE_OF_CHAR)
+        special = {s: True for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+        vocab.update({s: 256 + j for j, s in enumerate(special)})
+    else:
+        tj = json.loads(Path(tokenizer_json_path).read_text(encoding="utf-8"))
+        vocab = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+        special = {a["content"]: a.get("special", False) for a in tj.get("added_tokens", [])}
+        tc = Path(tokenizer_json_path).with_name("tokenizer_config.json")
+        tc = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
+        e = tc.get("eos_token")  # the converter's SpecialVocab takes eos from tokenizer_config.json first
+        eos, template = vocab.get(e.get("content") if isinstance(e, dict) else e, eos), tc.get("chat_template")
+    rev = {i: t for t, i in vocab.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(c["vocab_size"])]
+    types = [5 if i not in rev else 1 if t not in special else 3 if special[t] or (t[:2], t[-2:]) == ("<|", "|>")
+             else 4 for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for add, v in ((w.add_token_merges, merges), (w.add_eos_token_id, eos), (w.add_chat_template, template)):
+        if v or v == 0:
+            add(v)
+
 
 Q = gguf.GGMLQuantizationType if gguf else None
 
@@ -1982,14 +2147,17 @@ def free_port():
 
 
 class Server:
-    def __init__(self, model, log_dir, *args):
+    def __init__(self, model, log_dir, *args, prelude=None):
+        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, f"server-{self.port}.log")
+        main = [os.path.join(ROOT, "server.py")] if prelude is None else \
+            ["-c", f"{prelude}\nimport sys, server\nsys.exit(server.main())"]
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--model", model, "--device",
-                                          "cpu", "--port", str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=ENV)
+            self.proc = subprocess.Popen([sys.executable, *main, "--model", model, "--device", "cpu", "--port",
+                                          str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=ENV)
         deadline = time.time() + 120
         while True:
             if self.proc.poll() is not None or time.time() > deadline:
@@ -2226,7 +2394,6 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
-    ("/v1/completions", {"prompt": "x", "top_k": 0}, 400, "top_k", "top_k"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=1"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
@@ -2239,7 +2406,9 @@ BAD = [  # (path, body, status, param or None, message fragment)
      "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream=True"),
-    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "between"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -2}, 400, "logprobs", "`logprobs` must be a positive value or -1."),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs",  # -1: the whole vocabulary, above 20
+     "Requested sample logprobs of 1024, which is greater than max allowed: 20"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
@@ -2268,12 +2437,12 @@ def test_errors_do_not_disturb_running_requests(srv):
     try:
         for path, body, status, param, fragment in BAD:
             check_error(*srv.post(path, body), status, param, fragment)
-        for raw, ctype, frag in ((b'{"prompt": "x",', "application/json", "not valid JSON"),
-                                 (b'["x"]', "application/json", "JSON object"),
-                                 (b'{"prompt": NaN}', "application/json", "not valid JSON"),
-                                 (b'{"prompt": "x"}', "text/plain", "application/json")):
+        for raw, ctype, want, frag in ((b'{"prompt": "x",', "application/json", 400, "not valid JSON"),
+                                       (b'["x"]', "application/json", 400, "JSON object"),
+                                       (b'{"prompt": NaN}', "application/json", 400, "not valid JSON"),
+                                       (b'{"prompt": "x"}', "text/plain", 415, "Only 'application/json'")):
             status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": ctype})
-            check_error(status, json.loads(data), 400, None, frag)
+            check_error(status, json.loads(data), want, None, frag)
         status, _, data = srv.request("GET", "/v1/nope")
         assert status == 404 and json.loads(data)["error"]["code"] == 404
         assert srv.request("GET", "/v1/completions")[0] == 405
@@ -2447,6 +2616,400 @@ def test_bad_startup_is_one_line(tiny_model, tmp_path):
         assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
 
 
+# ==============================================================================================
+# Bad input: every numeric field bounded at the API boundary (issue 22)
+# ==============================================================================================
+
+BIG = 10 ** 20  # past int64: it once reached the engine and killed it ("Overflow when unpacking long long")
+CHAT = [{"role": "user", "content": "x"}]
+CORPUS = [  # (class, path, body, status, param, message fragment or None); each must leave /health at 200
+    ("top_k beyond int64", "/v1/completions", {"top_k": BIG}, 200, None, None),  # as vLLM: no filter
+    ("top_k 0 disables (vLLM)", "/v1/completions", {"top_k": 0}, 200, None, None),
+    ("top_k hugely negative", "/v1/completions", {"top_k": -BIG}, 400, "top_k", "0 (disable), or at least 1"),
+    ("top_k not an integer", "/v1/completions", {"top_k": 1.5}, 400, "top_k", "must be an integer"),
+    ("seed beyond int64", "/v1/completions", {"seed": BIG}, 400, "seed", "less than or equal to 9223372036854775807"),
+    ("seed at 2**63", "/v1/completions", {"seed": 2 ** 63}, 400, "seed", "less than or equal to"),
+    ("seed below int64", "/v1/completions", {"seed": -BIG}, 400, "seed",
+     "greater than or equal to -9223372036854775808"),
+    ("seed int64 max", "/v1/completions", {"seed": 2 ** 63 - 1}, 200, None, None),
+    ("seed int64 min", "/v1/completions", {"seed": -2 ** 63}, 200, None, None),
+    ("seed -1 is none (vLLM)", "/v1/completions", {"seed": -1}, 200, None, None),
+    ("seed as a string", "/v1/completions", {"seed": "7"}, 400, "seed", "must be an integer"),
+    ("temperature inf (1e999)", "/v1/completions", {"temperature": 1e999}, 400, "temperature",
+     "temperature must be a finite number, got Infinity."),
+    ("temperature -inf", "/v1/completions", {"temperature": -1e999}, 400, "temperature", "finite number"),
+    ("temperature huge integer", "/v1/completions", {"temperature": 10 ** 400}, 400, "temperature",
+     "must be in [0, 2]"),
+    ("temperature above 2", "/v1/completions", {"temperature": 2.5}, 400, "temperature", "must be in [0, 2]"),
+    ("temperature 2", "/v1/completions", {"temperature": 2}, 200, None, None),
+    ("temperature negative", "/v1/completions", {"temperature": -0.1}, 400, "temperature", "non-negative"),
+    ("top_p inf", "/v1/completions", {"top_p": 1e999}, 400, "top_p", "must be in (0, 1]"),
+    ("top_p huge integer", "/v1/completions", {"top_p": 10 ** 400}, 400, "top_p", "must be in (0, 1]"),
+    ("max_tokens beyond int64", "/v1/completions", {"max_tokens": BIG}, 400, None, "maximum context length"),
+    ("max_tokens hugely negative", "/v1/completions", {"max_tokens": -BIG}, 400, "max_tokens", "at least 1"),
+    ("max_tokens not an integer", "/v1/completions", {"max_tokens": 2.5}, 400, "max_tokens", "must be an integer"),
+    ("max_tokens null is the default", "/v1/completions", {"max_tokens": None}, 200, None, None),
+    ("max_completion_tokens huge", "/v1/chat/completions", {"max_completion_tokens": BIG}, 400, None,
+     "maximum context length"),
+    ("max_completion_tokens 0", "/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "at least 1"),
+    ("logprobs beyond int64", "/v1/completions", {"logprobs": BIG}, 400, "logprobs", "greater than max allowed: 20"),
+    ("logprobs 21", "/v1/completions", {"logprobs": 21}, 400, "logprobs", "greater than max allowed: 20"),
+    ("logprobs 20", "/v1/completions", {"logprobs": 20}, 200, None, None),
+    ("logprobs hugely negative", "/v1/completions", {"logprobs": -BIG}, 400, "logprobs", "positive value or -1"),
+    ("top_logprobs huge", "/v1/chat/completions", {"logprobs": True, "top_logprobs": BIG}, 400, "top_logprobs",
+     "greater than max allowed"),
+    ("top_logprobs negative", "/v1/chat/completions", {"logprobs": True, "top_logprobs": -5}, 400, "top_logprobs",
+     "`top_logprobs` must be a positive value or -1."),
+    ("top_logprobs 0 alone (vLLM)", "/v1/chat/completions", {"top_logprobs": 0}, 200, None, None),
+    ("n 0", "/v1/completions", {"n": 0}, 400, "n", "n must be at least 1, got 0."),
+    ("n beyond int64", "/v1/completions", {"n": BIG}, 400, "n", "only n=1"),
+    ("presence_penalty inf", "/v1/completions", {"presence_penalty": 1e999}, 400, "presence_penalty",
+     "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty -3", "/v1/completions", {"frequency_penalty": -3}, 400, "frequency_penalty", "[-2, 2]"),
+    ("presence_penalty in range", "/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty",
+     "not supported"),
+    ("presence_penalty 0", "/v1/completions", {"presence_penalty": 0}, 200, None, None),
+    ("repetition_penalty inf", "/v1/completions", {"repetition_penalty": 1e999}, 400, "repetition_penalty",
+     "finite number"),
+    ("repetition_penalty 0", "/v1/completions", {"repetition_penalty": 0}, 400, "repetition_penalty",
+     "greater than zero"),
+    ("min_p 2", "/v1/completions", {"min_p": 2}, 400, "min_p", "min_p must be in [0, 1], got 2."),
+    ("min_tokens negative", "/v1/completions", {"min_tokens": -BIG}, 400, "min_tokens", "greater than or equal to 0"),
+    ("best_of 0", "/v1/completions", {"best_of": 0}, 400, "best_of", "at least 1"),
+    ("stop_token_ids beyond int64", "/v1/completions", {"stop_token_ids": [BIG]}, 400, "stop_token_ids",
+     "out-of-vocab token ids. Vocabulary size: 1024"),
+    ("stop_token_ids negative", "/v1/completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids", "out-of-vocab"),
+    ("prompt token beyond int64", "/v1/completions", {"prompt": [BIG]}, 400, None, "out of range"),
+    ("prompt token negative", "/v1/completions", {"prompt": [-1]}, 400, None, "out of range"),
+    ("echo of a token out of range", "/v1/completions", {"prompt": [BIG], "echo": True}, 400, None, "out of range"),
+    ("echo as a number", "/v1/completions", {"echo": 1}, 400, "echo", "must be a boolean"),
+    ("stream as a string", "/v1/completions", {"stream": "yes"}, 400, "stream", "must be a boolean"),
+]
+RAW_CORPUS = [  # (class, raw body, fragment): bodies json.dumps cannot write; all 400
+    ("NaN literal", b'{"prompt": "x", "temperature": NaN}', "not valid JSON"),
+    ("Infinity literal", b'{"prompt": "x", "top_p": -Infinity}', "not valid JSON"),
+    ("integer of 5000 digits", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    ("nesting 100000 deep", b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+    ("bytes that are not UTF-8", b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+]
+
+
+def test_bad_input_corpus_leaves_the_server_healthy(srv):
+    assert len(CORPUS) + len(RAW_CORPUS) >= 50
+    for name, path, fields, want, param, fragment in CORPUS:
+        base = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+        raw = json.dumps({**base, "max_tokens": 2, **fields}).replace("Infinity", "1e999")  # valid JSON, read as inf
+        status, _, data = srv.request("POST", path, raw, {"Content-Type": "application/json"})
+        body = json.loads(data)
+        if want == 200:
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, (name, body)
+        else:
+            check_error(status, body, want, param, fragment)
+        assert srv.request("GET", "/health")[0] == 200, name
+    for name, raw, fragment in RAW_CORPUS:
+        status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
+        check_error(status, json.loads(data), 400, None, fragment)
+        assert srv.request("GET", "/health")[0] == 200, name
+    # a top_k past the vocabulary keeps every token: the same seeded sample as no top_k at all
+    body = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    same = [srv.post("/v1/completions", dict(body, top_k=k))[1]["choices"][0]["text"] for k in (BIG, -1, 1024)]
+    assert same[0] == same[1] == same[2]
+
+
+# ==============================================================================================
+# HTTP framing over a raw socket, read timeouts, the connection cap, half-closed clients
+# ==============================================================================================
+
+def raw_http(port, data, half_close=False, method=None, timeout=10):
+    """Send raw bytes; -> (status, headers, body) of the answer, parsed by http.client (which insists on a
+    status line and skips interim "100 Continue" answers)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        r = http.client.HTTPResponse(s, method=method)
+        r.begin()
+        return r.status, dict(r.getheaders()), r.read()
+
+
+def post_head(path="/v1/completions", length=None, extra="", ctype="application/json"):
+    n = "" if length is None else f"Content-Length: {length}\r\n"
+    t = "" if ctype is None else f"Content-Type: {ctype}\r\n"
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\n{t}{n}{extra}\r\n".encode()
+
+
+def check_http_error(answer, want, fragment=""):
+    status, headers, data = answer
+    err = json.loads(data)["error"]
+    assert status == want and err["code"] == want and fragment in err["message"], (status, err)
+    assert headers["Content-Type"] == "application/json"
+    return headers
+
+
+def test_http_framing(srv):
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for method in ("PUT", "DELETE", "OPTIONS", "PATCH"):
+        headers = check_http_error(raw_http(srv.port, f"{method} /v1/completions HTTP/1.1\r\n\r\n".encode()), 405)
+        assert headers["Allow"] == "POST"
+    assert check_http_error(raw_http(srv.port, post_head("/health", 0)), 405)["Allow"] == "GET, HEAD"
+    check_http_error(raw_http(srv.port, b"BREW /health HTTP/1.1\r\n\r\n"), 501, "BREW")
+    # HEAD where GET exists: the GET's headers, no body (the next answer on the connection parses cleanly)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"HEAD /v1/models HTTP/1.1\r\n\r\n")
+        head = http.client.HTTPResponse(s, method="HEAD")
+        head.begin()
+        assert head.status == 200 and int(head.getheader("Content-Length")) > 0 and head.read() == b""
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        nxt = http.client.HTTPResponse(s)
+        nxt.begin()
+        assert nxt.status == 200 and nxt.read() == b""
+    # a body shorter than its Content-Length, the client half-closed: refused, not taken as complete
+    check_http_error(raw_http(srv.port, post_head(length=len(body) + 10) + body, half_close=True), 400, "ended after")
+    # one valid Content-Length or none: RFC 9112 (request smuggling)
+    for lengths in ((len(body), len(body)), (len(body), 3)):
+        extra = "".join(f"Content-Length: {n}\r\n" for n in lengths)
+        check_http_error(raw_http(srv.port, post_head(extra=extra) + body), 400, "Content-Length")
+    for bad_length in ("abc", "-5", "+5", "0x10", "5, 5", "", "99999999999999999999"):
+        check_http_error(raw_http(srv.port, post_head(length=bad_length) + body), 400, "Content-Length")
+    check_http_error(raw_http(srv.port, post_head(extra="Transfer-Encoding: chunked\r\n") + b"0\r\n\r\n"), 411)
+    check_http_error(raw_http(srv.port, post_head(length=len(body), extra="Transfer-Encoding: chunked\r\n") + body),
+                     400)
+    # a bad request line: an answer with a status line all the same
+    for line in (b"GARBAGE", b"GET /", b"GET / HTTP/x", b"GET / HTTP/1.1 extra"):
+        check_http_error(raw_http(srv.port, line + b"\r\n\r\n"), 400)
+    check_http_error(raw_http(srv.port, b"GET /health HTTP/2.0\r\n\r\n"), 505)
+    check_http_error(raw_http(srv.port, b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n"), 431)
+    # the media type, then the size: both before any of the body is read
+    for ctype in (None, "text/plain", "application/jsonx"):
+        check_http_error(raw_http(srv.port, post_head(length=len(body), ctype=ctype) + body), 415,
+                         "Only 'application/json' is allowed")
+    t0 = time.time()
+    check_http_error(raw_http(srv.port, post_head(length=(1 << 26) + 1)), 413)  # no body sent at all
+    assert time.time() - t0 < 2
+    status, _, data = raw_http(srv.port, post_head(length=len(body)) + body)
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+    assert srv.request("GET", "/health")[0] == 200
+
+
+def test_api_key_checked_before_the_body(srv_small):
+    port, key = srv_small.port, "Authorization: Bearer sekrit\r\n"
+    t0 = time.time()  # 50 MB announced, none sent: the 401 comes at once (no wait for the body)
+    assert raw_http(port, post_head(length=50_000_000))[:2][0] == 401 and time.time() - t0 < 2
+    # a client that waits for "100 Continue": none before a refusal; after the checks, one, then the answer
+    status, _, data = raw_http(port, post_head(length=10, extra="Expect: 100-continue\r\n"))
+    assert status == 401 and json.loads(data) == {"error": "Unauthorized"}
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(post_head(length=len(body), extra=key + "Expect: 100-continue\r\n"))
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
+    # a small body sent with a refused request is read and dropped: the connection serves the next request
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for request, want in ((post_head(length=len(body)) + body, 401), (b"GET /health HTTP/1.1\r\n\r\n", 200)):
+            s.sendall(request)
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == want
+            r.read()
+
+
+@pytest.fixture(scope="module")
+def srv_limits(tiny_model, tmp_path_factory):
+    """A 1 s request timeout and at most 4 open connections."""
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", "--request-timeout", "1",
+               "--max-connections", "4")
+    yield s
+    s.stop()
+
+
+def closed_after(sock, send=b"", gap=0.0, limit=5.0):
+    """Seconds until the server closes `sock` (it reads b""), while sending `send` a byte every `gap` seconds;
+    also what came back."""
+    t0, got, sent = time.time(), b"", 0
+    sock.settimeout(0.05)
+    while time.time() - t0 < limit:
+        if sent < len(send) and time.time() - t0 >= sent * gap:
+            sock.send(send[sent:sent + 1])
+            sent += 1
+        try:
+            data = sock.recv(65536)
+        except socket.timeout:
+            continue
+        if not data:
+            return time.time() - t0, got
+        got += data
+    raise AssertionError(f"the server did not close the connection within {limit} s ({sent} bytes sent)")
+
+
+def test_read_timeouts(srv_limits):
+    port = srv_limits.port
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a silent client
+        took, got = closed_after(s)
+        assert 0.8 < took < 3 and got == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:  # headers trickled a byte every 0.2 s: a deadline
+        took, got = closed_after(s, send=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100, gap=0.2)
+        assert 0.8 < took < 3 and got == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a body that stops coming: 408
+        s.sendall(post_head(length=100) + b'{"prompt":')
+        took, got = closed_after(s)
+        assert 0.8 < took < 3 and got.startswith(b"HTTP/1.1 408 ") and b'"code": 408' in got
+    with socket.create_connection(("127.0.0.1", port)) as s:  # keep-alive: idle after an answer, then closed
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        took, got = closed_after(s)
+        assert got.startswith(b"HTTP/1.1 200 ") and 0.8 < took < 3
+    assert srv_limits.request("GET", "/health")[0] == 200
+
+
+def test_connection_cap(srv_limits):
+    time.sleep(1.5)  # every earlier connection has ended: closed by its client or timed out (1 s)
+    held = [socket.create_connection(("127.0.0.1", srv_limits.port), timeout=5) for _ in range(4)]
+    try:
+        time.sleep(0.2)  # all four accepted, each with its thread
+        t0 = time.time()
+        check_http_error(raw_http(srv_limits.port, b"GET /health HTTP/1.1\r\n\r\n"), 503, "--max-connections 4")
+        assert time.time() - t0 < 1
+        for s in held:  # the four were admitted: each is served
+            s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == 200
+    finally:
+        for s in held:
+            s.close()
+    t0 = time.time()
+    while (status := raw_http(srv_limits.port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")[0]) != 200:
+        assert time.time() - t0 < 3, status
+        time.sleep(0.05)
+
+
+def test_half_closed_client_gets_its_answer(srv):
+    before = wait_idle(srv)
+    for stream in (False, True):
+        body = json.dumps({"prompt": "half", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+                           "stream": stream}).encode()
+        t0 = time.time()
+        status, headers, data = raw_http(srv.port, post_head(length=len(body)) + body, half_close=True, timeout=60)
+        took = time.time() - t0
+        assert took > 1.0  # the server looks for gone clients every 0.5 s: it saw this one's half-close
+        assert status == 200
+        if stream:
+            events = [e for e in data.decode().split("\n\n") if e.strip() and not e.startswith(":")]  # SSE comments
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        else:
+            assert json.loads(data)["usage"]["completion_tokens"] == 400
+    aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")
+    assert aborted(wait_idle(srv)) == aborted(before)
+
+
+# ==============================================================================================
+# Fault isolation: faults injected into the engine of a server process
+# ==============================================================================================
+
+FAULTS = '''
+import specdec
+init, prefill, launch = specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch
+marked = lambda req, mark: req.prompt_ids[:3] == [mark] * 3
+engines = []
+
+def _init(self, *a, **kw):
+    engines.append(self)
+    init(self, *a, **kw)
+
+def _prefill(self, req):
+    if marked(req, 7):
+        raise RuntimeError("injected fault in a prefill")
+    return prefill(self, req)
+
+def _launch(self, reqs):
+    if any(marked(r, 8) for r in reqs) and engines[0].waiting:  # once another request waits for a slot
+        raise ValueError("injected fault in a batched step")
+    if any(marked(r, 9) for r in reqs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+    return launch(self, reqs)
+
+specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch = _init, _prefill, _launch
+'''
+
+
+@pytest.fixture(scope="module")
+def srv_faulty(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", prelude=FAULTS)
+    yield s
+    s.stop()
+
+
+def test_device_fault_classification():
+    import server
+    assert server.device_fault(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert server.device_fault(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not server.device_fault(ValueError("Overflow when unpacking long long"))
+    assert not server.device_fault(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+def test_fault_in_one_prefill_leaves_the_others_running(srv_faulty):
+    s, errors = srv_faulty, lambda m: metric(m, "vllm:request_success_total", finished_reason="error")
+    before = wait_idle(s)
+    body = {"prompt": "the other request", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    conn, resp = open_stream(s, dict(body, stream_options={"include_usage": True}))
+    try:
+        first = resp.readline()
+        assert first.startswith(b"data: ")  # running
+        status, err = s.post("/v1/completions", {"prompt": [7, 7, 7, 1, 2], "max_tokens": 5})
+        check_error(status, err, 500, None, "RuntimeError: injected fault in a prefill")
+        assert s.request("GET", "/health")[0] == 200
+        events = sse_events(first + resp.read())
+    finally:
+        conn.close()
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == 200 and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert text == s.post("/v1/completions", body)[1]["choices"][0]["text"]  # untouched: the same greedy text
+    assert errors(wait_idle(s)) - errors(before) == 1
+
+
+def test_fault_in_a_batched_step_ends_its_batch_only(srv_faulty):
+    s, errors = srv_faulty, lambda m: metric(m, "vllm:request_success_total", finished_reason="error")
+    before = wait_idle(s)
+    long = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    streams = [open_stream(s, dict(long, prompt=p)) for p in ("running", [8, 8, 8, 1])]  # both slots
+    waiter = {}
+    thread = threading.Thread(target=lambda: waiter.update(r=s.post("/v1/completions", {"prompt": "waiting",
+                                                                                        "max_tokens": 8})))
+    try:
+        firsts = [resp.readline() for _, resp in streams]
+        assert all(first.startswith(b"data: ") for first in firsts)
+        thread.start()  # it waits for a slot; the marked request's next step then fails
+        for first, (_, resp) in zip(firsts, streams):  # the batch ends: an error event, [DONE] (as vLLM streams)
+            events = sse_events(first + resp.read())
+            assert "ValueError: injected fault in a batched step" in events[-1]["error"]["message"]
+            assert events[-1]["error"]["code"] == 500
+        thread.join(60)
+    finally:
+        for conn, _ in streams:
+            conn.close()
+    assert waiter["r"][0] == 200 and waiter["r"][1]["usage"]["completion_tokens"] == 8  # the waiting one went on
+    assert s.request("GET", "/health")[0] == 200
+    assert s.post("/v1/completions", {"prompt": "after", "max_tokens": 4})[1]["usage"]["completion_tokens"] == 4
+    assert errors(wait_idle(s)) - errors(before) == 2
+
+
+def test_device_fault_exits_the_process(tiny_model, tmp_path):
+    s = Server(tiny_model, str(tmp_path), prelude=FAULTS)
+    try:
+        status, err = s.post("/v1/completions", {"prompt": [9, 9, 9, 1], "max_tokens": 5})
+        check_error(status, err, 500, None, "CUDA error: an illegal memory access")
+        assert s.proc.wait(timeout=30) != 0  # a supervisor restarts it; it does not linger at 503
+    finally:
+        s.stop()
+    lines = [line for line in open(s.log).read().splitlines() if "fatal engine error" in line]
+    assert lines == ["specdec server: fatal engine error, exiting: RuntimeError: CUDA error: an illegal memory "
+                     "access was encountered (injected)"]
+
+
 
 # ==============================================================================================
 # The shipped toy model: real acceptance on held-out stdlib files (tools/eval_toy.py, fewer prompts)
@@ -2567,10 +3130,7 @@ def test_fused_projections_equal_separate(tiny):
     with torch.device("meta"):
         plain = sd.Qwen36(fused.cfg)
     plain.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()}, assign=True)
-    for m in plain.modules():
-        if isinstance(m, sd.Attention):
-            rd = fused.cfg.rotary_dim
-            m.inv_freq = 1.0 / fused.cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd)
+    sd.init_rope(plain, "cpu")
     assert hasattr(fused.layers[0].linear_attn, "in_proj") and not hasattr(plain.layers[0].linear_attn, "in_proj")
     ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     outs = []
@@ -3036,12 +3596,7 @@ def qwen3_layers(cfg, g, prefix="", copy=False):
     w = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"{prefix}layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
-                  p + "mlp.down_proj.weight": r(H, I), p + "input_layernorm.weight": one(H),
-                  p + "post_attention_layernorm.weight": one(H)})
+        w.update(bench.random_qwen3_layer(p, H, nh, nkv, hd, I, r, one))
         if copy:
             assert nkv * hd == H == nh * hd
             w[p + "self_attn.v_proj.weight"] = torch.eye(H) + r(H, H) * 0.1
@@ -3284,7 +3839,7 @@ def async_case(ckpts, cfg, variants):
             if victim.slot is not None and len(victim.output_ids) >= 2 and not victim.finished:
                 e.abort(victim)  # its slot is reused while a step holding it is still in flight
         outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in reqs])
-        assert (in_flight > 0) == e.async_steps
+        assert (in_flight > 0) == e.runner.async_steps
         assert spec is None or e.stats.mean_acceptance_length >= 1.5, e.stats   # multi-token steps (ckpts' drafters)
     assert outs[0][4][2] == "abort" and outs[0][1][2] == "stop" and outs[0][2][2] == "stop"
     return outs
@@ -3373,9 +3928,10 @@ def test_graph_inputs_outlive_capture(cfg, ckpts, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
     llm = LLM(model=ckpts["target"], device="cpu", max_num_seqs=2, speculative_config=spec)
-    llm.engine.graphs = sd.GraphRunner(llm.engine)
+    runner = llm.engine.runner
+    runner.graphs = sd.GraphRunner(runner.state)
     llm.generate(SPEC_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(llm.engine.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
+    assert len(runner.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
     assert rec.outside, "nothing was recorded"
     assert rec.freed() == [], "captured graphs read tensors freed after their capture"
 
@@ -3400,7 +3956,7 @@ def test_warmup_leaves_no_trace(tiny_spec):
 def test_dspark_layouts_load_to_the_same_drafter(runs):
     native, _, _, m_native = runs("dspark")
     spec, _, _, m_spec = runs("dspark_spec")
-    a, b = native.engine.proposer, spec.engine.proposer
+    a, b = native.engine.runner.proposer, spec.engine.runner.proposer
     assert a.taps == b.taps == (-1, 1, 3) and a.order == b.order and (a.Q, a.out) == (b.Q, b.out) == (4, slice(0, 4))
     pa, pb = dict(a.net.named_parameters()), dict(b.net.named_parameters())
     assert set(pa) - set(pb) == {"embed_tokens.weight", "lm_head.weight"}  # native ships copies of the target's
@@ -3418,7 +3974,7 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
     ref = reference[0][:24]
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
-    assert llm.engine.proposer.net.d2t is not None
+    assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
     s = llm.get_metrics()  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 tokens a step)
     assert s.mean_acceptance_length >= 1.3 and s.accepted_per_pos[0] > 0
@@ -3455,9 +4011,9 @@ def test_probabilistic_drafts_follow_their_q(name, ckpts):
     (z-test), false-alarm rate 1e-6 each; q rows sum to 1 and are positive at the draft. The ratio test with that q
     then accepts drafts (draft_self: q = p, so nearly all)."""
     llm = make_llm(ckpts, name, draft_sample_method="probabilistic")
-    e, k, V = llm.engine, llm.engine.k, llm.model.cfg.vocab_size
+    e, k, V = llm.engine.runner, llm.engine.runner.k, llm.model.cfg.vocab_size
     seen, propose = [], e.proposer.propose
-    e.proposer.propose = lambda eng, reqs: seen.append(propose(eng, reqs)) or seen[-1]
+    e.proposer.propose = lambda batch: seen.append(propose(batch)) or seen[-1]
     n = 120
     ps = [SamplingParams(temperature=1.6, max_tokens=6, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([SPEC_PROMPTS[i % 5] for i in range(n)], ps)
@@ -3484,12 +4040,11 @@ def test_probabilistic_q_is_the_sampled_distribution(name, extra, ckpts):
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": method, "model": ckpts[name], "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
         **extra})
-    e, prop = llm.engine, llm.engine.proposer
+    e, prop = llm.engine, llm.engine.runner.proposer
     req = e.add_request(llm.tokenizer.encode(SPEC_PROMPTS[0]), SamplingParams(temperature=0.7, max_tokens=8, seed=1))
     e.step()                                                    # prefill: context K/V for the prompt
     with torch.inference_mode():
-        e.set_batch([req])
-        d, q = prop.propose(e, [req])
+        d, q = prop.propose(e.runner.batch([req]))
     assert q.shape == (1, 4, 1024) and torch.allclose(q.sum(-1), torch.ones(1, 4))
     assert bool((q.gather(-1, d[..., None]) > 0).all())
     nonzero = (q > 0).sum(-1)
@@ -3548,21 +4103,21 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
     """After the 48-token batch run (mostly rejected drafts), each slot's context K/V over its committed tokens
     equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation."""
     llm, _, five, _ = runs(name)
-    e, prop = llm.engine, llm.engine.proposer
-    free = e.max_num_seqs - 1                                   # a slot the 5 prompts did not use
+    e, prop = llm.engine.runner, llm.engine.runner.proposer
+    free = llm.engine.max_num_seqs - 1                          # a slot the 5 prompts did not use
     with torch.inference_mode():
         for slot, toks in committed(llm, five):
             n = len(toks) - 1                                   # all but the last token have context K/V
             got = [prop.cache.kv[i][j][slot, :n].clone() for i in prop.cache.kv for j in (0, 1)]
             e.state.reset(free)
             ctx = sd.Ctx(e.state, torch.tensor([free]), torch.tensor([0]), n, "prefill")
-            h, e.aux = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
-            prop.prefill(e, types.SimpleNamespace(slot=free), h, None, 0)
+            h, taps = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
+            prop.prefill(types.SimpleNamespace(slot=free), h, taps, None, 0)
             want = [prop.cache.kv[i][j][free, :n] for i in prop.cache.kv for j in (0, 1)]
             assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got, want))
             anchor = torch.tensor([toks[-1]])
             U = prop.block_logits(n + prop.Q, torch.tensor([slot]), torch.tensor([n]), anchor)
-            feats = torch.cat([e.aux[i] for i in prop.order], -1)
+            feats = torch.cat([taps[i] for i in prop.order], -1)
             block = torch.cat([prop.embed(anchor)[:, None], prop.mask_vec.expand(1, prop.Q - 1, -1)], 1)
             ref = prop.logits(zlab_block_hidden(prop.net, prop.cfg, feats, block)[:, prop.out])
             assert torch.allclose(U, ref, atol=1e-4, rtol=1e-4)
@@ -3571,7 +4126,7 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
 def test_draft_model_state_equals_fresh_prefill(runs):
     """A hybrid draft's GDN conv/recurrent states and KV after the batch run == a prefill over the tokens it consumed."""
     llm, _, five, _ = runs("draft_hybrid")
-    prop = llm.engine.proposer
+    prop = llm.engine.runner.proposer
     m, st = prop.model, prop.state
     free = llm.engine.max_num_seqs - 1
     with torch.inference_mode():
@@ -3633,9 +4188,9 @@ def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
     from safetensors.torch import load_file
     missing, unexpected = hf.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
-    engine = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
-                                   max_num_seqs=1, dtype=torch.float32, device=torch.device("cpu"))
-    m, st = sd.load_draft_lm(path, engine, 64)
+    io = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
+                               num_slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    m, st = sd.load_draft_lm(path, io, 64)
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours = m.logits(m(ids, sd.Ctx(st, torch.tensor([0]), torch.tensor([0]), 11, "prefill")))
@@ -3732,6 +4287,25 @@ def test_kernel_gemv_dispatch(gemv_calls):
     with pytest.raises(RuntimeError):                                              # mixed dtypes: F.linear refuses
         gemv(x, w.double())
     assert not gemv_calls
+    # the rule on CUDA without BATCH_INVARIANT (27B shapes, bf16; M = 1, 8): Triton where the H200 measurements
+    # say it wins
+    shapes = [(34816, 5120), (5120, 17408), (16480, 5120), (248320, 5120), (5120, 6144), (14336, 5120)]
+    old, K.BATCH_INVARIANT = K.BATCH_INVARIANT, False
+    try:
+        wins = {(N, Kin): [K._gemv_config(M, N, Kin, True, torch.bfloat16) is not None for M in (1, 8)]
+                for N, Kin in shapes}
+        tiny = K._gemv_config(1, 64, 64, True, torch.bfloat16)
+    finally:
+        K.BATCH_INVARIANT = old
+    assert wins == {(34816, 5120): [True, False], (5120, 17408): [True, True], (16480, 5120): [True, True],
+                    (248320, 5120): [True, True], (5120, 6144): [True, False], (14336, 5120): [True, False]}
+    assert tiny is None                                                                # tiny: cuBLAS
+    # with BATCH_INVARIANT (the default): every bf16 / fp16 step of up to INVARIANT_ROWS rows, any shape
+    assert K.BATCH_INVARIANT
+    for M in (1, 8, 17, K.INVARIANT_ROWS):
+        assert K._gemv_config(M, 64, 64, True, torch.bfloat16) == "rows"
+    assert K._gemv_config(K.INVARIANT_ROWS + 1, 64, 64, True, torch.bfloat16) is None  # prefill: cuBLAS
+    assert K._gemv_config(1, 248320, 5120, True, torch.float32) is None                # fp32: cuBLAS
 
 
 GEMV_SHAPES = [(N, K) for N in (64, 512, 1281, 2048, 4096, 5120, 6144, 8192, 14336, 16480, 17408, 25600, 34816,
@@ -3740,18 +4314,22 @@ GEMV_SHAPES = [(N, K) for N in (64, 512, 1281, 2048, 4096, 5120, 6144, 8192, 143
 
 @needs_kernels
 def test_kernel_gemv_every_gpu_config():
-    """Every tile configuration the GPU rule (_gemv_config on CUDA, bf16, M = 1..32, the 27B / 35B shapes and
-    around them) can choose computes x @ w^T (F.linear in float64 is the reference; run here through the
+    """Every tile configuration the tuned GPU rule (_gemv_config on CUDA without BATCH_INVARIANT, bf16, M = 1..32, the
+    27B / 35B shapes and around them) can choose computes x @ w^T (F.linear in float64 is the reference; run here through the
     interpreter on small odd shapes: the blocks' masks and the split-K sum, with the GPU's block sizes). And the
     rule's documented invariants: fp32 always cuBLAS; K split only for tall weights (K >= 3N), never at M = 1."""
     cfgs = set()
-    for M in range(1, 33):
-        for N, Kin in GEMV_SHAPES:
-            c = K._gemv_config(M, N, Kin, True, torch.bfloat16)
-            assert K._gemv_config(M, N, Kin, True, torch.float32) is None
-            if c is not None:
-                assert c[2] == 1 or (Kin >= 3 * N and M > 1), (M, N, Kin, c)
-                cfgs.add(c)
+    old, K.BATCH_INVARIANT = K.BATCH_INVARIANT, False                              # the tuned rule
+    try:
+        for M in range(1, 33):
+            for N, Kin in GEMV_SHAPES:
+                c = K._gemv_config(M, N, Kin, True, torch.bfloat16)
+                assert K._gemv_config(M, N, Kin, True, torch.float32) is None
+                if c is not None:
+                    assert c[2] == 1 or (Kin >= 3 * N and M > 1), (M, N, Kin, c)
+                    cfgs.add(c)
+    finally:
+        K.BATCH_INVARIANT = old
     assert len(cfgs) >= 5
     g = gen(1)
     for c in sorted(cfgs):
@@ -3762,13 +4340,16 @@ def test_kernel_gemv_every_gpu_config():
 
 
 @needs_cuda
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("N,Kin", [(5120, 17408), (248320, 5120)])                # 27B: MLP down, lm_head
 @pytest.mark.parametrize("M", [1, 8, 17])
-def test_kernel_gpu_gemv_27b(M, N, Kin, gemv_calls):
+def test_kernel_gpu_gemv_27b(M, N, Kin, invariant, gemv_calls, monkeypatch):
+    monkeypatch.setattr(K, "BATCH_INVARIANT", invariant)
     w = randn(N, Kin, g=gen(0), dtype=torch.bfloat16, scale=Kin ** -0.5)
     x = randn(M, Kin, g=gen(1), dtype=torch.bfloat16)
     y = fast(K.linear, x, w)                                                       # the measured rule picks Triton
-    assert len(gemv_calls) == 1 and gemv_calls[0][2] == (4 if Kin > N and M > 1 else 1)  # M = 1: unsplit
+    want = "rows" if invariant else (4 if Kin > N and M > 1 else 1)               # (M = 1: unsplit)
+    assert len(gemv_calls) == 1 and (gemv_calls[0] if invariant else gemv_calls[0][2]) == want
     exact_ = F.linear(x.float(), w.float())
     # bf16 inputs, fp32 accumulation, one bf16 rounding (~2^-9 relative): as close to exact as cuBLAS is
     assert y.dtype == torch.bfloat16 and rel(y, exact_) <= 4e-3 and rel(y, F.linear(x, w)) <= 6e-3
@@ -3785,6 +4366,220 @@ def test_kernel_gpu_gemv_27b(M, N, Kin, gemv_calls):
     graph.replay()
     assert torch.equal(yg, K.linear(x, w))
 
+
+# ==============================================================================================
+# Batch invariance: a decode / verify row gets the same bits whatever the batch and T (kernels.BATCH_INVARIANT)
+# ==============================================================================================
+# The kernels' tests compare a row alone (B = 1, T = 1: a decode token) with the same row inside a verify step
+# (T = 4) and inside batches of 2, 5 and 8 rows of other data, bit for bit. Through the interpreter on the CPU (fp32
+# dots) and, with the `gpu` tests, compiled in bf16 at the real models' shapes on the H200.
+
+@pytest.fixture
+def rowwise_dot(monkeypatch):
+    """The interpreter's tl.dot, one row at a time. It multiplies a tile with numpy's matmul, whose BLAS rounds a
+    row differently by its place in the tile (seen here: OpenBLAS sgemm); a GPU's MMA computes each row of a tile
+    alone. Row by row, the interpreter checks what the kernels control: tiles, key pieces and their merge order."""
+    import numpy as np
+    from triton.runtime import interpreter as I
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return I.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+    if not CUDA:
+        monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
+
+
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40), residual=False, seed=0):
+    """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
+    row 0 and as the last row of steps of M rows."""
+    g = gen(seed)
+    w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
+    x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
+    alone = fast(K._gemv_launch, x0, w, "rows", r0)
+    got = []
+    for M in sizes:
+        xs, rs = randn(M, Kin, g=g, dtype=dtype), randn(M, N, g=g, dtype=dtype) if residual else None
+        for at in (0, M - 1):
+            xs[at] = x0[0]
+            if residual:
+                rs[at] = r0[0]
+            got.append(fast(K._gemv_launch, xs, w, "rows", rs)[at:at + 1])
+    return w, x0, r0, alone, got
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (130, 1100)])              # small; tall (split-K); 2 splits
+def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
+    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, residual=residual, seed=N)
+    ref = F.linear(x0, w) + (r0 if residual else 0)
+    assert rel(alone, ref) <= TOL[torch.float32]
+    assert all(torch.equal(y, alone) for y in got)
+
+
+def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0):
+    """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
+    token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions."""
+    g = gen(seed)
+    S = 9
+    kc, vc = randn(S, L, nkv, d, g=g, dtype=dtype), randn(S, L, nkv, d, g=g, dtype=dtype)
+    q0 = randn(1, 1, nh, d, g=g, dtype=dtype)
+    slot0 = torch.tensor([4], device=DEV)
+    pos0 = torch.tensor([pos], device=DEV)
+    alone = fast(K.attention, q0, kc, vc, slot0, pos0, pos + 1)
+    got = [fast(K.attention, q0, kc, vc, slot0, pos0, L)]                          # a graph's kv_len
+    qv = torch.cat([q0, randn(1, 3, nh, d, g=g, dtype=dtype)], 1)                  # verify: [t0, d1, d2, d3]
+    got.append(fast(K.attention, qv, kc, vc, slot0, pos0, pos + 4)[:, :1])
+    for B, at in ((2, 1), (5, 3), (8, 7)):
+        qb = randn(B, 1, nh, d, g=g, dtype=dtype)
+        qb[at] = q0[0]
+        slots = torch.tensor([s for s in range(S) if s != 4][:B], device=DEV)
+        slots[at] = 4
+        posb = torch.randint(0, L - 8, (B,), generator=torch.Generator().manual_seed(seed)).to(DEV)
+        posb[at] = pos
+        got.append(fast(K.attention, qb, kc, vc, slots, posb, L)[at:at + 1])
+    return alone, got
+
+
+@needs_kernels
+@pytest.mark.parametrize("pos", [5, 300, 1100])                                    # 1, 1 and 3 key pieces
+def test_kernel_attention_invariant(pos, rowwise_dot):
+    alone, got = attention_rows_case(4, 2, 32, torch.float32, pos=pos, seed=pos)
+    assert torch.isfinite(alone).all() and all(torch.equal(y, alone) for y in got)
+
+
+def gdn_rows_case(Hk, Hv, dk, dv, dtype, seed=0):
+    """The GDN recurrence (gates inside) of one sequence: a decode step (T = 1) alone; token 0 of a T = 4 verify
+    (states untouched) then its commit of 2 tokens against two decode steps (the states, bit for bit); the decode
+    step as row 5 of a batch of 8. Returns {what: (a, b)} of the tensors that must be equal."""
+    g = gen(seed)
+    T = 4
+    q, k = randn(1, T, Hk, dk, g=g, dtype=dtype), randn(1, T, Hk, dk, g=g, dtype=dtype)
+    v = randn(1, T, Hv, dv, g=g, dtype=dtype)
+    a, b = randn(1, T, Hv, g=g, dtype=dtype, scale=2), randn(1, T, Hv, g=g, dtype=dtype)
+    A_log, dt_bias = randn(Hv, g=g, scale=0.5), randn(Hv, g=g, dtype=dtype)
+    pool = randn(9, Hv, dk, dv, g=g, scale=0.3)
+    slot = torch.tensor([4], device=DEV)
+    run = lambda p, *x, **kw: fast(K.gdn_recurrent_gated, *x, A_log, dt_bias, p, kw.pop("slots", slot), **kw)
+    p1 = pool.clone()
+    o1 = run(p1, q[:, :1], k[:, :1], v[:, :1], a[:, :1], b[:, :1])                 # decode token 0
+    s1 = p1.clone()
+    run(p1, q[:, 1:2], k[:, 1:2], v[:, 1:2], a[:, 1:2], b[:, 1:2])                 # decode token 1
+    s2 = p1.clone()
+    pv = pool.clone()
+    ov = run(pv, q, k, v, a, b, n_keep=torch.zeros(1, dtype=torch.long, device=DEV))  # verify: outputs only
+    pairs = {"verify token 0 == decode": (ov[:, :1], o1), "verify keeps the state": (pv.clone(), pool)}
+    run(pv, q, k, v, a, b, n_keep=torch.tensor([2], device=DEV), outputs=False)    # the commit of 2 tokens
+    pairs["commit of 2 == 2 decode steps"] = (pv, s2)
+    B, at = 8, 5
+    qb, kb = randn(B, 1, Hk, dk, g=g, dtype=dtype), randn(B, 1, Hk, dk, g=g, dtype=dtype)
+    vb, ab, bb = (randn(B, 1, *t.shape[2:], g=g, dtype=dtype) for t in (v, a, b))
+    for t, t0 in ((qb, q), (kb, k), (vb, v), (ab, a), (bb, b)):
+        t[at] = t0[0, :1]
+    slots = torch.tensor([0, 1, 2, 3, 5, 4, 6, 7], device=DEV)                      # row 5 -> slot 4
+    pb = pool.clone()
+    ob = run(pb, qb, kb, vb, ab, bb, slots=slots)
+    pairs["batch row == alone"] = (ob[at:at + 1], o1)
+    pairs["batch state == alone"] = (pb[4], s1[4])
+    return pairs
+
+
+@needs_kernels
+def test_kernel_gdn_invariant():
+    pairs = gdn_rows_case(2, 4, 16, 16, torch.float32, seed=3)
+    assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,Kin", [(16480, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408),
+                                   (248320, 5120), (12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048),
+                                   (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
+def test_kernel_gpu_invariance_linear(N, Kin):
+    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 40 rows."""
+    _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("nh,nkv,d", [(24, 4, 256), (16, 2, 256), (4, 2, 64)])    # 27B, 35B-A3B, the toy
+@pytest.mark.parametrize("pos", [7, 700, 5000])
+def test_kernel_gpu_invariance_attention(nh, nkv, d, pos):
+    alone, got = attention_rows_case(nh, nkv, d, torch.bfloat16, pos=pos, L=6000, seed=pos)
+    assert torch.isfinite(alone).all() and all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("Hk,Hv,dk", [(16, 48, 128), (16, 32, 128), (2, 4, 64)])  # 27B, 35B-A3B, the toy
+def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
+    pairs = gdn_rows_case(Hk, Hv, dk, dk, torch.bfloat16)
+    assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
+
+
+def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0):
+    """The MoE experts (router weights and ids given) of token x0 alone, then as the first and the last token of
+    steps of N tokens (other tokens' experts overlap its own), with the shared expert and the residual."""
+    g = gen(seed)
+    gu, dn = randn(E, 2 * I, H, g=g, dtype=dtype, scale=H ** -0.5), randn(E, H, I, g=g, dtype=dtype, scale=I ** -0.5)
+
+    def tokens(N):
+        x, sh, gt, res = (randn(N, d, g=g, dtype=dtype) for d in (H, H, 1, H))
+        idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + i))[:k]
+                           for i in range(N)]).to(DEV)
+        w = torch.rand(N, k, generator=torch.Generator().manual_seed(seed + N)).to(DEV).softmax(-1)
+        return [x, w, idx, sh, gt, res]
+    one = tokens(1)
+    run = lambda x, w, idx, sh, gt, res: fast(K.moe_experts, x, w, idx, gu, dn, sh, gt, res)
+    alone = run(*one)
+    got = []
+    for N in sizes:
+        many = tokens(N)
+        for at in (0, N - 1):
+            for t, t0 in zip(many, one):
+                t[at] = t0[0]
+            got.append(run(*many)[at:at + 1])
+    return alone, got
+
+
+@needs_kernels
+def test_kernel_moe_invariant():
+    alone, got = moe_rows_case(16, 24, 40, 4, torch.float32, sizes=(2, 5, 9))     # 9 x 4 pairs > 16 experts
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+def test_kernel_gpu_invariance_moe():
+    """bf16 at the 35B-A3B's expert shapes (256 experts, top 8): a token alone == the token in steps of 2 .. 136
+    tokens (more pairs than experts from 40 tokens on)."""
+    alone, got = moe_rows_case(256, 512, 2048, 8, torch.bfloat16)
+    assert all(torch.equal(y, alone) for y in got)
+
+
+def test_reference_logits_batch_invariant(tiny):
+    """The CPU reference path (fp32): a token's logits are the same bits as a decode token alone, as token 0 of a
+    T = 4 verify, and as a row of a batch of 3 decode tokens (the property speculation's losslessness rests on)."""
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=3)
+    m, st = llm.model, llm.engine.runner.state
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 500, (3, 9), generator=g)
+    nxt = torch.randint(0, 500, (3, 4), generator=g)
+
+    def fresh():
+        with torch.inference_mode():
+            for s in range(3):
+                st.reset(s)
+                m(prompts[s:s + 1], sd.Ctx(st, torch.tensor([s]), torch.tensor([0]), 9, "prefill"))
+
+    def logits(ids, slots, mode):
+        with torch.inference_mode():
+            ctx = sd.Ctx(st, torch.tensor(slots), torch.full((len(slots),), 9), 9 + ids.shape[1], mode)
+            return m.logits(m(ids, ctx))
+    fresh()
+    alone = logits(nxt[1:2, :1], [1], "decode")[0, 0]
+    fresh()
+    verify = logits(nxt[1:2], [1], "verify")[0, 0]
+    fresh()
+    batch = logits(nxt[:, :1], [0, 1, 2], "decode")[1, 0]
+    assert torch.equal(verify, alone) and torch.equal(batch, alone)
 
 if __name__ == "__main__":
     import argparse

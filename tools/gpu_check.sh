@@ -26,7 +26,7 @@ print(repr(out.text))
 print(f"snippet: {len(out.token_ids)} tokens; {llm.get_metrics().summary()}")
 assert len(out.token_ids) == 64
 PY
-snippet=$(grep '^snippet:' "$OUT/snippet.log" | cut -c1-60)
+snippet=$(grep -o '^snippet: [0-9]* tokens; SpecDecoding metrics: Mean acceptance length: [0-9.]*' "$OUT/snippet.log")
 
 echo "== 2. pytest -k 'gpu or kernel'"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider test_specdec.py -k "gpu or kernel" \

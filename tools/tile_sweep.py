@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov]      (default: all)
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows]      (default: the first four)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
@@ -9,6 +9,7 @@ stays in L2), timed per launch:
           state-only commit
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
+  rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
 import os
@@ -119,6 +120,64 @@ def gemms(M, shapes, cfgs, copies=8):
         print("  " + " | ".join(line))
 
 
+ROWS_SHAPES = {  # the linears of a decode / verify step (fused weights), N x K
+    "27b": [(16480, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408), (248320, 5120)],
+    "35b": [(12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048), (2048, 512), (248320, 2048)],
+    "toy": [(776, 256), (768, 256), (256, 256), (2048, 256), (256, 1024), (8256, 256)]}
+ROWS_CANDIDATES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (128, 128, 3, 8), (32, 256, 4, 4),
+                   (64, 64, 5, 4), (128, 64, 4, 4), (16, 256, 4, 4)]  # (BN, BK, stages, warps); splits below
+
+
+def rows(Ms=(1, 16, 128), copies=8):
+    """The row-invariant linear (kernels' BATCH_INVARIANT path): per shape, cuBLAS and the old per-M GEMV rule
+    against the rule's tiles and candidates (each with K splits 1, 2, 4, 8 where the N blocks are too few), at M
+    rows; then the best candidate by M = 1 time (ties: M = 16), as a ROWS_CONFIG line."""
+    best = {}
+    for model, shapes in ROWS_SHAPES.items():
+        for (N, Kd) in shapes:
+            n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))            # > L2 in all (but tiny ones)
+            ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+            res = {}
+            for M in Ms:
+                x = torch.randn(M, Kd, device=dev, dtype=bf)
+                res[("cuBLAS", M)] = graph_time(lambda: [F.linear(x, w) for w in ws]) / n
+                old = K.BATCH_INVARIANT
+                K.BATCH_INVARIANT = False
+                c = K._gemv_config(M, N, Kd, True, bf)
+                K.BATCH_INVARIANT = old
+                if c is not None and M <= 32:
+                    res[("old gemv", M)] = graph_time(lambda: [K._gemv_launch(x, w, c) for w in ws]) / n
+                K.ROWS_CONFIG.pop((N, Kd), None)
+                res[("rule " + str(K._rows_config(N, Kd, x.device)), M)] = \
+                    graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+                for (BN, BK, st, nw) in ROWS_CANDIDATES:
+                    if BK > 2 * K._p2(Kd):
+                        continue
+                    for sp in (1, 2, 4, 8):
+                        if sp > 1 and (K._cdiv(N, BN) * sp > 8 * K._sm_count(x.device) or Kd // (2 * BK) < sp):
+                            continue
+                        K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, nw)
+                        try:
+                            res[((BN, BK, sp, st, nw), M)] = \
+                                graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+                        except Exception as e:  # noqa
+                            print(f"  {(BN, BK, sp, st, nw)}: {type(e).__name__}")
+                        K.ROWS_CONFIG.pop((N, Kd))
+            cands = {c for c, M in res if isinstance(c, tuple)}
+            pick = min(cands, key=lambda c: (round(res[(c, 1)], 1), res[(c, Ms[1])]))
+            best[(N, Kd)] = pick
+            gb = N * Kd * 2 / 1e3
+            print(f"== {model} {N}x{Kd} ({gb / 1e3:.1f} MB): us (TB/s at M=1)")
+            for name in ["cuBLAS", "old gemv"] + [c for c, M in res if isinstance(c, str) and c.startswith("rule")][:1] \
+                    + [pick]:
+                row = [f"M={M} {res[(name, M)]:.1f}" for M in Ms if (name, M) in res]
+                if (name, 1) in res:
+                    row.append(f"{gb / res[(name, 1)] / 1e3:.2f} TB/s")
+                print(f"  {str(name):28s} " + "  ".join(row))
+            del ws
+    print("ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
+
+
 def markov(B=1, Kq=16, V=248320, R=256):
     print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
     U = torch.randn(B, Kq, V, device=dev)
@@ -146,6 +205,8 @@ def markov(B=1, Kq=16, V=248320, R=256):
 
 def main():
     parts = sys.argv[1:] or ["moe", "gdn", "gemv", "markov"]
+    if "rows" in parts:
+        rows()
     torch.manual_seed(0)
     if "moe" in parts:
         moe(1)

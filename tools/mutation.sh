@@ -1,40 +1,40 @@
 #!/usr/bin/env bash
-# Mutation testing of specdec's core with mutmut (a tool to run by hand, not part of CI).
+# Mutation testing of specdec's core with mutmut (a tool to run by hand, not part of CI), one group at a time.
 #
-#     bash tools/mutation.sh [WORK_DIR]        # default /tmp/specdec-mutation; hours on 2 cores, run it with nohup
-#     python tools/mutation_report.py [WORK_DIR]   # per-function scores, survivors, and the ones judged equivalent
+#     bash tools/mutation.sh [GROUP ...]            # default: every group; WORK (env) default /tmp/specdec-mutation
+#     python tools/mutation_report.py [WORK]        # per-function scores, survivors, and the ones judged equivalent
 #
-# What is mutated (tools/mutation_functions.py): the verification (rejection_sample), the commit / rollback (GatedDeltaNet's
-# verify-mode forward that stashes the per-token inputs, GatedDeltaNet.commit and Qwen36.commit that replay them,
-# and the replay itself on the CPU: kernels.gdn_recurrent_gated / gdn_recurrent_ref / conv_window_ref), stop
-# handling (Engine._emit), the ngram lookup, the MTP chain and its commit, and the speculative-config validation.
-# mutmut writes every mutant of both files into WORK_DIR/mutants (one-time, ~10 minutes), records which selected
-# test calls which function, then runs each mutant of FUNCTIONS against the tests that call its function (fastest
-# first, stopping at the first failure), two at a time (--max-children).
+# The groups (tools/mutation_functions.py): verify (rejection_sample), commit (the GDN verify that stashes each
+# layer's per-token inputs, the commits that replay the accepted prefix, ModelRunner._spec_step that calls them,
+# and the replay itself on the CPU: kernels.gdn_recurrent_gated / gdn_recurrent_ref / conv_window_ref), stops
+# (Engine._emit, Engine._finish), ngram (ngram_lookup, NgramProposer.propose), mtp (the MTP chain, its commit,
+# draft_noise / draft_pick) and config (the speculative config's validation). Each group has its own selection of
+# fast, relevant tests (a -k expression): mutmut records which of them call which function, then runs each mutant
+# against the tests that call its function, stopping at the first failure, two mutants at a time. A group's
+# results stay in WORK/GROUP, so a group that was run is usable while the others run.
 #
-# Which tests (TESTS below): the fast, relevant ones of test_specdec.py - the sampler's, the ngram cases, the
-# spec-config errors, greedy speculation == plain decoding (logprobs too) on the predictable tiny target, the
-# oracle's stops inside accepted runs, rollback against token-by-token decoding, the MTP chain against its
-# step-by-step reference, the GDN kernels against their references, our logits against transformers, and the two
-# sampled end-to-end tests. Not the server, the drafters, the GGUF and the toy model's tests (slow; they do not
-# call these functions in ways the selected ones miss).
-#
-# The work is done in a copy of the tracked files (not the checkout): mutmut needs its own directory layout.
-# mutmut 3.8 is pip-installed if missing. OMP_NUM_THREADS=1: mutmut forks workers from a process that has
-# imported torch (forked OpenMP thread pools can hang), and two one-thread workers use the two cores.
+# The work is done in a copy of the tracked files (not the checkout): mutmut needs its own directory layout. In
+# that copy every function outside the group gets "# pragma: no mutate block" on its header line (a comment), so
+# mutmut generates, traces and runs only the group's mutants. mutmut 3.8 is pip-installed if missing.
+# OMP_NUM_THREADS=1: mutmut forks workers from a process that has imported torch (forked OpenMP thread pools can
+# hang), and two one-thread workers use two cores.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-WORK="${1:-/tmp/specdec-mutation}"
-
-mapfile -t FUNCTIONS < <(python "$ROOT/tools/mutation_functions.py")  # mutant-name patterns
-TESTS="rejection_sampler or ngram_lookup or spec_config or greedy_spec_equals_plain or verify_commit_with_oracle \
-or rollback or stops_inside or mtp_chain or gdn or causal_conv or logits_match_transformers or request_errors \
-or test_sampled_"
+WORK="${WORK:-/tmp/specdec-mutation}"
+FN="$ROOT/tools/mutation_functions.py"
+SELECTED=("$@")
+[ ${#SELECTED[@]} -gt 0 ] || mapfile -t SELECTED < <(python "$FN" groups)
 
 python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut==3.8.1"
-mkdir -p "$WORK"
-(cd "$ROOT" && git ls-files | grep -v '^models/' | tar -cf - -T -) | (cd "$WORK" && tar -xf -)
-cat > "$WORK/setup.cfg" <<EOF
+export OMP_NUM_THREADS=1
+for GROUP in "${SELECTED[@]}"; do
+    DIR="$WORK/$GROUP"
+    mapfile -t PATTERNS < <(python "$FN" patterns "$GROUP")
+    TESTS="$(python "$FN" tests "$GROUP")"
+    mkdir -p "$DIR"
+    (cd "$ROOT" && git ls-files | grep -v '^models/' | tar -cf - -T -) | (cd "$DIR" && tar -xf -)
+    python "$FN" mark "$GROUP" "$DIR"
+    cat > "$DIR/setup.cfg" <<EOF
 [mutmut]
 source_paths =
     specdec.py
@@ -52,7 +52,7 @@ pytest_add_cli_args =
     -p
     no:cacheprovider
 EOF
-cd "$WORK"
-export OMP_NUM_THREADS=1
-mutmut run --max-children "${MAX_CHILDREN:-2}" "${FUNCTIONS[@]}"
+    echo "== $GROUP: $TESTS"
+    (cd "$DIR" && time mutmut run --max-children "${MAX_CHILDREN:-2}" "${PATTERNS[@]}")
+done
 python "$ROOT/tools/mutation_report.py" "$WORK"

@@ -795,7 +795,9 @@ def test_rejection_sampler_edges():
     - p == q with the draft's probability subnormal and u just below 1: u * q(d) rounds to q(d), the draft is rejected
       and max(0, p - q) is all zero: the next token is drawn from p (another row's residual is not);
     - temperature exactly 1e-5 is sampled, not greedy (SamplingParams.greedy is temperature < 1e-5, and plain decoding
-      samples it): between two tied top logits the sampled law is 1/2 each, so a draft of the second is accepted."""
+      samples it): between two tied top logits the sampled law is 1/2 each, so a draft of the second is accepted;
+    - a draft its own law gave probability 0 (q(d) = 0: vLLM rejects it rather than divide by zero) is rejected even
+      with u = 0 and p(d) > 0, and the next token comes from max(0, p - q)."""
     V = 6
     logits = torch.tensor([[3.0, 2.5, 1.0, 0.0, -1.0, -2.0]] * 2)[None]          # B = 1, k = 1
     for draft_probs in (None, torch.full((1, 1, V), 1.0 / V)):
@@ -817,6 +819,11 @@ def test_rejection_sampler_edges():
     tok, n = sd.rejection_sample(tie, torch.tensor([[3]]), None, torch.full((1,), 1e-5), torch.full((1,), -1),
                                  torch.ones(1), torch.full((1, 1), 0.25), torch.full((1, 2), 0.5))
     assert int(n[0]) == 1 and int(tok[0, 0]) == 3
+    q0 = torch.zeros(1, 1, V)
+    q0[0, 0, 0] = 1.0                                                             # q all on id 0; the draft is 2
+    tok, n = sd.rejection_sample(logits, torch.tensor([[2]]), q0, torch.ones(1), torch.full((1,), -1), torch.ones(1),
+                                 torch.zeros(1, 1), torch.full((1, 2), 0.5))
+    assert int(n[0]) == 0 and int(tok[0, 0]) not in (0, -1)                       # p(2) > 0; residual: not id 0
 
 
 def test_rejection_sampler_stays_on_the_logits_device():

@@ -1295,7 +1295,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
         e.waiting.remove(req)
         req.slot, e.slots[0] = 0, req
         calls = []
-        req.on_update = lambda r, k: calls.append(k)
+        req.on_update = lambda r, k: calls.append((r, k))
         want = emit_reference(tok, stream, req.params, set(eos), e.max_model_len - len(prompt))
         at, runs, first = 0, [], None
         while at < len(stream) and not req.finished:
@@ -1308,7 +1308,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
             assert req.first_token_time == first and first is not None
             at += k
         assert (req.output_ids, req.text, req.finish_reason, req.stop_reason) == want, (trial, stream, params)
-        assert req.tokens == prompt + req.output_ids and calls == [m for m, _ in runs]
+        assert req.tokens == prompt + req.output_ids and calls == [(req, m) for m, _ in runs]
         assert (req.finish_time is not None) == req.finished == (e.slots[0] is None) == (req.slot is None)
         if req.logprobs is not None:
             lps = [lg[i].double().log_softmax(-1) for m, lg in runs for i in range(m)]
@@ -1317,6 +1317,36 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
                 top = set(lp.topk(params.logprobs).indices.tolist()) | {t}             # logprobs=0: the token's only
                 assert set(d) == top and all(abs(d[x] - float(lp[x])) < 1e-5 for x in top)
         e.slots[0] = None
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_step_returns_the_requests_it_gave_tokens(tiny_spec, asynchronous):
+    """Engine.step returns exactly the requests whose output grew in it, and the outputs equal plain synchronous
+    decoding's. Three MTP requests in one batch, the first (slot 0) stopped by a stop id after 3 tokens: with
+    asynchronous steps the step launched before that stop was read still holds it; that step's tokens for it are
+    dropped, the other rows' are emitted."""
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=3)
+    prompts = [plain.tokenizer.encode(p) for p in SPEC_PROMPTS[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = plain.generate(prompts[:1], greedy)[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i])       # first met at index >= 2
+    params = [dataclasses.replace(greedy, stop_token_ids=[stop]), greedy, greedy]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert len(want[0]) < 12 and want[0][-1] == stop
+    llm = LLM(model=tiny_spec, device="cpu", max_num_seqs=3, async_scheduling=asynchronous,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    e = llm.engine
+    reqs = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+    dropped = 0
+    while e.has_work():
+        before = [len(r.output_ids) for r in reqs]
+        stale = e.pending is not None and reqs[0] in e.pending.reqs and reqs[0].finished  # read back in this step
+        touched = e.step()
+        grew = [r for r, n in zip(reqs, before) if len(r.output_ids) > n]
+        assert sorted(map(id, touched)) == sorted(map(id, grew))
+        dropped += stale and len(grew) > 0                                       # the others' tokens emitted
+    assert [r.output_ids for r in reqs] == want
+    assert e.runner.async_steps == asynchronous and (dropped > 0) == asynchronous
 
 
 def test_stops_inside_speculative_steps(tiny_spec, spec_off):

@@ -26,20 +26,20 @@ GROUPS = {
             "specdec": ["xǁGatedDeltaNetǁforward", "xǁGatedDeltaNetǁcommit", "xǁQwen36ǁcommit",
                         "xǁModelRunnerǁ_commit", "xǁModelRunnerǁ_spec_step"],
             "kernels": ["x_gdn_recurrent_gated", "x_gdn_recurrent_ref", "x_conv_window_ref"]},  # the CPU replay
-        tests="rollback or gdn_recurrent_n_keep or verify_commit_with_oracle or greedy_spec_equals_plain "
+        tests="rollback or gdn_recurrent_n_keep or verify_commit_with_oracle or test_greedy_spec_equals_plain "
               "or (kernel_gdn_recurrent_gated and not gpu) or (kernel_causal_conv and not gpu)"),
     "stops": dict(                                   # stop handling: emit a step's tokens, stop where plain
         functions={"specdec": ["xǁEngineǁ_emit", "xǁEngineǁ_finish"]},        # decoding stops
-        tests="stops_inside or verify_commit_with_oracle or greedy_spec_equals_plain"),
+        tests="stops_inside or step_returns or verify_commit_with_oracle or (test_greedy_spec_equals_plain and ngram)"),
     "ngram": dict(                                   # prompt lookup
         functions={"specdec": ["x_ngram_lookup", "xǁNgramProposerǁpropose"]},
-        tests="ngram_lookup or proposer_without_an_engine or (greedy_spec_equals_plain and ngram) "
+        tests="ngram_lookup or proposer_without_an_engine or (test_greedy_spec_equals_plain and ngram) "
               "or sampled_ngram_with_padding_rows"),
     "mtp": dict(                                     # the MTP chain and its commit
         functions={"specdec": ["xǁMTPProposerǁprefill", "xǁMTPProposerǁ_chain", "xǁMTPProposerǁpropose",
                                "xǁMTPProposerǁ_commit", "xǁMTPProposerǁcommit", "x_draft_noise",
                                "x_draft_pick"]},
-        tests="mtp_chain or proposer_without_an_engine or (greedy_spec_equals_plain and mtp)"),
+        tests="mtp_chain or proposer_without_an_engine or (test_greedy_spec_equals_plain and mtp)"),
     "config": dict(                                  # the speculative config's validation (SPEC_CHECKS' lambdas
         functions={"specdec": ["xǁSpeculativeConfigǁfrom_json", "xǁSpeculativeConfigǁcheck",  # are module-level:
                                "xǁSpeculativeConfigǁ_method", "xǁSpeculativeConfigǁ_lookup_window",  # mutmut

@@ -651,6 +651,20 @@ def test_proposer_without_an_engine(tiny):
     assert d.tolist() == [[3, 1, 2], [-1, -1, -1]] and q is None
 
 
+def test_ngram_drafts_stop_at_max_model_len():
+    """NgramProposer drafts at most max_model_len - len(tokens) tokens (vLLM: no draft beyond the model's length):
+    k = 3, max_model_len 12, a repeating context: 4 short of it 3 drafts, 3 short 3, 2 short 2, 1 short 1, none at
+    the length."""
+    io = sd.ProposerIO(None, None, num_slots=5, max_model_len=12, dtype=torch.float32, device=torch.device("cpu"),
+                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype), call=None)
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=2), io)
+    reqs = [types.SimpleNamespace(tokens=([1, 2, 3, 4] * 3)[:n]) for n in (8, 9, 10, 11, 12)]
+    zeros = torch.zeros(5, dtype=torch.long)
+    d, q = ngram.propose(sd.Batch(reqs, torch.arange(5), zeros, zeros, True))
+    assert d.tolist() == [[1, 2, 3], [2, 3, 4], [3, 4, -1], [4, -1, -1], [-1, -1, -1]] and q is None
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})

@@ -33,8 +33,7 @@ GROUPS = {
         tests="stops_inside or step_returns or verify_commit_with_oracle or (test_greedy_spec_equals_plain and ngram)"),
     "ngram": dict(                                   # prompt lookup
         functions={"specdec": ["x_ngram_lookup", "xǁNgramProposerǁpropose"]},
-        tests="ngram_lookup or proposer_without_an_engine or (test_greedy_spec_equals_plain and ngram) "
-              "or sampled_ngram_with_padding_rows"),
+        tests="ngram_lookup or ngram_drafts or proposer_without_an_engine or (test_greedy_spec_equals_plain and ngram)"),
     "mtp": dict(                                     # the MTP chain and its commit
         functions={"specdec": ["xǁMTPProposerǁprefill", "xǁMTPProposerǁ_chain", "xǁMTPProposerǁpropose",
                                "xǁMTPProposerǁ_commit", "xǁMTPProposerǁcommit", "x_draft_noise",

@@ -549,26 +549,28 @@ def mtp_chain_reference(model, ids, k, temp=None, u=None):
 def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):
     """MTPProposer's k = 3 drafts (and q, when drafting is probabilistic) at every position == mtp_chain_reference,
     right after the prefill and after each of 4 verify steps (its commit: MTP cache over the accepted tokens, the
-    hidden state kept at the last one), two requests with different lengths in one batch. tiny: random weights,
-    where positions and fed hidden states move the draft laws a lot; tiny_spec: drafts get accepted."""
+    hidden state kept at the last one), three requests with different lengths in one batch, the third greedy
+    (temperature 0: probabilistic drafting draws its drafts at temperature 1e-5, the argmax chain). tiny: random
+    weights, where positions and fed hidden states move the draft laws a lot; tiny_spec: drafts get accepted."""
     path, k = request.getfixturevalue(ckpt), 3
     llm = LLM(model=path, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": k,
                                                              "draft_sample_method": drafting})
     e, m, runner = llm.engine, llm.model, llm.engine.runner
-    prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS[2:4]]
-    reqs = [e.add_request(p, SamplingParams(temperature=0.8, max_tokens=30, seed=i, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS[2:5]]
+    temps = [0.8, 0.8, 0.0]
+    reqs = [e.add_request(p, SamplingParams(temperature=t, max_tokens=30, seed=i, ignore_eos=True))
+            for i, (p, t) in enumerate(zip(prompts, temps))]
     e.step()                                                                       # prefills
     accepted = 0
     for _ in range(5):
         running = [r for r in e.slots if r is not None]
-        assert len(running) == 2
+        assert len(running) == 3
         saved = [r.gen.get_state() for r in running]
         with torch.inference_mode():
             drafts, q = runner.proposer.propose(runner.batch(running))
         for b, r in enumerate(running):
             u = torch.rand(k, generator=torch.Generator().set_state(saved[b])) if drafting != "greedy" else None
-            temp = 0.8 if drafting != "greedy" else None
+            temp = (temps[b] or 1e-5) if drafting != "greedy" else None
             want, q_ref = mtp_chain_reference(m, r.tokens, k, temp, u)
             assert drafts[b].tolist() == want
             if q_ref is not None:

@@ -832,20 +832,10 @@ class ProposerIO:
     call: object              # call(name, fn, kv_len, inputs) -> fn(kv_len, **inputs): a CUDA graph when on
 
 
-def ngram_lookup_ref(ctx, k, lo, hi):
-    """vLLM's prompt lookup, plainly: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier,
-    its earliest occurrence, and up to k tokens that followed it."""
-    N = len(ctx)
-    for n in range(min(hi, N - 1), lo - 1, -1):
-        tail = ctx[N - n:]
-        for start in range(0, N - n):
-            if ctx[start:start + n] == tail:
-                return ctx[start + n:start + n + k]
-    return []
-
-
 def ngram_lookup(ctx, k, lo, hi):
-    """ngram_lookup_ref vectorised with numpy (it runs on the host every step, over prompt + output)."""
+    """vLLM's prompt lookup: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
+    earliest occurrence, and up to k tokens that followed it. Vectorised with numpy: it runs on the host every
+    step, over prompt + output (the tests hold a plain reference)."""
     a = np.asarray(ctx, dtype=np.int64)
     N = len(a)
     for n in range(min(hi, N - 1), lo - 1, -1):

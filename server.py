@@ -532,10 +532,10 @@ class Qwen3CoderParser:
         s = v
         while (e := text.find(END_PARAM, s)) >= 0:
             after = text[skip_space(text, e + len(END_PARAM)):]
-            if after.startswith((PARAM, END_FUNC, END_TOOL_CALL)) or (final and not after):
+            if after.startswith((PARAM, END_FUNC, END_TOOL_CALL)):
                 return e
-            if not final and any(tag.startswith(after) for tag in (PARAM, END_FUNC, END_TOOL_CALL)):
-                return None
+            if any(tag.startswith(after) for tag in (PARAM, END_FUNC, END_TOOL_CALL)):  # the end, or half a tag
+                return e if final else None
             s = e + len(END_PARAM)
         f = text.find(END_FUNC, v)
         while final and f >= 0:

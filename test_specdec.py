@@ -3815,7 +3815,7 @@ def test_chat_template_renders_as_transformers():
                      ([{"role": "system", "content": "S"}], "No user query"),
                      ([{"role": "user", "content": [{"type": "image_url"}]}], "Only text content"),
                      ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
-                       "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}}]}], "not valid JSON")]:
+                       "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}], "not valid JSON")]:
         with pytest.raises(ValueError, match=msg):
             ours.render(bad)
 
@@ -3836,7 +3836,8 @@ def test_chat_template_from_the_checkpoint_sandboxed(tmp_path):
     t = sd.ChatTemplate.from_checkpoint(str(tmp_path))
     assert t.origin.endswith("chat_template.jinja") and t.render(msgs) == '4[\n 1,\n "é"\n]G'
     assert sd.ChatTemplate.from_checkpoint(TOY).source is None  # the toy ships none: the built-in one
-    for evil in ("{{ ''.__class__.__mro__ }}", "{{ messages.__class__ }}", "{% set ns = namespace(_x=1) %}",
+    assert sd.ChatTemplate("{{ messages.__class__ }}").render(msgs) == ""  # unsafe: undefined, as in transformers
+    for evil in ("{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__ }}", "{% set ns = namespace(_x=1) %}",
                  "{{ raise_exception('refused by the template') }}", "{{ cycler.__init__.__globals__ }}"):
         with pytest.raises(ValueError, match="chat template"):
             sd.ChatTemplate(evil).render(msgs)
@@ -3878,7 +3879,7 @@ PARSER_CASES = [  # (start, parser, answer, reasoning, content, [(name, argument
      "</tool_call>", "", "see <tool_call>\nnot a call</tool_call> and <tool_call>\n<function=a b>\n</function>"
      "</tool_call>", []),  # malformed calls stay in the content
     ("answer", "qwen3_coder", "Done: <b>x</b>\n<tool_call>\n<function=run_code>\n</function>\n</tool_call>\nAfter.",
-     "", "Done: <b>x</b>\nAfter.", [("run_code", "{}")]),
+     "", "Done: <b>x</b>\n\nAfter.", [("run_code", "{}")]),  # the text around a call as it is
     ("answer", "hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
      '</tool_call>\n<tool_call>\n{"name": "run_code", "arguments": "{\\"code\\": \\"</x>\\"}"}\n</tool_call>', "",
      "Sure.\n", [("get_weather", '{"city": "Paris", "days": 3}'), ("run_code", '{"code": "</x>"}')]),
@@ -4023,7 +4024,7 @@ def test_speculative_config_infers_as_vllm(tmp_path, tiny):
     c = spec(method="mtp", num_speculative_tokens=2, kv_cache_dtype="auto", attention_backend="auto",
              moe_backend="auto")
     assert c.method == "mtp"
-    with pytest.raises(ConfigError, match="'kv_cache_dtype' is a vLLM option .* only None or 'auto'"):
+    with pytest.raises(ConfigError, match="'kv_cache_dtype' is a vLLM option .*only None or 'auto'"):
         spec(method="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8")
 
 

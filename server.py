@@ -1,11 +1,15 @@
 """server.py - specdec's OpenAI-compatible HTTP server (vLLM's wire format), standard library only.
 
-    python server.py --model PATH [--speculative-config JSON] [--port 8000] [--api-key KEY] [--max-num-seqs 8]
+    python server.py MODEL [vllm serve's flags: --speculative-config JSON --reasoning-parser qwen3
+                            --enable-auto-tool-choice --tool-call-parser qwen3_coder ...]
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics
-(Prometheus text). Request fields, response and SSE shapes, errors and metric names follow vLLM's server.
+Endpoints: GET /health, /ping, /version, /v1/models, POST /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize, GET /metrics (Prometheus text). Request fields, response and SSE shapes, errors and metric names
+follow vLLM's server. Chat answers go through the checkpoint's chat template (specdec.ChatTemplate), then the
+reasoning parser (qwen3: <think>...</think> -> reasoning_content) and a tool-call parser (qwen3_coder, hermes:
+<tool_call>...</tool_call> -> tool_calls), streamed as they settle (section "Chat output").
 
 Threads. The engine is not thread-safe, so one engine thread alone calls add_request / abort / step. Handler
 threads (one per connection) parse, validate and tokenize a request, put ("add", job) on the engine thread's
@@ -974,9 +978,10 @@ def chat_message(chat, spec):
 
 
 def chat_finish(finish, chat, spec):
-    """vLLM's finish_reason "tool_calls" when the auto tool choice called tools (an answer that max_tokens cut
-    off stays "length": its last call may miss parameters)."""
-    return "tool_calls" if finish == "stop" and chat.calls and spec.tool_choice == "auto" else finish
+    """vLLM's finish_reason "tool_calls" when tool_choice auto or required called tools (a named function's call
+    stays "stop"; an answer that max_tokens cut off stays "length": its last call may miss parameters)."""
+    called = chat.calls and spec.tool_choice in ("auto", "required")
+    return "tool_calls" if finish == "stop" and called else finish
 
 
 class LogprobFormat:
@@ -1176,9 +1181,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send(503 if app.loop.dead else 200, b"", "text/plain")
 
     def models(self, app, raw):
-        card = {"id": app.name, "object": "model", "created": app.created, "owned_by": "specdec",
-                "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len}
-        self.send(200, {"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": app.created, "owned_by": "specdec",
+                  "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len}
+                 for name in app.names]  # one card per --served-model-name, as vLLM
+        self.send(200, {"object": "list", "data": cards})
 
     def metrics(self, app, raw):
         self.send(200, app.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")

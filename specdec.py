@@ -17,9 +17,11 @@ One file, read top to bottom; a banner opens each section:
     Model drafters      dflash and dspark (BlockProposer, BlockDrafter, KVCache), draft_model (Qwen3LM)
     Verification        rejection_sample (every method, lossless), synthetic_sample (benchmarks), sampling
     Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
-    Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder, apply_chat_template
-    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf)
-    API, CLI            LLM (generate, chat), main
+    Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
+                        checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
+    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
+                        local Hugging Face cache (resolve_model); slot memory (size_slots); generation_defaults
+    API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
 
 Each speculative method is one proposer class (PROPOSERS):
     ngram        NgramProposer         prompt lookup on the host

@@ -3971,6 +3971,12 @@ def test_memory_arithmetic_sizes_the_slots(tiny):
         sd.size_slots(per_pos, per_slot, 8, 3, 2 * (100 * per_pos + per_slot), "test", 4096, want=4096)
     with pytest.raises(ConfigError, match=r"--max-num-seqs 8 slots of max_model_len=100 need .*; 4 fit"):
         sd.size_slots(per_pos, per_slot, 8, 3, 5 * (103 * per_pos + per_slot), "test", 4096, want=100)
+    with pytest.MonkeyPatch.context() as mp:  # CUDA's count, without a GPU: 0.9 x total - held, at most free
+        mp.setattr(torch.cuda, "mem_get_info", lambda device: (50 * sd.GiB, 100 * sd.GiB))
+        mp.setattr(torch.cuda, "memory_reserved", lambda device: 30 * sd.GiB)
+        assert sd.memory_budget(torch.device("cuda"), 0.9)[0] == 50 * sd.GiB
+        budget, basis = sd.memory_budget(torch.device("cuda"), 0.5)
+        assert budget == 20 * sd.GiB and "0.5 x 100.00 GiB GPU memory - 30.00 GiB held" in basis
     llm = LLM(tiny, device="cpu", max_num_seqs=2)
     assert llm.max_model_len == cfg.max_position_embeddings and "system memory available" in llm.memory_report
     err = one_line_error([tiny, "--device", "cpu", "--max-model-len", "4k", "--gpu-memory-utilization", "1e-9"])
@@ -4115,6 +4121,7 @@ ANSWERS = {
     "CASE-TOOLS": QWEN_ANSWER,
     "CASE-TEXT": "Some thinking\n</think>\n\nThe answer is 42.",
     "CASE-FORCED": "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+    "CASE-REQUIRED": "run_code>\n<parameter=code>\nx = 1\n</parameter>\n</function>\n</tool_call>",
     "CASE-BROKEN": "x</think>\n\n<tool_call>\n<function=bad name>\n</function></tool_call>",
 }
 MTP2 = '{"method":"mtp","num_speculative_tokens":2}'
@@ -4179,6 +4186,11 @@ def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Rome"}')]
     assert got["calls"] == [["get_weather", '{"city": "Rome"}']] and finish == "stop"  # vLLM: named calls "stop"
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-REQUIRED"}],
+                                      tools=TOOLS, max_tokens=100, tool_choice="required")
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("run_code", '{"code": "x = 1"}')]
+    assert got["calls"] == [["run_code", '{"code": "x = 1"}']] and finish == "tool_calls" and not msg.content
+    assert [m.id for m in client.models.list().data] == ["tiny", "qwen"]  # every --served-model-name
     n_prompt = lambda **kw: srv_scripted.post("/tokenize", {"model": "tiny", "messages": text, **kw})[1]["count"]
     assert n_prompt(tools=TOOLS) > n_prompt() > 0
     log = open(srv_scripted.log).read()  # --enable-log-requests; --default-chat-template-kwargs preserve_thinking

@@ -268,7 +268,7 @@ def parse_tools(body):
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and t.get("type", "function") == "function"
             and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-            and t["function"]["name"] and isinstance(t["function"].get("parameters", {}), dict)
+            and t["function"]["name"] and isinstance(t["function"].get("parameters") or {}, dict)
             for t in tools)):
         raise bad(f"'tools' must be a list of {FUNCTION_SHAPE} objects", "tools")
     choice = body.get("tool_choice", "auto" if tools else "none")
@@ -393,15 +393,16 @@ def split_reasoning(text, start, final):
     elif start == "maybe":
         return "", text
     end = text.find(END_THINK)
-    if end >= 0:
-        return text[:end], text[end + len(END_THINK):]
     call = text.find(TOOL_CALL)
-    if call >= 0:
+    while 0 <= call and (end < 0 or call < end):  # the first of the two ends the thinking (so a stream agrees)
         after = text[skip_space(text, call + len(TOOL_CALL)):]
         if re.match(r"<function[\s=]", after):
             return text[:call], text[call:]
         if not final and "<function=".startswith(after):
             return text[:call], None
+        call = text.find(TOOL_CALL, call + 1)
+    if end >= 0:
+        return text[:end], text[end + len(END_THINK):]
     return text[:len(text) - (0 if final else held(text, END_THINK, TOOL_CALL))], None
 
 
@@ -427,7 +428,8 @@ def typed_value(text, schema):
     where the schema allows it; what does not parse stays text."""
     if not isinstance(schema, dict):
         return text
-    kinds = schema.get("type", [o.get("type") for o in schema.get("anyOf", []) if isinstance(o, dict)])
+    options = schema.get("anyOf") if isinstance(schema.get("anyOf"), list) else []
+    kinds = schema.get("type", [o.get("type") for o in options if isinstance(o, dict)])
     kinds = [str(k).strip().lower() for k in (kinds if isinstance(kinds, list) else [kinds])]
     kind = next((k for k in kinds if k != "null"), "null" if kinds else "string")
     if text.lower() in ("null", "none") and ("null" in kinds or kind not in TEXT_KINDS):
@@ -462,7 +464,8 @@ class Qwen3CoderParser:
 
     def __init__(self, tools):
         fns = [t["function"] for t in tools or []]
-        self.schemas = {f["name"]: (f.get("parameters") or {}).get("properties") or {} for f in fns}
+        props = [(f.get("parameters") or {}).get("properties") for f in fns]
+        self.schemas = {f["name"]: p if isinstance(p, dict) else {} for f, p in zip(fns, props)}
 
     @staticmethod
     def opening(name=None):

@@ -8,6 +8,7 @@ import http.client
 import json
 import math
 import os
+import random
 import re
 import socket
 import subprocess
@@ -3870,6 +3871,8 @@ PARSER_CASES = [  # (start, parser, answer, reasoning, content, [(name, argument
     ("maybe", None, "plain", "", "plain", []),
     ("thinking", "qwen3_coder", "R\n<tool_call>\n<function=run_code>\n<parameter=code>\nx=1\n</parameter>\n</function>"
      "\n</tool_call>", "R\n", None, [("run_code", '{"code": "x=1"}')]),  # a call ends the thinking (Qwen3.5+)
+    ("thinking", "qwen3_coder", "R<tool_call>\n<function=run_code>\n</function>\n</tool_call></think>A", "R",
+     "</think>A", [("run_code", "{}")]),  # ... before a later </think>, streamed or not
     ("answer", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRo", "", None,
      [("get_weather", "{}")]),  # cut off inside a value: the call closes with what is complete
     ("answer", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<paramet", "",
@@ -3921,6 +3924,32 @@ def test_reasoning_and_tool_parsers_in_every_chunking(case):
     for size in range(1, len(text) + 1):
         got = stream_in_chunks(make(), text, size)
         assert (got["reasoning"], got["content"], got["calls"]) == (reasoning, content or "", [list(c) for c in calls])
+
+
+def test_parsers_stream_as_they_answer_on_random_text():
+    """Text made of the tags' pieces, streamed in random chunk sizes through every start x parser: never an
+    exception, every call's arguments valid JSON, and the stream's deltas add up to the whole answer."""
+    pieces = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "<think>",
+              "</think>", "\n", " ", "get_weather", "days", ">", "{", "}", '"name"', ":", "3", "null", "<", "a b",
+              '{"name": "get_weather", "arguments": {"days": 1}}', "<tool_call>\n<function=get_weather>\n"]
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": [1]}}},  # schemas a
+           {"type": "function", "function": {"name": "g", "parameters": {"properties": {"a": {"anyOf": 5}}}}}]  # client
+    stream = srvmod.ChatStream("answer", srvmod.Qwen3CoderParser(odd))  # may send: no types, values stay text
+    stream.feed("<tool_call>\n<function=g>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>", True)
+    assert stream.calls[0]["function"]["arguments"] == '{"a": "1"}'
+    rnd = random.Random(0)
+    for _ in range(120):
+        text = "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 30)))
+        for start in ("thinking", "answer", "maybe", None):
+            for parser in ("qwen3_coder", "hermes", None):
+                make = lambda: srvmod.ChatStream(start, parser and srvmod.TOOL_PARSERS[parser](TOOLS))  # noqa: E731
+                whole = make()
+                whole.feed(text, True)
+                calls = [[c["function"]["name"], c["function"]["arguments"]] for c in whole.calls]
+                for _, args in calls:
+                    json.loads(args)
+                got = stream_in_chunks(make(), text, rnd.randint(1, 5))
+                assert (got["reasoning"], got["content"], got["calls"]) == (whole.reasoning, whole.content or "", calls)
 
 
 def test_hub_ids_resolve_in_the_local_cache(tmp_path, monkeypatch):

@@ -1487,6 +1487,9 @@ def chat_options(a):
         raise ConfigError(f"--default-chat-template-kwargs is not valid JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ConfigError("--default-chat-template-kwargs must be a JSON object")
+    clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
+    if clash:
+        raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(clash)} (each request's own)")
     return ChatOptions(None, kwargs, a.reasoning_parser, a.tool_call_parser, a.enable_auto_tool_choice)
 
 

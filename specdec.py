@@ -3251,6 +3251,8 @@ class LLM:
         want_mtp = spec is not None and spec.method == "mtp"
         self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp=want_mtp)
         want = None if max_model_len in (None, "auto", -1) else max_model_len
+        if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
+            raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")
         limit = self.cfg.max_position_embeddings
         if want is not None and want > limit:
             raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={limit}")

@@ -4079,6 +4079,9 @@ def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
                  "--tensor-parallel-size", "--quantization", "--trust-remote-code", "MODEL"):
         assert flag in help_text
     assert "never runs code from a checkpoint" in help_text
+    with pytest.raises(SystemExit):  # argparse's usage line and its error
+        srvmod.main([tiny, "--max-model-len", "lots"])
+    assert "argument --max-model-len: invalid integer 'lots' (e.g. 4096, 32k, 32K)" in capsys.readouterr().err
     for args, msg in [(["-tp", "8"], "tensor_parallel_size=8 (--tensor-parallel-size): tensor parallelism is not "
                                      "supported yet"),
                       (["--quantization", "fp8"], "quantization='fp8' (--quantization) is not supported yet"),
@@ -4086,6 +4089,8 @@ def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
                       (["--tool-call-parser", "llama3_json"], "--tool-call-parser 'llama3_json' is not supported"),
                       (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
                       (["--default-chat-template-kwargs", "{no"], "--default-chat-template-kwargs is not valid JSON"),
+                      (["--default-chat-template-kwargs", '{"tools": []}'], "may not set tools"),
+                      (["--max-model-len", "0"], "max_model_len must be a positive integer"),
                       (["--chat-template", "/no/such.jinja"], "no such file"),
                       (["--generation-config", "/nowhere"], "no generation_config.json there"),
                       (["--override-generation-config", '{"repetition_penalty": 1.2}'], "does not implement yet")]:

@@ -743,6 +743,7 @@ def test_cli_generates_with_stats_and_speculation(tiny):
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()
     assert "Mean acceptance length" in spec.stderr
+    assert re.search(r"Accepted throughput: [\d.]+ tokens/s, Drafted throughput: [\d.]+ tokens/s", spec.stderr)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -750,6 +751,8 @@ def test_cli_generates_with_stats_and_speculation(tiny):
     (["--speculative-config", '{"method":"mtp"}'], "num_speculative_tokens must be provided"),
     (["--model", "/nonexistent/dir"], "does not exist"),
     (["--dtype", "int3"], "unsupported dtype"),
+    (["--model", "Qwen/Qwen3.6-NotCached"], "hf download Qwen/Qwen3.6-NotCached"),
+    (["--tensor_parallel_size", "2"], "tensor parallelism is not supported yet"),
 ])
 def test_cli_errors_are_one_line(args, msg, tiny):
     r = run_cli("--model", tiny, "--device", "cpu", *args)

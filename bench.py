@@ -261,7 +261,7 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     prompt is a random 64-token segment repeated, so that prompt lookup finds matches."""
     k = spec.num_speculative_tokens if spec else 0
     eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager,
-                    async_steps)
+                    async_steps, enable_chunked_prefill=False)  # the admitting step prefills every request
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.vocab_size
 
@@ -310,6 +310,55 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
                 decode_tok_s_aggregate=B / statistics.mean(tpot), num_drafts=st.num_drafts, draft_ms_per_step=draft_ms,
                 mean_acceptance_length=st.mean_acceptance_length if st.num_drafts else None,
                 draft_acceptance_rate=st.draft_acceptance_rate if st.num_drafts else None)
+
+
+def run_stall(model, spec, streams, prompt_len, long_len, gen_len, device, dtype, budget, chunked, seed=0):
+    """`streams` requests decode; 24 steps after each has 16 tokens a long_len-token prompt arrives. Returns the
+    streams' inter-token latencies (host time between a stream's token emissions, per token) in those 24 steps
+    and while it was prefilled, and its TTFT. Warm-up first (graphs, and one long prompt alone: its kernels compile)."""
+    k = spec.num_speculative_tokens if spec else 0
+    eng = sd.Engine(model, None, spec, streams + 1, long_len + gen_len + 8 + 2 * k, dtype, device, seed,
+                    max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    g = torch.Generator().manual_seed(seed)
+    V = model.cfg.vocab_size
+    prompt = lambda n: torch.randint(0, V, (n,), generator=g).tolist()
+    for i in range(streams + 1):
+        eng.add_request(prompt(prompt_len), sd.SamplingParams(temperature=0, max_tokens=2 + (k + 2) * i,
+                                                              ignore_eos=True))
+    eng.add_request(prompt(long_len), sd.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    sp = sd.SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    marks = {}
+    reqs = [eng.add_request(prompt(prompt_len), sp) for _ in range(streams)]
+    for r in reqs:
+        r.on_update = lambda r, n: marks.setdefault(r.id, []).append((time.perf_counter(), n))
+    while min(len(r.output_ids) for r in reqs) < 16:  # every stream admitted and running
+        eng.step()
+    t_steady = time.perf_counter()
+    for _ in range(24):
+        eng.step()
+    t_arrive = time.perf_counter()
+    long_req = eng.add_request(prompt(long_len), sd.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while not long_req.output_ids:
+        eng.step()
+        assert not any(r.finished for r in reqs), "gen_len too short: a stream finished during the prefill"
+    t_first = long_req.first_token_time
+    for r in reqs + [long_req]:
+        eng.abort(r)
+    while eng.has_work():
+        eng.step()
+    before, during = [], []
+    for r in reqs:
+        m = marks[r.id]
+        for (t0, _), (t1, n) in zip(m, m[1:]):
+            if t0 >= t_steady:
+                (before if t1 <= t_arrive else during if t0 < t_first else []).extend([(t1 - t0) / n] * n)
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+    return dict(streams=streams, prompt_len=prompt_len, long_len=long_len, budget=budget, chunked=chunked,
+                ttft_long_ms=1e3 * (t_first - t_arrive), tpot_before_ms=1e3 * statistics.mean(before),
+                tpot_during_ms=1e3 * statistics.mean(during), p99_itl_during_ms=1e3 * pct(during, 0.99),
+                max_itl_during_ms=1e3 * max(during), tokens_during=len(during))
 
 
 # ==============================================================================================
@@ -612,6 +661,11 @@ def main(argv=None):
                     "same shapes (random weights, batch 1, first prompt length), after our rows")
     ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
                     help="also time one target step over each of these token counts (batch 1), vs T = 1")
+    ap.add_argument("--stall", type=int, default=None, metavar="LONG_LEN",
+                    help="instead of the rows: --batch streams decode while a LONG_LEN-token prompt arrives; "
+                    "their inter-token latency before and during its prefill, its TTFT (one row per budget)")
+    ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[2048],
+                    help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     sd.K.USE_TRITON = not a.no_triton
@@ -633,6 +687,20 @@ def main(argv=None):
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
         model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp)
         label = a.model
+    if a.stall:
+        print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "
+              f"{a.stall}-token prompt arrives")
+        out = []
+        for budget in a.max_num_batched_tokens:
+            r = run_stall(model, specs[0], a.batch[0], a.prompt_len[0], a.stall, a.gen_len, device, dtype,
+                          budget or 2048, budget != 0)
+            out.append(r)
+            print(f"chunked prefill {'off' if not budget else f'on, budget {budget}'}: TTFT of the long prompt "
+                  f"{r['ttft_long_ms']:.0f} ms; streams' TPOT before {r['tpot_before_ms']:.2f} ms, during "
+                  f"{r['tpot_during_ms']:.2f} ms ({r['tpot_during_ms'] / r['tpot_before_ms']:.2f}x), p99 ITL "
+                  f"during {r['p99_itl_during_ms']:.1f} ms, max {r['max_itl_during_ms']:.1f} ms")
+        print(json.dumps({"model": label, "stall": out}))
+        return 0
     ws = linear_weights(model, cfg.num_experts_per_tok)
     wbytes = sum(w.numel() * w.element_size() for w in ws)
     floors = {}

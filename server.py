@@ -873,15 +873,16 @@ class EngineLoop:
         return [first] + list(drain(self.inbox))
 
     def _fail_step(self, e, batch, waiting):
-        """A step raised: end the requests it was serving with a 500, keep the rest. A step first admits
-        waiting requests one at a time (each prefilled into its own freshly reset slot, ending with its first
-        token), then runs one batched step for `batch`. An admitted request without a token failed in its own
-        prefill: it alone ends. Otherwise the batched step (or an admitted request's first token) failed, and
-        every request it touched ends: its state may be a part of a step ahead of its tokens, and going on
-        could silently give wrong tokens. Requests still waiting are untouched."""
+        """A step raised: end the requests it was serving with a 500, keep the rest. A step first prefills
+        (each request's prompt into its own slot, freshly reset at its first piece), then runs one batched
+        step for the running requests. A fault in a request's own prefill names it (e.failed_request): it
+        alone ends. Otherwise the batched step (or an admitted request's first token) failed, and every
+        request it touched ends: its state may be a part of a step ahead of its tokens, and going on could
+        silently give wrong tokens. Requests still waiting are untouched."""
         traceback.print_exc()
         admitted = [r for r in waiting if r.slot is not None]
-        failed = [r for r in admitted if not r.output_ids] or batch + admitted
+        own = getattr(e, "failed_request", None)  # set by Engine._prefill
+        failed = [own] if own is not None else batch + admitted
         err = ApiError(500, f"the engine failed while serving this request: {type(e).__name__}: {e}")
         for job in [job for job in self.live if job.req in failed]:
             self.engine.abort(job.req)

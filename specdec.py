@@ -977,7 +977,7 @@ class MTPProposer:
     def prefill(self, req, hidden, taps, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
         slots = self.io.h2d([req.slot], torch.long)
-        out = self._run(ids, hidden, slots, torch.tensor([pos], device=self.io.device), pos + ids.shape[1])
+        out = self._run(ids, hidden, slots, self.io.h2d([pos]), pos + ids.shape[1])
         self.hidden[req.slot] = out[0, -1]
 
     def _chain(self, kv_len, slots, pos, temp=None, u=None):
@@ -1410,7 +1410,7 @@ class BlockProposer:
 
     def prefill(self, req, hidden, taps, ids, pos):  # eager: prompt chunks come in any length
         slots = self.io.h2d([req.slot], torch.long)
-        self._context(0, slots, torch.tensor([pos], device=self.io.device), self._feats(taps))
+        self._context(0, slots, self.io.h2d([pos]), self._feats(taps))
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next
@@ -1568,8 +1568,8 @@ class DraftModelProposer:
         slots = self.io.h2d([req.slot], torch.long)
         if pos == 0:
             self.state.reset(req.slot)
-        chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=self.io.device)
-        pos_t = torch.tensor([pos], device=self.io.device)
+        chunk = self.io.h2d([req.prompt_ids[pos:pos + T]])
+        pos_t = self.io.h2d([pos])
         self.model(chunk, Ctx(self.state, slots, pos_t, pos + T, "prefill"))
         if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose eats it
             self.new_ids[req.slot, 0] = ids[0, -1]
@@ -1762,6 +1762,7 @@ class Request:
         self.finish_reason = None
         self.stop_reason = None
         self.slot = None
+        self.prefilled = 0  # prompt tokens prefilled so far (chunked prefill spreads them over steps)
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
         self.detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # None: token ids only
         self.spec = SpecStats()
@@ -1944,24 +1945,31 @@ class ModelRunner:
         return h, logits, taps, lambda n_keep: self.graphs.replay_then(g, n_keep)
 
     # -- steps -----------------------------------------------------------------------------------
-    def prefill(self, req):
-        """A new request's prompt through the target (chunked) and the proposer; returns the first token (an
-        int: the host waits for it) and its logits [1, V]."""
-        self.state.reset(req.slot)
+    def prefill(self, req, start=0, end=None):
+        """Prompt tokens start..end (default: all) of a new request through the target and the proposer,
+        in pieces of prefill_chunk tokens at fixed offsets (the same arithmetic whatever else runs). Returns
+        the first token (an int: the host waits for it) and its logits [1, V] once the prompt is done, else
+        None."""
         ids = req.prompt_ids
         n = len(ids)
+        end = n if end is None else end
+        if start == 0:
+            self.state.reset(req.slot)
         slots = self.h2d([req.slot], torch.long)
-        for s in range(0, n, self.prefill_chunk):
-            chunk = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)
-            T = chunk.shape[1]
-            h, taps = self._hidden(chunk, Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T,
-                                              "prefill"))
-            if s + T == n:
-                logits = self.model.logits(h[:, -1])                                  # [1, V]
-                tok = self._sample(logits, [req])
-            if self.proposer is not None:
-                nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
-                self.proposer.prefill(req, h, taps, torch.tensor([nxt], device=self.device), s)
+        with K.not_invariant():  # one prompt alone: nothing to be invariant against (kernels.BATCH_INVARIANT)
+            for s in range(start, end, self.prefill_chunk):
+                chunk = self.h2d([ids[s:min(s + self.prefill_chunk, end)]])  # no wait for the step in flight
+                T = chunk.shape[1]
+                pos = self.h2d([s])
+                h, taps = self._hidden(chunk, Ctx(self.state, slots, pos, s + T, "prefill"))
+                if s + T == n:
+                    logits = self.model.logits(h[:, -1])                              # [1, V]
+                    tok = self._sample(logits, [req])
+                if self.proposer is not None:
+                    nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
+                    self.proposer.prefill(req, h, taps, self.h2d([nxt]), s)
+        if end < n:
+            return None
         self.next_ids[req.slot] = tok[0]
         self.next_pos[req.slot] = n
         return int(tok[0]), logits
@@ -2048,13 +2056,24 @@ class ModelRunner:
 
 class Engine:
     """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what
-    fits (one prefill each), launches one step over the running requests on the ModelRunner, reads the step
-    before back and emits its tokens, stopping each request exactly where plain decoding stops (EOS, stop
-    ids and strings, max_tokens, max_model_len). Counts vLLM's spec-decode metrics."""
+    fits, prefills (chunked prefill: up to max_num_batched_tokens per step, counting the running requests'
+    tokens, so a long prompt does not stall them), launches one step over the running requests on the
+    ModelRunner, reads the step before back and emits its tokens, stopping each request exactly where
+    plain decoding stops (EOS, stop ids and strings, max_tokens, max_model_len). Counts vLLM's spec-decode
+    metrics."""
     def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0,
-                 enforce_eager=False, async_steps=None):
+                 enforce_eager=False, async_steps=None, max_num_batched_tokens=None,
+                 enable_chunked_prefill=True):
+        budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
+        if budget < max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({budget}) must be greater than or equal to "
+                              f"max_num_seqs ({max_num_seqs}).")
         self.runner = ModelRunner(model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager,
                                   async_steps)
+        self.chunked = enable_chunked_prefill
+        self.max_num_batched_tokens = budget
+        if self.chunked:  # a prompt's pieces: budget tokens each, at fixed offsets
+            self.runner.prefill_chunk = budget
         self.tokenizer = tokenizer
         self.spec = spec
         self.max_num_seqs = max_num_seqs
@@ -2066,6 +2085,7 @@ class Engine:
         self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # not in text
         self.slots = [None] * max_num_seqs
         self.waiting = deque()
+        self.prefilling = deque()  # admitted (a slot each), prompt not yet all prefilled; FIFO
         self.stats = SpecStats()
         self.num_requests = 0
         self.pending = None  # the launched step whose tokens the host has not read yet
@@ -2098,6 +2118,8 @@ class Engine:
         """Cancel a request (e.g. its client went away): its slot frees at once."""
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if not req.finished:
             req.finish_reason = "abort"
         self._release(req)
@@ -2113,18 +2135,16 @@ class Engine:
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self):
-        """Admit waiting requests into free slots (prefill each), then one decode or speculative step for
-        every running request. Returns the requests that got new tokens."""
-        touched = []
+        """Admit waiting requests into free slots, prefill, then one decode or speculative step for every
+        running request. Returns the requests that got new tokens."""
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
             req.slot = self.slots.index(None)
             self.slots[req.slot] = req
-            token, logits = self.runner.prefill(req)
-            self._emit(req, [token], logits)
-            touched.append(req)
+            self.prefilling.append(req)
         running = [r for r in self.slots
-                   if r is not None and r not in touched and not self._ends_in_flight(r)]
+                   if r is not None and r not in self.prefilling and not self._ends_in_flight(r)]
+        touched = self._prefill(self.max_num_batched_tokens - len(running) * (self.runner.k + 1))
         done = self.pending
         self.pending = self.runner.launch(running) if running else None  # launched before `done` is read
         if done is not None:
@@ -2134,6 +2154,33 @@ class Engine:
             done = self.pending  # synchronous: read this step back now
             self.pending = None
             touched += self._finish(done)
+        return touched
+
+    def _prefill(self, budget):
+        """Prefill waiting prompts, first come first served: whole prompts, or with chunked prefill pieces of
+        runner.prefill_chunk tokens while the step's budget lasts (one piece at least). Requests whose prompt
+        is done emit their first token; returned."""
+        touched = []
+        first = True
+        while self.prefilling:
+            req = self.prefilling[0]
+            n = len(req.prompt_ids)
+            end = min(n, req.prefilled + self.runner.prefill_chunk) if self.chunked else n
+            if self.chunked and not first and end - req.prefilled > budget:
+                break
+            first = False
+            try:
+                out = self.runner.prefill(req, req.prefilled, end)
+            except Exception as e:
+                e.failed_request = req  # this request's own prefill failed: the others can go on (server.py)
+                raise
+            budget -= end - req.prefilled
+            req.prefilled = end
+            if out is None:
+                continue
+            self.prefilling.popleft()
+            self._emit(req, [out[0]], out[1])
+            touched.append(req)
         return touched
 
     def _ends_in_flight(self, r):
@@ -3228,7 +3275,8 @@ class LLM:
 
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
-                 gpu_memory_utilization=0.9, generation_config="auto", override_generation_config=None,
+                 max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
+                 generation_config="auto", override_generation_config=None,
                  tensor_parallel_size=1, quantization=None, trust_remote_code=False):
         if tensor_parallel_size not in (None, 1):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
@@ -3271,7 +3319,8 @@ class LLM:
         self.spec = spec
         self.chat_template = ChatTemplate.from_checkpoint(model, self.tokenizer)
         self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
-                             seed, enforce_eager, async_scheduling)
+                             seed, enforce_eager, async_scheduling, max_num_batched_tokens,
+                             enable_chunked_prefill)
 
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):
@@ -3407,6 +3456,13 @@ def add_engine_args(ap):
     ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="launch step n+1 before reading step n back (default: on with CUDA graphs)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, the running requests' included; with chunked prefill a long "
+                         "prompt is prefilled in pieces of this many tokens beside the running requests "
+                         "(default 2048)")
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill long prompts in pieces between the running requests' steps, so they keep "
+                         "their pace (default: on; off: each prompt is prefilled whole when admitted)")
     ap.add_argument("--generation-config", default="auto", help="sampling defaults: auto (the model's "
                     "generation_config.json), vllm (none), or a folder with a generation_config.json")
     ap.add_argument("--override-generation-config", default=None,
@@ -3421,6 +3477,8 @@ def llm_from_args(a):
     return LLM(model=a.model, speculative_config=a.speculative_config, dtype=a.dtype, device=a.device,
                max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed,
                enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
+               max_num_batched_tokens=a.max_num_batched_tokens,
+               enable_chunked_prefill=a.enable_chunked_prefill,
                gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
                override_generation_config=a.override_generation_config,
                tensor_parallel_size=a.tensor_parallel_size, quantization=a.quantization,

@@ -1425,7 +1425,6 @@ def test_transformers_logits_roundtrip(tmp_path, moe):
         torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-
 # ==============================================================================================
 # GPU (skipped without CUDA)
 # ==============================================================================================
@@ -2220,10 +2219,10 @@ def _init(self, *a, **kw):
     engines.append(self)
     init(self, *a, **kw)
 
-def _prefill(self, req):
+def _prefill(self, req, *a):
     if marked(req, 7):
         raise RuntimeError("injected fault in a prefill")
-    return prefill(self, req)
+    return prefill(self, req, *a)
 
 def _launch(self, reqs):
     if any(marked(r, 8) for r in reqs) and engines[0].waiting:  # once another request waits for a slot
@@ -2308,7 +2307,6 @@ def test_device_fault_exits_the_process(tiny_model, tmp_path):
     lines = [line for line in open(s.log).read().splitlines() if "fatal engine error" in line]
     assert lines == ["specdec server: fatal engine error, exiting: RuntimeError: CUDA error: an illegal memory "
                      "access was encountered (injected)"]
-
 
 
 # ==============================================================================================
@@ -3377,7 +3375,6 @@ def test_drafter_refusals(ckpts, tmp_path):
             LLM(model=ckpts["target"], device="cpu", speculative_config=cfg)
 
 
-
 # ==============================================================================================
 # Triton GEMV (kernels.linear's small-M path)
 # ==============================================================================================
@@ -3505,9 +3502,9 @@ def rowwise_dot(monkeypatch):
         monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
 
 
-def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40), residual=False, seed=0):
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0):
     """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
-    row 0 and as the last row of steps of M rows."""
+    row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles)."""
     g = gen(seed)
     w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
     x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
@@ -3611,7 +3608,8 @@ def test_kernel_gdn_invariant():
                                    (248320, 5120), (12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048),
                                    (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
 def test_kernel_gpu_invariance_linear(N, Kin):
-    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 40 rows."""
+    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 136 rows (a 16-row
+    tile alone; 64-row tiles from 17 rows)."""
     _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
     assert all(torch.equal(y, alone) for y in got)
 
@@ -3629,6 +3627,45 @@ def test_kernel_gpu_invariance_attention(nh, nkv, d, pos):
 def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
     pairs = gdn_rows_case(Hk, Hv, dk, dk, torch.bfloat16)
     assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
+
+
+def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0):
+    """The MoE experts (router weights and ids given) of token x0 alone, then as the first and the last token of
+    steps of N tokens (other tokens' experts overlap its own), with the shared expert and the residual."""
+    g = gen(seed)
+    gu, dn = randn(E, 2 * I, H, g=g, dtype=dtype, scale=H ** -0.5), randn(E, H, I, g=g, dtype=dtype, scale=I ** -0.5)
+
+    def tokens(N):
+        x, sh, gt, res = (randn(N, d, g=g, dtype=dtype) for d in (H, H, 1, H))
+        idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + i))[:k]
+                           for i in range(N)]).to(DEV)
+        w = torch.rand(N, k, generator=torch.Generator().manual_seed(seed + N)).to(DEV).softmax(-1)
+        return [x, w, idx, sh, gt, res]
+    one = tokens(1)
+    run = lambda x, w, idx, sh, gt, res: fast(K.moe_experts, x, w, idx, gu, dn, sh, gt, res)
+    alone = run(*one)
+    got = []
+    for N in sizes:
+        many = tokens(N)
+        for at in (0, N - 1):
+            for t, t0 in zip(many, one):
+                t[at] = t0[0]
+            got.append(run(*many)[at:at + 1])
+    return alone, got
+
+
+@needs_kernels
+def test_kernel_moe_invariant():
+    alone, got = moe_rows_case(16, 24, 40, 4, torch.float32, sizes=(2, 5, 9))     # 9 x 4 pairs > 16 experts
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+def test_kernel_gpu_invariance_moe():
+    """bf16 at the 35B-A3B's expert shapes (256 experts, top 8): a token alone == the token in steps of 2 .. 136
+    tokens (more pairs than experts from 40 tokens on)."""
+    alone, got = moe_rows_case(256, 512, 2048, 8, torch.bfloat16)
+    assert all(torch.equal(y, alone) for y in got)
 
 
 def test_reference_logits_batch_invariant(tiny):
@@ -3657,6 +3694,88 @@ def test_reference_logits_batch_invariant(tiny):
     fresh()
     batch = logits(nxt[:, :1], [0, 1, 2], "decode")[1, 0]
     assert torch.equal(verify, alone) and torch.equal(batch, alone)
+
+
+def test_chunked_prefill_equals_whole(tiny):
+    """A prompt prefilled in pieces of 7 tokens (chunked prefill) leaves the same KV cache, GDN conv windows and
+    recurrent states, MTP hidden state and first-token logits as one whole prefill (fp32, within 1e-5)."""
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = []
+    for budget in (None, 7):
+        llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=budget,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        runner = llm.engine.runner
+        assert runner.prefill_chunk == (budget or 2048)
+        req = sd.Request("x", prompt, SamplingParams(temperature=0), None, 0)
+        req.slot = 1
+        with torch.inference_mode():
+            tok, logits = runner.prefill(req)
+        st = runner.state
+        got.append((tok, logits, [kv[i][1, :40] for kv in st.kv.values() for i in (0, 1)],
+                    [c[1] for c in st.conv.values()], [r[1] for r in st.rec.values()],
+                    runner.proposer.hidden[1]))
+    (t0, l0, kv0, c0, r0, h0), (t1, l1, kv1, c1, r1, h1) = got
+    assert t0 == t1 and rel(l1, l0) < 1e-5 and rel(h1, h0) < 1e-5
+    assert len(kv0) and len(c0) and len(r0)
+    for a, b in zip(kv0 + c0 + r0, kv1 + c1 + r1):
+        assert rel(b, a) < 1e-5
+
+
+def test_chunked_prefill_keeps_running_streams(tiny):
+    """A long prompt admitted while a request decodes is prefilled a piece per step (max_num_batched_tokens 8
+    minus the running request's k+1 = 3 verify tokens leaves less than a piece, so one piece per step) and the
+    running request gets tokens in every one of those steps; both outputs equal plain decoding (speculation off,
+    whole prefill), token for token."""
+    g = torch.Generator().manual_seed(2)
+    short = torch.randint(0, 500, (4,), generator=g).tolist()
+    long_ = torch.randint(0, 500, (60,), generator=g).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cpu", max_num_seqs=2,
+                                                   enable_chunked_prefill=False).generate([short, long_], sp)]
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=8,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    eng = llm.engine
+    a = eng.add_request(short, sp)
+    eng.step()
+    eng.step()
+    assert a.output_ids and not eng.prefilling
+    b = eng.add_request(long_, sp)
+    prefill_steps = 0
+    while not b.output_ids:
+        n_a = len(a.output_ids)
+        done_before = b.prefilled
+        eng.step()
+        prefill_steps += 1
+        assert b.prefilled - done_before == 8 or b.prefilled == 60
+        assert len(a.output_ids) > n_a or a.finished
+    assert prefill_steps == 8  # ceil(60 / 8)
+    while eng.has_work():
+        eng.step()
+    assert [a.output_ids, b.output_ids] == plain
+
+
+def test_chunked_prefill_budget_error(tiny):
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(2\) must be greater than or equal to "
+                                          r"max_num_seqs \(4\)"):
+        LLM(model=tiny, device="cpu", max_num_seqs=4, max_num_batched_tokens=2)
+
+def test_prefill_alone_steps_invariant(tiny, monkeypatch):
+    """Only prefill leaves batch invariance (K.not_invariant: a prompt is prefilled alone, nothing to be invariant
+    against); every verify step of the target runs with it, and the opt-out (VLLM_BATCH_INVARIANT=0) stays off."""
+    seen = []
+    real = sd.Qwen36.forward
+    monkeypatch.setattr(sd.Qwen36, "forward", lambda self, ids, ctx, *a: (
+        seen.append((ctx.mode, K.BATCH_INVARIANT)), real(self, ids, ctx, *a))[1])
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, speculative_config={"method": "mtp",
+                                                                               "num_speculative_tokens": 2})
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for invariant in (True, False):
+        monkeypatch.setattr(K, "BATCH_INVARIANT", invariant)
+        seen.clear()
+        llm.generate([[5, 6, 7], [8, 9, 10, 11]], sp)
+        assert {m for m, _ in seen} == {"prefill", "verify"}
+        assert all(on == (invariant and mode != "prefill") for mode, on in seen), seen
+        assert K.BATCH_INVARIANT == invariant
 
 
 # ==============================================================================================

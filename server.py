@@ -699,16 +699,18 @@ class Metrics:
 
     def on_update(self, job, req, n_new, now, t_step):
         """Once per step that gave `req` tokens (a step that started at t_step): TTFT and the queue and
-        prefill times on the first (a request is admitted and prefilled in the step of its first token), then
-        one ITL per step; the decode and inference times at the end (as vLLM)."""
+        prefill times on the first (admitted at job.t_scheduled, set by EngineLoop when a chunked prefill
+        spans steps, else in this step), then one ITL per step; the decode and inference times at the end (as
+        vLLM)."""
         with self.lock:
             self.generation_tokens += n_new
             if job.t_last is None:
                 self.prompt_tokens += len(req.prompt_ids)
-                job.t_scheduled, job.t_first = t_step, now
+                job.t_scheduled = t_step if job.t_scheduled is None else job.t_scheduled
+                job.t_first = now
                 self._observe(TTFT, now - job.t_arrival)
-                self._observe(QUEUE, t_step - job.t_arrival)
-                self._observe(PREFILL, now - t_step)
+                self._observe(QUEUE, job.t_scheduled - job.t_arrival)
+                self._observe(PREFILL, now - job.t_scheduled)
             else:
                 self._observe(ITL, now - job.t_last)
             if req.finished:
@@ -722,7 +724,8 @@ class Metrics:
         per_pos = list(eng.stats.accepted_per_pos)
         spec = (eng.stats.num_drafts, eng.stats.num_draft_tokens, eng.stats.num_accepted_tokens,
                 per_pos + [0] * (self.k - len(per_pos)))
-        used = sum(len(r.tokens) for r in eng.slots if r is not None)
+        prefilling = set(map(id, eng.prefilling))  # their KV holds the pieces prefilled so far
+        used = sum(r.prefilled if id(r) in prefilling else len(r.tokens) for r in eng.slots if r is not None)
         with self.lock:
             self.running, self.waiting = sum(r is not None for r in eng.slots), len(eng.waiting)
             self.kv_usage = used / (eng.max_num_seqs * eng.max_model_len)
@@ -855,6 +858,9 @@ class EngineLoop:
                         if device_fault(e):
                             raise
                         self._fail_step(e, batch, waiting)
+                    for job in self.live:  # admitted to a slot in this step (its prefill may take more)
+                        if job.t_scheduled is None and job.req.slot is not None:
+                            job.t_scheduled = self.t_step
                 self.metrics.after_step(eng)
                 if self.spec_log is not None:
                     self.spec_log.tick(eng.stats, time.monotonic())

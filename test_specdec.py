@@ -4074,6 +4074,22 @@ def test_parsers_stream_as_they_answer_on_random_text():
                 assert (got["reasoning"], got["content"], got["calls"]) == (whole.reasoning, whole.content or "", calls)
 
 
+def test_metrics_kv_usage_and_phase_times():
+    """vllm:kv_cache_usage_perc counts the slots' positions in use (a prompt in chunked prefill: its pieces so
+    far); the queue time ends when a slot is given, not at the first token (chunked prefill spans steps)."""
+    from collections import deque
+    m, R = srvmod.Metrics("m", 0), types.SimpleNamespace
+    a, b = R(tokens=[0] * 30, prefilled=30), R(tokens=[0] * 50, prefilled=20)
+    eng = R(slots=[a, None, b, None], waiting=[], prefilling=deque([b]), max_num_seqs=4, max_model_len=100,
+            stats=sd.SpecStats())
+    m.after_step(eng)
+    assert m.kv_usage == (30 + 20) / 400 and 'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.125' in m.render()
+    job = srvmod.Job([1, 2, 3], SamplingParams())
+    job.t_arrival, job.t_scheduled = 10.0, 11.0  # given a slot at 11 (EngineLoop), first token at 13
+    m.on_update(job, R(prompt_ids=[1, 2, 3], finished=False), 1, 13.0, 12.5)
+    assert m.hist[srvmod.QUEUE][1:] == [1.0, 1] and m.hist[srvmod.PREFILL][1:] == [2.0, 1]
+
+
 def test_hub_ids_resolve_in_the_local_cache(tmp_path, monkeypatch):
     """Qwen/Qwen3.6-27B -> $HF_HUB_CACHE/models--Qwen--Qwen3.6-27B/snapshots/<refs/main>; absent: one line that
     names the path looked in and the command that would download it. Nothing is fetched."""

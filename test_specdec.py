@@ -4274,9 +4274,9 @@ def take(req, n):
     STATE[req][1] = i + n
     return (ids[i:] + ids[-1:] * n)[:n]
 
-def _prefill(self, req):
-    tok, logits = prefill(self, req)
-    return (take(req, 1) or [tok])[0], logits
+def _prefill(self, req, *piece):
+    out = prefill(self, req, *piece)  # None until the prompt's last piece (chunked prefill)
+    return out and ((take(req, 1) or [out[0]])[0], out[1])
 
 def _read(p):
     rows = []

@@ -17,9 +17,11 @@ One file, read top to bottom; a banner opens each section:
     Model drafters      dflash and dspark (BlockProposer, BlockDrafter, KVCache), draft_model (Qwen3LM)
     Verification        rejection_sample (every method, lossless), synthetic_sample (benchmarks), sampling
     Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
-    Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder, apply_chat_template
-    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf)
-    API, CLI            LLM (generate, chat), main
+    Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
+                        checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
+    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
+                        local Hugging Face cache (resolve_model); slot memory (size_slots); generation_defaults
+    API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
 
 Each speculative method is one proposer class (PROPOSERS):
     ngram        NgramProposer         prompt lookup on the host
@@ -37,6 +39,7 @@ applying the stops.
 import argparse
 import codecs
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -50,6 +53,9 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import numpy as np
 import tiktoken
 import torch
@@ -619,6 +625,13 @@ UNSUPPORTED_KEYS = {
     "enable_adaptive_verification": False, "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
     "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1}
+NEUTRAL_KEYS = {"kv_cache_dtype": "auto", "attention_backend": "auto", "moe_backend": "auto"}  # vLLM's "auto"
+# What vLLM infers the method from when a draft `model` is given without one (config.py's SpeculativeConfig):
+# a name containing these, else the draft's architectures, else its model_type
+METHOD_BY_NAME = (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"))
+METHOD_BY_ARCH = {"MuseGlimmerAssistantModel": "dflash", "Qwen3DSparkModel": "dspark"}
+MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5_mtp",
+                   "qwen3_next_mtp")  # vLLM rewrites these draft configs to an MTP model
 
 
 CLASS_PATH = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+"  # a dotted Python path (vLLM: custom_class)
@@ -686,8 +699,9 @@ class SpeculativeConfig:
     dspark_draft_topk: int = None
 
     @classmethod
-    def from_json(cls, obj):
-        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message."""
+    def from_json(cls, obj, target=None):
+        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message. `target`: the
+        target checkpoint's path (a draft `model` that is the target itself may be inferred as mtp)."""
         if isinstance(obj, SpeculativeConfig) or obj is None:
             return obj
         if isinstance(obj, str):
@@ -704,14 +718,15 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in list(obj):
             if key in UNSUPPORTED_KEYS:
-                if obj[key] != UNSUPPORTED_KEYS[key]:
+                neutral = (UNSUPPORTED_KEYS[key],) + ((NEUTRAL_KEYS[key],) if key in NEUTRAL_KEYS else ())
+                if obj[key] not in neutral:
                     raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not "
-                                      f"support (only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
+                                      f"support (only {' or '.join(map(repr, neutral))} is accepted)")
                 del obj[key]
             elif key not in known:
                 raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in "
                                   f"vLLM); accepted keys: {', '.join(sorted(known))}")
-        return cls(**obj)
+        return cls(**infer_from_draft(obj, target))
 
     def __post_init__(self):
         self.check()
@@ -789,6 +804,48 @@ class SpeculativeConfig:
         L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
         whole = int(math.floor(L - 1))
         return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
+
+
+def infer_from_draft(obj, target=None):
+    """What vLLM reads from a draft checkpoint named by `model`: without a method, the method (a name with
+    eagle-/eagle3/dflash/dspark, else the draft's architectures, else an MTP model_type: a Qwen3.5/3.6
+    checkpoint drafts with its MTP layer); without num_speculative_tokens, the draft's n_predict. A hub id
+    `model` becomes its snapshot in the local Hugging Face cache. -> the config dict, completed."""
+    model = obj.get("model")
+    if not isinstance(model, str) or model in ("ngram", "[ngram]"):
+        return obj
+    path = model if os.path.exists(model) else find_in_hf_cache(model)
+    cfg = {}
+    if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    obj = dict(obj, model=path or model)
+    archs, model_type, n_predict = cfg.get("architectures") or [], cfg.get("model_type"), cfg.get("n_predict")
+    if obj.get("method") is None:
+        method = next((m for key, m in METHOD_BY_NAME if key in model.lower()), None)
+        method = method or next((METHOD_BY_ARCH[a] for a in archs if a in METHOD_BY_ARCH), None)
+        if method is None and "DSparkDraftModel" in archs and model_type == "qwen3":
+            method = "dspark"
+        if method is None and model_type in ("medusa", "mlp_speculator"):
+            method = model_type
+        if method is None and model_type in MTP_MODEL_TYPES:
+            same = target is not None and path is not None and os.path.samefile(path, target)
+            if not same:
+                raise ConfigError(f"the draft model {model!r} is a {model_type} checkpoint, which vLLM "
+                                  "runs as method 'mtp' with that checkpoint's MTP layer; specdec's mtp "
+                                  "drafts with the target's own MTP head: leave 'model' out for that, or "
+                                  "pass \"method\": \"draft_model\" to draft with this model as a separate "
+                                  "LM")
+            method, obj["model"] = "mtp", None
+            n_predict = (cfg.get("text_config") or cfg).get("mtp_num_hidden_layers")
+        obj = dict(obj, method=method) if method is not None else obj
+    k = obj.get("num_speculative_tokens")
+    if _positive_int(n_predict):
+        if k is None:
+            obj["num_speculative_tokens"] = n_predict  # vLLM: "Default to max value defined in draft config"
+        elif _positive_int(k) and k > n_predict and k % n_predict:
+            raise ConfigError(f"num_speculative_tokens:{k} must be divisible by n_predict={n_predict}")
+    return obj
 
 
 # ==============================================================================================
@@ -1670,9 +1727,13 @@ class SpecStats:
     def draft_acceptance_rate(self):
         return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
 
-    def summary(self):
+    def summary(self, elapsed=None):
+        """vLLM's log line; with `elapsed` (seconds the counts took) its two throughputs too."""
         per_pos = ", ".join(f"{a / max(self.num_drafts, 1):.3f}" for a in self.accepted_per_pos)
-        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+        rates = "" if elapsed is None else (
+            f"Accepted throughput: {self.num_accepted_tokens / max(elapsed, 1e-9):.2f} tokens/s, "
+            f"Drafted throughput: {self.num_draft_tokens / max(elapsed, 1e-9):.2f} tokens/s, ")
+        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, {rates}"
                 f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
                 f"Per-position acceptance rate: {per_pos}, "
                 f"Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
@@ -2205,6 +2266,8 @@ _TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
 
 
 class Tokenizer:
+    chat_template = None  # a GGUF file's template text (tokenizer.chat_template); directories: ChatTemplate
+
     def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
                  special=None, nfc=True, ignore_merges=False):
         """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
@@ -2373,6 +2436,13 @@ class IncrementalDecoder:
         return new
 
 
+# -- Chat templates ---------------------------------------------------------------------------
+# A chat becomes a prompt through the checkpoint's own Jinja template (chat_template.jinja, `chat_template` in
+# tokenizer_config.json, or the GGUF's tokenizer.chat_template), rendered as transformers and vLLM render it:
+# a sandboxed environment (no Python internals reachable from a template) with transformers' globals and
+# filters. apply_chat_template, the published Qwen3.6 template written in Python, is the fallback for a
+# checkpoint that ships none (the toy models).
+
 def _content_text(content):
     # message content: a string, None, or a list of {"type": "text", "text": ...} parts
     if content is None or isinstance(content, str):
@@ -2382,40 +2452,73 @@ def _content_text(content):
     return "".join(part["text"] for part in content)
 
 
+# The system turn the Qwen3.6 template writes when tools are given: the tools' JSON between these two
+QWEN_TOOLS_HEAD = "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN_TOOLS_TAIL = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\n"
+    "multiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls "
+    "MUST follow the specified format: an inner <function=...></function> block must be nested within "
+    "<tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional "
+    "reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If "
+    "there is no function call available, answer the question like normal with your current knowledge and do "
+    "not tell the user about function calls\n</IMPORTANT>")
+
+
+def _qwen_tool_calls(calls, content):
+    """An assistant turn's tool calls in the Qwen3.6 XML form (arguments: strings as they are, else JSON)."""
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function", call)
+        sep = ("\n\n" if content.strip() else "") if i == 0 else "\n"
+        out.append(f"{sep}<tool_call>\n<function={fn['name']}>\n")
+        for name, value in (fn.get("arguments") or {}).items():
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            out.append(f"<parameter={name}>\n{text}\n</parameter>\n")
+        out.append("</function>\n</tool_call>")
+    return "".join(out)
+
+
 def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, preserve_thinking=False,
                         tools=None):
-    """Qwen3.5/3.6 chat prompt (ChatML), following the published chat_template.jinja for text-only chats."""
-    if tools:
-        raise ValueError("tool definitions are not supported by this chat template")
+    """Qwen3.5/3.6 chat prompt (ChatML, thinking, tools), as the published chat_template.jinja renders a
+    text-only chat whose messages went through chat_messages (tool call arguments are objects)."""
+    if not messages:
+        raise ValueError("No messages provided.")
     texts = [_content_text(m.get("content")).strip() for m in messages]
     # the last real user query (not a tool response): assistant turns after it keep their reasoning
     tool_result = lambda t: t.startswith("<tool_response>") and t.endswith("</tool_response>")  # noqa: E731
-    is_query = [m["role"] == "user" and not tool_result(t)
-                for m, t in zip(messages, texts)]
+    is_query = [m["role"] == "user" and not tool_result(t) for m, t in zip(messages, texts)]
     last_query = max((i for i, q in enumerate(is_query) if q), default=None)
     if last_query is None:
         raise ValueError("no user query found in messages")
+    system = texts[0] if messages[0]["role"] == "system" else None
     out = []
+    if tools:
+        listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        system_text = f"\n\n{system}" if system else ""
+        out.append(QWEN_TOOLS_HEAD + listed + QWEN_TOOLS_TAIL + system_text + "<|im_end|>\n")
+    elif system is not None:
+        out.append(f"<|im_start|>system\n{system}<|im_end|>\n")
     for i, (m, text) in enumerate(zip(messages, texts)):
         role = m["role"]
-        if role == "system" and i > 0:
-            raise ValueError("a system message must be the first message")
-        if role in ("system", "user"):
-            out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
+        if role == "system":
+            if i > 0:
+                raise ValueError("a system message must be the first message")
+        elif role == "user":
+            out.append(f"<|im_start|>user\n{text}<|im_end|>\n")
         elif role == "assistant":
-            if m.get("tool_calls"):
-                raise ValueError("assistant tool_calls are not supported by this chat template")
             reasoning = m.get("reasoning_content")
             if not isinstance(reasoning, str):
                 reasoning = ""
                 if "</think>" in text:  # reasoning written inline as <think>...</think>
                     reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
                     text = text.split("</think>")[-1].lstrip("\n")
-            if preserve_thinking or i > last_query:
-                think = f"<think>\n{reasoning.strip()}\n</think>\n\n"
-                out.append(f"<|im_start|>assistant\n{think}{text}<|im_end|>\n")
-            else:
-                out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
+            keep = preserve_thinking or i > last_query
+            think = f"<think>\n{reasoning.strip()}\n</think>\n\n" if keep else ""
+            calls = _qwen_tool_calls(m.get("tool_calls") or [], text)
+            out.append(f"<|im_start|>assistant\n{think}{text}{calls}<|im_end|>\n")
         elif role == "tool":  # consecutive tool results share one user turn
             first = i > 0 and messages[i - 1]["role"] != "tool"
             last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
@@ -2426,6 +2529,174 @@ def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=Tr
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
     return "".join(out)
+
+
+def _tool_call_object(call):
+    """A history tool call with its `arguments` (JSON text on the wire) as the object templates iterate."""
+    call = dict(call)
+    fn = call["function"] = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"tool call arguments are not valid JSON ({e}): {args[:40]!r}") from None
+    if not isinstance(args if args is not None else {}, dict):
+        raise ValueError(f"tool call arguments must be a JSON object, got {json.dumps(args)[:40]}")
+    fn["arguments"] = args or {}
+    return call
+
+
+def chat_messages(messages, developer_as_system=True):
+    """Messages as templates read them, prepared as vLLM and transformers prepare them: keys whose value is
+    None dropped, a tool call's `arguments` parsed to an object, the reasoning under `reasoning_content` (also
+    taken from `reasoning`, vLLM's newer name), and OpenAI's `developer` role as `system` for a template that
+    does not know it."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "developer" and developer_as_system:
+            m["role"] = "system"
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_tool_call_object(c) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters), with its options
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _TemplateDict:
+    """`dict` in a template: builds dicts, and exposes nothing of the type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace() that refuses attribute names starting with "_" (a way towards Python internals)."""
+
+    def __init__(*args, **kwargs):  # jinja2's signature: `self` may be an attribute name too
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (marks the assistant's tokens for training): rendered as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+@functools.lru_cache(maxsize=1)
+def _jinja_env():
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_TemplateDict(),
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
+
+
+class ChatTemplate:
+    """How a chat becomes a prompt: a Jinja template (`source`) rendered with the tokenizer's special tokens
+    (bos_token, eos_token, ...) as variables, or, with no source, the built-in apply_chat_template."""
+    SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
+    RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # set by render itself
+
+    def __init__(self, source=None, special_tokens=None, origin="the built-in Qwen3.6 template"):
+        self.source, self.origin = source, origin
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self.template = None if source is None else _jinja_env().from_string(source)
+        except jinja2.exceptions.TemplateError as e:
+            raise ConfigError(f"chat template from {origin} does not compile: {e}") from None
+        self.knows_developer = source is not None and "developer" in source
+
+    @classmethod
+    def from_checkpoint(cls, path, tokenizer=None):
+        """The template a checkpoint ships: chat_template.jinja, else tokenizer_config.json's `chat_template`
+        (a string, or a list of named templates: "default"), else a GGUF's; else the built-in one."""
+        if str(path).endswith(".gguf"):
+            eos = getattr(tokenizer, "eos_token_id", None)
+            special = {} if eos is None else {"eos_token": tokenizer.decode([eos])}
+            source = getattr(tokenizer, "chat_template", None)
+            return cls(source, special, f"{path} (tokenizer.chat_template)") if source else cls(None, special)
+        cfg = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        special = {k: v.get("content") if isinstance(v, dict) else v
+                   for k in cls.SPECIAL_TOKENS if (v := cfg.get(k)) is not None}
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # [{"name": ..., "template": ...}]: the one named "default"
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                return cls(f.read(), special, jinja_path)
+        if isinstance(source, str):
+            return cls(source, special, f"{cfg_path} (chat_template)")
+        return cls(None, special)
+
+    @classmethod
+    def from_arg(cls, value, special_tokens=None):
+        """--chat-template, as vLLM takes it: a file's path, or the template itself in one line."""
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return cls(f.read(), special_tokens, value)
+        if "{" not in value:
+            raise ConfigError(f"--chat-template {value!r}: no such file (give a template file's path, or the "
+                              "template itself)")
+        return cls(value, special_tokens, "--chat-template")
+
+    def render(self, messages, tools=None, add_generation_prompt=True, **kwargs):
+        """The prompt text. kwargs: the chat_template_kwargs (enable_thinking, preserve_thinking, ...). A
+        template's own refusal (raise_exception) or failure is a ValueError with its message."""
+        clash = [k for k in self.RESERVED if k in kwargs]
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        messages = chat_messages(messages, developer_as_system=not self.knows_developer)
+        if self.template is None:
+            thinking = kwargs.get("enable_thinking") is not False  # the template's "is false" / "is true"
+            return apply_chat_template(messages, add_generation_prompt, thinking,
+                                       kwargs.get("preserve_thinking") is True, tools)
+        try:
+            return self.template.render(messages=messages, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **{**self.special_tokens, **kwargs})
+        except jinja2.exceptions.TemplateError as e:  # raise_exception(...), an undefined name, the sandbox
+            raise ValueError(f"chat template: {e}") from None
+        except Exception as e:  # the template is the checkpoint's code: whatever it raises is about this chat
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
 
 
 # ==============================================================================================
@@ -2782,6 +3053,7 @@ def read_gguf_model(path, dtype):
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok["stop_token_ids"]))
     tokenizer = Tokenizer(tok["vocab"], tok["merges"], tok["added_tokens"], tok["pattern"] or QWEN_PATTERN,
                           tok["eos_token"], special=tok["special_tokens"])
+    tokenizer.chat_template = tok["chat_template"]  # the file's own template (ChatTemplate.from_checkpoint)
     return cfg, tensors, tokenizer
 
 
@@ -2821,32 +3093,221 @@ def resolve_device_dtype(device, dtype):
     return torch.device(device), dtypes.get(dtype, dtype)
 
 
+# -- Model names: a local path, or a hub id found in the local Hugging Face cache -------------------
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # Org/Name
+
+
+def hf_hub_cache():
+    """Where huggingface_hub keeps models: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    home = os.environ.get("HF_HOME") or os.path.join(cache, "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def find_in_hf_cache(name):
+    """A hub id's snapshot in the cache, models--Org--Name/snapshots/<the commit refs/main names> (without
+    refs/main: the only snapshot), or None."""
+    if not isinstance(name, str) or not HUB_ID.fullmatch(name):
+        return None
+    snapshots = os.path.join(hf_hub_cache(), "models--" + name.replace("/", "--"), "snapshots")
+    ref = os.path.join(os.path.dirname(snapshots), "refs", "main")
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            path = os.path.join(snapshots, f.read().strip())
+        return path if os.path.isdir(path) else None
+    found = os.listdir(snapshots) if os.path.isdir(snapshots) else []
+    return os.path.join(snapshots, found[0]) if len(found) == 1 else None
+
+
+def resolve_model(name):
+    """A model named as vLLM users name it: a local directory or .gguf file as it is; a hub id
+    (Qwen/Qwen3.6-27B) as its snapshot in the local Hugging Face cache. Nothing is ever downloaded."""
+    if os.path.exists(name):
+        return name
+    path = find_in_hf_cache(name)
+    if path is not None:
+        return path
+    if not HUB_ID.fullmatch(name):
+        raise ConfigError(f"model path {name!r} does not exist")
+    repo = os.path.join(hf_hub_cache(), "models--" + name.replace("/", "--"))
+    raise ConfigError(f"model {name!r} is not a local path, and the Hugging Face cache has no snapshot of "
+                      f"it (looked in {repo}/snapshots for the commit refs/main names); specdec does not "
+                      f"download: fetch it with `hf download {name}`, or set HF_HUB_CACHE / HF_HOME to the "
+                      "cache that has it")
+
+
+# -- Memory: the static slots' KV caches and GDN states (vLLM's --gpu-memory-utilization) ------------
+
+GiB = 1 << 30
+
+
+def state_bytes(cfg, dtype, mtp=False):
+    """What State allocates for one slot: (bytes per position: K and V of every attention layer, and of the
+    MTP layer with method mtp; bytes per slot: every GDN layer's conv window and fp32 recurrent state)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    n_attn = cfg.layer_types.count("full_attention") + int(mtp)
+    n_gdn = cfg.layer_types.count("linear_attention")
+    per_pos = n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * el
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return per_pos, n_gdn * (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * el + rec)
+
+
+def memory_budget(device, utilization):
+    """(bytes the slots may take, how they were counted). CUDA, as vLLM: the fraction of the GPU's total
+    memory, less what this process holds already (the weights), and no more than is free. CPU: the fraction of
+    the system memory available now (MemAvailable, with the weights already loaded)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        budget = min(utilization * total - held, free)
+        return int(budget), (f"{utilization} x {total / GiB:.2f} GiB GPU memory - {held / GiB:.2f} GiB held "
+                             f"by the weights, at most the {free / GiB:.2f} GiB free")
+    avail = None
+    if os.path.isfile("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            kib = [int(line.split()[1]) for line in f if line.startswith("MemAvailable:")]
+            avail = kib[0] * 1024 if kib else None
+    if avail is None:  # not Linux
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(utilization * avail), (f"{utilization} x {avail / GiB:.2f} GiB of system memory available "
+                                      "(CPU: the memory available after loading the weights)")
+
+
+def size_slots(per_pos, per_slot, num_seqs, extra, budget, basis, limit, want=None):
+    """The max_model_len the slots get, and the start-up line that shows the arithmetic. Each of num_seqs + 1
+    slots (the last pads batches) holds max_model_len + extra positions (per_pos bytes each) and per_slot
+    bytes of GDN state. want None: the model's limit if it fits, else the largest that fits."""
+    need = lambda slots, n: slots * ((n + extra) * per_pos + per_slot)  # noqa: E731
+    fits = lambda slots: (budget // slots - per_slot) // max(per_pos, 1) - extra  # noqa: E731  (largest n)
+    slots = num_seqs + 1
+    n = limit if want is None else want
+    why = "the model's limit" if want is None else "--max-model-len"
+    if need(slots, n) > budget and want is None and fits(slots) >= 1:
+        n, why = fits(slots), f"the largest that fits; the model allows {limit}"
+    have = f"{budget / GiB:.2f} GiB ({basis})"
+    if need(slots, n) > budget:
+        if fits(2) < n:  # not even one sequence (and the padding slot)
+            raise ConfigError(f"max_model_len={n}: one sequence needs {need(2, n) / GiB:.2f} GiB of KV cache "
+                              f"and state (with the padding slot), more than the {have}; the largest that "
+                              f"fits one sequence is {max(fits(2), 0)}: lower --max-model-len or raise "
+                              "--gpu-memory-utilization")
+        most = budget // need(1, n) - 1
+        raise ConfigError(f"--max-num-seqs {num_seqs} slots of max_model_len={n} need "
+                          f"{need(slots, n) / GiB:.2f} GiB of KV cache and state, more than the {have}; "
+                          f"{most} fit: lower --max-num-seqs or --max-model-len, or raise "
+                          "--gpu-memory-utilization")
+    return n, (f"KV cache and state: {slots} slots ({num_seqs} + 1 for padding) x (({n} + {extra}) positions "
+               f"x {per_pos} B + {per_slot} B) = {need(slots, n) / GiB:.3f} GiB of {have}; max_model_len {n} "
+               f"({why})")
+
+
+# -- Sampling defaults: the model's generation_config.json (vLLM's --generation-config) -------------
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")  # vLLM's
+NOT_IMPLEMENTED = {"repetition_penalty": 1.0, "min_p": 0.0}  # accepted only at these values, for now
+
+
+def _json_arg(value, what):
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {value!r}")
+    return obj
+
+
+def generation_defaults(model, generation_config="auto", override=None):
+    """What a request that leaves them unset gets, as vLLM's --generation-config: "auto" reads the model's
+    generation_config.json, "vllm" none, a folder that folder's; --override-generation-config's JSON goes on
+    top. -> {temperature, top_p, top_k, max_tokens (its max_new_tokens)} as given there."""
+    cfg, where = {}, "vLLM's defaults"
+    if generation_config != "vllm":
+        auto = generation_config in (None, "auto")
+        own = os.path.dirname(model) if str(model).endswith(".gguf") else model
+        folder = own if auto else generation_config
+        where = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(where):
+            with open(where) as f:
+                cfg = json.load(f)
+        elif not auto:
+            raise ConfigError(f"--generation-config {generation_config!r}: no generation_config.json there "
+                              "(give a folder that has one, 'auto' for the model's, or 'vllm' for none)")
+    cfg.update(_json_arg(override, "--override-generation-config"))
+    out = {k: cfg[k] for k in GENERATION_KEYS if cfg.get(k) is not None}
+    for key, neutral in NOT_IMPLEMENTED.items():
+        if out.pop(key, neutral) != neutral:
+            raise ConfigError(f"the generation config ({where} and overrides) sets {key}={cfg[key]}, which "
+                              "specdec does not implement yet; start with --generation-config vllm, or "
+                              f"--override-generation-config '{{\"{key}\": {neutral}}}'")
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    if out.get("top_k") == 0:
+        out["top_k"] = -1  # vLLM: 0 disables top-k too
+    try:
+        SamplingParams(**out)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"the generation config ({where} and overrides): {e}") from None
+    return out
+
+
+# -- The offline API ------------------------------------------------------------------------------
+
 class LLM:
+    """vLLM's offline API: LLM(model, **engine_args), then generate / chat. The engine arguments have vLLM's
+    names; tensor_parallel_size and quantization are accepted at their neutral values only (not yet
+    implemented), trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code)."""
+
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
-                 max_num_batched_tokens=None, enable_chunked_prefill=True):
-        spec = SpeculativeConfig.from_json(speculative_config)
-        model = model or default_model_path()
+                 max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
+                 generation_config="auto", override_generation_config=None,
+                 tensor_parallel_size=1, quantization=None, trust_remote_code=False):
+        if tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
+                              "parallelism is not supported yet; specdec runs the model on one device")
+        if quantization not in (None, "None", "none"):
+            raise ConfigError(f"quantization={quantization!r} (--quantization) is not supported yet; specdec "
+                              "runs a checkpoint in its own dtype (GGUF files are dequantised at load)")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        model = resolve_model(model or default_model_path())
+        spec = SpeculativeConfig.from_json(speculative_config, target=model)
         if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
             raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from "
                               "a re-quantised copy of the model the drafter was not trained on; use the "
                               "safetensors checkpoint as the target")
-        if not os.path.exists(model):
-            raise ConfigError(f"model path {model!r} does not exist")
-        if max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.default_sampling = generation_defaults(model, generation_config, override_generation_config)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         want_mtp = spec is not None and spec.method == "mtp"
         self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp=want_mtp)
-        max_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
-        if max_len > self.cfg.max_position_embeddings:
-            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                              f"{self.cfg.max_position_embeddings}")
+        want = None if max_model_len in (None, "auto", -1) else max_model_len
+        if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
+            raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")
+        limit = self.cfg.max_position_embeddings
+        if want is not None and want > limit:
+            raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={limit}")
         if spec is not None and spec.max_model_len is not None:
-            max_len = min(max_len, spec.max_model_len)
+            limit = min(limit, spec.max_model_len)
+            want = None if want is None else min(want, limit)
+        k = spec.num_speculative_tokens if spec else 0
+        budget, basis = memory_budget(self.device, gpu_memory_utilization)
+        per_pos, per_slot = state_bytes(self.cfg, self.dtype, want_mtp)
+        max_len, self.memory_report = size_slots(per_pos, per_slot, max_num_seqs, k + 1, budget, basis, limit,
+                                                 want)
+        if spec is not None and spec.method in ("dflash", "dspark", "draft_model"):
+            self.memory_report += " (the drafter's own cache comes on top)"
         self.model_path = model
         self.max_model_len = max_len
         self.spec = spec
+        self.chat_template = ChatTemplate.from_checkpoint(model, self.tokenizer)
         self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
                              seed, enforce_eager, async_scheduling, max_num_batched_tokens,
                              enable_chunked_prefill)
@@ -2858,11 +3319,18 @@ class LLM:
             return self.encode_prompt(prompt.get("prompt_token_ids", prompt.get("prompt")))
         return None, list(prompt)
 
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self):
+        """SamplingParams with the model's generation-config defaults (what generate uses without any)."""
+        return SamplingParams(**self.default_sampling)
+
     def generate(self, prompts, sampling_params=None):
         one_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)  # a prompt's ids
         single = isinstance(prompts, str) or one_ids
         prompts = [prompts] if single else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         reqs = []
         for p, sp in zip(prompts, params):
@@ -2872,9 +3340,18 @@ class LLM:
             self.engine.step()
         return [self._output(text, r) for text, r in reqs]
 
-    def chat(self, messages, sampling_params=None, enable_thinking=True, add_generation_prompt=True):
+    def chat(self, messages, sampling_params=None, *, chat_template=None, add_generation_prompt=True,
+             tools=None, chat_template_kwargs=None, enable_thinking=None):
+        """One conversation (a list of messages) or several, through the model's chat template (or the
+        `chat_template` given: a path or the template text), as vLLM's LLM.chat."""
+        template = self.chat_template
+        if chat_template is not None:
+            template = ChatTemplate.from_arg(chat_template, template.special_tokens)
+        kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(m, add_generation_prompt, enable_thinking) for m in convs]
+        prompts = [template.render(m, tools, add_generation_prompt, **kwargs) for m in convs]
         return self.generate(prompts, sampling_params)
 
     def _output(self, text, r):
@@ -2919,19 +3396,51 @@ def default_model_path():
 # CLI
 # ==============================================================================================
 
+def vllm_argv(argv):
+    """vLLM's spelling of flags: an underscore in a flag's name is a dash (--max_model_len=4096)."""
+    out = []
+    for a in argv:
+        if a.startswith("--"):
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
+
+
+def human_int(value):
+    """vLLM's human-readable integers: 32k = 32000, 32K = 32768 (k, m, g decimal; K, M, G binary)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", value.strip())
+    if not m or ("." in m[1] and m[2] not in ("k", "m", "g")):
+        raise argparse.ArgumentTypeError(f"invalid integer {value!r} (e.g. 4096, 32k, 32K)")
+    if m[2] in ("k", "m", "g"):
+        return int(float(m[1]) * 1000 ** (1 + "kmg".index(m[2])))
+    return int(m[1]) * 1024 ** ("KMG".index(m[2]) + 1 if m[2] else 0)
+
+
+def max_len_arg(value):
+    return "auto" if value.strip() in ("auto", "-1") else human_int(value)
+
+
 def add_engine_args(ap):
-    """Flags shared by specdec.py, server.py and bench.py (vLLM's names)."""
-    ap.add_argument("--model", default=None, help="checkpoint directory (HF safetensors) or .gguf file "
-                                                   "(default: the shipped toy model in models/)")
+    """Flags shared by specdec.py and server.py: vLLM's engine arguments (the names of LLM's keywords)."""
+    ap.add_argument("--model", default=None, help="checkpoint directory (HF safetensors), .gguf file, or a "
+                    "hub id (Org/Name) in the local Hugging Face cache (default: the shipped toy model in "
+                    "models/)")
     ap.add_argument("--speculative-config", default=None, help="vLLM's speculative config as JSON, e.g. "
                     '\'{"method":"mtp","num_speculative_tokens":2}\' (methods: ' + ", ".join(SPEC_METHODS)
                     + ")")
     ap.add_argument("--dtype", default="auto",
                     help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="max prompt + output tokens (default min(model, 4096))")
+    ap.add_argument("--max-model-len", type=max_len_arg, default=None,
+                    help="max prompt + output tokens, e.g. 4096, 32k, 32K; auto or -1: fit (default: the "
+                    "model's limit if --max-num-seqs slots of it fit in --gpu-memory-utilization, else the "
+                    "largest that fits)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="max concurrent sequences (slots)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of the memory the KV caches and GDN states of the slots may use: of the "
+                    "GPU's memory (less the weights); on the CPU, of the system memory available after "
+                    "loading (default 0.9)")
     ap.add_argument("--seed", type=int, default=0,
                     help="engine seed (requests without a seed derive theirs from it)")
     ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
@@ -2944,6 +3453,14 @@ def add_engine_args(ap):
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill long prompts in pieces between the running requests' steps, so they keep "
                          "their pace (default: on; off: each prompt is prefilled whole when admitted)")
+    ap.add_argument("--generation-config", default="auto", help="sampling defaults: auto (the model's "
+                    "generation_config.json), vllm (none), or a folder with a generation_config.json")
+    ap.add_argument("--override-generation-config", default=None,
+                    help="JSON object over the generation config, e.g. '{\"temperature\": 0.6}'")
+    ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="not supported yet (only 1)")
+    ap.add_argument("-q", "--quantization", default=None, help="not supported yet")
+    ap.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; it "
+                    "changes nothing: specdec never runs code from a checkpoint")
 
 
 def llm_from_args(a):
@@ -2951,7 +3468,11 @@ def llm_from_args(a):
                max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed,
                enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
                max_num_batched_tokens=a.max_num_batched_tokens,
-               enable_chunked_prefill=a.enable_chunked_prefill)
+               enable_chunked_prefill=a.enable_chunked_prefill,
+               gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
+               override_generation_config=a.override_generation_config,
+               tensor_parallel_size=a.tensor_parallel_size, quantization=a.quantization,
+               trust_remote_code=a.trust_remote_code)
 
 
 def main(argv=None):
@@ -2960,24 +3481,37 @@ def main(argv=None):
     add_engine_args(ap)
     ap.add_argument("--prompt", default="def fib(n):", help="the prompt text")
     ap.add_argument("--chat", action="store_true",
-                    help="wrap the prompt as one user turn of the chat template")
+                    help="wrap the prompt as one user turn of the model's chat template")
+    ap.add_argument("--chat-template", default=None, help="with --chat: this template (a file or the text) "
+                    "instead of the model's")
     ap.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact argmax)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    ap.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1 = all)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (exact argmax) (default: the generation config's, else 0)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="nucleus sampling mass (default: the generation config's, else 1)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="keep the k most likely tokens, -1 = all (default: the generation config's, "
+                    "else -1)")
     ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(vllm_argv(sys.argv[1:] if argv is None else argv))
     try:
         llm = llm_from_args(a)
         prompt = a.prompt
         if a.chat:
-            prompt = apply_chat_template([{"role": "user", "content": prompt}], True, not a.no_thinking)
-        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+            template = llm.chat_template
+            if a.chat_template is not None:
+                template = ChatTemplate.from_arg(a.chat_template, template.special_tokens)
+            prompt = template.render([{"role": "user", "content": prompt}], enable_thinking=not a.no_thinking)
+        given = {"temperature": 0.0, **llm.default_sampling}
+        pick = lambda name, default: default if getattr(a, name) is None else getattr(a, name)  # noqa: E731
+        params = SamplingParams(temperature=pick("temperature", given["temperature"]),
+                                top_p=pick("top_p", given.get("top_p", 1.0)),
+                                top_k=pick("top_k", given.get("top_k", -1)),
                                 max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shown = [0]
@@ -2998,7 +3532,7 @@ def main(argv=None):
           f"time to first token: {ttft * 1e3:.1f} ms, {rate:.1f} tok/s, finish: {req.finish_reason}]",
           file=sys.stderr)
     if llm.spec is not None:
-        print(f"[{req.spec.summary()}]", file=sys.stderr)
+        print(f"[{req.spec.summary(t1 - t0)}]", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,7 @@ import http.client
 import json
 import math
 import os
+import random
 import re
 import socket
 import subprocess
@@ -1465,6 +1466,7 @@ def test_cli_generates_with_stats_and_speculation(tiny_spec):
     assert spec.stdout == plain.stdout and spec.stdout.strip()
     mal = re.search(r"Mean acceptance length: ([0-9.]+)", spec.stderr)
     assert mal and float(mal[1]) >= 1.5, spec.stderr                            # drafts accepted (measured 2.12)
+    assert re.search(r"Accepted throughput: [\d.]+ tokens/s, Drafted throughput: [\d.]+ tokens/s", spec.stderr)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -1472,6 +1474,8 @@ def test_cli_generates_with_stats_and_speculation(tiny_spec):
     (["--speculative-config", '{"method":"mtp"}'], "num_speculative_tokens must be provided"),
     (["--model", "/nonexistent/dir"], "does not exist"),
     (["--dtype", "int3"], "unsupported dtype"),
+    (["--model", "Qwen/Qwen3.6-NotCached"], "hf download Qwen/Qwen3.6-NotCached"),
+    (["--tensor_parallel_size", "2"], "tensor parallelism is not supported yet"),
 ])
 def test_cli_errors_are_one_line(args, msg, tiny):
     r = run_cli("--model", tiny, "--device", "cpu", *args)
@@ -1718,8 +1722,6 @@ def test_chat_template_tool_results_and_errors():
     assert apply_chat_template(msgs, add_generation_prompt=False) == (
         "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\ncalling<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response><|im_end|>\n")
-    with pytest.raises(ValueError, match="tool"):
-        apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(ValueError, match="system"):
         apply_chat_template([{"role": "user", "content": "Q"}, {"role": "system", "content": "S"}])
     with pytest.raises(ValueError, match="user query"):
@@ -2152,7 +2154,6 @@ def test_transformers_logits_roundtrip(tmp_path, moe):
         torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-
 # ==============================================================================================
 # GPU (skipped without CUDA)
 # ==============================================================================================
@@ -2200,17 +2201,18 @@ def free_port():
 
 
 class Server:
-    def __init__(self, model, log_dir, *args, prelude=None):
-        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults)."""
+    def __init__(self, model, log_dir, *args, prelude=None, env=None, command=None):
+        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults);
+        `command`: the arguments as a user types them (instead of --model MODEL --device cpu ARGS)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, f"server-{self.port}.log")
         main = [os.path.join(ROOT, "server.py")] if prelude is None else \
             ["-c", f"{prelude}\nimport sys, server\nsys.exit(server.main())"]
+        args = [*command] if command is not None else ["--model", model, "--device", "cpu", *args]
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, *main, "--model", model, "--device", "cpu", "--port",
-                                          str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env=ENV)
+            self.proc = subprocess.Popen([sys.executable, *main, *args, "--port", str(self.port)], stdout=fh,
+                                         stderr=subprocess.STDOUT, cwd=ROOT, env=dict(ENV, **(env or {})))
         deadline = time.time() + 120
         while True:
             if self.proc.poll() is not None or time.time() > deadline:
@@ -3061,7 +3063,6 @@ def test_device_fault_exits_the_process(tiny_model, tmp_path):
     lines = [line for line in open(s.log).read().splitlines() if "fatal engine error" in line]
     assert lines == ["specdec server: fatal engine error, exiting: RuntimeError: CUDA error: an illegal memory "
                      "access was encountered (injected)"]
-
 
 
 # ==============================================================================================
@@ -4281,7 +4282,6 @@ def test_drafter_refusals(ckpts, tmp_path):
             LLM(model=ckpts["target"], device="cpu", speculative_config=cfg)
 
 
-
 # ==============================================================================================
 # Triton GEMV (kernels.linear's small-M path)
 # ==============================================================================================
@@ -4716,6 +4716,664 @@ def test_prefill_alone_steps_invariant(tiny, monkeypatch):
         assert {m for m, _ in seen} == {"prefill", "verify"}
         assert all(on == (invariant and mode != "prefill") for mode, on in seen), seen
         assert K.BATCH_INVARIANT == invariant
+
+
+# ==============================================================================================
+# Qwen3.6 recipes as vLLM users type them (issue 23): the chat template, the parsers, model names, memory
+# ==============================================================================================
+
+# A chat template written in the published Qwen3.6 style (tools in the system turn, tool calls in history, tool
+# responses in user turns, thinking kept after the last query or with preserve_thinking, enable_thinking)
+QWEN36_TEMPLATE = r"""{%- macro text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if 'text' in part -%}
+                {{- part.text -}}
+            {%- else -%}
+                {{- raise_exception('Only text content is supported.') -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- elif content is not none and content is defined -%}
+        {{- raise_exception('Unexpected content type.') -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if not messages %}
+    {{- raise_exception('No messages provided.') }}
+{%- endif %}
+{%- set system = text(messages[0].content)|trim if messages[0].role == 'system' else none %}
+{%- if tools and tools is iterable and tools is not mapping %}
+    {{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool|tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>' }}
+    {%- if system %}
+        {{- '\n\n' + system }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- elif system is not none %}
+    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' %}
+        {%- set content = text(message.content)|trim %}
+        {%- if not (content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = text(message.content)|trim %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if (preserve_thinking is defined and preserve_thinking is true) or loop.index0 > ns.last_query_index %}
+            {{- '<think>\n' + reasoning|trim + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set fn = call.function if call.function is defined else call %}
+            {%- if loop.first %}
+                {{- '\n\n' if content|trim else '' }}
+            {%- else %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<tool_call>\n<function=' + fn.name + '>\n' }}
+            {%- for name, value in (fn.arguments or {})|items %}
+                {{- '<parameter=' + name + '>\n' + (value if value is string else value|tojson) + '\n</parameter>\n' }}
+            {%- endfor %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.previtem and loop.previtem.role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather — città, région",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
+        "ratio": {"type": "number"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+        "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}}}
+RUN_CODE = {"type": "function", "function": {"name": "run_code", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}
+TOOLS = [WEATHER, RUN_CODE]
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are helpful. "}, {"role": "user", "content": "Hi!\n"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "Let me check.", "reasoning_content": "Need a tool.", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                       "arguments": {"city": "Paris", "days": 3,
+                                                                     "opts": {"a": [1, None, True]}}}},
+         {"id": "c2", "type": "function", "function": {"name": "run_code", "arguments": {"code": "a\n<b>"}}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+     {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "done"}]},
+     {"role": "assistant", "content": "<think>\nthinking again\n</think>\n\nSunny."},
+     {"role": "user", "content": "Thanks"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "Q1"},
+     {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                             "function": {"name": "get_weather", "arguments": {}}}]},
+     {"role": "tool", "content": "r"}],
+]
+
+
+def test_chat_template_renders_as_transformers():
+    """The checkpoint's template, rendered by specdec's sandboxed Jinja, is byte for byte transformers'
+    apply_chat_template (what vLLM calls) on the same chats; the built-in fallback renders them the same way."""
+    import transformers
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(TOY, "tokenizer.json"),
+                                              chat_template=QWEN36_TEMPLATE, eos_token="<|im_end|>")
+    ours, fallback = sd.ChatTemplate(QWEN36_TEMPLATE, {"eos_token": "<|im_end|>"}), sd.ChatTemplate(None)
+    for conv in CONVERSATIONS:
+        for kw in ({}, {"enable_thinking": False}, {"preserve_thinking": True}, {"add_generation_prompt": False}):
+            for tools in (None, TOOLS):
+                kw = dict(kw)
+                gen = kw.pop("add_generation_prompt", True)
+                want = hf.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=gen, **kw)
+                assert ours.render(conv, tools, gen, **kw) == want
+                assert fallback.render(conv, tools, gen, **kw) == want
+    # as vLLM: tool call arguments arrive as JSON text, reasoning as `reasoning`, and `developer` is `system`
+    wire = json.loads(json.dumps(CONVERSATIONS[1]))
+    for call in wire[2]["tool_calls"]:
+        call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    wire[2]["reasoning"] = wire[2].pop("reasoning_content")
+    wire[0]["role"] = "developer"
+    assert ours.render(wire, TOOLS) == ours.render(CONVERSATIONS[1], TOOLS) == fallback.render(wire, TOOLS)
+    for bad, msg in [([{"role": "user", "content": "x"}, {"role": "system", "content": "S"}], "at the beginning"),
+                     ([{"role": "system", "content": "S"}], "No user query"),
+                     ([{"role": "user", "content": [{"type": "image_url"}]}], "Only text content"),
+                     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                       "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}], "not valid JSON")]:
+        with pytest.raises(ValueError, match=msg):
+            ours.render(bad)
+
+
+def test_chat_template_from_the_checkpoint_sandboxed(tmp_path):
+    """chat_template.jinja first, then tokenizer_config.json's chat_template (a string or named list); none:
+    the built-in template. The sandbox keeps templates from Python's internals; transformers' globals work."""
+    src = TOY
+    for name in ("config.json", "tokenizer.json"):
+        os.symlink(os.path.join(src, name), tmp_path / name)
+    cfg = {"eos_token": {"content": "<|im_end|>"}, "chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ eos_token }}{{ messages|length }}"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert sd.ChatTemplate.from_checkpoint(str(tmp_path)).render(msgs) == "<|im_end|>1"
+    (tmp_path / "chat_template.jinja").write_text("{{ strftime_now('%Y') | length }}{{ [1, 'é'] | tojson(indent=1) }}"
+                                                  "{% generation %}G{% endgeneration %}")
+    t = sd.ChatTemplate.from_checkpoint(str(tmp_path))
+    assert t.origin.endswith("chat_template.jinja") and t.render(msgs) == '4[\n 1,\n "é"\n]G'
+    assert sd.ChatTemplate.from_checkpoint(TOY).source is None  # the toy ships none: the built-in one
+    assert sd.ChatTemplate("{{ messages.__class__ }}").render(msgs) == ""  # unsafe: undefined, as in transformers
+    for evil in ("{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__ }}", "{% set ns = namespace(_x=1) %}",
+                 "{{ raise_exception('refused by the template') }}", "{{ cycler.__init__.__globals__ }}"):
+        with pytest.raises(ValueError, match="chat template"):
+            sd.ChatTemplate(evil).render(msgs)
+    with pytest.raises(ConfigError, match="does not compile"):
+        sd.ChatTemplate("{% if %}")
+    with pytest.raises(ConfigError, match="no such file"):
+        sd.ChatTemplate.from_arg("/no/such/template.jinja")
+
+
+import server as srvmod  # noqa: E402  (the parsers are pure functions of text: tested here without a server)
+
+QWEN_ANSWER = ("The user wants weather.\nI should call <tool_call> tools</think>\n\nI will check.\n\n"
+               "<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+               "<parameter=days>\n3\n</parameter>\n<parameter=hot>\nTrue\n</parameter>\n<parameter=ratio>\n2.5\n"
+               "</parameter>\n<parameter=opts>\n{\"unit\": \"C\", \"n\": [1, 2]}\n</parameter>\n<parameter=tags>\n"
+               "['a', 'b']\n</parameter>\n<parameter=note>\nnull\n</parameter>\n<parameter=limit>\nNone\n"
+               "</parameter>\n<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+               "<function=run_code>\n<parameter=code>\nif a < b:\n    print('</parameter>')\n<x>y</x>\n\n"
+               "</parameter>\n</function>\n</tool_call>")
+PARSER_CASES = [  # (start, parser, answer, reasoning, content, [(name, arguments)])
+    ("thinking", "qwen3_coder", QWEN_ANSWER, "The user wants weather.\nI should call <tool_call> tools",
+     "\n\nI will check.\n\n",
+     [("get_weather", '{"city": "São Paulo", "days": 3, "hot": true, "ratio": 2.5, "opts": {"unit": "C", "n": '
+                      '[1, 2]}, "tags": ["a", "b"], "note": null, "limit": null, "extra": "42"}'),
+      ("run_code", '{"code": "if a < b:\\n    print(\'</parameter>\')\\n<x>y</x>\\n"}')]),
+    ("thinking", "qwen3_coder", "no end of thinking <tool_call", "no end of thinking <tool_call", None, []),
+    ("thinking", None, "R</think>\n\nA <think> B", "R", "\n\nA <think> B", []),
+    ("answer", None, "R</think>\n\nA", "", "R</think>\n\nA", []),  # thinking off: all is content
+    ("maybe", None, "<think>R</think>A", "R", "A", []),  # a model that opens its own thinking
+    ("maybe", None, "plain", "", "plain", []),
+    ("thinking", "qwen3_coder", "R\n<tool_call>\n<function=run_code>\n<parameter=code>\nx=1\n</parameter>\n</function>"
+     "\n</tool_call>", "R\n", None, [("run_code", '{"code": "x=1"}')]),  # a call ends the thinking (Qwen3.5+)
+    ("thinking", "qwen3_coder", "R<tool_call>\n<function=run_code>\n</function>\n</tool_call></think>A", "R",
+     "</think>A", [("run_code", "{}")]),  # ... before a later </think>, streamed or not
+    ("answer", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRo", "", None,
+     [("get_weather", "{}")]),  # cut off inside a value: the call closes with what is complete
+    ("answer", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<paramet", "",
+     None, [("get_weather", '{"days": 3}')]),
+    ("answer", "qwen3_coder", "<tool_call>\n<functi", "", "<tool_call>\n<functi", []),  # no name yet: no call
+    ("answer", "qwen3_coder", "see <tool_call>\nnot a call</tool_call> and <tool_call>\n<function=a b>\n</function>"
+     "</tool_call>", "", "see <tool_call>\nnot a call</tool_call> and <tool_call>\n<function=a b>\n</function>"
+     "</tool_call>", []),  # malformed calls stay in the content
+    ("answer", "qwen3_coder", "Done: <b>x</b>\n<tool_call>\n<function=run_code>\n</function>\n</tool_call>\nAfter.",
+     "", "Done: <b>x</b>\n\nAfter.", [("run_code", "{}")]),  # the text around a call as it is
+    ("answer", "hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "run_code", "arguments": "{\\"code\\": \\"</x>\\"}"}\n</tool_call>', "",
+     "Sure.\n", [("get_weather", '{"city": "Paris", "days": 3}'), ("run_code", '{"code": "</x>"}')]),
+    ("answer", "hermes", '<tool_call>\n{"name": bad json}\n</tool_call>\n<tool_call>\n{"name": "cut", "argu', "",
+     '<tool_call>\n{"name": bad json}\n</tool_call>\n<tool_call>\n{"name": "cut", "argu', []),
+]
+
+
+def stream_in_chunks(stream, text, size):
+    """Feed `text` as the engine's growing text (`size` characters a step), then once more, final: the deltas
+    summed."""
+    got = {"reasoning": "", "content": "", "calls": []}
+    for end in [*range(size, len(text), size), len(text)]:
+        for final in ((False, True) if end == len(text) else (False,)):
+            d = stream.feed(text[:end], final)
+            got["reasoning"] += d.get("reasoning", "")
+            got["content"] += d.get("content", "")
+            for c in d.get("tool_calls", []):
+                if c["index"] == len(got["calls"]):
+                    assert c["function"]["name"] and c["id"] and c["type"] == "function"  # the name comes first
+                    got["calls"].append([c["function"]["name"], ""])
+                got["calls"][c["index"]][1] += c["function"]["arguments"]
+    return got
+
+
+@pytest.mark.parametrize("case", range(len(PARSER_CASES)))
+def test_reasoning_and_tool_parsers_in_every_chunking(case):
+    """vLLM's qwen3 reasoning parser and qwen3_coder / hermes tool parsers on answers written as text: the whole
+    answer's fields, and the same fields summed from a stream cut into chunks of every size (chunks that end
+    in the middle of a tag, several tags in one chunk as a speculative step brings them)."""
+    start, parser, text, reasoning, content, calls = PARSER_CASES[case]
+    make = lambda: srvmod.ChatStream(start, parser and srvmod.TOOL_PARSERS[parser](TOOLS))  # noqa: E731
+    whole = make()
+    whole.feed(text, True)
+    assert (whole.reasoning, whole.content or None) == (reasoning, content or None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.calls] == calls
+    for args in (a for _, a in calls):
+        json.loads(args)
+    for size in range(1, len(text) + 1):
+        got = stream_in_chunks(make(), text, size)
+        assert (got["reasoning"], got["content"], got["calls"]) == (reasoning, content or "", [list(c) for c in calls])
+
+
+def test_parsers_stream_as_they_answer_on_random_text():
+    """Text made of the tags' pieces, streamed in random chunk sizes through every start x parser: never an
+    exception, every call's arguments valid JSON, and the stream's deltas add up to the whole answer."""
+    pieces = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "<think>",
+              "</think>", "\n", " ", "get_weather", "days", ">", "{", "}", '"name"', ":", "3", "null", "<", "a b",
+              '{"name": "get_weather", "arguments": {"days": 1}}', "<tool_call>\n<function=get_weather>\n"]
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": [1]}}},  # schemas a
+           {"type": "function", "function": {"name": "g", "parameters": {"properties": {"a": {"anyOf": 5}}}}}]  # client
+    stream = srvmod.ChatStream("answer", srvmod.Qwen3CoderParser(odd))  # may send: no types, values stay text
+    stream.feed("<tool_call>\n<function=g>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>", True)
+    assert stream.calls[0]["function"]["arguments"] == '{"a": "1"}'
+    rnd = random.Random(0)
+    for _ in range(120):
+        text = "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 30)))
+        for start in ("thinking", "answer", "maybe", None):
+            for parser in ("qwen3_coder", "hermes", None):
+                make = lambda: srvmod.ChatStream(start, parser and srvmod.TOOL_PARSERS[parser](TOOLS))  # noqa: E731
+                whole = make()
+                whole.feed(text, True)
+                calls = [[c["function"]["name"], c["function"]["arguments"]] for c in whole.calls]
+                for _, args in calls:
+                    json.loads(args)
+                got = stream_in_chunks(make(), text, rnd.randint(1, 5))
+                assert (got["reasoning"], got["content"], got["calls"]) == (whole.reasoning, whole.content or "", calls)
+
+
+def test_metrics_kv_usage_and_phase_times():
+    """vllm:kv_cache_usage_perc counts the slots' positions in use (a prompt in chunked prefill: its pieces so
+    far); the queue time ends when a slot is given, not at the first token (chunked prefill spans steps)."""
+    from collections import deque
+    m, R = srvmod.Metrics("m", 0), types.SimpleNamespace
+    a, b = R(tokens=[0] * 30, prefilled=30), R(tokens=[0] * 50, prefilled=20)
+    eng = R(slots=[a, None, b, None], waiting=[], prefilling=deque([b]), max_num_seqs=4, max_model_len=100,
+            stats=sd.SpecStats())
+    m.after_step(eng)
+    assert m.kv_usage == (30 + 20) / 400 and 'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.125' in m.render()
+    job = srvmod.Job([1, 2, 3], SamplingParams())
+    job.t_arrival, job.t_scheduled = 10.0, 11.0  # given a slot at 11 (EngineLoop), first token at 13
+    m.on_update(job, R(prompt_ids=[1, 2, 3], finished=False), 1, 13.0, 12.5)
+    assert m.hist[srvmod.QUEUE][1:] == [1.0, 1] and m.hist[srvmod.PREFILL][1:] == [2.0, 1]
+
+
+def test_hub_ids_resolve_in_the_local_cache(tmp_path, monkeypatch):
+    """Qwen/Qwen3.6-27B -> $HF_HUB_CACHE/models--Qwen--Qwen3.6-27B/snapshots/<refs/main>; absent: one line that
+    names the path looked in and the command that would download it. Nothing is fetched."""
+    hub = tmp_path / "hub"
+    repo = hub / "models--Qwen--Qwen3.6-Toy"
+    for rev in ("0ld", "c0ffee"):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee\n")
+    for name in os.listdir(TOY):
+        os.symlink(os.path.join(TOY, name), repo / "snapshots" / "c0ffee" / name)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # $HF_HOME/hub
+    assert sd.resolve_model("Qwen/Qwen3.6-Toy") == str(repo / "snapshots" / "c0ffee")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert sd.resolve_model("Qwen/Qwen3.6-Toy") == str(repo / "snapshots" / "c0ffee")
+    assert sd.resolve_model(TOY) == TOY
+    llm = LLM("Qwen/Qwen3.6-Toy", device="cpu", max_num_seqs=1)
+    assert llm.model_path == str(repo / "snapshots" / "c0ffee")
+    with pytest.raises(ConfigError) as e:
+        sd.resolve_model("Qwen/Qwen3.6-27B")
+    assert str(hub / "models--Qwen--Qwen3.6-27B") in str(e.value) and "hf download Qwen/Qwen3.6-27B" in str(e.value)
+    assert one_line_error(["Qwen/Qwen3.6-27B", "--port", "1"]).count("hf download Qwen/Qwen3.6-27B") == 1
+
+
+def test_memory_arithmetic_sizes_the_slots(tiny):
+    """state_bytes is what State allocates; the default max_model_len is the model's if max_num_seqs + 1 slots
+    of it fit in the budget, else the largest that fits; an asked length that does not fit is one clear line."""
+    cfg = sd.ModelConfig.from_hf(tiny)
+    for mtp in (False, True):
+        st = sd.State(cfg, 3, 100, torch.float32, "cpu", mtp=mtp)
+        have = sum(t.numel() * t.element_size() for t in [*sum(st.kv.values(), ()), *st.conv.values(),
+                                                          *st.rec.values()])
+        per_pos, per_slot = sd.state_bytes(cfg, torch.float32, mtp)
+        assert have == 4 * (100 * per_pos + per_slot)
+    per_pos, per_slot = 1000, 5000  # 9 slots, 3 extra positions each
+    n, line = sd.size_slots(per_pos, per_slot, 8, 3, 10 ** 9, "test", 4096)
+    assert n == 4096 and "max_model_len 4096 (the model's limit)" in line and "9 slots (8 + 1 for padding)" in line
+    n, line = sd.size_slots(per_pos, per_slot, 8, 3, 9 * (1000 * 1000 + 5000) + 1, "test", 4096)
+    assert n == 997 and "the largest that fits; the model allows 4096" in line
+    assert 9 * ((n + 3) * per_pos + per_slot) <= 9 * (1000 * 1000 + 5000) + 1 < 9 * ((n + 4) * per_pos + per_slot)
+    n, _ = sd.size_slots(per_pos, per_slot, 8, 3, 10 ** 9, "test", 4096, want=2048)
+    assert n == 2048
+    with pytest.raises(ConfigError, match=r"max_model_len=4096: one sequence needs .* the largest that fits one "
+                                          r"sequence is 97: lower --max-model-len or raise --gpu-memory-utilization"):
+        sd.size_slots(per_pos, per_slot, 8, 3, 2 * (100 * per_pos + per_slot), "test", 4096, want=4096)
+    with pytest.raises(ConfigError, match=r"--max-num-seqs 8 slots of max_model_len=100 need .*; 4 fit"):
+        sd.size_slots(per_pos, per_slot, 8, 3, 5 * (103 * per_pos + per_slot), "test", 4096, want=100)
+    with pytest.MonkeyPatch.context() as mp:  # CUDA's count, without a GPU: 0.9 x total - held, at most free
+        mp.setattr(torch.cuda, "mem_get_info", lambda device: (50 * sd.GiB, 100 * sd.GiB))
+        mp.setattr(torch.cuda, "memory_reserved", lambda device: 30 * sd.GiB)
+        assert sd.memory_budget(torch.device("cuda"), 0.9)[0] == 50 * sd.GiB
+        budget, basis = sd.memory_budget(torch.device("cuda"), 0.5)
+        assert budget == 20 * sd.GiB and "0.5 x 100.00 GiB GPU memory - 30.00 GiB held" in basis
+    llm = LLM(tiny, device="cpu", max_num_seqs=2)
+    assert llm.max_model_len == cfg.max_position_embeddings and "system memory available" in llm.memory_report
+    err = one_line_error([tiny, "--device", "cpu", "--max-model-len", "4k", "--gpu-memory-utilization", "1e-9"])
+    assert "max_model_len=4000: one sequence needs" in err
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """vLLM's --generation-config auto | vllm | FOLDER and --override-generation-config: what a request leaves
+    unset; repetition_penalty / min_p are refused unless neutral (not implemented yet)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 7,
+         "repetition_penalty": 1.0, "eos_token_id": [1, 2]}))
+    d = sd.generation_defaults(str(tmp_path))
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}
+    assert sd.generation_defaults(str(tmp_path), "vllm") == {}
+    assert sd.generation_defaults(TOY, str(tmp_path), '{"top_k": 0}') == dict(d, top_k=-1)
+    with pytest.raises(ConfigError, match="sets repetition_penalty=1.1, which specdec does not implement yet"):
+        sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 1.1})
+    with pytest.raises(ConfigError, match="top_p must be in"):
+        sd.generation_defaults(str(tmp_path), override='{"top_p": 0}')
+    with pytest.raises(ConfigError, match="no generation_config.json there"):
+        sd.generation_defaults(TOY, str(tmp_path / "nowhere"))
+    p = srvmod.sampling_params({}, None, None, 1024, d)  # a request that leaves them unset
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 7)
+    p = srvmod.sampling_params({"temperature": 0, "top_p": 1, "max_tokens": 50}, 50, None, 1024, d)
+    assert (p.temperature, p.top_p, p.max_tokens) == (0, 1, 7)  # max_new_tokens caps (vLLM)
+
+
+def test_speculative_config_infers_as_vllm(tmp_path, tiny):
+    """The method from a draft model's name or architecture, mtp from a Qwen3.5/3.6 model_type (here: the
+    target itself), num_speculative_tokens from n_predict; "auto" accepted where vLLM means the default."""
+    def draft(name, **cfg):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+    spec = lambda **kw: sd.SpeculativeConfig.from_json(kw, target=tiny)  # noqa: E731
+    assert spec(model=draft("my-dflash-b16", model_type="qwen3"), num_speculative_tokens=15).method == "dflash"
+    assert spec(model=draft("d1", model_type="qwen3", architectures=["Qwen3DSparkModel"], n_predict=7)).method \
+        == "dspark"
+    assert spec(model=str(tmp_path / "d1")).num_speculative_tokens == 7
+    with pytest.raises(ConfigError, match="num_speculative_tokens:9 must be divisible by n_predict=7"):
+        spec(model=str(tmp_path / "d1"), num_speculative_tokens=9)
+    with pytest.raises(ConfigError, match="'eagle3' is a vLLM method"):
+        spec(model=draft("Qwen3-8B_eagle3", model_type="llama"), num_speculative_tokens=3)
+    c = spec(model=tiny)  # the target's own checkpoint: its MTP layer, k = mtp_num_hidden_layers
+    assert (c.method, c.model, c.num_speculative_tokens) == ("mtp", None, 1)
+    with pytest.raises(ConfigError, match="specdec's mtp drafts with the target's own MTP head"):
+        spec(model=draft("other", model_type="qwen3_5", text_config={"mtp_num_hidden_layers": 1}))
+    assert spec(model=str(tmp_path / "other"), method="draft_model", num_speculative_tokens=2).method == \
+        "draft_model"  # an explicit method is kept
+    c = spec(method="mtp", num_speculative_tokens=2, kv_cache_dtype="auto", attention_backend="auto",
+             moe_backend="auto")
+    assert c.method == "mtp"
+    with pytest.raises(ConfigError, match="'kv_cache_dtype' is a vLLM option .*only None or 'auto'"):
+        spec(method="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8")
+
+
+def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
+    """Underscores as dashes, human-readable ints, the positional model; the flags of other issues parse and
+    refuse in one line; the help says that no remote code runs."""
+    assert sd.vllm_argv(["--max_model_len=2k", "--speculative_config", '{"a_b": 1}', "models/x_y"]) == \
+        ["--max-model-len=2k", "--speculative-config", '{"a_b": 1}', "models/x_y"]
+    assert [sd.human_int(v) for v in ("4096", "32k", "32K", "1.5k", "1M")] == [4096, 32000, 32768, 1500, 1048576]
+    assert sd.max_len_arg("auto") == sd.max_len_arg("-1") == "auto"
+    with pytest.raises(SystemExit):
+        srvmod.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--served-model-name", "--gpu-memory-utilization", "--reasoning-parser", "--tool-call-parser",
+                 "--enable-auto-tool-choice", "--chat-template", "--default-chat-template-kwargs",
+                 "--generation-config", "--override-generation-config", "--enable-log-requests",
+                 "--tensor-parallel-size", "--quantization", "--trust-remote-code", "MODEL"):
+        assert flag in help_text
+    assert "never runs code from a checkpoint" in help_text
+    with pytest.raises(SystemExit):  # argparse's usage line and its error
+        srvmod.main([tiny, "--max-model-len", "lots"])
+    assert "argument --max-model-len: invalid integer 'lots' (e.g. 4096, 32k, 32K)" in capsys.readouterr().err
+    for args, msg in [(["-tp", "8"], "tensor_parallel_size=8 (--tensor-parallel-size): tensor parallelism is not "
+                                     "supported yet"),
+                      (["--quantization", "fp8"], "quantization='fp8' (--quantization) is not supported yet"),
+                      (["--reasoning_parser", "deepseek_r1"], "--reasoning-parser 'deepseek_r1' is not supported"),
+                      (["--tool-call-parser", "llama3_json"], "--tool-call-parser 'llama3_json' is not supported"),
+                      (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+                      (["--default-chat-template-kwargs", "{no"], "--default-chat-template-kwargs is not valid JSON"),
+                      (["--default-chat-template-kwargs", '{"tools": []}'], "may not set tools"),
+                      (["--max-model-len", "0"], "max_model_len must be a positive integer"),
+                      (["--chat-template", "/no/such.jinja"], "no such file"),
+                      (["--generation-config", "/nowhere"], "no generation_config.json there"),
+                      (["--override-generation-config", '{"repetition_penalty": 1.2}'], "does not implement yet")]:
+        assert msg in one_line_error([tiny, "--device", "cpu", *args])
+
+
+def one_line_error(argv):
+    """server.main(argv) in this process: it must fail with exactly one line on stderr (returned)."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert srvmod.main([*argv, "--port", "1"]) == 1
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err.getvalue(), lines
+    return lines[0]
+
+
+# ==============================================================================================
+# Qwen3.6 recipes through the server (issue 23): the recipe's command line, scripted answers
+# ==============================================================================================
+
+# A model that answers as scripted: a prompt holding a key gets that answer's tokens (then <|im_end|>), three
+# tokens a step with the MTP config below (so a tag may arrive in the middle of a step); other prompts, the model's
+SCRIPT = """
+import weakref, specdec
+ANSWERS = %r
+TOK, STATE = [], weakref.WeakKeyDictionary()
+init, prefill, read = specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.read
+
+def _init(self, model, tokenizer, *a, **kw):
+    TOK.append(tokenizer)
+    init(self, model, tokenizer, *a, **kw)
+
+def take(req, n):
+    if req not in STATE:
+        prompt = TOK[0].decode(req.prompt_ids)
+        key = next((k for k in ANSWERS if k in prompt), None)
+        STATE[req] = [None if key is None else TOK[0].encode(ANSWERS[key]) + [TOK[0].eos_token_id], 0]
+    ids, i = STATE[req]
+    if ids is None:
+        return None
+    STATE[req][1] = i + n
+    return (ids[i:] + ids[-1:] * n)[:n]
+
+def _prefill(self, req, *piece):
+    out = prefill(self, req, *piece)  # None until the prompt's last piece (chunked prefill)
+    return out and ((take(req, 1) or [out[0]])[0], out[1])
+
+def _read(p):
+    rows = []
+    for req, row in zip(p.reqs, read(p)):
+        k = len(row) - 3  # a speculative step's row: k + 1 tokens, then accepted and drafted counts
+        toks = take(req, k + 1)
+        rows.append(row if toks is None else toks + [k, k])
+    return rows
+
+specdec.Engine.__init__, specdec.ModelRunner.prefill = _init, _prefill
+specdec.ModelRunner.read = staticmethod(_read)
+"""
+ANSWERS = {
+    "CASE-TOOLS": QWEN_ANSWER,
+    "CASE-TEXT": "Some thinking\n</think>\n\nThe answer is 42.",
+    "CASE-FORCED": "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+    "CASE-REQUIRED": "run_code>\n<parameter=code>\nx = 1\n</parameter>\n</function>\n</tool_call>",
+    "CASE-BROKEN": "x</think>\n\n<tool_call>\n<function=bad name>\n</function></tool_call>",
+}
+MTP2 = '{"method":"mtp","num_speculative_tokens":2}'
+
+
+@pytest.fixture(scope="module")
+def srv_scripted(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--reasoning-parser", "qwen3",
+               "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--speculative-config", MTP2,
+               "--served-model-name", "tiny", "qwen", "--default-chat-template-kwargs", '{"preserve_thinking": true}',
+               "--enable-log-requests", prelude=SCRIPT % (ANSWERS,))
+    yield s
+    s.stop()
+
+
+def chat_both_ways(client, **kw):
+    """A chat answered whole and streamed: (the whole message, its finish_reason, the streamed chunks summed)."""
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    got = {"reasoning": "", "content": "", "calls": [], "finish": [], "ids": {c.id for c in chunks}}
+    for c in chunks[:-1]:
+        d = c.choices[0].delta
+        got["reasoning"] += getattr(d, "reasoning_content", None) or ""
+        got["content"] += d.content or ""
+        for t in d.tool_calls or []:
+            if t.index == len(got["calls"]):
+                got["calls"].append([t.function.name, ""])
+            got["calls"][t.index][1] += t.function.arguments or ""
+        got["finish"].append(c.choices[0].finish_reason)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0 and len(got["ids"]) == 1
+    assert [f for f in got["finish"] if f] == [whole.finish_reason]
+    return whole.message, whole.finish_reason, got
+
+
+def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
+    """--reasoning-parser qwen3 --tool-call-parser qwen3_coder, with three tokens a step: whole and streamed
+    (name first, then the arguments), tool history, tool messages and the developer role in the request."""
+    import openai
+    client = openai.OpenAI(base_url=srv_scripted.url + "/v1", api_key="unused")
+    history = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather? CASE-TOOLS"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c0", "content": "cold"}, {"role": "user", "content": "CASE-TOOLS"}]
+    msg, finish, got = chat_both_ways(client, model="qwen", messages=history, tools=TOOLS, max_tokens=1000)
+    want = [(c[0], c[1]) for c in PARSER_CASES[0][5]]
+    assert finish == "tool_calls" and [(c.function.name, c.function.arguments) for c in msg.tool_calls] == want
+    assert msg.reasoning_content == msg.reasoning == PARSER_CASES[0][3] and msg.content == "\n\nI will check.\n\n"
+    assert (got["reasoning"], got["content"], [tuple(c) for c in got["calls"]]) == \
+        (msg.reasoning_content, msg.content, want)
+    text = [{"role": "user", "content": "CASE-TEXT"}]
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=text, max_tokens=100)
+    assert (msg.reasoning_content, msg.content, finish) == ("Some thinking\n", "\n\nThe answer is 42.", "stop")
+    assert (got["reasoning"], got["content"]) == ("Some thinking\n", "\n\nThe answer is 42.")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg, _, got = chat_both_ways(client, model="tiny", messages=text, max_tokens=100, extra_body=off)
+    assert msg.reasoning_content is None and msg.content == got["content"] == ANSWERS["CASE-TEXT"]
+    msg, finish, _ = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-BROKEN"}],
+                                    tools=TOOLS, max_tokens=100)
+    assert not msg.tool_calls and finish == "stop" and "<function=bad name>" in msg.content
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-FORCED"}],
+                                      tools=TOOLS, max_tokens=100,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Rome"}')]
+    assert got["calls"] == [["get_weather", '{"city": "Rome"}']] and finish == "stop"  # vLLM: named calls "stop"
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-REQUIRED"}],
+                                      tools=TOOLS, max_tokens=100, tool_choice="required")
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("run_code", '{"code": "x = 1"}')]
+    assert got["calls"] == [["run_code", '{"code": "x = 1"}']] and finish == "tool_calls" and not msg.content
+    assert [m.id for m in client.models.list().data] == ["tiny", "qwen"]  # every --served-model-name
+    n_prompt = lambda **kw: srv_scripted.post("/tokenize", {"model": "tiny", "messages": text, **kw})[1]["count"]
+    assert n_prompt(tools=TOOLS) > n_prompt() > 0
+    log = open(srv_scripted.log).read()  # --enable-log-requests; --default-chat-template-kwargs preserve_thinking
+    assert "Received request chatcmpl-" in log and "assistant\\n<think>\\n\\n</think>\\n\\n<tool_call>" in log
+    assert "reasoning parser: qwen3; tool-call parser: qwen3_coder (auto tool choice)" in log
+
+
+def test_tool_request_errors(srv, srv_scripted):
+    """vLLM's refusals, as 400s that name the field."""
+    body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 2}
+    for server, fields, param, fragment in [
+            (srv, {}, "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
+            (srv, {"tool_choice": "required"}, "tool_choice", "needs --tool-call-parser"),
+            (srv_scripted, {"tools": None, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+            (srv_scripted, {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+             "does not match any of the specified `tools`"),
+            (srv_scripted, {"tool_choice": "sometimes"}, "tool_choice", "Invalid value for `tool_choice`"),
+            (srv_scripted, {"tools": [{"type": "function"}]}, "tools", "'tools' must be a list"),
+            (srv_scripted, {"messages": [{"role": "robot", "content": "x"}]}, "messages", "'role' must be one of"),
+            (srv_scripted, {"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+                {"function": {"name": "f", "arguments": "{not json"}}]}, *CHAT]}, "messages", "not valid JSON"),
+            (srv_scripted, {"chat_template": "{{ 1 }}"}, "chat_template", "untrusted chat template")]:
+        status, r = server.post("/v1/chat/completions", {**body, **fields})
+        check_error(status, r, 400, param, fragment)
+    assert srv.post("/v1/chat/completions", {**body, "tool_choice": "none"})[0] == 200
+
+
+def test_the_recipe_command_line(tmp_path):
+    """The acceptance recipe, as typed: `python server.py models/toy --served-model-name toy --max-model-len 2048
+    --gpu-memory-utilization 0.9 --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser qwen3_coder
+    --speculative-config ...`; the official client's tool and streaming calls come back well formed; the
+    endpoints scripts use; vLLM's metrics and its periodic SpecDecoding line."""
+    import openai
+    cmd = ["models/toy", "--served-model-name", "toy", "--max-model-len", "2048", "--gpu-memory-utilization", "0.9",
+           "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+           "--speculative-config", MTP2]
+    s = Server(None, str(tmp_path), command=cmd, env={"VLLM_LOG_STATS_INTERVAL": "0.2"})
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+        kw = dict(model="toy", messages=[{"role": "user", "content": "def fib(n):"}], tools=TOOLS, temperature=0,
+                  max_completion_tokens=24)
+        before = s.metrics()
+        r = client.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert r.object == "chat.completion" and c.message.role == "assistant" and r.usage.completion_tokens <= 24
+        assert c.finish_reason in ("stop", "length", "tool_calls") and isinstance(c.message.tool_calls, list)
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens > 0
+        summed = "".join((getattr(ch.choices[0].delta, "reasoning_content", None) or "") +
+                         (ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
+        assert summed == (c.message.reasoning_content or "") + (c.message.content or "")
+        after = wait_idle(s)
+        d = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
+        for name in ("request_queue_time", "request_prefill_time", "request_decode_time", "request_inference_time"):
+            assert d(f"vllm:{name}_seconds_count") == 2 and metric(after, f"vllm:{name}_seconds_bucket", le="7680.0")
+        assert metric(after, "vllm:kv_cache_usage_perc") == 0  # idle: no slot in use
+        assert json.loads(s.request("GET", "/version")[2])["version"]
+        assert s.request("GET", "/ping")[0] == s.request("POST", "/ping")[0] == 200
+        ids = s.post("/tokenize", {"model": "toy", "prompt": "def fib(n):", "return_token_strs": True})[1]
+        assert ids["count"] == len(ids["tokens"]) == len(ids["token_strs"]) > 0 and ids["max_model_len"] == 2048
+        assert s.post("/detokenize", {"model": "toy", "tokens": ids["tokens"]})[1] == {"prompt": "def fib(n):"}
+        check_error(*s.post("/detokenize", {"tokens": [10 ** 9]}), 400, "tokens", "out of range")
+        time.sleep(0.5)
+    finally:
+        s.stop()
+    log = open(s.log).read()
+    assert "max_model_len 2048 (--max-model-len)" in log and "of system memory available" in log
+    assert re.search(r"SpecDecoding metrics: Mean acceptance length: [\d.]+, Accepted throughput: [\d.]+ tokens/s, "
+                     r"Drafted throughput: [\d.]+ tokens/s, Accepted: \d+ tokens, Drafted: \d+ tokens, Per-position "
+                     r"acceptance rate: [\d.]+, [\d.]+, Avg Draft acceptance rate: [\d.]+%", log), log
+
 
 if __name__ == "__main__":
     import argparse

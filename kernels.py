@@ -925,7 +925,10 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     step - kernels.exact); the state updated in place; the key heads broadcast over their value heads instead
     of repeated; the row products S^T k and S^T q as one batched matmul per token, each (1, d_k) @ (d_k, d_v)
     product its own batch entry (as the reference's einsum), so a row's bits do not depend on B or T; a
-    verify (n_keep all 0) writes no state, a commit stops after max(n_keep) tokens."""
+    verify (n_keep all 0) writes no state but keeps its state after each token on the pool (64 KiB per layer
+    and token on the toy model), and the commit after it copies from there instead of replaying (the replay
+    the GPU kernel does costs a second pass of T tokens); any other commit stops after max(n_keep)
+    tokens."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     G = Hv // Hk                                                 # value heads per key head
@@ -933,6 +936,16 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     steps = T if keep is None or outputs else max(keep)
     if steps == 0:
         return None
+    snap = getattr(state_pool, "_specdec_verify", None)
+    if not outputs and snap is not None and snap[0] is q and torch.equal(snap[1], slots):
+        # the commit after this layer's verify: its states after each token were kept (the same arithmetic
+        # the replay would do, so the same bits); a copy instead of a second pass over the tokens
+        for i, n in enumerate(keep):
+            if n:
+                state_pool[slots[i]] = snap[2][n - 1][i].view(Hv, Dk, Dv).to(state_pool.dtype)
+        state_pool._specdec_verify = None
+        return None
+    verify = outputs and keep is not None and not any(keep)
     decay = torch.exp(-torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())).float()
     beta = torch.sigmoid(b.double()).float()                     # [B, T, H_v]
     qf, kf = q.float().contiguous(), k.float().contiguous()      # [B, T, H_k, d_k]
@@ -944,18 +957,22 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     decay, beta = decay.view(B, T, Hk, G, 1, 1), beta.view(B, T, Hk, G, 1, 1)
     S = state_pool[slots].float().view(B, Hk, G, Dk, Dv)        # a copy: the pool is written back below
     out = torch.empty(B, T, Hk, G, 1, Dv) if outputs else None
+    snaps = []  # a verify's state after each token, for the commit that follows it
     for t in range(steps):
         S.mul_(decay[:, t])
         delta = beta[:, t] * (vf[:, t] - torch.matmul(kf[:, t], S))      # [B, H_k, G, 1, d_v]
         S.add_(kcol[:, t] * delta)                                       # S + k delta^T
         if outputs:
             out[:, t] = torch.matmul(qf[:, t], S)                        # S^T q
+        if verify:
+            snaps.append(S.clone())
         if keep is not None:
             done = [i for i, n in enumerate(keep) if n == t + 1]
             if done:
                 state_pool[slots[done]] = S[done].view(len(done), Hv, Dk, Dv).to(state_pool.dtype)
     if keep is None:
         state_pool[slots] = S.view(B, Hv, Dk, Dv).to(state_pool.dtype)
+    state_pool._specdec_verify = (q, slots.clone(), snaps) if verify else None
     return out.view(B, T, Hv, Dv).to(v.dtype) if outputs else None
 
 

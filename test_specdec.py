@@ -3834,6 +3834,11 @@ def test_cpu_gdn_and_conv_fast_equal_reference():
             assert K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p3, slots, n_keep, False) is None
             assert torch.equal(p3, p1)
             assert torch.equal(p1[slots[n_keep == 0]], pool[slots[n_keep == 0]])
+    p1, p2, zeros, keep = pool.clone(), pool.clone(), torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, zeros, True)       # a verify, then its commit:
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, keep, False)       # from the verify's states
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p2, slots, keep, False)       # replayed
+    assert torch.equal(p1, p2) and p1._specdec_verify is None
     outs = {}
     for name, rows, t in (("alone", [1], 1), ("verify", [1], T), ("batch", [0, 1, 2], 1)):
         p = pool.clone()

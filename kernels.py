@@ -96,6 +96,24 @@ def _sm_count(device):
     return _SM_COUNT[device]
 
 
+def _derived(w, name, fn):
+    """fn(w) for a weight, made once and kept on the tensor (remade if w is written in place): the CPU fast
+    path's transposed / shifted weights."""
+    key = "_specdec_" + name
+    cached = getattr(w, key, None)
+    if cached is None or cached[0] != w._version:
+        cached = (w._version, fn(w.detach()))
+        setattr(w, key, cached)
+    return cached[1]
+
+
+CPU_FAST = True  # the CPU fast paths (False: the references, as the tests' oracles run them)
+
+
+def _cpu_fast(x):
+    return CPU_FAST and not x.is_cuda
+
+
 # ----------------------------------------------------------------------------------------------
 # RMSNorm variants
 # ----------------------------------------------------------------------------------------------
@@ -180,12 +198,22 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     return y, h
 
 
+def _rms_norm_cpu(x, weight, eps):
+    """The CPU fast path of rms_norm: torch's fused F.rms_norm, one op where the reference takes ten. Its rows
+    do not depend on the other rows (measured on this CI class's CPU: rows 1..199 of D = 64 and 256 equal
+    the rows alone; test_cpu_norms_fast); within 1.5e-6 of the reference."""
+    w = _derived(weight, "1+w", lambda w: 1.0 + w.float())
+    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+
+
 def rms_norm(x, weight, eps):
     """Zero-centred RMSNorm (Qwen3.5): y = x_f32 * rsqrt(mean(x^2) + eps) * (1 + w_f32), cast back.
     x [..., D] (any strides with a unit last stride, e.g. the query half of q_proj's output), weight [D].
     Returns a new contiguous [..., D] tensor in x's dtype."""
     if _fast(x):
         return _norm_launch(x, weight, eps)[0]
+    if _cpu_fast(x):
+        return _rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -202,6 +230,9 @@ def add_rms_norm(x, residual, weight, eps):
     (rms_norm(h, weight, eps), h). x, residual [..., D] of one dtype; weight [D]."""
     if _fast(x):
         return _norm_launch(x, weight, eps, residual=residual)
+    if _cpu_fast(x):
+        h = x + residual
+        return _rms_norm_cpu(h, weight, eps), h
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -210,6 +241,10 @@ def gated_rms_norm(x, z, weight, eps):
     x, z [..., d_v], weight [d_v]. Returns [..., d_v] in x's dtype."""
     if _fast(x):
         return _norm_launch(x, weight, eps, z=z)[0]
+    if _cpu_fast(x):  # (x contiguous first: as the reference says, torch sums a transposed view's rows in
+        # an order set by T)
+        y = F.rms_norm(x.float().contiguous(), (x.shape[-1],), None, eps).to(x.dtype)
+        return (weight * y * exact(F.silu, z.float())).to(x.dtype)
     return gated_rms_norm_ref(x, z, weight, eps)
 
 
@@ -436,7 +471,8 @@ def linear(x, w, residual=None):
     cuBLAS except steps of at most 32 rows on the weight shapes where the Triton GEMV is faster
     (_gemv_config). The CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's
     result does not depend on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1):
-    spec-on logprobs then equal spec-off's."""
+    spec-on logprobs then equal spec-off's. The CPU fast path (CPU_FAST) gets the same property without a
+    Python loop per row: see _linear_cpu."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
             and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -446,10 +482,33 @@ def linear(x, w, residual=None):
             return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
+    elif _cpu_fast(x) and w.dim() == 2:
+        y = _linear_cpu(x, w)
     else:
         rows = x.reshape(-1, x.shape[-1])
         y = torch.stack([F.linear(r, w) for r in rows]).view(*x.shape[:-1], w.shape[0])
     return y if residual is None else residual + y
+
+
+def _transposed(w):
+    """w^T [in, out] contiguous, made once per weight (_derived)."""
+    return _derived(w, "t", lambda w: w.t().contiguous())
+
+
+def _linear_cpu(x, w):
+    """x @ w^T for a small CPU step (<= 256 rows): every row through the same (1, in) @ (in, out) product,
+    all rows in one batched call, bmm(x [M, 1, in], w^T expanded to [M, in, out]). Each batch entry is its own
+    product, so a row's bits depend neither on the other rows nor on M (measured on this CI class's CPU, AMD
+    EPYC / AVX2, MKL 2024.2, 1 and 2 threads: the rows of M = 1..63 equal the rows alone at every toy weight
+    shape; test_cpu_linear_row_invariant pins it). F.linear's own GEMM does not: MKL rounds M = 1 (GEMV),
+    2-3 and >= 4 rows differently, hence the reference's loop. With w^T contiguous a row is an axpy over the
+    inputs that streams w^T once, 2-2.5x faster than the GEMV over w's rows (lm_head 8256 x 256: 212 vs 525
+    us); a batched 4-row GEMM would read the weights once but MKL's small-M packing makes it slower still
+    (lm_head, 4 rows: 2099 us vs 800 for four such rows)."""
+    rows = x.reshape(-1, x.shape[-1])
+    M, (N, Kin) = rows.shape[0], w.shape
+    y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
+    return y.view(*x.shape[:-1], N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,6 +693,8 @@ def causal_conv(x, conv_pool, slots, weight, n_keep=None):
     """
     if _fast(x):
         return _causal_conv_launch(x, conv_pool, slots, weight, n_keep)
+    if _cpu_fast(x):
+        return _causal_conv_cpu(x, conv_pool, slots, weight, n_keep)
     return causal_conv_ref(x, conv_pool, slots, weight, n_keep)
 
 
@@ -857,6 +918,81 @@ def gdn_gates(a, b, A_log, dt_bias):
     return -exact(torch.exp, A_log.float()) * exact(F.softplus, a.float() + dt_bias), exact(torch.sigmoid, b)
 
 
+def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep, outputs):
+    """The CPU fast path of gdn_recurrent_gated: the reference's arithmetic in fewer ops. The gates in one
+    float64 pass rounded once (exp, softplus, sigmoid: CPU SIMD rounds a float32 element differently in a
+    vector lane and in the scalar tail, so float32 transcendentals would depend on how many tokens share the
+    step - kernels.exact); the state updated in place; the key heads broadcast over their value heads instead
+    of repeated; the row products S^T k and S^T q as one batched matmul per token, each (1, d_k) @ (d_k, d_v)
+    product its own batch entry (as the reference's einsum), so a row's bits do not depend on B or T; a
+    verify (n_keep all 0) writes no state but keeps its state after each token on the pool (64 KiB per layer
+    and token on the toy model), and the commit after it copies from there instead of replaying (the replay
+    the GPU kernel does costs a second pass of T tokens); any other commit stops after max(n_keep)
+    tokens."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    G = Hv // Hk                                                 # value heads per key head
+    keep = None if n_keep is None else n_keep.tolist()
+    steps = T if keep is None or outputs else max(keep)
+    if steps == 0:
+        return None
+    snap = getattr(state_pool, "_specdec_verify", None)
+    if not outputs and snap is not None and snap[0] is q and torch.equal(snap[1], slots):
+        # the commit after this layer's verify: its states after each token were kept (the same arithmetic
+        # the replay would do, so the same bits); a copy instead of a second pass over the tokens
+        for i, n in enumerate(keep):
+            if n:
+                state_pool[slots[i]] = snap[2][n - 1][i].view(Hv, Dk, Dv).to(state_pool.dtype)
+        state_pool._specdec_verify = None
+        return None
+    verify = outputs and keep is not None and not any(keep)
+    decay = torch.exp(-torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())).float()
+    beta = torch.sigmoid(b.double()).float()                     # [B, T, H_v]
+    qf, kf = q.float().contiguous(), k.float().contiguous()      # [B, T, H_k, d_k]
+    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True).double() + 1e-6).float() * Dk ** -0.5
+    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True).double() + 1e-6).float()
+    qf, kf = qf.view(B, T, Hk, 1, 1, Dk), kf.view(B, T, Hk, 1, 1, Dk)
+    kcol = kf.transpose(-1, -2)                                  # [B, T, H_k, 1, d_k, 1]
+    vf = v.float().view(B, T, Hk, G, 1, Dv)
+    decay, beta = decay.view(B, T, Hk, G, 1, 1), beta.view(B, T, Hk, G, 1, 1)
+    S = state_pool[slots].float().view(B, Hk, G, Dk, Dv)        # a copy: the pool is written back below
+    out = torch.empty(B, T, Hk, G, 1, Dv) if outputs else None
+    snaps = []  # a verify's state after each token, for the commit that follows it
+    for t in range(steps):
+        S.mul_(decay[:, t])
+        delta = beta[:, t] * (vf[:, t] - torch.matmul(kf[:, t], S))      # [B, H_k, G, 1, d_v]
+        S.add_(kcol[:, t] * delta)                                       # S + k delta^T
+        if outputs:
+            out[:, t] = torch.matmul(qf[:, t], S)                        # S^T q
+        if verify:
+            snaps.append(S.clone())
+        if keep is not None:
+            done = [i for i, n in enumerate(keep) if n == t + 1]
+            if done:
+                state_pool[slots[done]] = S[done].view(len(done), Hv, Dk, Dv).to(state_pool.dtype)
+    if keep is None:
+        state_pool[slots] = S.view(B, Hv, Dk, Dv).to(state_pool.dtype)
+    state_pool._specdec_verify = (q, slots.clone(), snaps) if verify else None
+    return out.view(B, T, Hv, Dv).to(v.dtype) if outputs else None
+
+
+def _causal_conv_cpu(x, conv_pool, slots, weight, n_keep):
+    """The CPU fast path of causal_conv: the reference's taps, summed in the same order, and the window
+    moved from the same [window, x] sequence (a verify, n_keep all 0, leaves it)."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    seq = torch.cat([conv_pool[slots], x.transpose(1, 2).to(conv_pool.dtype)], dim=2)  # [B, C, K-1+T]
+    w = weight.to(seq.dtype)
+    y = seq[:, :, 0:T] * w[:, 0, None]
+    for j in range(1, K):
+        y += seq[:, :, j:j + T] * w[:, j, None]                 # [B, C, T]
+    if n_keep is None:
+        conv_pool[slots] = seq[:, :, T:]
+    elif bool(n_keep.any()):
+        conv_window_ref(x, conv_pool, slots, n_keep)
+    return F.silu(y.transpose(1, 2).double()).to(x.dtype)
+
+
 def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None, outputs=True,
                         conv=None):
     """gdn_recurrent(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep) in one launch:
@@ -872,6 +1008,8 @@ def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep
     if conv is not None:
         assert not outputs, "conv: the commit's window only"
         conv_window_ref(*conv, slots, n_keep)
+    if _cpu_fast(q):
+        return _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep, outputs)
     o = gdn_recurrent_ref(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep)
     return o if outputs else None
 
@@ -894,9 +1032,11 @@ def rope_ref(x, pos, T, inv_freq):
 
 
 def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos,
-                       plain=False):
+                       plain=False, fast_norm=False):
     B, T, _, hd = k.shape
     norm = plain_rms_norm_ref if plain else rms_norm_ref
+    if fast_norm:  # the CPU fast path: the fused norm (_rms_norm_cpu), the same RoPE and cache writes
+        norm = lambda x, w, eps: _rms_norm_cpu(x.contiguous(), w, eps)  # noqa: E731
     q = rope_ref(norm(qg[..., :hd], q_norm_w, eps), pos, T, inv_freq)
     k = rope_ref(norm(k, k_norm_w, eps), pos, T, inv_freq)
     at = pos[:, None] + torch.arange(T, device=k.device)[None]                   # [B, T] positions
@@ -969,7 +1109,7 @@ def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache
     plain: Qwen3's q/k norms (plain weights, the drafters' layers); nh may be 0 (a cache write only)."""
     if not _fast(qg) or (plain and not q_norm_w.dtype == k_norm_w.dtype == qg.dtype):
         return attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos,
-                                  plain)
+                                  plain, fast_norm=_cpu_fast(qg) and not plain)
     B, T, nh, _ = qg.shape
     nkv, hd = k.shape[2:]
     assert v.shape == k.shape and k_cache.shape[2:] == (nkv, hd) and v_cache.shape == k_cache.shape
@@ -991,6 +1131,25 @@ def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache
 # ----------------------------------------------------------------------------------------------
 # Attention over the position-indexed KV cache (prefill, decode and verify)
 # ----------------------------------------------------------------------------------------------
+
+def _attention_cpu(q, k_cache, v_cache, slots, pos):
+    """The CPU fast path of attention for steps of T <= 32 tokens per row: as the reference, each query alone
+    over exactly its own p + t + 1 keys (so its bits do not depend on T or B), in five ops instead of
+    fifteen: the query heads of a KV head as the rows of one product with that head's keys (no repeated
+    K / V copies), no mask (the slice is the visible keys)."""
+    B, T, nh, d = q.shape
+    nkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    qf = q.float().reshape(B, T, nkv, nh // nkv, d)
+    for b, (s, p) in enumerate(zip(slots.tolist(), pos.tolist())):
+        kb = k_cache[s, :p + T].float().permute(1, 2, 0)                   # [n_kv, d, L] (strides fixed)
+        vb = v_cache[s, :p + T].float().transpose(0, 1)                    # [n_kv, L, d]
+        for t in range(T):
+            L = p + t + 1
+            scores = torch.matmul(qf[b, t], kb[..., :L]) * d ** -0.5       # [n_kv, rep, L]
+            out[b, t] = torch.matmul(scores.softmax(-1), vb[:, :L]).view(nh, d)
+    return out
+
 
 def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     B, T, nh, d = q.shape
@@ -1154,6 +1313,8 @@ def attention(q, k_cache, v_cache, slots, pos, kv_len):
     """
     if _fast(q):
         return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len)
+    if _cpu_fast(q) and q.shape[1] <= 32:
+        return _attention_cpu(q, k_cache, v_cache, slots, pos)
     return attention_ref(q, k_cache, v_cache, slots, pos, kv_len)
 
 

@@ -5383,3 +5383,103 @@ if __name__ == "__main__":
     ap.add_argument("--moe", action="store_true")
     a = ap.parse_args()
     print(write_tiny_checkpoint(a.dir, moe=a.moe))
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU fast path (kernels.CPU_FAST): what runs on a CPU, against the references it replaces
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
+                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512)])
+def test_cpu_linear_row_invariant(N, Kin):
+    """The CPU linear (one batched call, every row its own (1, in) @ (in, out) product): a row alone == the
+    row in steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones; F.linear's
+    GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32."""
+    g = torch.Generator().manual_seed(N + Kin)
+    w, x = torch.randn(N, Kin, generator=g), torch.randn(48, Kin, generator=g)
+    alone = torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)])
+    for M in (2, 3, 4, 5, 8, 13, 16, 40):
+        for s in (0, 3, 8 - (M % 8)):
+            assert torch.equal(K._linear_cpu(x[s:s + M], w), alone[s:s + M]), (M, s)
+    assert torch.equal(K._linear_cpu(x[:6].view(2, 3, Kin), w).view(6, N), alone[:6])     # [B, T, in]
+    assert torch.allclose(alone, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    w2 = w.clone()
+    K._linear_cpu(x[:1], w2)
+    w2.mul_(2)                                                                    # written in place: a fresh w^T
+    assert torch.equal(K._linear_cpu(x[:1], w2), K._linear_cpu(x[:1], w2.clone()))
+
+
+def test_cpu_gdn_and_conv_fast_equal_reference():
+    """The CPU fast GDN recurrence and causal conv against the references (fp32: outputs within 1e-5, states
+    within 1e-5, conv windows exact), and batch / T invariance bit for bit: a token alone (T = 1, B = 1) ==
+    token 0 of a T = 4 verify == its row in a batch of 3; a verify (n_keep 0) writes nothing; a commit
+    (outputs=False) leaves the states the full step would."""
+    g = torch.Generator().manual_seed(5)
+    B, T, Hk, Hv, dk, dv, S, C, W = 3, 4, 2, 4, 16, 12, 5, 40, 3
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale
+    y = r(B, T, 2 * Hk * dk + Hv * dv)
+    q, k, v = (t.reshape(B, T, h, -1) for t, h in zip(y.split([Hk * dk, Hk * dk, Hv * dv], -1), (Hk, Hk, Hv)))
+    a, b = r(B, T, Hv, scale=4), r(B, T, Hv, scale=2)
+    A_log, dt_bias = r(Hv, scale=0.5), r(Hv)
+    pool, slots = r(S, Hv, dk, dv, scale=0.3), torch.tensor([3, 1, 4])
+    for n_keep in (None, torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])):
+        p1, p2 = pool.clone(), pool.clone()
+        o = K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, n_keep, True)
+        o_ref = K.gdn_recurrent_ref(q, k, v, *K.gdn_gates(a, b, A_log, dt_bias), p2, slots, n_keep)
+        assert rel(o, o_ref) <= 1e-5 and rel(p1, p2) <= 1e-5, n_keep
+        if n_keep is not None:
+            p3 = pool.clone()
+            assert K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p3, slots, n_keep, False) is None
+            assert torch.equal(p3, p1)
+            assert torch.equal(p1[slots[n_keep == 0]], pool[slots[n_keep == 0]])
+    p1, p2, zeros, keep = pool.clone(), pool.clone(), torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, zeros, True)       # a verify, then its commit:
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, keep, False)       # from the verify's states
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p2, slots, keep, False)       # replayed
+    assert torch.equal(p1, p2) and p1._specdec_verify is None
+    outs = {}
+    for name, rows, t in (("alone", [1], 1), ("verify", [1], T), ("batch", [0, 1, 2], 1)):
+        p = pool.clone()
+        o = K._gdn_recurrent_cpu(q[rows, :t], k[rows, :t], v[rows, :t], a[rows, :t], b[rows, :t], A_log,
+                                 dt_bias, p, slots[rows], torch.zeros(len(rows), dtype=torch.long), True)
+        outs[name] = o[rows.index(1), 0]
+    assert torch.equal(outs["verify"], outs["alone"]) and torch.equal(outs["batch"], outs["alone"])
+    x, wc, cpool = r(B, T, C + 4)[..., 2:2 + C], r(C, W + 1, scale=0.5), r(S, C, W)
+    for n_keep in (None, torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])):
+        c1, c2 = cpool.clone(), cpool.clone()
+        yc = K._causal_conv_cpu(x, c1, slots, wc, n_keep)
+        assert torch.equal(yc, K.causal_conv_ref(x, c2, slots, wc, n_keep)) and torch.equal(c1, c2)
+
+
+def test_cpu_norms_fast():
+    """The CPU fast norms (torch's fused F.rms_norm) against the references (fp32, within 2e-6), and a row's
+    bits whatever the number of rows (1 .. 70)."""
+    g = torch.Generator().manual_seed(3)
+    for D in (64, 256):
+        x, r, z = (torch.randn(70, D, generator=g) * 2 for _ in range(3))
+        w = torch.randn(D, generator=g) * 0.1
+        assert (K.rms_norm(x, w, 1e-6) - K.rms_norm_ref(x, w, 1e-6)).abs().max() <= 2e-6
+        y, h = K.add_rms_norm(x, r, w, 1e-6)
+        y_ref, h_ref = K.add_rms_norm_ref(x, r, w, 1e-6)
+        assert torch.equal(h, h_ref) and (y - y_ref).abs().max() <= 2e-6
+        assert (K.gated_rms_norm(x, z, w, 1e-6) - K.gated_rms_norm_ref(x, z, w, 1e-6)).abs().max() <= 2e-6
+        for fn in (lambda i, j: K.rms_norm(x[i:j], w, 1e-6),
+                   lambda i, j: K.gated_rms_norm(x[i:j], z[i:j], w, 1e-6)):
+            alone = torch.cat([fn(i, i + 1) for i in range(70)])
+            assert all(torch.equal(fn(0, M), alone[:M]) for M in range(2, 71))
+
+
+def test_cpu_attention_fast_equals_reference():
+    """The CPU fast attention (a KV head's query heads as one product's rows, each query over its own keys)
+    against the reference (fp32, within 1e-5), and a query's bits alone == as token 2 of a T = 4 verify ==
+    as a row of a batch of 3."""
+    g = torch.Generator().manual_seed(9)
+    B, T, nh, nkv, d, S, Lc = 3, 4, 4, 2, 16, 5, 40
+    q = torch.randn(B, T, nh, d, generator=g)
+    kc, vc = torch.randn(S, Lc, nkv, d, generator=g), torch.randn(S, Lc, nkv, d, generator=g)
+    slots, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 20])
+    o = K._attention_cpu(q, kc, vc, slots, pos)
+    assert rel(o, K.attention_ref(q, kc, vc, slots, pos, 24)) <= 1e-5
+    alone = K._attention_cpu(q[1:2, 2:3], kc, vc, slots[1:2], pos[1:2] + 2)[0, 0]
+    batch = K._attention_cpu(q[:, 2:3], kc, vc, slots, pos + 2)[1, 0]
+    assert torch.equal(o[1, 2], alone) and torch.equal(batch, alone)

@@ -545,6 +545,54 @@ def mtp_chain_reference(model, ids, k, temp=None, u=None):
     return out, (qs if temp is not None else None)
 
 
+def test_accepted_draft_of_id_0_is_verified_as_0(tiny_spec):
+    """A draft of token id 0 goes into the verify as 0 (only padding, -1, is fed as 0) and counts as drafted: an
+    oracle proposing plain decoding's own continuation, which holds id 0 at a draft position, has every draft
+    accepted; outputs equal plain decoding and num_accepted_tokens == num_draft_tokens. Prompts: single tokens whose
+    greedy bigram walk (bigram_laws) passes through 0."""
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=8)
+    nxt = bigram_laws(plain).argmax(-1)
+    walks = [torch.arange(nxt.shape[0])]
+    for _ in range(10):
+        walks.append(nxt[walks[-1]])
+    walks = torch.stack(walks, 1)
+    starts = [s for s in range(1, nxt.shape[0]) if bool((walks[s, 2:10] == 0).any())][:8]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[s] for s in starts]
+    truth = {p[0]: o.outputs[0].token_ids for p, o in zip(prompts, plain.generate(prompts, sp))}
+    prompts = [p for p in prompts if 0 in truth[p[0]][1:12]]                     # 0 at a draft position
+    assert prompts
+    spec = LLM(model=tiny_spec, device="cpu", max_num_seqs=8,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    oracle = OracleProposer(3, truth, spec.cfg.vocab_size, mistakes=False)
+    drafted, propose = [], oracle.propose
+    oracle.propose = lambda batch: drafted.append(propose(batch)[0]) or (drafted[-1], None)
+    spec.engine.runner.proposer = oracle
+    outs = spec.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [truth[p[0]] for p in prompts]
+    assert any(bool((d == 0).any()) for d in drafted)
+    s = spec.get_metrics()
+    assert s.num_accepted_tokens == s.num_draft_tokens == sum(int((d >= 0).sum()) for d in drafted) > 0
+
+
+def test_spec_step_hands_q_and_taps_on(tiny_spec):
+    """ModelRunner._spec_step hands the proposer's q to the acceptance (probabilistic MTP drafting: the very tensor
+    propose returned) and the verify's taps to the proposer's commit (MTP reads none: an empty list, not None)."""
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config={
+        "method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
+    runner = llm.engine.runner
+    proposed, accepted, committed = [], [], []
+    propose, accept, commit = runner.proposer.propose, runner.accept, runner.proposer.commit
+    runner.proposer.propose = lambda batch: proposed.append(propose(batch)) or proposed[-1]
+    runner.accept = lambda reqs, logits, drafts, q: accepted.append(q) or accept(reqs, logits, drafts, q)
+    runner.proposer.commit = lambda batch, h, taps, *a: committed.append(taps) or commit(batch, h, taps, *a)
+    out = llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=8, seed=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert len(proposed) == len(accepted) == len(committed) > 0
+    assert all(q is p[1] and q is not None for q, p in zip(accepted, proposed))
+    assert all(taps == [] for taps in committed)
+
+
 @pytest.mark.parametrize("ckpt,drafting", [("tiny", "probabilistic"), ("tiny_spec", "probabilistic"),
                                            ("tiny_spec", "greedy")])
 def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):

@@ -26,14 +26,16 @@ GROUPS = {
             "specdec": ["xǁGatedDeltaNetǁforward", "xǁGatedDeltaNetǁcommit", "xǁQwen36ǁcommit",
                         "xǁModelRunnerǁ_commit", "xǁModelRunnerǁ_spec_step"],
             "kernels": ["x_gdn_recurrent_gated", "x_gdn_recurrent_ref", "x_conv_window_ref"]},  # the CPU replay
-        tests="rollback or gdn_recurrent_n_keep or verify_commit_with_oracle or test_greedy_spec_equals_plain "
-              "or (kernel_gdn_recurrent_gated and not gpu) or (kernel_causal_conv and not gpu)"),
+        tests="rollback or gdn_recurrent_n_keep or verify_commit_with_oracle or accepted_draft_of_id_0 "
+              "or hands_q_and_taps or (test_greedy_spec_equals_plain and (mtp2 or ngram3)) "
+              "or fused_projections_equal_separate or (kernel_gdn_recurrent_gated and not gpu)"),
     "stops": dict(                                   # stop handling: emit a step's tokens, stop where plain
         functions={"specdec": ["xǁEngineǁ_emit", "xǁEngineǁ_finish"]},        # decoding stops
         tests="stops_inside or step_returns or verify_commit_with_oracle or (test_greedy_spec_equals_plain and ngram)"),
     "ngram": dict(                                   # prompt lookup
         functions={"specdec": ["x_ngram_lookup", "xǁNgramProposerǁpropose"]},
-        tests="ngram_lookup or ngram_drafts or proposer_without_an_engine or (test_greedy_spec_equals_plain and ngram)"),
+        tests="ngram_lookup or ngram_drafts or proposer_without_an_engine "
+              "or (test_greedy_spec_equals_plain and ngram)"),
     "mtp": dict(                                     # the MTP chain and its commit
         functions={"specdec": ["xǁMTPProposerǁprefill", "xǁMTPProposerǁ_chain", "xǁMTPProposerǁpropose",
                                "xǁMTPProposerǁ_commit", "xǁMTPProposerǁcommit", "x_draft_noise",

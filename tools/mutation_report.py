@@ -2,11 +2,11 @@
 
     python tools/mutation_report.py [WORK_DIR]     (default /tmp/specdec-mutation)
 
-Reads mutmut's results (WORK_DIR/GROUP/mutants/*.meta, for each group that was run) and its mutated sources, shows each survivor as the line it
-changes, and matches survivors against tools/mutation_equivalent.txt: mutants that cannot change what the code
-does (each with its reason), keyed by function and the changed line (before -> after), not by mutmut's numbers,
-which move when the source does. Score = killed / (mutants - equivalent); timeouts count as killed. Ends with one
-JSON line.
+Reads mutmut's results (WORK_DIR/GROUP/mutants/*.meta, for each group that was run) and its mutated sources,
+shows each survivor as the line it changes, and matches survivors against tools/mutation_equivalent.txt: mutants
+that cannot change what the code does (each with its reason), keyed by function and the changed line (before ->
+after), not by mutmut's numbers, which move when the source does. Score = killed / (mutants - equivalent); timeouts
+count as killed. Ends with one JSON line.
 """
 import difflib
 import json
@@ -43,7 +43,8 @@ def change(funcs, prefix, name):
     """The mutant's changed lines as 'before -> after' (stripped, joined)."""
     orig = funcs[prefix + "__mutmut_orig"]
     body = [line.replace(name, prefix + "__mutmut_orig") for line in funcs[name]]
-    diff = [d for d in difflib.unified_diff(orig, body, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]
+    diff = [d for d in difflib.unified_diff(orig, body, lineterm="", n=0)
+            if d[:1] in "+-" and d[:3] not in ("+++", "---")]
     old = " ".join(d[1:].strip() for d in diff if d[0] == "-")
     new = " ".join(d[1:].strip() for d in diff if d[0] == "+")
     return f"{old} -> {new}"
@@ -89,8 +90,10 @@ def main():
             count[status if status in count else "other"] += 1
         real = len(names) - count["equivalent"]
         score = (count["killed"] + count["timeout"]) / real if real else 1.0
-        rows.append(dict(group=group, function=f"{module}.{prefix}", mutants=len(names), **count, score=round(score, 4)))
-    print(f"{'function':<46} {'mutants':>7} {'killed':>6} {'timeout':>7} {'equiv':>5} {'surv':>4} {'other':>5} {'score':>6}")
+        rows.append(dict(group=group, function=f"{module}.{prefix}", mutants=len(names), **count,
+                         score=round(score, 4)))
+    print(f"{'function':<46} {'mutants':>7} {'killed':>6} {'timeout':>7} {'equiv':>5} {'surv':>4} {'other':>5} "
+          f"{'score':>6}")
     for r in rows:
         print(f"{r['function']:<46} {r['mutants']:>7} {r['killed']:>6} {r['timeout']:>7} {r['equivalent']:>5} "
               f"{r['survived']:>4} {r['other']:>5} {100 * r['score']:>5.1f}%")

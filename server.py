@@ -394,7 +394,8 @@ def split_reasoning(text, start, final):
         return "", text
     end = text.find(END_THINK)
     call = text.find(TOOL_CALL)
-    while 0 <= call and (end < 0 or call < end):  # the first of the two ends the thinking (so a stream agrees)
+    # the first of the two ends the thinking (so a stream agrees)
+    while 0 <= call and (end < 0 or call < end):
         after = text[skip_space(text, call + len(TOOL_CALL)):]
         if re.match(r"<function[\s=]", after):
             return text[:call], text[call:]
@@ -541,7 +542,8 @@ class Qwen3CoderParser:
             after = text[skip_space(text, e + len(END_PARAM)):]
             if after.startswith((PARAM, END_FUNC, END_TOOL_CALL)):
                 return e
-            if any(tag.startswith(after) for tag in (PARAM, END_FUNC, END_TOOL_CALL)):  # the end, or half a tag
+            # the end, or half a tag
+            if any(tag.startswith(after) for tag in (PARAM, END_FUNC, END_TOOL_CALL)):
                 return e if final else None
             s = e + len(END_PARAM)
         f = text.find(END_FUNC, v)
@@ -988,8 +990,9 @@ def chat_message(chat, spec):
 
 
 def chat_finish(finish, chat, spec):
-    """vLLM's finish_reason "tool_calls" when tool_choice auto or required called tools (a named function's call
-    stays "stop"; an answer that max_tokens cut off stays "length": its last call may miss parameters)."""
+    """vLLM's finish_reason "tool_calls" when tool_choice auto or required called tools (a named function's
+    call stays "stop"; an answer that max_tokens cut off stays "length": its last call may miss
+    parameters)."""
     called = chat.calls and spec.tool_choice in ("auto", "required")
     return "tool_calls" if finish == "stop" and called else finish
 
@@ -1496,7 +1499,8 @@ def chat_options(a):
         raise ConfigError("--default-chat-template-kwargs must be a JSON object")
     clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
     if clash:
-        raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(clash)} (each request's own)")
+        raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(clash)} "
+                          "(each request's own)")
     return ChatOptions(None, kwargs, a.reasoning_parser, a.tool_call_parser, a.enable_auto_tool_choice)
 
 

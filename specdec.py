@@ -20,7 +20,8 @@ One file, read top to bottom; a banner opens each section:
     Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
                         checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
     Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
-                        local Hugging Face cache (resolve_model); slot memory (size_slots); generation_defaults
+                        local Hugging Face cache (resolve_model); slot memory (size_slots);
+                        generation_defaults
     API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
 
 Each speculative method is one proposer class (PROPOSERS):

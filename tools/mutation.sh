@@ -4,6 +4,11 @@
 #     bash tools/mutation.sh [GROUP ...]            # default: every group; WORK (env) default /tmp/specdec-mutation
 #     python tools/mutation_report.py [WORK]        # per-function scores, survivors, and the ones judged equivalent
 #
+# After adding tests against survivors, run just those again in a copy of their group (a run in place resets the
+# group's other verdicts when mutmut sees new tests): cp -r WORK/GROUP RERUN/GROUP, copy test_specdec.py there, set
+# its setup.cfg's -k to the group's current tests, `cd RERUN/GROUP && mutmut run NAME ...`; then
+# `python tools/mutation_report.py WORK RERUN` takes the rerun's verdicts for those mutants.
+#
 # The groups (tools/mutation_functions.py): verify (rejection_sample), commit (the GDN verify that stashes each
 # layer's per-token inputs, the commits that replay the accepted prefix, ModelRunner._spec_step that calls them,
 # and the replay itself on the CPU: kernels.gdn_recurrent_gated / gdn_recurrent_ref / conv_window_ref), stops

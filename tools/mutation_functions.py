@@ -28,7 +28,8 @@ GROUPS = {
             "kernels": ["x_gdn_recurrent_gated", "x_gdn_recurrent_ref", "x_conv_window_ref"]},  # the CPU replay
         tests="rollback or gdn_recurrent_n_keep or verify_commit_with_oracle or accepted_draft_of_id_0 "
               "or hands_q_and_taps or (test_greedy_spec_equals_plain and (mtp2 or ngram3)) "
-              "or fused_projections_equal_separate or (kernel_gdn_recurrent_gated and not gpu)"),
+              "or fused_projections_equal_separate or gdn_chunked_equals_recurrent "
+              "or (kernel_gdn_recurrent and not gpu)"),
     "stops": dict(                                   # stop handling: emit a step's tokens, stop where plain
         functions={"specdec": ["xǁEngineǁ_emit", "xǁEngineǁ_finish"]},        # decoding stops
         tests="stops_inside or step_returns or verify_commit_with_oracle or (test_greedy_spec_equals_plain and ngram)"),

@@ -1,6 +1,9 @@
 """The mutation run's results (tools/mutation.sh), per group and function: killed, survived, equivalent, score.
 
-    python tools/mutation_report.py [WORK_DIR]     (default /tmp/specdec-mutation)
+    python tools/mutation_report.py [WORK_DIR [RERUN_DIR]]     (default /tmp/specdec-mutation)
+
+RERUN_DIR: a copy of some groups' directories where survivors were run again (mutmut run NAME ...) after tests were
+added; its verdicts replace WORK_DIR's for the mutants it ran (those with a verdict there).
 
 Reads mutmut's results (WORK_DIR/GROUP/mutants/*.meta, for each group that was run) and its mutated sources,
 shows each survivor as the line it changes, and matches survivors against tools/mutation_equivalent.txt: mutants
@@ -67,6 +70,7 @@ def equivalents():
 
 def main():
     work = sys.argv[1] if len(sys.argv) > 1 else "/tmp/specdec-mutation"
+    rerun_dir = sys.argv[2] if len(sys.argv) > 2 else None
     eq, used, rows, survivors = equivalents(), set(), [], []
     runs = [(group, module, prefix, os.path.join(work, group, "mutants", module + ".py"))
             for group, spec in GROUPS.items() for module, prefixes in spec["functions"].items() for prefix in prefixes]
@@ -74,6 +78,9 @@ def main():
         if not os.path.exists(src + ".meta"):                                   # a group not run (yet)
             continue
         meta = json.load(open(src + ".meta"))["exit_code_by_key"]
+        rerun = os.path.join(rerun_dir, group, "mutants", module + ".py.meta") if rerun_dir else ""
+        if os.path.exists(rerun):
+            meta.update({k: v for k, v in json.load(open(rerun))["exit_code_by_key"].items() if v is not None})
         funcs = functions_in(src, prefix)
         names = sorted((n for n in funcs if not n.endswith("orig")), key=lambda n: int(n.rsplit("_", 1)[1]))
         count = dict(killed=0, timeout=0, survived=0, equivalent=0, other=0)

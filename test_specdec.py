@@ -2367,28 +2367,21 @@ def tiny_model(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_server")), predictable=True)  # ngram accepts
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model, tmp_path_factory):
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "4", "--served-model-name", "tiny")
-    yield s
-    s.stop()
+def server_fixture(name, *flags, prelude=None):
+    """A module-scoped fixture called `name`: a server on the tiny checkpoint started with these flags (and
+    prelude, code run before it starts), stopped after the module's tests."""
+    @pytest.fixture(scope="module", name=name)
+    def running(tiny_model, tmp_path_factory):
+        s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), *flags, prelude=prelude)
+        yield s
+        s.stop()
+    return running
 
 
-@pytest.fixture(scope="module")
-def srv_small(tiny_model, tmp_path_factory):
-    """One slot, a queue of one, an API key."""
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "1", "--max-queue", "1",
-               "--api-key", "sekrit")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def srv_spec(tiny_model, tmp_path_factory):
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--speculative-config", NGRAM, "--served-model-name",
-               "tiny")
-    yield s
-    s.stop()
+srv = server_fixture("srv", "--max-num-seqs", "4", "--served-model-name", "tiny")
+# one slot, a queue of one, an API key
+srv_small = server_fixture("srv_small", "--max-num-seqs", "1", "--max-queue", "1", "--api-key", "sekrit")
+srv_spec = server_fixture("srv_spec", "--speculative-config", NGRAM, "--served-model-name", "tiny")
 
 
 # ==============================================================================================
@@ -2920,13 +2913,8 @@ def test_api_key_checked_before_the_body(srv_small):
             r.read()
 
 
-@pytest.fixture(scope="module")
-def srv_limits(tiny_model, tmp_path_factory):
-    """A 1 s request timeout and at most 4 open connections."""
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", "--request-timeout", "1",
-               "--max-connections", "4")
-    yield s
-    s.stop()
+# a 1 s request timeout and at most 4 open connections
+srv_limits = server_fixture("srv_limits", "--max-num-seqs", "2", "--request-timeout", "1", "--max-connections", "4")
 
 
 def closed_after(sock, send=b"", gap=0.0, limit=5.0):
@@ -3039,11 +3027,7 @@ specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch
 '''
 
 
-@pytest.fixture(scope="module")
-def srv_faulty(tiny_model, tmp_path_factory):
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--max-num-seqs", "2", prelude=FAULTS)
-    yield s
-    s.stop()
+srv_faulty = server_fixture("srv_faulty", "--max-num-seqs", "2", prelude=FAULTS)
 
 
 def test_device_fault_classification():

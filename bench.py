@@ -65,11 +65,14 @@ def random_model(name, dtype, device, seed=0):
         else:
             t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
         mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
-    for mod in model.modules():
-        if isinstance(mod, sd.Attention):
-            rd = cfg.rotary_dim
-            mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return sd.fuse_projections(model.eval()), cfg
+    return sd.fuse_projections(sd.init_rope(model, device).eval()), cfg
+
+
+def random_qwen3_layer(prefix, H, nh, nkv, hd, I, rand, norm=lambda n: torch.ones(n, dtype=torch.bfloat16)):
+    """One Qwen3 decoder layer's tensors (specdec's table) under `prefix`: rand(*shape) for the matrices, norm(n)
+    for the norm weights (default ones)."""
+    return {prefix + n: norm(*s) if n.endswith("norm.weight") else rand(*s)
+            for n, s in sd.qwen3_layer_tensors(H, nh, nkv, hd, I).items()}
 
 
 def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
@@ -96,14 +99,7 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
     w = {"fc.weight": r(H, len(ids) * H), "hidden_norm.weight": torch.ones(H, dtype=torch.bfloat16),
          "norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     for i in range(layers):
-        p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-                  p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
-                  p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-                  p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)})
+        w.update(random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r))
     if method == "dspark":
         w.update({"markov_head.markov_w1.weight": r(V, rank), "markov_head.markov_w2.weight": r(V, rank)})
     os.makedirs(path, exist_ok=True)
@@ -128,15 +124,9 @@ def random_draft_lm(path, target, seed=0):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
     r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
-    one = lambda n: torch.ones(n, dtype=torch.bfloat16)
-    w = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": one(H)}
+    w = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
-                  p + "input_layernorm.weight": one(H), p + "post_attention_layernorm.weight": one(H)})
+        w.update(random_qwen3_layer(f"model.layers.{i}.", H, nh, nkv, hd, I, r))
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh)
@@ -244,12 +234,34 @@ def gemm_floor(ws, M, iters=20):
     return graph_ms(chain, iters)
 
 
+class TimedProposer:
+    """A proposer whose propose() is timed, the device synced on both sides (two syncs per step: for a separate
+    short run only); all else is the wrapped proposer's."""
+    def __init__(self, proposer, device):
+        self.proposer = proposer
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.seconds = 0.0
+        self.steps = 0
+
+    def __getattr__(self, name):  # prefill, commit, taps
+        return getattr(self.proposer, name)
+
+    def propose(self, batch):
+        self.sync()
+        t0 = time.perf_counter()
+        out = self.proposer.propose(batch)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
+        return out
+
+
 def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None):
     """B concurrent requests of random prompts; returns per-request timings and acceptance stats. For ngram the
     prompt is a random 64-token segment repeated, so that prompt lookup finds matches."""
     k = spec.num_speculative_tokens if spec else 0
     eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager,
-                    async_steps)
+                    async_steps, enable_chunked_prefill=False)  # the admitting step prefills every request
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.vocab_size
 
@@ -286,18 +298,67 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     st = eng.stats
     draft_ms = None
     if spec is not None:  # the drafter's time per step, in a separate short run: timing it syncs the device
-        eng.time_drafts = True
+        timed = eng.runner.proposer = TimedProposer(eng.runner.proposer, device)
         for _ in range(B):
             eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(32, gen_len), ignore_eos=True))
         while eng.has_work():
             eng.step()
-        draft_ms = 1e3 * eng.draft_seconds / max(eng.spec_steps, 1)
+        draft_ms = 1e3 * timed.seconds / max(timed.steps, 1)
     del eng
     return dict(ttft_ms=1e3 * statistics.mean(ttft), tpot_ms=1e3 * statistics.mean(tpot), wall_s=t1 - t0,
                 tok_s_per_seq=1 / statistics.mean(tpot), tok_s_aggregate=n_out / (t1 - t0),
                 decode_tok_s_aggregate=B / statistics.mean(tpot), num_drafts=st.num_drafts, draft_ms_per_step=draft_ms,
                 mean_acceptance_length=st.mean_acceptance_length if st.num_drafts else None,
                 draft_acceptance_rate=st.draft_acceptance_rate if st.num_drafts else None)
+
+
+def run_stall(model, spec, streams, prompt_len, long_len, gen_len, device, dtype, budget, chunked, seed=0):
+    """`streams` requests decode; 24 steps after each has 16 tokens a long_len-token prompt arrives. Returns the
+    streams' inter-token latencies (host time between a stream's token emissions, per token) in those 24 steps
+    and while it was prefilled, and its TTFT. Warm-up first (graphs, and one long prompt alone: its kernels compile)."""
+    k = spec.num_speculative_tokens if spec else 0
+    eng = sd.Engine(model, None, spec, streams + 1, long_len + gen_len + 8 + 2 * k, dtype, device, seed,
+                    max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    g = torch.Generator().manual_seed(seed)
+    V = model.cfg.vocab_size
+    prompt = lambda n: torch.randint(0, V, (n,), generator=g).tolist()
+    for i in range(streams + 1):
+        eng.add_request(prompt(prompt_len), sd.SamplingParams(temperature=0, max_tokens=2 + (k + 2) * i,
+                                                              ignore_eos=True))
+    eng.add_request(prompt(long_len), sd.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    sp = sd.SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    marks = {}
+    reqs = [eng.add_request(prompt(prompt_len), sp) for _ in range(streams)]
+    for r in reqs:
+        r.on_update = lambda r, n: marks.setdefault(r.id, []).append((time.perf_counter(), n))
+    while min(len(r.output_ids) for r in reqs) < 16:  # every stream admitted and running
+        eng.step()
+    t_steady = time.perf_counter()
+    for _ in range(24):
+        eng.step()
+    t_arrive = time.perf_counter()
+    long_req = eng.add_request(prompt(long_len), sd.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while not long_req.output_ids:
+        eng.step()
+        assert not any(r.finished for r in reqs), "gen_len too short: a stream finished during the prefill"
+    t_first = long_req.first_token_time
+    for r in reqs + [long_req]:
+        eng.abort(r)
+    while eng.has_work():
+        eng.step()
+    before, during = [], []
+    for r in reqs:
+        m = marks[r.id]
+        for (t0, _), (t1, n) in zip(m, m[1:]):
+            if t0 >= t_steady:
+                (before if t1 <= t_arrive else during if t0 < t_first else []).extend([(t1 - t0) / n] * n)
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+    return dict(streams=streams, prompt_len=prompt_len, long_len=long_len, budget=budget, chunked=chunked,
+                ttft_long_ms=1e3 * (t_first - t_arrive), tpot_before_ms=1e3 * statistics.mean(before),
+                tpot_during_ms=1e3 * statistics.mean(during), p99_itl_during_ms=1e3 * pct(during, 0.99),
+                max_itl_during_ms=1e3 * max(during), tokens_during=len(during))
 
 
 # ==============================================================================================
@@ -548,15 +609,25 @@ def serve_benchmark(argv=None):
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
 
+def target_graph(runner, B, T, pos):
+    """The captured graph record of the target step over B rows of T tokens at position pos (rows in slots 0..B-1):
+    replaying .graph (and .then after a verify, the commit) re-runs it."""
+    mode = "verify" if T > 1 else "decode"
+    fn, then = runner.steps[mode]
+    dev = runner.device
+    inputs = dict(ids=torch.zeros(B, T, dtype=torch.long, device=dev),
+                  pos=torch.full((B,), pos, dtype=torch.long, device=dev), slots=torch.arange(B, device=dev))
+    return runner.graphs.run(mode, fn, inputs, then)
+
+
 def verify_costs(model, Ts, device, dtype):
     """ms per target step over T tokens at batch 1 (captured graph, mode verify for T > 1, decode for T = 1)."""
-    eng = sd.Engine(model, None, None, 1, 1024, dtype, device)
-    runner = sd.GraphRunner(eng)
+    runner = sd.ModelRunner(model, None, 1, 1024, dtype, device)
     out = {}
     for T in Ts:
-        g = runner.capture(1, T, "verify" if T > 1 else "decode")
-        out[T] = replay_ms(lambda: (g.graph.replay(), g.commit.replay() if g.commit is not None else None))
-    del eng, runner
+        g = target_graph(runner, 1, T, 0)
+        out[T] = replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
+    del runner
     return out
 
 
@@ -590,6 +661,11 @@ def main(argv=None):
                     "same shapes (random weights, batch 1, first prompt length), after our rows")
     ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
                     help="also time one target step over each of these token counts (batch 1), vs T = 1")
+    ap.add_argument("--stall", type=int, default=None, metavar="LONG_LEN",
+                    help="instead of the rows: --batch streams decode while a LONG_LEN-token prompt arrives; "
+                    "their inter-token latency before and during its prefill, its TTFT (one row per budget)")
+    ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[2048],
+                    help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     sd.K.USE_TRITON = not a.no_triton
@@ -611,6 +687,20 @@ def main(argv=None):
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
         model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp)
         label = a.model
+    if a.stall:
+        print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "
+              f"{a.stall}-token prompt arrives")
+        out = []
+        for budget in a.max_num_batched_tokens:
+            r = run_stall(model, specs[0], a.batch[0], a.prompt_len[0], a.stall, a.gen_len, device, dtype,
+                          budget or 2048, budget != 0)
+            out.append(r)
+            print(f"chunked prefill {'off' if not budget else f'on, budget {budget}'}: TTFT of the long prompt "
+                  f"{r['ttft_long_ms']:.0f} ms; streams' TPOT before {r['tpot_before_ms']:.2f} ms, during "
+                  f"{r['tpot_during_ms']:.2f} ms ({r['tpot_during_ms'] / r['tpot_before_ms']:.2f}x), p99 ITL "
+                  f"during {r['p99_itl_during_ms']:.1f} ms, max {r['max_itl_during_ms']:.1f} ms")
+        print(json.dumps({"model": label, "stall": out}))
+        return 0
     ws = linear_weights(model, cfg.num_experts_per_tok)
     wbytes = sum(w.numel() * w.element_size() for w in ws)
     floors = {}

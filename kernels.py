@@ -14,6 +14,7 @@ Shapes: B = sequences in the batch, T = tokens per sequence in this step, S = st
 H_k / H_v = GDN key / value heads, d_k / d_v = their head dims, C = GDN conv channels, N = tokens,
 E = experts, k = experts per token, I = expert intermediate size.
 """
+import contextlib
 import math
 import os
 
@@ -32,8 +33,9 @@ except ImportError:  # no Triton (e.g. macOS): the references serve everywhere
 USE_TRITON = True  # the Triton kernels on CUDA tensors; False: references everywhere
 INTERPRET = False  # tests: also take the Triton path on CPU tensors (needs TRITON_INTERPRET=1 at import)
 _jit = triton.jit if triton is not None else (lambda fn: fn)
-# A kernel whose arguments T (tokens per row) must not be specialised: Triton compiles a separate kernel for an
-# integer argument equal to 1, so a decode step (T = 1) would run other machine code than a verify (T = k+1).
+# A kernel whose arguments T (tokens per row) must not be specialised: Triton compiles a separate kernel for
+# an integer argument equal to 1, so a decode step (T = 1) would run other machine code than a verify
+# (T = k+1).
 _jit_any_T = triton.jit(do_not_specialize=["T"]) if triton is not None else (lambda fn: fn)
 
 
@@ -94,6 +96,24 @@ def _sm_count(device):
     return _SM_COUNT[device]
 
 
+def _derived(w, name, fn):
+    """fn(w) for a weight, made once and kept on the tensor (remade if w is written in place): the CPU fast
+    path's transposed / shifted weights."""
+    key = "_specdec_" + name
+    cached = getattr(w, key, None)
+    if cached is None or cached[0] != w._version:
+        cached = (w._version, fn(w.detach()))
+        setattr(w, key, cached)
+    return cached[1]
+
+
+CPU_FAST = True  # the CPU fast paths (False: the references, as the tests' oracles run them)
+
+
+def _cpu_fast(x):
+    return CPU_FAST and not x.is_cuda
+
+
 # ----------------------------------------------------------------------------------------------
 # RMSNorm variants
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +162,7 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z, NZ,
         b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
         if ROUND_MID:
             b_y = b_y.to(p_y.dtype.element_ty).to(tl.float32)
-        o_z = (o_r // NZ) * s_z + (o_r % NZ) * s_z1                                  # z's row r (see _norm_launch)
+        o_z = (o_r // NZ) * s_z + (o_r % NZ) * s_z1                             # z's row r (see _norm_launch)
         b_z = tl.load(p_z + o_z[:, None] + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         b_y = b_y * (b_z * tl.sigmoid(b_z))
     elif PLAIN:  # Qwen3: w * norm(x).to(dtype)
@@ -162,8 +182,8 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
         rr, h = _rows(residual), _empty(x.shape, x.dtype, x.device)
-    if z is not None:  # z [R, NZ, D], row r at (r // NZ) * s_z + (r % NZ) * s_z1: GDN's gate heads, sliced from
-        assert z.shape == x.shape, "x and z must have the same shape"               # in_proj's output, need no copy
+    if z is not None:  # z [R, NZ, D], row r at (r // NZ) * s_z + (r % NZ) * s_z1: GDN's gate heads, sliced
+        assert z.shape == x.shape, "x and z must have the same shape"  # from in_proj's output, need no copy
         zr = (z if z.stride(-1) == 1 else z.contiguous()).reshape(-1, *([D] if z.dim() < 2 else z.shape[-2:]))
         zr = zr if zr.dim() == 3 else zr.view(1, -1, D)
     BD = _p2(D)
@@ -172,9 +192,18 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     _rms_norm_kernel[(_cdiv(N, BR),)](
         xr, rr if rr is not None else xr, weight, y, h if h is not None else y, zr if zr is not None else xr,
         N, D, eps, xr.stride(0), rr.stride(0) if rr is not None else 0, zr.stride(0) if zr is not None else 0,
-        zr.shape[1] if zr is not None else 1, zr.stride(1) if zr is not None else 0, BR=BR, BD=BD, ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
+        zr.shape[1] if zr is not None else 1, zr.stride(1) if zr is not None else 0, BR=BR, BD=BD,
+        ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain,
         num_warps=min(8, max(1, BR * BD // 256)))
     return y, h
+
+
+def _rms_norm_cpu(x, weight, eps):
+    """The CPU fast path of rms_norm: torch's fused F.rms_norm, one op where the reference takes ten. Its rows
+    do not depend on the other rows (measured on this CI class's CPU: rows 1..199 of D = 64 and 256 equal
+    the rows alone; test_cpu_norms_fast); within 1.5e-6 of the reference."""
+    w = _derived(weight, "1+w", lambda w: 1.0 + w.float())
+    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -183,12 +212,14 @@ def rms_norm(x, weight, eps):
     Returns a new contiguous [..., D] tensor in x's dtype."""
     if _fast(x):
         return _norm_launch(x, weight, eps)[0]
+    if _cpu_fast(x):
+        return _rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def plain_rms_norm(x, weight, eps):
-    """Qwen3's RMSNorm (plain weight): w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype). x [..., D], weight [D] of
-    x's dtype (another dtype: the reference, whose product then promotes). Returns [..., D]."""
+    """Qwen3's RMSNorm (plain weight): w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype). x [..., D], weight [D]
+    of x's dtype (another dtype: the reference, whose product then promotes). Returns [..., D]."""
     if _fast(x) and weight.dtype == x.dtype:
         return _norm_launch(x, weight, eps, plain=True)[0]
     return plain_rms_norm_ref(x, weight, eps)
@@ -199,6 +230,9 @@ def add_rms_norm(x, residual, weight, eps):
     (rms_norm(h, weight, eps), h). x, residual [..., D] of one dtype; weight [D]."""
     if _fast(x):
         return _norm_launch(x, weight, eps, residual=residual)
+    if _cpu_fast(x):
+        h = x + residual
+        return _rms_norm_cpu(h, weight, eps), h
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -207,6 +241,10 @@ def gated_rms_norm(x, z, weight, eps):
     x, z [..., d_v], weight [d_v]. Returns [..., d_v] in x's dtype."""
     if _fast(x):
         return _norm_launch(x, weight, eps, z=z)[0]
+    if _cpu_fast(x):  # (x contiguous first: as the reference says, torch sums a transposed view's rows in
+        # an order set by T)
+        y = F.rms_norm(x.float().contiguous(), (x.shape[-1],), None, eps).to(x.dtype)
+        return (weight * y * exact(F.silu, z.float())).to(x.dtype)
     return gated_rms_norm_ref(x, z, weight, eps)
 
 
@@ -219,37 +257,68 @@ def gated_rms_norm(x, z, weight, eps):
 # at a time, in fp32: for M == 1 (BM = 1) the products x_k * w_nk add up elementwise in a [BN, BK] tile
 # that is summed over k once after the loop; for M > 1, tl.dot of the M rows (padded to BM = 16) with
 # the tile (BM = 32 for 17 to 32 rows). SPLIT == 1: the program writes y directly. SPLIT > 1 (tall
-# weights at M > 1, K >= 3N: too few output blocks to fill the GPU): each program writes its fp32 partial sums to part [SPLIT, M, N],
-# and _gemv_sum_kernel adds the SPLIT partials in a fixed order and rounds once to x's dtype
-# (deterministic, unlike atomics; no zeroing launch). The step is bandwidth-bound (w is read once), so
+# weights at M > 1, K >= 3N: too few output blocks to fill the GPU): each program writes its fp32 partial sums
+# to part [SPLIT, M, N], and _gemv_sum_kernel adds the SPLIT partials in a fixed order and rounds once to x's
+# dtype (deterministic, unlike atomics; no zeroing launch). The step is bandwidth-bound (w is read once), so
 # the tiles only need to keep enough loads in flight on every multiprocessor. With a residual r [M, N]
 # (the MLP's skip connection) the last kernel adds it before its one rounding: y = r + x @ w^T.
 
 GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the interpreter: any M <= 32)
 
-# Batch invariance (the default). Speculation is lossless only if a verify row (T = k+1) computes exactly what the
-# same token's decode row (T = 1) would, and concurrency changes no token only if a row's result does not depend on
-# the other rows of its step. In bf16 near-ties are common enough that a different rounding flips a greedy token
-# (the losslessness sweep of tools/lossless_sweep.py saw it at T = 2 on the toy model). So with BATCH_INVARIANT every
-# decode / verify row gets one arithmetic whatever M, T and the batch are:
-#   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose tiles and K split are
-#     a function of the weight's shape alone (_rows_config), rows in 16-row tl.dot tiles (a row's products do not
-#     depend on the other rows of its tile); cuBLAS picks its algorithm by M and is left to prefill;
-#   - attention: keys split at fixed multiples of ATTN_CHUNK, the splits merged in order, one query-tile shape;
+# Batch invariance (the default). Speculation is lossless only if a verify row (T = k+1) computes exactly what
+# the same token's decode row (T = 1) would, and concurrency changes no token only if a row's result does not
+# depend on the other rows of its step. In bf16 near-ties are common enough that a different rounding flips a
+# greedy token (the losslessness sweep of tools/lossless_sweep.py saw it at T = 2 on the toy model). So with
+# BATCH_INVARIANT every decode / verify row gets one arithmetic whatever M, T and the batch are:
+#   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose tiles and K
+#     split are a function of the weight's shape alone (_rows_config), rows in tl.dot tiles of 16 rows (64
+#     above 16 rows: _rows_bm; a row's products do not depend on the other rows of its tile, nor on its
+#     height); cuBLAS picks its algorithm by M and is left to prefill;
+#   - attention: keys split at fixed multiples of ATTN_CHUNK, the splits merged in order, one query-tile
+#     shape;
 #   - the GDN recurrence: one value-block size and warp count.
-# False: the fastest kernel per step shape (cuBLAS by M, the M = 1 GEMV, splits by load): a token may then differ
-# between speculation on and off, or between batch sizes, at near-ties.
+# False: the fastest kernel per step shape (cuBLAS by M, the M = 1 GEMV, splits by load): a token may then
+# differ between speculation on and off, or between batch sizes, at near-ties.
 BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"  # vLLM's variable; here on unless "0"
-INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); longer steps (prefill chunks): cuBLAS
+INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); prefill runs under
+                      # not_invariant()
+ROWS_BM = 64  # the row-invariant linear's row tile above 16 rows (16 up to 16): see _rows_bm
 
 
-# (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows on the
-# H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets). 27B:
-# in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5 (17.1, 18.6),
-# gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7 (550.9, 590.0); 35B-A3B:
-# in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5), shared down 3.2 (2.6),
-# lm_head 223.7 (221.1). At M = 128 (8 x 16-token verifies) every 16-row tile reads the weights again: 2.4-4x
-# cuBLAS's time - the price of invariance for big verify batches until one program serves several row tiles.
+def _rows_bm(M):
+    """Rows per tile of the row-invariant linear for a step of M rows. A row's bits do not depend on the
+    tile's height: tl.dot computes each row of a tile alone, adding its K products in the same order (BK
+    chunks, k16 steps) whatever the tile. Measured on the H200 (tools/tile_sweep.py rowsbm): the same bits
+    with tiles of 16, 32, 64 and 128 rows at the 27B shapes; the `gpu` invariance tests check a row alone
+    (a 16-row tile) against it in steps of 17, 40 and 136 rows (64-row tiles) at every real shape. 16-row
+    tiles are the fastest up to 16 rows; above, every tile reads the weights again, and 64-row tiles read
+    them 4x less (27B, 128 rows: MLP gate_up 321 -> 174 us, lm_head 2535 -> 1049 us; cuBLAS 93 / 643)."""
+    return 16 if M <= 16 else ROWS_BM
+
+
+@contextlib.contextmanager
+def not_invariant():
+    """Prefill runs inside this: each prompt is prefilled alone (one request per forward, whatever else runs),
+    by the same kernels with speculation on and off, so its rows need no invariance; cuBLAS and the wide tiles
+    are faster there (27B, a 256-token prompt through the row-invariant kernel took 2.6x the time to first
+    token)."""
+    global BATCH_INVARIANT
+    old = BATCH_INVARIANT
+    BATCH_INVARIANT = False
+    try:
+        yield
+    finally:
+        BATCH_INVARIANT = old
+
+
+# (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows
+# on the H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets).
+# 27B: in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5
+# (17.1, 18.6), gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7
+# (550.9, 590.0); 35B-A3B: in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5),
+# shared down 3.2 (2.6), lm_head 223.7 (221.1). Above 16 rows every 64-row tile reads the weights again: at
+# M = 128 (8 x 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x): invariance's price for big
+# verifies.
 ROWS_CONFIG = {
     (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 3, 4, 4),
     (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 3, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
@@ -261,9 +330,9 @@ ROWS_CONFIG = {
 
 def _rows_config(N, K, device):
     """(BN, BK, SPLIT, num_stages, num_warps) of the row-invariant skinny GEMM for w [N, K]: a function of the
-    shape (and of the GPU's size) only, never of M. A measured entry of ROWS_CONFIG, else a rule: enough programs
-    to fill the GPU, with a K split when the N blocks alone are too few (each split keeps at least two BK chunks);
-    the splits are added in a fixed order."""
+    shape (and of the GPU's size) only, never of M. A measured entry of ROWS_CONFIG, else a rule: enough
+    programs to fill the GPU, with a K split when the N blocks alone are too few
+    (each split keeps at least two BK chunks); the splits are added in a fixed order."""
     if (N, K) in ROWS_CONFIG:
         return ROWS_CONFIG[(N, K)]
     BN, BK = 64, min(128, _p2(K))
@@ -290,15 +359,18 @@ def _gemv_config(M, N, K, cuda, dtype):
     These rules apply with BATCH_INVARIANT = False; with it (the default), every bf16 / fp16 step of up to
     INVARIANT_ROWS rows on CUDA takes _rows_config's tiles instead.
     fp32 stays with cuBLAS (3x slower in Triton at M = 8, an fp32 'ieee' dot; mixed at M = 1). Off CUDA
-    (the interpreter; GEMV_ALWAYS only): small blocks, so that tests cover the loops, the masks and split-K."""
+    (the interpreter; GEMV_ALWAYS only): small blocks, so that tests cover the loops, the masks and
+    split-K."""
     tall = K >= 3 * N
     if not cuda:
         return (16, 32, 4 if tall else 1, 1, 4) if GEMV_ALWAYS else None
     if dtype != torch.float32:
         if BATCH_INVARIANT:
             return "rows" if M <= INVARIANT_ROWS else None
-        if M == 1 and 1 << 20 <= N * K < 1 << 23:  # small (35B's router | shared gate_up, shared down): latency
-            return (4, min(2048, _p2(K)), 1, 2, 4)    # bound; cuBLAS 4.5 / 3.7 us, these 4-row blocks 3.5 / 2.6
+        # small (35B's router | shared gate_up, shared down): latency bound; cuBLAS 4.5 / 3.7 us, these 4-row
+        # blocks 3.5 / 2.6
+        if M == 1 and 1 << 20 <= N * K < 1 << 23:
+            return (4, min(2048, _p2(K)), 1, 2, 4)
         if M == 1 and N * K >= 1 << 23:
             if N < 4096:
                 return (8, 1024, 1, 4, 8)
@@ -317,10 +389,10 @@ def _gemv_config(M, N, K, cuda, dtype):
 @_jit
 def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr):
-    # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or part[split, row tile, N block]
-    # (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice = columns k0 .. k0 + BK - 1 for
-    # k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the fastest grid axis: the programs that
-    # read one weight tile run side by side (the repeats come from L2).
+    # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or
+    # part[split, row tile, N block] (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice =
+    # columns k0 .. k0 + BK - 1 for k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the
+    # fastest grid axis: the programs that read one weight tile run side by side (the repeats come from L2).
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
     o_n = i_n * BN + o_bn
@@ -337,7 +409,8 @@ def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.cons
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_acc1 += b_w.to(tl.float32) * b_x[None, :]
         else:
-            b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :], other=0.0)
+            b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :],
+                          other=0.0)
             b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
     if BM == 1:
         b_acc = tl.sum(b_acc1, 1)[None, :]
@@ -368,7 +441,7 @@ def _gemv_launch(x, w, cfg, residual=None):
     xr = _rows(x)
     M = xr.shape[0]
     if cfg == "rows":
-        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), 16
+        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
     else:
         (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
         assert M <= 32
@@ -379,8 +452,8 @@ def _gemv_launch(x, w, cfg, residual=None):
     prec = "ieee" if dot == tl.float32 else "tf32"
     grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
     if SPLIT == 1:
-        _gemv_kernel[grid](xr, w, y, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot, PREC=prec,
-                           RES=residual is not None, num_stages=stages, num_warps=warps)
+        _gemv_kernel[grid](xr, w, y, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot,
+                           PREC=prec, RES=residual is not None, num_stages=stages, num_warps=warps)
         return y
     part = _empty((SPLIT, M, N), torch.float32, x.device)
     _gemv_kernel[grid](xr, w, part, part, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot,
@@ -393,12 +466,13 @@ def _gemv_launch(x, w, cfg, residual=None):
 
 def linear(x, w, residual=None):
     """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
-    added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of up
-    to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it, cuBLAS
-    except steps of at most 32 rows on the weight shapes where the Triton GEMV is faster (_gemv_config). The
-    CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's result does not depend
-    on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1): spec-on logprobs then
-    equal spec-off's."""
+    added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of
+    up to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it,
+    cuBLAS except steps of at most 32 rows on the weight shapes where the Triton GEMV is faster
+    (_gemv_config). The CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's
+    result does not depend on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1):
+    spec-on logprobs then equal spec-off's. The CPU fast path (CPU_FAST) gets the same property without a
+    Python loop per row: see _linear_cpu."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
             and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -408,10 +482,33 @@ def linear(x, w, residual=None):
             return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
+    elif _cpu_fast(x) and w.dim() == 2:
+        y = _linear_cpu(x, w)
     else:
         rows = x.reshape(-1, x.shape[-1])
         y = torch.stack([F.linear(r, w) for r in rows]).view(*x.shape[:-1], w.shape[0])
     return y if residual is None else residual + y
+
+
+def _transposed(w):
+    """w^T [in, out] contiguous, made once per weight (_derived)."""
+    return _derived(w, "t", lambda w: w.t().contiguous())
+
+
+def _linear_cpu(x, w):
+    """x @ w^T for a small CPU step (<= 256 rows): every row through the same (1, in) @ (in, out) product,
+    all rows in one batched call, bmm(x [M, 1, in], w^T expanded to [M, in, out]). Each batch entry is its own
+    product, so a row's bits depend neither on the other rows nor on M (measured on this CI class's CPU, AMD
+    EPYC / AVX2, MKL 2024.2, 1 and 2 threads: the rows of M = 1..63 equal the rows alone at every toy weight
+    shape; test_cpu_linear_row_invariant pins it). F.linear's own GEMM does not: MKL rounds M = 1 (GEMV),
+    2-3 and >= 4 rows differently, hence the reference's loop. With w^T contiguous a row is an axpy over the
+    inputs that streams w^T once, 2-2.5x faster than the GEMV over w's rows (lm_head 8256 x 256: 212 vs 525
+    us); a batched 4-row GEMM would read the weights once but MKL's small-M packing makes it slower still
+    (lm_head, 4 rows: 2099 us vs 800 for four such rows)."""
+    rows = x.reshape(-1, x.shape[-1])
+    M, (N, Kin) = rows.shape[0], w.shape
+    y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
+    return y.view(*x.shape[:-1], N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,7 +572,8 @@ def sigmoid_mul(x, gate):
     y = _empty(x.shape, x.dtype, x.device)
     D = x.shape[-1]
     BD = min(_p2(D), 1024)
-    _sigmoid_mul_kernel[(xr.shape[0], _cdiv(D, BD))](xr, gr, y, D, xr.stride(0), gr.stride(0), BD=BD, num_warps=4)
+    _sigmoid_mul_kernel[(xr.shape[0], _cdiv(D, BD))](xr, gr, y, D, xr.stride(0), gr.stride(0), BD=BD,
+                                                     num_warps=4)
     return y
 
 
@@ -529,7 +627,7 @@ def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
     b_acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         b_w = tl.load(p_w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
-        src = o_t + j - (K - 1)                                                    # input index; < 0: the window
+        src = o_t + j - (K - 1)                                                 # input index; < 0: the window
         m_x = ((src >= 0) & m_t)[:, None] & m_c[None, :]
         m_p = ((src < 0) & m_t)[:, None] & m_c[None, :]
         b_in = tl.load(p_xb + src[:, None] * s_xt + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
@@ -548,14 +646,16 @@ def _causal_conv_kernel(p_x, p_pool, p_slots, p_w, p_keep, p_y, T, C,
 
 @_jit
 def _conv_window(p_xb, p_past, o_c, m_c, n, s_xt, s_pk, KW: tl.constexpr, BW: tl.constexpr):
-    # channels o_c of one sequence: the window [KW] becomes seq[n .. n+KW-1] of seq = [old window, x] (x at p_xb,
-    # token stride s_xt); p_past [BC] points at each channel's window (stride s_pk). Used by the conv kernel and
-    # by the GDN commit.
+    # channels o_c of one sequence: the window [KW] becomes seq[n .. n+KW-1] of seq = [old window, x] (x at
+    # p_xb, token stride s_xt); p_past [BC] points at each channel's window (stride s_pk). Used by the conv
+    # kernel and by the GDN commit.
     o_w = tl.arange(0, BW)
     w_src = n + o_w - KW
     m_w = m_c[:, None] & (o_w < KW)[None, :]
-    b_new = tl.load(p_xb + w_src[None, :] * s_xt + o_c[:, None], mask=m_w & (w_src >= 0)[None, :], other=0.0).to(tl.float32)
-    b_new += tl.load(p_past[:, None] + (w_src + KW)[None, :] * s_pk, mask=m_w & (w_src < 0)[None, :], other=0.0).to(tl.float32)
+    b_new = tl.load(p_xb + w_src[None, :] * s_xt + o_c[:, None], mask=m_w & (w_src >= 0)[None, :],
+                    other=0.0).to(tl.float32)
+    b_new += tl.load(p_past[:, None] + (w_src + KW)[None, :] * s_pk, mask=m_w & (w_src < 0)[None, :],
+                     other=0.0).to(tl.float32)
     tl.debug_barrier()  # every thread has read the old window before any writes the new one
     tl.store(p_past[:, None] + o_w[None, :] * s_pk, b_new.to(p_past.dtype.element_ty), mask=m_w)
 
@@ -587,11 +687,14 @@ def causal_conv(x, conv_pool, slots, weight, n_keep=None):
     weight [C, K] (tap K-1 multiplies the current token); n_keep [B] long or None.
     Returns y [B, T, C]. The window of slot b becomes the last K-1 inputs after its first n_keep[b]
     tokens (all T when n_keep is None; unchanged when n_keep[b] == 0) - that is how a verify step
-    leaves the window untouched (the commit after it moves the window with the GDN state: gdn_recurrent_gated's
-    conv argument). The kernel accumulates in fp32 and rounds once (the reference rounds the conv and the silu).
+    leaves the window untouched (the commit after it moves the window with the GDN state:
+    gdn_recurrent_gated's conv argument). The kernel accumulates in fp32 and rounds once
+    (the reference rounds the conv and the silu).
     """
     if _fast(x):
         return _causal_conv_launch(x, conv_pool, slots, weight, n_keep)
+    if _cpu_fast(x):
+        return _causal_conv_cpu(x, conv_pool, slots, weight, n_keep)
     return causal_conv_ref(x, conv_pool, slots, weight, n_keep)
 
 
@@ -646,9 +749,11 @@ def gdn_chunked_ref(q, k, v, g, beta, state_pool, slots, chunk=64):
         lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         diff = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
         kk = kc @ kc.transpose(-1, -2)                          # [B, H, c, c]
-        A = (bc[..., None] * diff * kk).masked_fill(lower.logical_not() | torch.eye(c, dtype=torch.bool, device=q.device), 0)
+        A = (bc[..., None] * diff * kk).masked_fill(
+            lower.logical_not() | torch.eye(c, dtype=torch.bool, device=q.device), 0)
         rhs = bc[..., None] * (vc - G.exp()[..., None] * (kc @ S))
-        U = torch.linalg.solve_triangular(A + torch.eye(c, device=q.device), rhs, upper=False, unitriangular=True)
+        U = torch.linalg.solve_triangular(A + torch.eye(c, device=q.device), rhs, upper=False,
+                                          unitriangular=True)
         out[:, :, s:e] = G.exp()[..., None] * (qc @ S) + (diff * (qc @ kc.transpose(-1, -2))) @ U
         S = G[..., -1, None, None].exp() * S + (kc * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2) @ U
     state_pool[slots] = S.to(state_pool.dtype)
@@ -677,11 +782,12 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
     n_keep = T
     if HAS_KEEP:
         n_keep = tl.load(p_keep + i_b).to(tl.int32)
-    if CONV:  # a commit that also moves the causal conv's window (KW = K-1 past inputs): this program's channels
+    # a commit that also moves the causal conv's window (KW = K-1 past inputs): this program's channels
+    if CONV:
         o_c = (i_h * tl.num_programs(1) + i_v) * BCW + tl.arange(0, BCW)
         if n_keep > 0:
-            _conv_window(p_cx + i_b * s_cxb, p_cp + slot * s_cps + o_c * s_cpc, o_c, o_c < C, n_keep, s_cxt, s_cpk,
-                         KW, BW)
+            _conv_window(p_cx + i_b * s_cxb, p_cp + slot * s_cps + o_c * s_cpc, o_c, o_c < C, n_keep, s_cxt,
+                         s_cpk, KW, BW)
     if GATES:
         b_decay = -tl.exp(tl.load(p_alog + i_h).to(tl.float32))
         b_dtb = tl.load(p_dtb + i_h).to(tl.float32)
@@ -705,15 +811,17 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
     for t in range(n_steps):
         b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
         b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
-        t_n = tl.minimum(t + 1, T - 1)                                               # (the last re-reads itself)
+        t_n = tl.minimum(t + 1, T - 1)                                            # (the last re-reads itself)
         n_q = tl.load(p_q + t_n * s_qt, mask=m_k, other=0.0)
         n_k = tl.load(p_k + t_n * s_kt, mask=m_k, other=0.0)
         n_v = tl.load(p_v + t_n * s_vt, mask=m_v, other=0.0)
         n_g = tl.load(p_g + t_n * s_gt)
         n_beta = tl.load(p_beta + t_n * s_bt)
-        if GATES:  # g = -exp(A_log) softplus(a + dt_bias) (torch's threshold 20); beta = sigmoid(b) in b's dtype
+        # g = -exp(A_log) softplus(a + dt_bias) (torch's threshold 20); beta = sigmoid(b) in b's dtype
+        if GATES:
             b_x = b_g + b_dtb
-            b_sp = tl.where(b_x < -15.0, tl.exp(b_x), tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))  # ~log1p(e^x)
+            b_sp = tl.where(b_x < -15.0, tl.exp(b_x),
+                            tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))  # ~log1p(e^x)
             b_g = b_decay * tl.where(b_x > 20.0, b_x, b_sp)
             b_beta = tl.sigmoid(b_beta).to(p_beta.dtype.element_ty).to(tl.float32)
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
@@ -734,23 +842,26 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     Hv, Dv = v.shape[2:]
     assert k.shape == q.shape and v.shape[:2] == (B, T) and g.shape == beta.shape == (B, T, Hv)
     assert Hv % Hk == 0, "value heads must be a multiple of key heads"
-    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[1:] == (Hv, Dk, Dv)
+    assert (state_pool.dtype == torch.float32 and state_pool.is_contiguous()
+            and state_pool.shape[1:] == (Hv, Dk, Dv))
     assert slots.dtype == torch.long and (n_keep is None or n_keep.dtype == torch.long)
     assert T >= 1
     q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
     assert outputs or n_keep is not None, "a state-only pass needs n_keep"
-    o = _empty((B, T, Hv, Dv), v.dtype, v.device) if outputs else v                  # (no outputs: not written)
+    o = _empty((B, T, Hv, Dv), v.dtype, v.device) if outputs else v                # (no outputs: not written)
     BK = _p2(Dk)
-    # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 / 1
-    # warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
-    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s. BATCH_INVARIANT: 16
-    # always (the warp count and tile shape set how d_k is summed: a row's result must not depend on B)
+    # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 /
+    # 1 warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
+    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s.
+    # BATCH_INVARIANT: 16 always (the warp count and tile shape set how d_k is summed: a row's result must not
+    # depend on B)
     wide = not BATCH_INVARIANT and B * Hv * _cdiv(Dv, 16) > 1536
     BV = min(_p2(Dv), 32 if wide else 16)
     gates = A_log is not None
-    assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous() and A_log.shape == dt_bias.shape == (Hv,))
-    extra = dict(p_cx=q, p_cp=state_pool, C=0, s_cxb=0, s_cxt=0, s_cps=0, s_cpc=0, s_cpk=0, CONV=False, KW=1, BCW=1,
-                 BW=1)                                                              # (no conv window)
+    assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous()
+                         and A_log.shape == dt_bias.shape == (Hv,))
+    extra = dict(p_cx=q, p_cp=state_pool, C=0, s_cxb=0, s_cxt=0, s_cps=0, s_cpc=0, s_cpk=0, CONV=False,
+                 KW=1, BCW=1, BW=1)                                                 # (no conv window)
     if conv is not None:  # the commit's conv window, spread over the programs: BCW channels each
         cx, cp = conv
         cx = cx if cx.stride(2) == 1 else cx.contiguous()
@@ -807,19 +918,98 @@ def gdn_gates(a, b, A_log, dt_bias):
     return -exact(torch.exp, A_log.float()) * exact(F.softplus, a.float() + dt_bias), exact(torch.sigmoid, b)
 
 
-def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None, outputs=True, conv=None):
+def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep, outputs):
+    """The CPU fast path of gdn_recurrent_gated: the reference's arithmetic in fewer ops. The gates in one
+    float64 pass rounded once (exp, softplus, sigmoid: CPU SIMD rounds a float32 element differently in a
+    vector lane and in the scalar tail, so float32 transcendentals would depend on how many tokens share the
+    step - kernels.exact); the state updated in place; the key heads broadcast over their value heads instead
+    of repeated; the row products S^T k and S^T q as one batched matmul per token, each (1, d_k) @ (d_k, d_v)
+    product its own batch entry (as the reference's einsum), so a row's bits do not depend on B or T; a
+    verify (n_keep all 0) writes no state but keeps its state after each token on the pool (64 KiB per layer
+    and token on the toy model), and the commit after it copies from there instead of replaying (the replay
+    the GPU kernel does costs a second pass of T tokens); any other commit stops after max(n_keep)
+    tokens."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    G = Hv // Hk                                                 # value heads per key head
+    keep = None if n_keep is None else n_keep.tolist()
+    steps = T if keep is None or outputs else max(keep)
+    if steps == 0:
+        return None
+    snap = getattr(state_pool, "_specdec_verify", None)
+    if not outputs and snap is not None and snap[0] is q and torch.equal(snap[1], slots):
+        # the commit after this layer's verify: its states after each token were kept (the same arithmetic
+        # the replay would do, so the same bits); a copy instead of a second pass over the tokens
+        for i, n in enumerate(keep):
+            if n:
+                state_pool[slots[i]] = snap[2][n - 1][i].view(Hv, Dk, Dv).to(state_pool.dtype)
+        state_pool._specdec_verify = None
+        return None
+    verify = outputs and keep is not None and not any(keep)
+    decay = torch.exp(-torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())).float()
+    beta = torch.sigmoid(b.double()).float()                     # [B, T, H_v]
+    qf, kf = q.float().contiguous(), k.float().contiguous()      # [B, T, H_k, d_k]
+    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True).double() + 1e-6).float() * Dk ** -0.5
+    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True).double() + 1e-6).float()
+    qf, kf = qf.view(B, T, Hk, 1, 1, Dk), kf.view(B, T, Hk, 1, 1, Dk)
+    kcol = kf.transpose(-1, -2)                                  # [B, T, H_k, 1, d_k, 1]
+    vf = v.float().view(B, T, Hk, G, 1, Dv)
+    decay, beta = decay.view(B, T, Hk, G, 1, 1), beta.view(B, T, Hk, G, 1, 1)
+    S = state_pool[slots].float().view(B, Hk, G, Dk, Dv)        # a copy: the pool is written back below
+    out = torch.empty(B, T, Hk, G, 1, Dv) if outputs else None
+    snaps = []  # a verify's state after each token, for the commit that follows it
+    for t in range(steps):
+        S.mul_(decay[:, t])
+        delta = beta[:, t] * (vf[:, t] - torch.matmul(kf[:, t], S))      # [B, H_k, G, 1, d_v]
+        S.add_(kcol[:, t] * delta)                                       # S + k delta^T
+        if outputs:
+            out[:, t] = torch.matmul(qf[:, t], S)                        # S^T q
+        if verify:
+            snaps.append(S.clone())
+        if keep is not None:
+            done = [i for i, n in enumerate(keep) if n == t + 1]
+            if done:
+                state_pool[slots[done]] = S[done].view(len(done), Hv, Dk, Dv).to(state_pool.dtype)
+    if keep is None:
+        state_pool[slots] = S.view(B, Hv, Dk, Dv).to(state_pool.dtype)
+    state_pool._specdec_verify = (q, slots.clone(), snaps) if verify else None
+    return out.view(B, T, Hv, Dv).to(v.dtype) if outputs else None
+
+
+def _causal_conv_cpu(x, conv_pool, slots, weight, n_keep):
+    """The CPU fast path of causal_conv: the reference's taps, summed in the same order, and the window
+    moved from the same [window, x] sequence (a verify, n_keep all 0, leaves it)."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    seq = torch.cat([conv_pool[slots], x.transpose(1, 2).to(conv_pool.dtype)], dim=2)  # [B, C, K-1+T]
+    w = weight.to(seq.dtype)
+    y = seq[:, :, 0:T] * w[:, 0, None]
+    for j in range(1, K):
+        y += seq[:, :, j:j + T] * w[:, j, None]                 # [B, C, T]
+    if n_keep is None:
+        conv_pool[slots] = seq[:, :, T:]
+    elif bool(n_keep.any()):
+        conv_window_ref(x, conv_pool, slots, n_keep)
+    return F.silu(y.transpose(1, 2).double()).to(x.dtype)
+
+
+def gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep=None, outputs=True,
+                        conv=None):
     """gdn_recurrent(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep) in one launch:
     the gates are computed inside the recurrent kernel (saves ~8 tiny launches per GDN layer and step).
     a, b [B, T, H_v] raw projections in_proj_a(x), in_proj_b(x); A_log, dt_bias [H_v].
     outputs=False (the commit after a verify: n_keep given): only the states advance, over n_keep[b] tokens
     instead of T, and no outputs are written; returns None. With conv = (x [B, T, C] the conv's inputs,
     conv_pool [S, C, K-1]) that commit also moves the causal conv's window (conv_window_ref: the window
-    causal_conv(x, conv_pool, slots, w, n_keep) leaves) in the same launch: one launch per GDN layer per commit."""
+    causal_conv(x, conv_pool, slots, w, n_keep) leaves) in the same launch: one launch per GDN layer per
+    commit."""
     if _fast(q):
         return _gdn_recurrent_launch(q, k, v, a, b, state_pool, slots, n_keep, A_log, dt_bias, outputs, conv)
     if conv is not None:
         assert not outputs, "conv: the commit's window only"
         conv_window_ref(*conv, slots, n_keep)
+    if _cpu_fast(q):
+        return _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep, outputs)
     o = gdn_recurrent_ref(q, k, v, *gdn_gates(a, b, A_log, dt_bias), state_pool, slots, n_keep)
     return o if outputs else None
 
@@ -841,9 +1031,12 @@ def rope_ref(x, pos, T, inv_freq):
     return torch.cat([xr * cos + rot * sin, xp], -1)
 
 
-def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain=False):
+def attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos,
+                       plain=False, fast_norm=False):
     B, T, _, hd = k.shape
     norm = plain_rms_norm_ref if plain else rms_norm_ref
+    if fast_norm:  # the CPU fast path: the fused norm (_rms_norm_cpu), the same RoPE and cache writes
+        norm = lambda x, w, eps: _rms_norm_cpu(x.contiguous(), w, eps)  # noqa: E731
     q = rope_ref(norm(qg[..., :hd], q_norm_w, eps), pos, T, inv_freq)
     k = rope_ref(norm(k, k_norm_w, eps), pos, T, inv_freq)
     at = pos[:, None] + torch.arange(T, device=k.device)[None]                   # [B, T] positions
@@ -901,7 +1094,8 @@ def _attention_prep_kernel(p_qg, p_k, p_v, p_qw, p_kw, p_freq, p_kc, p_vc, p_slo
         if i_h < NH:
             tl.store(p_q + (i_bt * NH + i_h) * D + o_d, b_out.to(p_q.dtype.element_ty), mask=m_d)
         else:
-            tl.store(p_kc + slot * s_cs + at * s_cl + (i_h - NH) * s_ch + o_d, b_out.to(p_kc.dtype.element_ty), mask=m_d)
+            tl.store(p_kc + slot * s_cs + at * s_cl + (i_h - NH) * s_ch + o_d,
+                     b_out.to(p_kc.dtype.element_ty), mask=m_d)
 
 
 def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain=False):
@@ -914,7 +1108,8 @@ def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache
     k_cache, v_cache [S, L, n_kv, hd]; slots, pos [B] long. Returns q [B, T, nh, hd] (contiguous).
     plain: Qwen3's q/k norms (plain weights, the drafters' layers); nh may be 0 (a cache write only)."""
     if not _fast(qg) or (plain and not q_norm_w.dtype == k_norm_w.dtype == qg.dtype):
-        return attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain)
+        return attention_prep_ref(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos,
+                                  plain, fast_norm=_cpu_fast(qg) and not plain)
     B, T, nh, _ = qg.shape
     nkv, hd = k.shape[2:]
     assert v.shape == k.shape and k_cache.shape[2:] == (nkv, hd) and v_cache.shape == k_cache.shape
@@ -928,13 +1123,33 @@ def attention_prep(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache
         qg.stride(0), qg.stride(1), qg.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NH=nh, NKV=nkv, D=hd, BD=_p2(hd), RD=2 * inv_freq.numel(), PLAIN=plain, num_warps=1 if hd <= 128 else 2)
+        NH=nh, NKV=nkv, D=hd, BD=_p2(hd), RD=2 * inv_freq.numel(), PLAIN=plain,
+        num_warps=1 if hd <= 128 else 2)
     return q
 
 
 # ----------------------------------------------------------------------------------------------
 # Attention over the position-indexed KV cache (prefill, decode and verify)
 # ----------------------------------------------------------------------------------------------
+
+def _attention_cpu(q, k_cache, v_cache, slots, pos):
+    """The CPU fast path of attention for steps of T <= 32 tokens per row: as the reference, each query alone
+    over exactly its own p + t + 1 keys (so its bits do not depend on T or B), in five ops instead of
+    fifteen: the query heads of a KV head as the rows of one product with that head's keys (no repeated
+    K / V copies), no mask (the slice is the visible keys)."""
+    B, T, nh, d = q.shape
+    nkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    qf = q.float().reshape(B, T, nkv, nh // nkv, d)
+    for b, (s, p) in enumerate(zip(slots.tolist(), pos.tolist())):
+        kb = k_cache[s, :p + T].float().permute(1, 2, 0)                   # [n_kv, d, L] (strides fixed)
+        vb = v_cache[s, :p + T].float().transpose(0, 1)                    # [n_kv, L, d]
+        for t in range(T):
+            L = p + t + 1
+            scores = torch.matmul(qf[b, t], kb[..., :L]) * d ** -0.5       # [n_kv, rep, L]
+            out[b, t] = torch.matmul(scores.softmax(-1), vb[:, :L]).view(nh, d)
+    return out
+
 
 def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     B, T, nh, d = q.shape
@@ -947,9 +1162,11 @@ def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
         s, p = int(slots[b]), int(pos[b])
         for t0, t1 in ([(t, t + 1) for t in range(T)] if T <= 32 else [(0, T)]):
             L = p + t1
-            k, v = (c[s, :L].float().repeat_interleave(rep, dim=1).transpose(0, 1) for c in (k_cache, v_cache))
+            k, v = (c[s, :L].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+                    for c in (k_cache, v_cache))
             scores = (q[b, t0:t1].float().transpose(0, 1) @ k.transpose(-1, -2)) * d ** -0.5  # [nh, t, L]
-            visible = torch.arange(L, device=q.device)[None] <= p + torch.arange(t0, t1, device=q.device)[:, None]
+            visible = (torch.arange(L, device=q.device)[None]
+                       <= p + torch.arange(t0, t1, device=q.device)[:, None])
             scores = scores.masked_fill(~visible, float("-inf"))
             out[b, t0:t1] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
     return out
@@ -959,14 +1176,15 @@ def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
 def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, NSPLIT, qk_scale,
                       s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, CHUNK: tl.constexpr,
                       NH: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+                      PREC: tl.constexpr):
     # program (b, kv head * NM + query tile, split). A query tile holds BM rows r = t * GROUP + g: the
     # GROUP query heads sharing this KV head, for consecutive new tokens t, so each K/V tile loaded
     # serves them all. Keys run up to the tile's own causal end pos + t_max + 1 (never kv_len); with
-    # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding), or, with CHUNK > 0, into pieces of CHUNK
-    # keys starting at multiples of CHUNK (the same pieces for a key whatever T and the tile are: batch-invariant;
-    # pieces past the end are empty), and the partial softmax states (acc, max, sum) go to p_part / p_ml for
-    # _attention_combine_kernel.
+    # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding), or, with CHUNK > 0, into pieces of
+    # CHUNK keys starting at multiples of CHUNK (the same pieces for a key whatever T and the tile are:
+    # batch-invariant; pieces past the end are empty), and the partial softmax states (acc, max, sum) go to
+    # p_part / p_ml for _attention_combine_kernel.
     i_b, i_hm, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kv, i_m = i_hm // NM, i_hm % NM
     o_r = i_m * BM + tl.arange(0, BM)
@@ -996,7 +1214,8 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
     for start in range(lo, hi, BN):
         o_n = start + tl.arange(0, BN)
         m_n = o_n < hi
-        b_k = tl.load(p_kb + o_n[:, None] * s_kl, mask=m_n[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BN, BD]
+        b_k = tl.load(p_kb + o_n[:, None] * s_kl, mask=m_n[:, None] & m_d[None, :],
+                      other=0.0).to(DOT)  # [BN, BD]
         b_sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale           # [BM, BN], log2 units
         b_sc = tl.where(m_n[None, :] & (o_n[None, :] <= b_qpos[:, None]), b_sc, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_sc, 1))
@@ -1021,8 +1240,9 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
 
 @_jit
 def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl.constexpr):
-    # program per output row (b, t, head): merge the NSPLIT partial softmax states one after the other, in order
-    # (empty pieces, max -inf, change nothing: the result does not depend on how many trail the last key)
+    # program per output row (b, t, head): merge the NSPLIT partial softmax states one after the other, in
+    # order (empty pieces, max -inf, change nothing: the result does not depend on how many trail the last
+    # key)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     b_m = tl.full([1], float("-inf"), dtype=tl.float32)
@@ -1093,6 +1313,8 @@ def attention(q, k_cache, v_cache, slots, pos, kv_len):
     """
     if _fast(q):
         return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len)
+    if _cpu_fast(q) and q.shape[1] <= 32:
+        return _attention_cpu(q, k_cache, v_cache, slots, pos)
     return attention_ref(q, k_cache, v_cache, slots, pos, kv_len)
 
 
@@ -1142,13 +1364,15 @@ def _moe_route_kernel(p_logits, p_w, p_idx, E, s_n, TOPK: tl.constexpr, BE: tl.c
 
 
 def moe_route(router_logits, top_k):
-    """fp32 softmax over experts, top-k, renormalised. router_logits [N, E] -> (w [N, k] fp32, idx [N, k] long)."""
+    """fp32 softmax over experts, top-k, renormalised. router_logits [N, E] ->
+    (w [N, k] fp32, idx [N, k] long)."""
     if _fast(router_logits):
         N, E = router_logits.shape
         lg = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         w = _empty((N, top_k), torch.float32, lg.device)
         idx = _empty((N, top_k), torch.long, lg.device)
-        _moe_route_kernel[(N,)](lg, w, idx, E, lg.stride(0), TOPK=top_k, BE=_p2(E), BK=_p2(top_k), num_warps=2)
+        _moe_route_kernel[(N,)](lg, w, idx, E, lg.stride(0), TOPK=top_k, BE=_p2(E), BK=_p2(top_k),
+                                num_warps=2)
         return w, idx
     return moe_route_ref(router_logits, top_k)
 
@@ -1159,11 +1383,11 @@ def moe_route(router_logits, top_k):
 # of its output features and runs its pairs BT at a time through tl.dot, so an expert's weights are read
 # once however many tokens chose it. With few pairs (P <= E: decode and verify) the grid runs over pairs
 # and only the first pair of each expert (its leader) works, one token at a time, GEMV-style: a step
-# reads k experts' weights, bandwidth-bound. Tiles measured on the H200 (35B: E 256, I 512, H 2048, k 8; us per
-# layer at 1 token / 2 tokens): gate_up 16 x 512 blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8 warps:
-# 20.1 / 38.0); down 4 x 256, 2 warps: 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). A grid straight over the experts
-# without the leader lookups (valid only for distinct experts; a one-off variant, not kept) was 0.3-0.6 us
-# faster: the lookups stay. tools/tile_sweep.py reruns the tile comparison.
+# reads k experts' weights, bandwidth-bound. Tiles measured on the H200 (35B: E 256, I 512, H 2048, k 8; us
+# per layer at 1 token / 2 tokens): gate_up 16 x 512 blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8
+# warps: 20.1 / 38.0); down 4 x 256, 2 warps: 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). A grid straight over the
+# experts without the leader lookups (valid only for distinct experts; a one-off variant, not kept) was
+# 0.3-0.6 us faster: the lookups stay. tools/tile_sweep.py reruns the tile comparison.
 _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
 
 
@@ -1185,7 +1409,8 @@ def _moe_group_kernel(p_idx, p_order, p_off, P, BP: tl.constexpr):
 def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
                         TOPK: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
                         DOT: tl.constexpr, PREC: tl.constexpr):
-    # program (expert, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T) for the expert's pairs, BT at a time
+    # program (expert, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T) for the expert's pairs,
+    # BT at a time
     i_e, i_i = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
     start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
@@ -1203,20 +1428,24 @@ def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
         for h0 in range(0, H, BH):
             o_h = h0 + tl.arange(0, BH)
             m_h = o_h < H
-            b_x = tl.load(p_x + b_tok[:, None] * s_x + o_h[None, :], mask=m_t[:, None] & m_h[None, :], other=0.0).to(DOT)
+            b_x = tl.load(p_x + b_tok[:, None] * s_x + o_h[None, :], mask=m_t[:, None] & m_h[None, :],
+                          other=0.0).to(DOT)
             m_w = m_h[:, None] & m_i[None, :]
             b_wg = tl.load(p_g + o_h[:, None], mask=m_w, other=0.0).to(DOT)          # [BH, BI]
             b_wu = tl.load(p_u + o_h[:, None], mask=m_w, other=0.0).to(DOT)
             b_g += tl.dot(b_x, b_wg, input_precision=PREC)
             b_u += tl.dot(b_x, b_wu, input_precision=PREC)
         b_h = b_g * tl.sigmoid(b_g) * b_u
-        tl.store(p_h + b_pair[:, None] * I + o_i[None, :], b_h.to(p_h.dtype.element_ty), mask=m_t[:, None] & m_i[None, :])
+        tl.store(p_h + b_pair[:, None] * I + o_i[None, :], b_h.to(p_h.dtype.element_ty),
+                 mask=m_t[:, None] & m_i[None, :])
 
 
 @_jit
 def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
-                     BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    # program (expert, H block): y[pair, H block] = w_pair * (h[pair] W_down^T) for the expert's pairs, BT at a time
+                     BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, DOT: tl.constexpr,
+                     PREC: tl.constexpr):
+    # program (expert, H block): y[pair, H block] = w_pair * (h[pair] W_down^T) for the expert's pairs,
+    # BT at a time
     i_e, i_o = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
     start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
@@ -1231,7 +1460,8 @@ def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
         for i0 in range(0, I, BI):
             o_i = i0 + tl.arange(0, BI)
             m_i = o_i < I
-            b_h = tl.load(p_h + b_pair[:, None] * I + o_i[None, :], mask=m_t[:, None] & m_i[None, :], other=0.0)
+            b_h = tl.load(p_h + b_pair[:, None] * I + o_i[None, :], mask=m_t[:, None] & m_i[None, :],
+                          other=0.0)
             b_wd = tl.load(p_d + o_i[:, None], mask=m_i[:, None] & m_o[None, :], other=0.0)  # [BI, BO]
             b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
         b_y *= tl.load(p_w + b_pair, mask=m_t, other=0.0)[:, None]
@@ -1249,8 +1479,9 @@ def _moe_leader(p_idx, p_order, p_off, i_p):
 @_jit
 def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
                              TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
-    # decode (P <= E pairs): program (pair, I block); the leader pair of an expert runs its pairs one token at a
-    # time like the GEMV at M = 1: products of [BI, BH] gate and up weight tiles with x, summed over BH after the loop
+    # decode (P <= E pairs): program (pair, I block); the leader pair of an expert runs its pairs one token at
+    # a time like the GEMV at M = 1: products of [BI, BH] gate and up weight tiles with x, summed over BH
+    # after the loop
     i_p, i_i = tl.program_id(0), tl.program_id(1)
     e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
     o_i = i_i * BI + tl.arange(0, BI)
@@ -1275,7 +1506,8 @@ def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s
 @_jit
 def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
                           BO: tl.constexpr, BI: tl.constexpr):
-    # decode (P <= E pairs): program (pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T), GEMV-style
+    # decode (P <= E pairs): program (pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T),
+    # GEMV-style
     i_p, i_o = tl.program_id(0), tl.program_id(1)
     e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
     o_o = i_o * BO + tl.arange(0, BO)
@@ -1288,7 +1520,8 @@ def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de
             o_i = i0 + tl.arange(0, BI)
             m_i = o_i < I
             b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
-            b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_h
+            b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :],
+                           other=0.0).to(tl.float32) * b_h
         tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
 
 
@@ -1325,13 +1558,15 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
     for s in range(0, N, _MOE_CHUNK):
         e_ = min(N, s + _MOE_CHUNK)
         xs, ids, ws, P = x[s:e_], idx[s:e_], w[s:e_], (e_ - s) * k
-        order = _empty((P,), torch.int32, x.device)                                 # pairs, grouped by expert
-        off = _empty((E + 1,), torch.int32, x.device)                               # expert e: order[off[e]:off[e+1]]
-        h = _empty((P, I), x.dtype, x.device)                                        # [P, I]
-        y = _empty((P, H), torch.float32, x.device)                                  # [P, H]
+        order = _empty((P,), torch.int32, x.device)                         # pairs, grouped by expert
+        off = _empty((E + 1,), torch.int32, x.device)                       # expert e: order[off[e]:off[e+1]]
+        h = _empty((P, I), x.dtype, x.device)                               # [P, I]
+        y = _empty((P, H), torch.float32, x.device)                         # [P, H]
         BP = _p2(P)
         _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
-        if P <= E:  # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above)
+        # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above); with
+        # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
+        if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
             _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
                 xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
                 TOPK=k, BI=16, BH=min(512, _p2(H)), num_warps=4, num_stages=3)
@@ -1347,23 +1582,26 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
                 BT=16, BO=32, BI=min(128, max(16, _p2(I))), DOT=dot, PREC=prec, num_warps=4)
         sh, gt, res = (out if t is None else t[s:e_] for t in (shared, shared_gate, residual))
         _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], sh, gt, res, H, gt.stride(0), TOPK=k, BH=512,
-                                                  SHARED=shared is not None, RES=residual is not None, num_warps=4)
+                                                  SHARED=shared is not None, RES=residual is not None,
+                                                  num_warps=4)
     return out
 
 
 def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None):
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) for each token's chosen experts.
     x [N, H]; w, idx [N, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns [N, H].
-    The MoE layer's epilogue rides along: with `shared` [N, H] and `shared_gate` [N, 1] (the shared expert's output
-    and its gate logit) + sigmoid(shared_gate) * shared; with `residual` [N, H] + residual (the layer's skip).
-    The kernels keep fp32 accumulators, sum the k experts and the epilogue in fp32 and round once (one launch);
-    the reference rounds to x's dtype after each product and each op, as the unfused model does, and accumulates
-    the experts in x's dtype (and syncs with the host)."""
+    The MoE layer's epilogue rides along: with `shared` [N, H] and `shared_gate` [N, 1] (the shared expert's
+    output and its gate logit) + sigmoid(shared_gate) * shared; with `residual` [N, H] + residual
+    (the layer's skip). The kernels keep fp32 accumulators, sum the k experts and the epilogue in fp32 and
+    round once (one launch); the reference rounds to x's dtype after each product and each op, as the unfused
+    model does, and accumulates the experts in x's dtype (and syncs with the host)."""
     if _fast(x):
         if shared is not None:
-            shared = shared if shared.stride(1) == 1 and shared.stride(0) == shared.shape[1] else shared.contiguous()
+            shared = (shared if shared.stride(1) == 1 and shared.stride(0) == shared.shape[1]
+                      else shared.contiguous())
         if residual is not None:
-            residual = residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1] else residual.contiguous()
+            residual = (residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1]
+                        else residual.contiguous())
         return _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual)
     out = moe_experts_ref(x, w, idx, gate_up, down)
     if shared is not None:
@@ -1401,7 +1639,8 @@ def _markov_logits_kernel(p_u, p_w2, p_e, p_pv, p_pi, B, V, R, s_ub, NB, BN: tl.
                   other=0.0).to(tl.float32)                                          # [BN, BR]
     for b in range(B):
         b_e = tl.load(p_e + b * R + o_r, mask=m_r, other=0.0).to(tl.float32)
-        b_l = tl.sum(b_w * b_e[None, :], 1).to(p_w2.dtype.element_ty).to(tl.float32)  # rounded like a Linear's output
+        # rounded like a Linear's output
+        b_l = tl.sum(b_w * b_e[None, :], 1).to(p_w2.dtype.element_ty).to(tl.float32)
         b_l += tl.load(p_u + b * s_ub + o_n, mask=m_n, other=0.0)
         b_l = tl.where(m_n, b_l, float("-inf"))
         mx = tl.max(b_l, 0)
@@ -1445,7 +1684,8 @@ def markov_greedy(U, e0, w1, w2):
     pv, pi = _empty((B, NB), torch.float32, U.device), _empty((B, NB), torch.int32, U.device)
     d = _empty((B, Kq), torch.long, U.device)
     for j in range(Kq):
-        _markov_logits_kernel[(NB,)](U[:, j], w2, e, pv, pi, B, V, R, U.stride(0), NB, BN=BN, BR=BR, num_warps=4)
+        _markov_logits_kernel[(NB,)](U[:, j], w2, e, pv, pi, B, V, R, U.stride(0), NB, BN=BN, BR=BR,
+                                     num_warps=4)
         _markov_pick_kernel[(B,)](pv, pi, w1, e, d, NB, R, j, d.stride(0), BNB=min(4096, _p2(NB)), BR=BR,
                                   num_warps=4)
     return d

@@ -1,11 +1,15 @@
 """server.py - specdec's OpenAI-compatible HTTP server (vLLM's wire format), standard library only.
 
-    python server.py --model PATH [--speculative-config JSON] [--port 8000] [--api-key KEY] [--max-num-seqs 8]
+    python server.py MODEL [vllm serve's flags: --speculative-config JSON --reasoning-parser qwen3
+                            --enable-auto-tool-choice --tool-call-parser qwen3_coder ...]
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics
-(Prometheus text). Request fields, response and SSE shapes, errors and metric names follow vLLM's server.
+Endpoints: GET /health, /ping, /version, /v1/models, POST /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize, GET /metrics (Prometheus text). Request fields, response and SSE shapes, errors and metric names
+follow vLLM's server. Chat answers go through the checkpoint's chat template (specdec.ChatTemplate), then the
+reasoning parser (qwen3: <think>...</think> -> reasoning_content) and a tool-call parser (qwen3_coder, hermes:
+<tool_call>...</tool_call> -> tool_calls), streamed as they settle (section "Chat output").
 
 Threads. The engine is not thread-safe, so one engine thread alone calls add_request / abort / step. Handler
 threads (one per connection) parse, validate and tokenize a request, put ("add", job) on the engine thread's
@@ -23,6 +27,9 @@ doubled Content-Length), a request's head and its body must each arrive within -
 --max-connections connections are open (one more gets a 503 at once).
 """
 import argparse
+import ast
+import copy
+import dataclasses
 import hmac
 import io
 import json
@@ -44,11 +51,14 @@ from urllib.parse import urlsplit
 
 import torch
 
-from specdec import ConfigError, SamplingParams, add_engine_args, apply_chat_template, llm_from_args
+from specdec import (BYTE_OF_CHAR, ChatTemplate, ConfigError, SamplingParams, SpecStats, add_engine_args,
+                     llm_from_args, vllm_argv)
 
+VERSION = "0.1.0"  # GET /version
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_BODY = 1 << 26  # bytes of one request body
 INT64 = 1 << 63  # seeds are signed 64-bit, as in vLLM's protocol
+BYTE_CHARS = {b: c for c, b in BYTE_OF_CHAR.items()}  # a byte -> its character in byte-level BPE vocabularies
 
 
 # ==============================================================================================
@@ -127,8 +137,7 @@ def parse_json(raw):
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
                "min_tokens": 0, "best_of": 1, "logit_bias": {}, "suffix": "",
                "include_stop_str_in_output": False, "skip_special_tokens": True,
-               "continue_final_message": False, "tools": [], "response_format": {"type": "text"},
-               "prompt_embeds": None}
+               "continue_final_message": False, "response_format": {"type": "text"}, "prompt_embeds": None}
 # ... the numeric ones after vLLM's own range checks (so an out-of-range value gets vLLM's message)
 PENALTY = (lambda v: -2 <= v <= 2, "must be in [-2, 2]")
 UNSUPPORTED_RANGES = {
@@ -157,9 +166,10 @@ def logprobs_count(body, name, vocab):
     return n
 
 
-def sampling_params(body, max_tokens, logprobs, vocab):
+def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     """The sampling fields, each bounded as vLLM bounds it (sampling_params.py and the OpenAI protocol), so
-    nothing out of range reaches the engine: a bad value is a 400 here, never a failure inside a step."""
+    nothing out of range reaches the engine: a bad value is a 400 here, never a failure inside a step. A
+    field left unset gets the model's generation-config default (`defaults`), else vLLM's."""
     for name, (kind, *rules) in UNSUPPORTED_RANGES.items():
         checked(body, name, kind, None, *rules)
     for name, ok in UNSUPPORTED.items():
@@ -167,10 +177,14 @@ def sampling_params(body, max_tokens, logprobs, vocab):
             raise bad(f"'{name}' is not supported by this server (only {json.dumps(ok)} is accepted)", name)
     if checked(body, "n", "integer", 1, (lambda v: v >= 1, "must be at least 1")) != 1:
         raise bad("only n=1 is supported", "n")
-    temperature = checked(body, "temperature", "number", 1.0, FINITE,
+    temperature = checked(body, "temperature", "number", defaults.get("temperature", 1.0), FINITE,
                           (lambda v: v >= 0, "must be non-negative"), (lambda v: v <= 2, "must be in [0, 2]"))
-    top_p = checked(body, "top_p", "number", 1.0, (lambda v: 0 < v <= 1, "must be in (0, 1]"))
-    top_k = checked(body, "top_k", "integer", -1, (lambda v: v >= -1, "must be 0 (disable), or at least 1"))
+    top_p = checked(body, "top_p", "number", defaults.get("top_p", 1.0),
+                    (lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    top_k = checked(body, "top_k", "integer", defaults.get("top_k", -1),
+                    (lambda v: v >= -1, "must be 0 (disable), or at least 1"))
+    if "max_tokens" in defaults:  # the generation config's max_new_tokens caps every request (vLLM)
+        max_tokens = min(max_tokens or math.inf, defaults["max_tokens"])
     top_k = -1 if top_k == 0 or top_k >= vocab else top_k  # 0 and any k >= the vocabulary keep every token
     seed = get(body, "seed", "integer")
     if seed is not None and not -INT64 <= seed < INT64:  # vLLM: a pydantic bound, with pydantic's message
@@ -195,8 +209,9 @@ def sampling_params(body, max_tokens, logprobs, vocab):
         raise bad(str(e), str(e).split()[0]) from None
 
 
-def parse_completion(tok, body, vocab):
-    """A /v1/completions body -> (prompt ids, echo text, SamplingParams)."""
+def parse_completion(app, body):
+    """A /v1/completions body -> (prompt ids, echo text, SamplingParams, None: no chat)."""
+    tok, vocab = app.tokenizer, app.vocab
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > 1:
@@ -214,29 +229,431 @@ def parse_completion(tok, body, vocab):
         raise bad("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     echo = (tok.decode(ids) if prompt is None else prompt) if echo else ""
     max_tokens = max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
-    return ids, echo, sampling_params(body, max_tokens, logprobs, vocab)
+    return ids, echo, sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling), None
 
 
-def parse_chat(tok, body, vocab):
-    """A /v1/chat/completions body -> (prompt ids, "" (no echo), SamplingParams)."""
-    msgs = body.get("messages")
-    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    for m in msgs)):
+ROLES = ("system", "developer", "user", "assistant", "tool")
+FUNCTION_SHAPE = '{"type": "function", "function": {"name": ...}}'
+
+
+def parse_messages(msgs):
+    """Check `messages` as vLLM's protocol does: each a {role, content} object (content a string, null or a
+    list of text parts); an assistant's tool_calls a list of {function: {name, arguments}}."""
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
         raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-    kwargs = get(body, "chat_template_kwargs", "object", {})
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if m.get("role") not in ROLES:
+            raise bad(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {short(m.get('role'))}",
+                      "messages")
+        content = m.get("content")
+        parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in content)
+        if not (content is None or isinstance(content, str) or parts):
+            raise bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
+        calls = m.get("tool_calls")
+        if calls is not None and not (m["role"] == "assistant" and isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", "{}"), (str, dict)) for c in calls)):
+            raise bad(f"{where}: 'tool_calls' must be an assistant's list of {{\"id\", \"type\": "
+                      "\"function\", \"function\": {\"name\", \"arguments\"}} objects", "messages")
+    return msgs
+
+
+def parse_tools(body):
+    """-> (tools or None, tool_choice: "none" | "auto" | "required" | a function's name), checked as vLLM's
+    protocol checks them; tool_choice defaults to "auto" with tools, else "none"."""
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type", "function") == "function"
+            and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            and t["function"]["name"] and isinstance(t["function"].get("parameters") or {}, dict)
+            for t in tools)):
+        raise bad(f"'tools' must be a list of {FUNCTION_SHAPE} objects", "tools")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if choice == "required" and tools == []:
+        return None, "none"  # vLLM (and OpenAI): nothing to require
+    if choice not in (None, "none"):
+        if tools is None:
+            raise bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+                raise bad(f"Invalid value for `tool_choice`: {short(choice)}! Correct usage: "
+                          f"{FUNCTION_SHAPE}", "tool_choice")
+            if fn["name"] not in (t["function"]["name"] for t in tools):
+                raise bad("The tool specified in `tool_choice` does not match any of the specified `tools`",
+                          "tool_choice")
+            choice = fn["name"]
+        elif choice not in ("auto", "required"):
+            raise bad(f"Invalid value for `tool_choice`: {short(choice)}! Only named tools, \"none\", "
+                      "\"auto\" or \"required\" are supported.", "tool_choice")
+    return tools, choice or "none"
+
+
+def render_chat(app, body, msgs, tools):
+    """The chat template's prompt for a request: its messages and tools, with its chat_template_kwargs over
+    the server's --default-chat-template-kwargs."""
+    if body.get("chat_template") is not None:
+        raise bad("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                  "Refused request with untrusted chat template.", "chat_template")
+    kwargs = {**app.chat_kwargs, **get(body, "chat_template_kwargs", "object", {})}
     try:
-        prompt = apply_chat_template(msgs, get(body, "add_generation_prompt", "boolean", True),
-                                     bool(kwargs.get("enable_thinking", True)))
+        return app.template.render(msgs, tools, get(body, "add_generation_prompt", "boolean", True), **kwargs)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad(f"invalid messages: {e}", "messages") from None
+
+
+def token_str(app, i):
+    """A token as the tokenizer's vocabulary spells it (vLLM's token_strs): byte-level, e.g. "Ġthe"."""
+    if i in app.added_tokens:
+        return app.added_tokens[i]
+    return "".join(BYTE_CHARS[b] for b in app.tokenizer.token_bytes(i))
+
+
+# What a chat request's answer goes through: ChatStream's arguments, and the tool choice (for finish_reason)
+ChatSpec = namedtuple("ChatSpec", "start parser prefix tool_choice include_reasoning")
+
+
+def parse_chat(app, body):
+    """A /v1/chat/completions body -> (prompt ids, "" (no echo), SamplingParams, ChatSpec). The prompt is
+    the chat template's rendering (with the tools and the chat_template_kwargs over the server's defaults);
+    tool_choice required or a named function writes the start of a call after it (no structured outputs)."""
+    msgs = parse_messages(body.get("messages"))
+    tools, tool_choice = parse_tools(body)
+    if tool_choice == "auto" and not app.auto_tools:
+        raise bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                  "tool_choice")
+    if tool_choice not in ("none", "auto") and app.tool_parser is None:
+        raise bad("tool_choice 'required' or a named function needs --tool-call-parser (specdec forces the "
+                  "call by starting it after the prompt, in the parser's format)", "tool_choice")
+    prompt, prefix = render_chat(app, body, msgs, tools), ""
+    if tool_choice not in ("none", "auto"):
+        if prompt_reasoning(prompt) == "thinking":
+            prompt += f"\n{END_THINK}\n\n"  # a forced call comes without thinking (as enable_thinking false)
+        prefix = app.tool_parser.opening(None if tool_choice == "required" else tool_choice)
+    parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
+    start = prompt_reasoning(prompt) if app.reasoning_parser else None
+    spec = ChatSpec(start, parser, prefix, tool_choice, get(body, "include_reasoning", "boolean", True))
     max_tokens = max_tokens_field(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = max_tokens_field(body, "max_tokens", None)  # None: up to the context
     want, top = get(body, "logprobs", "boolean", False), get(body, "top_logprobs", "integer")
     if top is not None and (top == -1 or top > 0) and not want:
         raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    top = logprobs_count(body, "top_logprobs", vocab)
-    return tok.encode(prompt), "", sampling_params(body, max_tokens, (top or 0) if want else None, vocab)
+    top = logprobs_count(body, "top_logprobs", app.vocab)
+    logprobs = (top or 0) if want else None
+    params = sampling_params(body, max_tokens, logprobs, app.vocab, app.llm.default_sampling)
+    return app.tokenizer.encode(prompt + prefix), "", params, spec
+
+
+# ==============================================================================================
+# Chat output: the reasoning parser (qwen3) and the tool-call parsers (qwen3_coder, hermes)
+# ==============================================================================================
+# Each reads the answer's whole text so far and says what it settles: with final=False it holds back what
+# the next tokens could still change (half a tag, a value that may go on); at the end (final=True) nothing
+# waits. ChatStream sends only what is new since the last step, so a stream's pieces add up to exactly the
+# non-streamed answer, however the text arrived (a speculative step brings several tokens at once).
+
+THINK, END_THINK, TOOL_CALL, END_TOOL_CALL = "<think>", "</think>", "<tool_call>", "</tool_call>"
+FUNC, END_FUNC, PARAM, END_PARAM = "<function=", "</function>", "<parameter=", "</parameter>"
+BAD_NAME = re.compile(r"[\s{}<>\"']")  # a tool's name has none of these (a name with them is no call)
+TEXT_KINDS = ("string", "str", "text", "varchar", "char", "enum")  # schema types whose values stay text
+
+
+def held(text, *tags):
+    """How many characters at the end of `text` may be the start of one of `tags`."""
+    return max((n for tag in tags for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
+
+
+def skip_space(text, i):
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def prompt_reasoning(prompt):
+    """Where the answer starts: "thinking" (the prompt's last think tag opens a block: Qwen3.6's default),
+    "answer" (it closes one: thinking is off), or "maybe" (no tag: the model may open one itself)."""
+    opened, closed = prompt.rfind(THINK), prompt.rfind(END_THINK)
+    return "thinking" if opened > closed else "answer" if closed > opened else "maybe"
+
+
+def split_reasoning(text, start, final):
+    """vLLM's qwen3 reasoning parser -> (reasoning, content or None while the thinking goes on). The thinking
+    runs to </think>, or to a <tool_call> that opens a <function=...> (Qwen3.5+ may call a tool without
+    closing it); an answer that never closes it is all reasoning; with thinking off all is content."""
+    if start == "answer":
+        return "", text
+    if not final and len(text) < len(THINK) and THINK.startswith(text):  # nothing yet, or half a <think>
+        return "", None
+    if text.startswith(THINK):
+        text = text[len(THINK):]
+    elif start == "maybe":
+        return "", text
+    end = text.find(END_THINK)
+    call = text.find(TOOL_CALL)
+    # the first of the two ends the thinking (so a stream agrees)
+    while 0 <= call and (end < 0 or call < end):
+        after = text[skip_space(text, call + len(TOOL_CALL)):]
+        if re.match(r"<function[\s=]", after):
+            return text[:call], text[call:]
+        if not final and "<function=".startswith(after):
+            return text[:call], None
+        call = text.find(TOOL_CALL, call + 1)
+    if end >= 0:
+        return text[:end], text[end + len(END_THINK):]
+    return text[:len(text) - (0 if final else held(text, END_THINK, TOOL_CALL))], None
+
+
+class Call:
+    """One tool call as parsed so far: its name, its parameters [(name, value as JSON text)] and whether it
+    is closed. Its arguments (a JSON object's text) only grow as parameters come."""
+
+    def __init__(self, name):
+        self.name, self.params, self.closed = name, [], False
+
+    def add(self, name, value):
+        if name not in (p for p, _ in self.params):  # a repeated parameter: the first one counts
+            self.params.append((name, json.dumps(value, ensure_ascii=False)))
+
+    def arguments(self):
+        body = ", ".join(f"{json.dumps(p, ensure_ascii=False)}: {v}" for p, v in self.params)
+        return "{" + body + ("}" if self.closed else "")
+
+
+def typed_value(text, schema):
+    """A parameter's text as the JSON value its schema types (vLLM's qwen3_coder rules): strings as they are;
+    integers, numbers, booleans parsed; objects and arrays read as JSON (or a Python literal); "null" is null
+    where the schema allows it; what does not parse stays text."""
+    if not isinstance(schema, dict):
+        return text
+    options = schema.get("anyOf") if isinstance(schema.get("anyOf"), list) else []
+    kinds = schema.get("type", [o.get("type") for o in options if isinstance(o, dict)])
+    kinds = [str(k).strip().lower() for k in (kinds if isinstance(kinds, list) else [kinds])]
+    kind = next((k for k in kinds if k != "null"), "null" if kinds else "string")
+    if text.lower() in ("null", "none") and ("null" in kinds or kind not in TEXT_KINDS):
+        return None
+    if kind in TEXT_KINDS:
+        return text
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        return int(text) if re.fullmatch(r"\s*[-+]?\d+\s*", text) else text
+    if kind.startswith(("num", "float")):
+        try:
+            v = float(text)
+        except ValueError:
+            return text
+        return text if not math.isfinite(v) else int(v) if v.is_integer() else v
+    if kind in ("boolean", "bool", "binary"):
+        return text.strip().lower() == "true"  # vLLM: anything but true is false
+    for read in (json.loads, ast.literal_eval):
+        try:
+            v = read(text)
+            json.dumps(v)  # only what JSON can hold (not a set, bytes, a complex number)
+            return v
+        except Exception:  # any parse failure (also RecursionError on deep nesting): try the next, then text
+            pass
+    return text
+
+
+class Qwen3CoderParser:
+    """vLLM's qwen3_coder parser: <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...
+    </function>\\n</tool_call>, each VALUE typed by the tool's schema. A call counts once its NAME is
+    complete; a parameter once its </parameter> is followed by the next tag (a value may hold XML-like text,
+    even </parameter>); a call cut off by the end of the answer closes with the parameters it completed."""
+
+    def __init__(self, tools):
+        fns = [t["function"] for t in tools or []]
+        props = [(f.get("parameters") or {}).get("properties") for f in fns]
+        self.schemas = {f["name"]: p if isinstance(p, dict) else {} for f, p in zip(fns, props)}
+
+    @staticmethod
+    def opening(name=None):
+        """The start of a call, written into the prompt to force one (tool_choice required or named)."""
+        return f"{TOOL_CALL}\n{FUNC}" + ("" if name is None else f"{name}>\n")
+
+    def parse(self, text, final):
+        """-> [text, Call, text, Call, ..., text]: the answer's pieces around its calls, as far as settled."""
+        items, start, search = [], 0, 0
+        while True:
+            i = text.find(TOOL_CALL, search)
+            if i < 0:
+                tail = text[start:]
+                return items + [tail if final else tail[:len(tail) - held(tail, TOOL_CALL)]]
+            got = self.call(text, i + len(TOOL_CALL), final)
+            if got == "wait":
+                return items + [text[start:i]]
+            if got is None:  # not a call: the tag is text
+                search = i + len(TOOL_CALL)
+                continue
+            call, end = got
+            items += [text[start:i], call]
+            if end is None:
+                return items + [""]
+            start = search = end
+
+    def call(self, text, pos, final):
+        """The call starting at `pos` -> (Call, end or None if what follows is not settled), None (no call)
+        or "wait"."""
+        p = skip_space(text, pos)
+        if not text.startswith(FUNC, p):
+            return "wait" if not final and FUNC.startswith(text[p:]) else None
+        q = text.find(">", p + len(FUNC))
+        name = text[p + len(FUNC):q if q >= 0 else len(text)]
+        if BAD_NAME.search(name) or (q >= 0 and not name) or (q < 0 and final):
+            return None
+        if q < 0:
+            return "wait"
+        call, pos = Call(name), q + 1
+        while True:
+            p = skip_space(text, pos)
+            if text.startswith(END_FUNC, p):
+                call.closed = True
+                p = skip_space(text, p + len(END_FUNC))
+                if text.startswith(END_TOOL_CALL, p):
+                    return call, p + len(END_TOOL_CALL)
+                return call, (None if not final and END_TOOL_CALL.startswith(text[p:]) else p)
+            if text.startswith(PARAM, p):
+                r = text.find(">", p + len(PARAM))
+                end = None if r < 0 or r + 1 == len(text) else self.value_end(text, r + 1, final)
+                if end is None:
+                    break
+                value = text[r + 1 + (text[r + 1] == "\n"):end]
+                param = text[p + len(PARAM):r]
+                call.add(param, typed_value(value[:-1] if value.endswith("\n") else value,
+                                            self.schemas.get(name, {}).get(param)))
+                pos = end + len(END_PARAM) if text.startswith(END_PARAM, end) else end
+                continue
+            nxt = [i for i in (text.find(PARAM, p), text.find(END_FUNC, p)) if i >= 0]  # stray text: skip it
+            if not nxt:
+                break
+            pos = min(nxt)
+        call.closed = final  # cut off: at the end of the answer it closes with what it has
+        return call, None
+
+    @staticmethod
+    def value_end(text, v, final):
+        """Where the value starting at `v` ends: at a </parameter> that the next tag follows (another one is
+        part of the value); at the end of the answer, also at a </function> closing the call (a forgotten
+        </parameter>). None: not settled yet."""
+        s = v
+        while (e := text.find(END_PARAM, s)) >= 0:
+            after = text[skip_space(text, e + len(END_PARAM)):]
+            if after.startswith((PARAM, END_FUNC, END_TOOL_CALL)):
+                return e
+            # the end, or half a tag
+            if any(tag.startswith(after) for tag in (PARAM, END_FUNC, END_TOOL_CALL)):
+                return e if final else None
+            s = e + len(END_PARAM)
+        f = text.find(END_FUNC, v)
+        while final and f >= 0:
+            after = text[skip_space(text, f + len(END_FUNC)):]
+            if not after or after.startswith(END_TOOL_CALL):
+                return f
+            f = text.find(END_FUNC, f + 1)
+        return None
+
+
+class HermesParser:
+    """vLLM's hermes parser: <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A call counts once its
+    JSON is complete and valid; one that is not stays in the content."""
+
+    def __init__(self, tools):
+        pass
+
+    @staticmethod
+    def opening(name=None):
+        return f'{TOOL_CALL}\n{{"name": "' + ("" if name is None else f'{name}", "arguments": ')
+
+    def parse(self, text, final):
+        items, start, search = [], 0, 0
+        while True:
+            i = text.find(TOOL_CALL, search)
+            if i < 0:
+                tail = text[start:]
+                return items + [tail if final else tail[:len(tail) - held(tail, TOOL_CALL)]]
+            j = text.find(END_TOOL_CALL, i)
+            if j < 0 and not final:
+                return items + [text[start:i]]
+            call = self.call(text[i + len(TOOL_CALL):j if j >= 0 else len(text)])
+            if call is None:
+                search = i + len(TOOL_CALL)
+                continue
+            items += [text[start:i], call]
+            if j < 0:
+                return items + [""]
+            start = search = j + len(END_TOOL_CALL)
+
+    @staticmethod
+    def call(body):
+        try:
+            obj = json.loads(body)
+            args = obj.get("arguments", {})
+            args = json.loads(args) if isinstance(args, str) else args
+        except (ValueError, AttributeError, RecursionError):
+            return None
+        if not (isinstance(obj.get("name"), str) and obj["name"] and not BAD_NAME.search(obj["name"])
+                and isinstance(args, dict)):
+            return None
+        call = Call(obj["name"])
+        for p, v in args.items():
+            call.add(p, v)
+        call.closed = True
+        return call
+
+
+TOOL_PARSERS = {"qwen3_coder": Qwen3CoderParser, "qwen3_xml": Qwen3CoderParser, "hermes": HermesParser}
+REASONING_PARSERS = ("qwen3",)
+
+
+def content_of(items, final):
+    """The content among parsed pieces: text around calls, where whitespace alone next to a call is dropped
+    (and waits, not final, while no call has come: it may be the space before one)."""
+    texts = items[0::2]
+    if len(items) == 1:
+        return texts[0] if final or texts[0].strip() else ""
+    return "".join(t for t in texts if t.strip())
+
+
+class ChatStream:
+    """A chat answer as OpenAI message fields. feed(text, final) takes the answer so far (the engine's text)
+    and returns what is new since the last feed: {"reasoning", "content", "tool_calls"}. `start`: where the
+    answer starts (prompt_reasoning; None: no reasoning parser); `parser`: a tool parser, or None; `prefix`:
+    the opening of a forced call, written in the prompt, which the parser reads first."""
+
+    def __init__(self, start=None, parser=None, prefix=""):
+        self.start, self.parser, self.prefix = start, parser, prefix
+        self.reasoning, self.content, self.calls = "", None, []  # everything sent, for the whole message
+
+    def feed(self, text, final):
+        reasoning, content = ("", text) if self.start is None else split_reasoning(text, self.start, final)
+        calls = []
+        if content is not None and self.parser is not None:
+            items = self.parser.parse(self.prefix + content, final)
+            content, calls = content_of(items, final), items[1::2]
+        delta = {}
+        if len(reasoning) > len(self.reasoning):
+            delta["reasoning"], self.reasoning = reasoning[len(self.reasoning):], reasoning
+        if content is not None:
+            new = content[len(self.content or ""):]
+            if new:
+                delta["content"] = new
+            self.content = content
+        deltas = []
+        for i, call in enumerate(calls):
+            args = call.arguments()
+            if i == len(self.calls):
+                self.calls.append({"id": "chatcmpl-tool-" + uuid.uuid4().hex, "type": "function",
+                                   "function": {"name": call.name, "arguments": args}})
+                deltas.append({"index": i, **self.calls[i]})
+            elif len(args) > len(self.calls[i]["function"]["arguments"]):
+                sent = self.calls[i]["function"]["arguments"]
+                deltas.append({"index": i, "function": {"arguments": args[len(sent):]}})
+                self.calls[i]["function"]["arguments"] = args
+        if deltas:
+            delta["tool_calls"] = copy.deepcopy(deltas)
+        return delta
 
 
 # ==============================================================================================
@@ -244,13 +661,24 @@ def parse_chat(tok, body, vocab):
 # ==============================================================================================
 
 TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
-E2E = "vllm:e2e_request_latency_seconds"
+E2E, QUEUE = "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"
+PREFILL, DECODE = "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"
+INFERENCE = "vllm:request_inference_time_seconds"
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
 BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
            ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0],
-           E2E: [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                 240.0, 480.0, 960.0, 1920.0, 7680.0]}
+           E2E: REQUEST_BUCKETS, QUEUE: REQUEST_BUCKETS, PREFILL: REQUEST_BUCKETS, DECODE: REQUEST_BUCKETS,
+           INFERENCE: REQUEST_BUCKETS}
+HISTOGRAM_DOCS = {TTFT: "Histogram of time to first token in seconds.",
+                  ITL: "Histogram of inter-token latency in seconds.",
+                  E2E: "Histogram of e2e request latency in seconds.",
+                  QUEUE: "Histogram of time spent in WAITING phase for request.",
+                  PREFILL: "Histogram of time spent in PREFILL phase for request.",
+                  DECODE: "Histogram of time spent in DECODE phase for request.",
+                  INFERENCE: "Histogram of time spent in RUNNING phase for request."}
 
 
 class Metrics:
@@ -260,6 +688,7 @@ class Metrics:
         esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         self.labels, self.k, self.lock = f'model_name="{esc}",engine="0"', num_spec_tokens, threading.Lock()
         self.running = self.waiting = self.prompt_tokens = self.generation_tokens = 0
+        self.kv_usage = 0.0  # slot positions in use / all of them
         self.success = dict.fromkeys(("stop", "length", "abort", "error"), 0)
         self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, n
         self.spec = (0, 0, 0, [0] * self.k)  # drafts, draft tokens, accepted tokens, accepted per position
@@ -270,26 +699,38 @@ class Metrics:
         h[1] += v
         h[2] += 1
 
-    def on_update(self, job, req, n_new, now):
-        """Once per step that gave `req` tokens: TTFT on the first, then one ITL per step (as vLLM)."""
+    def on_update(self, job, req, n_new, now, t_step):
+        """Once per step that gave `req` tokens (a step that started at t_step): TTFT and the queue and
+        prefill times on the first (admitted at job.t_scheduled, set by EngineLoop when a chunked prefill
+        spans steps, else in this step), then one ITL per step; the decode and inference times at the end (as
+        vLLM)."""
         with self.lock:
             self.generation_tokens += n_new
             if job.t_last is None:
                 self.prompt_tokens += len(req.prompt_ids)
+                job.t_scheduled = t_step if job.t_scheduled is None else job.t_scheduled
+                job.t_first = now
                 self._observe(TTFT, now - job.t_arrival)
+                self._observe(QUEUE, job.t_scheduled - job.t_arrival)
+                self._observe(PREFILL, now - job.t_scheduled)
             else:
                 self._observe(ITL, now - job.t_last)
             if req.finished:
                 self.success[req.finish_reason] = self.success.get(req.finish_reason, 0) + 1
                 self._observe(E2E, now - job.t_arrival)
+                self._observe(DECODE, now - job.t_first)
+                self._observe(INFERENCE, now - job.t_scheduled)
         job.t_last = now
 
     def after_step(self, eng):
         per_pos = list(eng.stats.accepted_per_pos)
         spec = (eng.stats.num_drafts, eng.stats.num_draft_tokens, eng.stats.num_accepted_tokens,
                 per_pos + [0] * (self.k - len(per_pos)))
+        prefilling = set(map(id, eng.prefilling))  # their KV holds the pieces prefilled so far
+        used = sum(r.prefilled if id(r) in prefilling else len(r.tokens) for r in eng.slots if r is not None)
         with self.lock:
             self.running, self.waiting = sum(r is not None for r in eng.slots), len(eng.waiting)
+            self.kv_usage = used / (eng.max_num_seqs * eng.max_model_len)
             self.spec = spec
 
     def count_end(self, reason):  # ended by the server: "abort" (its client left) or "error" (it failed)
@@ -307,6 +748,8 @@ class Metrics:
                    [("", "", self.running)])
             family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
                    [("", "", self.waiting)])
+            family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+                   [("", "", self.kv_usage)])
             family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
                    [("_total", "", self.prompt_tokens)])
             family("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
@@ -314,7 +757,7 @@ class Metrics:
             family("vllm:request_success", "counter", "Count of successfully processed requests.",
                    [("_total", f',finished_reason="{r}"', n) for r, n in self.success.items()])
             for name, (counts, total, n) in self.hist.items():
-                family(name, "histogram", f"Histogram of {name[5:-8].replace('_', ' ')} in seconds.",
+                family(name, "histogram", HISTOGRAM_DOCS[name],
                        [("_bucket", f',le="{b!r}"', c) for b, c in zip(BUCKETS[name], counts)]
                        + [("_bucket", ',le="+Inf"', n), ("_sum", "", total), ("_count", "", n)])
             if self.k:  # as in vLLM, only with a speculative config
@@ -325,6 +768,25 @@ class Metrics:
                        "Accepted tokens per draft position.",
                        [("_total", f',position="{i}"', v) for i, v in enumerate(self.spec[3])])
         return "\n".join(out) + "\n"
+
+
+class SpecLog:
+    """vLLM's periodic log line (every VLLM_LOG_STATS_INTERVAL seconds, 10 by default, if there were drafts):
+    the spec-decode counters over the interval, with the accepted and drafted throughputs."""
+
+    def __init__(self, interval):
+        self.interval, self.t, self.last = interval, time.monotonic(), SpecStats()
+
+    def tick(self, stats, now):
+        if now - self.t < self.interval:
+            return
+        last, per_pos = self.last, list(stats.accepted_per_pos)
+        delta = SpecStats(stats.num_drafts - last.num_drafts, stats.num_draft_tokens - last.num_draft_tokens,
+                          stats.num_accepted_tokens - last.num_accepted_tokens,
+                          [a - b for a, b in zip(per_pos, last.accepted_per_pos + [0] * len(per_pos))])
+        if delta.num_drafts:
+            print(delta.summary(now - self.t), file=sys.stderr, flush=True)
+        self.t, self.last = now, dataclasses.replace(stats, accepted_per_pos=per_pos)
 
 
 # ==============================================================================================
@@ -343,6 +805,7 @@ class Job:
         self.prompt_ids, self.params, self.t_arrival = prompt_ids, params, time.perf_counter()
         self.events = queue.Queue()  # engine thread -> handler: ("accepted" | "update" | "error", payload)
         self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
+        self.t_scheduled = self.t_first = None  # (engine thread) its first step began, its first token came
 
 
 def device_fault(e):
@@ -353,8 +816,9 @@ def device_fault(e):
 
 
 class EngineLoop:
-    def __init__(self, llm, max_queue, metrics):
-        self.engine, self.metrics, self.max_queue = llm.engine, metrics, max_queue
+    def __init__(self, llm, max_queue, metrics, spec_log=None):
+        self.engine, self.metrics, self.max_queue, self.spec_log = llm.engine, metrics, max_queue, spec_log
+        self.t_step = None              # when the current step began (time.perf_counter())
         self.inbox = queue.Queue()      # handler threads -> engine thread: ("add" | "abort", job)
         self.lock = threading.Lock()    # guards inflight and dead
         self.inflight = 0               # submitted and not finished: running + waiting
@@ -385,31 +849,48 @@ class EngineLoop:
         eng = self.engine
         try:
             while True:
-                cmds = [] if eng.has_work() else [self.inbox.get()]  # idle: sleep until a command comes
-                for kind, job in cmds + list(drain(self.inbox)):
+                for kind, job in self.commands():
                     self._add(job) if kind == "add" else self._abort(job)
                 if eng.has_work():
                     batch, waiting = [r for r in eng.slots if r is not None], list(eng.waiting)
+                    self.t_step = time.perf_counter()
                     try:
                         eng.step()
                     except Exception as e:
                         if device_fault(e):
                             raise
                         self._fail_step(e, batch, waiting)
+                    for job in self.live:  # admitted to a slot in this step (its prefill may take more)
+                        if job.t_scheduled is None and job.req.slot is not None:
+                            job.t_scheduled = self.t_step
                 self.metrics.after_step(eng)
+                if self.spec_log is not None:
+                    self.spec_log.tick(eng.stats, time.monotonic())
         except BaseException as e:  # a device fault, or a fault of this loop itself: nothing can go on
             self._exit(e)
 
+    def commands(self):
+        """The handlers' commands: those waiting; idle, the first to come (sleeping on the inbox, but no
+        longer than the spec-decode log's interval, so that its last line gets written)."""
+        if self.engine.has_work():
+            return list(drain(self.inbox))
+        try:
+            first = self.inbox.get(timeout=None if self.spec_log is None else self.spec_log.interval)
+        except queue.Empty:
+            return []
+        return [first] + list(drain(self.inbox))
+
     def _fail_step(self, e, batch, waiting):
-        """A step raised: end the requests it was serving with a 500, keep the rest. A step first admits
-        waiting requests one at a time (each prefilled into its own freshly reset slot, ending with its first
-        token), then runs one batched step for `batch`. An admitted request without a token failed in its own
-        prefill: it alone ends. Otherwise the batched step (or an admitted request's first token) failed, and
-        every request it touched ends: its state may be a part of a step ahead of its tokens, and going on
-        could silently give wrong tokens. Requests still waiting are untouched."""
+        """A step raised: end the requests it was serving with a 500, keep the rest. A step first prefills
+        (each request's prompt into its own slot, freshly reset at its first piece), then runs one batched
+        step for the running requests. A fault in a request's own prefill names it (e.failed_request): it
+        alone ends. Otherwise the batched step (or an admitted request's first token) failed, and every
+        request it touched ends: its state may be a part of a step ahead of its tokens, and going on could
+        silently give wrong tokens. Requests still waiting are untouched."""
         traceback.print_exc()
         admitted = [r for r in waiting if r.slot is not None]
-        failed = [r for r in admitted if not r.output_ids] or batch + admitted
+        own = getattr(e, "failed_request", None)  # set by Engine._prefill
+        failed = [own] if own is not None else batch + admitted
         err = ApiError(500, f"the engine failed while serving this request: {type(e).__name__}: {e}")
         for job in [job for job in self.live if job.req in failed]:
             self.engine.abort(job.req)
@@ -448,7 +929,7 @@ class EngineLoop:
         job.events.put(("accepted", None))
 
     def _on_update(self, job, req, n_new):
-        self.metrics.on_update(job, req, n_new, time.perf_counter())
+        self.metrics.on_update(job, req, n_new, time.perf_counter(), self.t_step)
         k, job.n_seen = job.n_seen, len(req.output_ids)
         lps = None if req.logprobs is None else req.logprobs[k:]
         job.events.put(("update", Update(req.text, req.output_ids[k:], lps, job.n_seen, req.finish_reason,
@@ -486,14 +967,34 @@ def usage(n_prompt, n_out):
             "prompt_tokens_details": None}
 
 
-def choice(chat, stream, text, logprobs, finish_reason, stop_reason, role=False):
-    if chat and stream:
-        c = {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
-    elif chat:
-        c = {"message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []}}
-    else:
-        c = {"text": text}
-    return {"index": 0, **c, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+def choice(body, logprobs, finish_reason, stop_reason):
+    """One choice: `body` is {"text"} (completions), {"message"} or {"delta"} (chat)."""
+    return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_delta(delta, spec):
+    """ChatStream's delta in the wire's names: the reasoning as vLLM's `reasoning` and `reasoning_content`."""
+    out = {}
+    if delta.get("reasoning") and spec.include_reasoning:
+        out["reasoning_content"] = out["reasoning"] = delta["reasoning"]
+    return {**out, **{k: delta[k] for k in ("content", "tool_calls") if k in delta}}
+
+
+def chat_message(chat, spec):
+    """The whole answer (ChatStream fed it with final=True) as the assistant's message."""
+    reasoning = (chat.reasoning or None) if spec.include_reasoning else None
+    parsed = spec.start is not None or spec.parser is not None  # a parser may leave no content at all
+    return {"role": "assistant", "content": (chat.content or None) if parsed else chat.content,
+            "reasoning_content": reasoning, "reasoning": reasoning, "tool_calls": chat.calls}
+
+
+def chat_finish(finish, chat, spec):
+    """vLLM's finish_reason "tool_calls" when tool_choice auto or required called tools (a named function's
+    call stays "stop"; an answer that max_tokens cut off stays "length": its last call may miss
+    parameters)."""
+    called = chat.calls and spec.tool_choice in ("auto", "required")
+    return "tool_calls" if finish == "stop" and called else finish
 
 
 class LogprobFormat:
@@ -524,8 +1025,10 @@ class LogprobFormat:
 # HTTP
 # ==============================================================================================
 
-ROUTES = {"/health": ("GET", "health"), "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
-          "/v1/completions": ("POST", "completions"), "/v1/chat/completions": ("POST", "chat")}
+ROUTES = {"/health": ("GET", "health"), "/ping": ("GET POST", "health"), "/version": ("GET", "version"),
+          "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
+          "/v1/completions": ("POST", "completions"), "/v1/chat/completions": ("POST", "chat"),
+          "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize")}
 CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 DROP_MAX = 1 << 20  # an unread body up to this size is read and dropped after an early answer (see drop_body)
 
@@ -590,13 +1093,14 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send(401, {"error": "Unauthorized"})
             if path not in ROUTES:
                 raise http_error(404, f"Not Found: {path}")
-            allowed = ("GET", "HEAD") if ROUTES[path][0] == "GET" else ("POST",)
+            methods, name = ROUTES[path]
+            allowed = methods.split() + (["HEAD"] if "GET" in methods else [])
             if self.command not in allowed:
                 raise http_error(405, f"Method Not Allowed: {self.command} {path}", Allow=", ".join(allowed))
             ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-            if self.command == "POST" and ctype != "application/json":
+            if self.command == "POST" and name != "health" and ctype != "application/json":
                 raise http_error(415, "Unsupported Media Type: Only 'application/json' is allowed")
-            getattr(self, ROUTES[path][1])(app, self.read_body())
+            getattr(self, name)(app, self.read_body())
         except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left, or stopped reading
             self.close_connection = True
         except Exception as e:
@@ -690,40 +1194,79 @@ class Handler(BaseHTTPRequestHandler):
         self.send(503 if app.loop.dead else 200, b"", "text/plain")
 
     def models(self, app, raw):
-        card = {"id": app.name, "object": "model", "created": app.created, "owned_by": "specdec",
-                "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len}
-        self.send(200, {"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": app.created, "owned_by": "specdec",
+                  "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len}
+                 for name in app.names]  # one card per --served-model-name, as vLLM
+        self.send(200, {"object": "list", "data": cards})
 
     def metrics(self, app, raw):
         self.send(200, app.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
 
+    def version(self, app, raw):
+        self.send(200, {"version": VERSION})
+
+    def tokenize(self, app, raw):
+        """vLLM's /tokenize: {"prompt"} or a chat ({"messages", "tools", ...}) -> its token ids."""
+        body = app.check_model(parse_json(raw))
+        if body.get("messages") is not None:
+            msgs, tools = parse_messages(body["messages"]), parse_tools(body)[0]
+            ids = app.tokenizer.encode(render_chat(app, body, msgs, tools))
+        elif isinstance(body.get("prompt"), str):
+            ids = app.tokenizer.encode(body["prompt"])
+        else:
+            raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+        strs = [token_str(app, t) for t in ids] if get(body, "return_token_strs", "boolean") else None
+        self.send(200, {"count": len(ids), "max_model_len": app.llm.max_model_len, "tokens": ids,
+                        "token_strs": strs})
+
+    def detokenize(self, app, raw):
+        body = app.check_model(parse_json(raw))
+        ids = body.get("tokens")
+        if not (isinstance(ids, list) and all(JSON_TYPES["integer"](t) for t in ids)):
+            raise bad("'tokens' must be a list of token ids", "tokens")
+        wrong = [t for t in ids if not 0 <= t < app.vocab]
+        if wrong:
+            raise bad(f"token id {short(wrong[0])} is out of range [0, {app.vocab})", "tokens")
+        self.send(200, {"prompt": app.tokenizer.decode(ids)})
+
     def completions(self, app, raw):
         body = app.check_model(parse_json(raw))
-        self.generate(app, body, *parse_completion(app.tokenizer, body, app.vocab), chat=False)
+        self.generate(app, body, *parse_completion(app, body))
 
     def chat(self, app, raw):
         body = app.check_model(parse_json(raw))
-        self.generate(app, body, *parse_chat(app.tokenizer, body, app.vocab), chat=True)
+        self.generate(app, body, *parse_chat(app, body))
 
-    def generate(self, app, body, ids, echo, params, chat):
+    def generate(self, app, body, ids, echo, params, spec):
+        """Run one request (spec: its ChatSpec, None for a completion) and answer, whole or streamed."""
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
         if opts is not None and not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
-        job = Job(ids, params)
-        app.loop.submit(job)
+        chat = spec is not None
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": kind,
                 "created": int(time.time()), "model": app.name}
+        if app.log_requests:
+            print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
+                  f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
+        job = Job(ids, params)
+        app.loop.submit(job)
         fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
         try:
             if stream:
-                self.stream(job, head, chat, fmt, opts or {}, echo)
+                self.stream(job, head, spec, fmt, opts or {}, echo)
+                return
+            ids, lps = [], []
+            for text, new_ids, new_lps, n, finish, stop in self.updates(job):
+                ids, lps = ids + new_ids, lps + (new_lps or [])
+            if chat:
+                out = ChatStream(spec.start, spec.parser, spec.prefix)
+                out.feed(text, final=True)
+                answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
             else:
-                ids, lps = [], []
-                for text, new_ids, new_lps, n, finish, stop in self.updates(job):
-                    ids, lps = ids + new_ids, lps + (new_lps or [])
-                c = choice(chat, False, echo + text, fmt(ids, lps), finish, stop)
-                self.send(200, dict(head, choices=[c], usage=usage(len(job.prompt_ids), n)))
+                answer = {"text": echo + text}
+            self.send(200, dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop)],
+                                usage=usage(len(job.prompt_ids), n)))
         except BaseException:  # the client left, or a failure: free the slot now
             app.loop.abort(job)
             raise
@@ -773,7 +1316,7 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def stream(self, job, head, chat, fmt, opts, echo):
+    def stream(self, job, head, spec, fmt, opts, echo):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -786,17 +1329,27 @@ class Handler(BaseHTTPRequestHandler):
         self.streaming = True
         with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
-        sent, n_prompt, first = 0, len(job.prompt_ids), True
-        for text, ids, lps, n, finish, stop in self.updates(job):
+        chat = None if spec is None else ChatStream(spec.start, spec.parser, spec.prefix)
+        sent, n_prompt, first, ids, lps = 0, len(job.prompt_ids), True, [], []
+        for text, new_ids, new_lps, n, finish, stop in self.updates(job):
             end = len(text) if finish else max(sent, len(text) - hold)
-            delta, sent = text[sent:end], max(sent, end)
+            ids, lps = ids + new_ids, lps + (new_lps or [])  # tokens not sent yet (with their logprobs)
             extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
-            if first:  # vLLM sends the chat role with the first output, not before
-                if chat:
-                    role = choice(True, True, "", None, None, None, role=True)
-                    self.sse(dict(head, choices=[role], **extra))
-                delta, first = echo + delta, False
-            self.sse(dict(head, choices=[choice(chat, True, delta, fmt(ids, lps), finish, stop)], **extra))
+            if first and chat is not None:  # vLLM sends the chat role with the first output, not before
+                role = {"delta": {"role": "assistant", "content": ""}}
+                self.sse(dict(head, choices=[choice(role, None, None, None)], **extra))
+            if chat is None:
+                answer = {"text": (echo if first else "") + text[sent:end]}
+            else:
+                delta = chat_delta(chat.feed(text[:end], final=finish is not None), spec)
+                finish = finish and chat_finish(finish, chat, spec)
+                if not delta and finish is None:  # nothing settled yet (e.g. half a tag): wait for more
+                    sent, first = max(sent, end), False
+                    continue
+                answer = {"delta": delta or {"content": ""}}
+            sent, first = max(sent, end), False
+            self.sse(dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop)], **extra))
+            ids, lps = [], []
         self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n)) if with_usage else None)
 
     def sse(self, obj):
@@ -813,20 +1366,32 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class App:
-    """What the handlers share: the model, its name, the engine loop and the metrics."""
+    """What the handlers share: the model and the names it is served as, the chat template and the parsers
+    (ChatOptions), the engine loop and the metrics."""
 
-    def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64):
+    def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64, chat=None,
+                 log_requests=False):
         self.llm, self.tokenizer, self.api_key, self.vocab = llm, llm.tokenizer, api_key, llm.cfg.vocab_size
-        self.name, self.created = served_model_name or llm.model_path, int(time.time())
-        self.metrics = Metrics(self.name, llm.spec.num_speculative_tokens if llm.spec else 0)
-        self.loop = EngineLoop(llm, max_queue, self.metrics)
+        names = served_model_name or [llm.model_path]
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.name, self.created, self.log_requests = self.names[0], int(time.time()), log_requests
+        chat = chat or ChatOptions()
+        self.template = chat.template or llm.chat_template
+        self.chat_kwargs, self.reasoning_parser = chat.kwargs, chat.reasoning_parser
+        self.tool_parser_name, self.tool_parser = chat.tool_parser, TOOL_PARSERS.get(chat.tool_parser)
+        self.auto_tools = chat.auto_tools and self.tool_parser is not None
+        self.added_tokens = {i: t for t, i in llm.tokenizer.special_ids.items()}
+        k = llm.spec.num_speculative_tokens if llm.spec else 0
+        self.metrics = Metrics(self.name, k)
+        interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", 10))
+        self.loop = EngineLoop(llm, max_queue, self.metrics, SpecLog(interval) if k else None)
 
     def authorized(self, header):
         want = f"Bearer {self.api_key}".encode()
         return not self.api_key or hmac.compare_digest((header or "").encode(), want)
 
     def check_model(self, body):
-        if body.get("model") is not None and body["model"] != self.name:
+        if body.get("model") is not None and body["model"] not in self.names:
             raise ApiError(404, f"The model `{body['model']}` does not exist.", "model")
         return body
 
@@ -872,13 +1437,39 @@ class Server(ThreadingHTTPServer):
 # CLI
 # ==============================================================================================
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="specdec OpenAI-compatible server (vLLM's HTTP API)")
+# How chat answers are made: the template (None: the model's), its default kwargs, and the parsers
+ChatOptions = namedtuple("ChatOptions", "template kwargs reasoning_parser tool_parser auto_tools",
+                         defaults=(None, {}, None, None, False))
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(
+        prog="server.py", description="specdec's OpenAI-compatible server, started as vLLM's is: `python "
+        "server.py MODEL [flags]` for `vllm serve MODEL [flags]` (an underscore in a flag's name works as a "
+        "dash, as in vLLM)")
+    ap.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="the model, as `vllm serve MODEL`: a checkpoint directory, .gguf file or hub id "
+                    "(Org/Name) in the local Hugging Face cache; --model works too")
     add_engine_args(ap)
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default: loopback only; vLLM binds all)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="the model ids clients may use; the first is reported (default: the model's path)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--reasoning-parser", default=None, help="qwen3: the thinking goes to reasoning_content "
+                    "(and reasoning), the answer to content (default: none, all is content)")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='let the model call tools itself (tool_choice "auto"); needs --tool-call-parser')
+    ap.add_argument("--tool-call-parser", default=None, help="qwen3_coder (Qwen3.5/3.6's <function=...> "
+                    "XML; qwen3_xml is the same) or hermes (<tool_call>{json}</tool_call>): calls become "
+                    "tool_calls")
+    ap.add_argument("--chat-template", default=None,
+                    help="a chat template (a file, or the template itself) instead of the model's own")
+    ap.add_argument("--default-chat-template-kwargs", default=None,
+                    help='JSON object of chat template kwargs for every request, e.g. '
+                    '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it)')
+    ap.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                               "more get 503")
     ap.add_argument("--max-connections", type=int, default=256, help="open connections served at once; one "
@@ -887,21 +1478,85 @@ def main(argv=None):
                     help="seconds a client has to send a request's line and headers (or to start the next "
                     "one on a kept-alive connection), then its body, and to take each write of the answer "
                     "(default 30)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def chat_options(a):
+    """The chat flags, checked before the model loads (the template override needs the model: see main)."""
+    if a.reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ConfigError(f"--reasoning-parser {a.reasoning_parser!r} is not supported; specdec has: "
+                          f"{', '.join(REASONING_PARSERS)}")
+    if a.tool_call_parser not in (None, *TOOL_PARSERS):
+        raise ConfigError(f"--tool-call-parser {a.tool_call_parser!r} is not supported; specdec has: "
+                          f"{', '.join(TOOL_PARSERS)}")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder or hermes)")
+    try:
+        kwargs = json.loads(a.default_chat_template_kwargs or "{}")
+    except ValueError as e:
+        raise ConfigError(f"--default-chat-template-kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("--default-chat-template-kwargs must be a JSON object")
+    clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
+    if clash:
+        raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(clash)} "
+                          "(each request's own)")
+    return ChatOptions(None, kwargs, a.reasoning_parser, a.tool_call_parser, a.enable_auto_tool_choice)
+
+
+def check_tokens(llm, chat):
+    """The parsers read tags the tokenizer must have (vLLM refuses to start without them, too)."""
+    need = {"qwen3": (THINK, END_THINK)}.get(chat.reasoning_parser, ())
+    need += (TOOL_CALL, END_TOOL_CALL) if chat.tool_parser else ()
+    missing = [t for t in need if t not in llm.tokenizer.special_ids]
+    if missing:
+        raise ConfigError(f"the parsers need the tokens {', '.join(missing)}, which this tokenizer does not "
+                          "have")
+
+
+def startup_lines(llm, app):
+    """What the server says at start-up: the memory arithmetic, the sampling defaults, the chat setup."""
+    lines = [llm.memory_report]
+    if llm.default_sampling:
+        lines += ["Default sampling parameters have been overridden by the model's Hugging Face generation "
+                  "config recommended from the model creator. If this is not intended, please relaunch with "
+                  "`--generation-config vllm`.",
+                  f"Using default sampling params from model: {llm.default_sampling}"]
+    tools = app.tool_parser_name
+    if tools and app.auto_tools:
+        tools += " (auto tool choice)"
+    lines.append(f"chat template: {app.template.origin}; reasoning parser: {app.reasoning_parser}; tool-call "
+                 f"parser: {tools}")
+    return lines
+
+
+def main(argv=None):
+    ap = build_parser()
+    a = ap.parse_args(vllm_argv(sys.argv[1:] if argv is None else argv))
+    if a.model_tag is not None and a.model not in (None, a.model_tag):
+        ap.error(f"the model is given twice: {a.model_tag!r} and --model {a.model!r}")
+    a.model = a.model_tag or a.model
     if a.max_queue < 0:
         ap.error("--max-queue must be >= 0")
     if a.max_connections < 1 or not 0 < a.request_timeout < math.inf:
         ap.error("--max-connections must be >= 1 and --request-timeout > 0")
     try:
+        chat = chat_options(a)
         llm = llm_from_args(a)
+        check_tokens(llm, chat)
+        if a.chat_template is not None:
+            template = ChatTemplate.from_arg(a.chat_template, llm.chat_template.special_tokens)
+            chat = chat._replace(template=template)
         llm.warmup()  # every graph captured before the first request (on CUDA)
-        app = App(llm, a.served_model_name, a.api_key, a.max_queue)
+        app = App(llm, a.served_model_name, a.api_key, a.max_queue, chat, a.enable_log_requests)
         httpd = Server((a.host, a.port), app, a.max_connections, a.request_timeout)
     except Exception as e:  # a bad config or checkpoint, a busy port: one line, no traceback
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {msg}" if isinstance(e, ConfigError) else f"error: {type(e).__name__}: {msg}",
               file=sys.stderr)
         return 1
+    for line in startup_lines(llm, app):
+        print(line, file=sys.stderr)
     print(f"specdec server: {app.name!r} on http://{a.host}:{httpd.server_address[1]} (max_num_seqs="
           f"{llm.engine.max_num_seqs}, max_model_len={llm.max_model_len}, "
           f"speculative={llm.spec and llm.spec.method})", file=sys.stderr, flush=True)

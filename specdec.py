@@ -1,18 +1,47 @@
 """specdec.py - speculative decoding for the Qwen3.6 hybrid models (Gated DeltaNet + gated attention).
 
-One file, read top to bottom: configs -> tokenizer -> model -> state -> proposers -> verification &
-sampling -> engine -> loading -> API -> CLI.
-
     python specdec.py --model PATH --prompt "def fib(n):" --max-tokens 64
     python specdec.py --model PATH --speculative-config '{"method":"mtp","num_speculative_tokens":2}' ...
 
     from specdec import LLM, SamplingParams
     llm = LLM(model=PATH, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     print(llm.generate(["hello"], SamplingParams(max_tokens=16))[0].outputs[0].text)
+
+One file, read top to bottom; a banner opens each section:
+    Configs             ModelConfig (a text_config; MODEL_CHECKS), SamplingParams
+    Model               Qwen36 = embeddings, DecoderLayers (Attention or GatedDeltaNet, MLP or MoE), MTPHead;
+                        pure functions of (tokens, Ctx), the state comes in through Ctx
+    State               State: every slot's KV caches and GDN states, allocated once
+    Speculative config  SpeculativeConfig: vLLM's JSON object, its rules in SPEC_CHECKS
+    Proposers           the interface (Batch, ProposerIO); ngram and mtp
+    Model drafters      dflash and dspark (BlockProposer, BlockDrafter, KVCache), draft_model (Qwen3LM)
+    Verification        rejection_sample (every method, lossless), synthetic_sample (benchmarks), sampling
+    Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
+    Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
+                        checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
+    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
+                        local Hugging Face cache (resolve_model); slot memory (size_slots);
+                        generation_defaults
+    API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
+
+Each speculative method is one proposer class (PROPOSERS):
+    ngram        NgramProposer         prompt lookup on the host
+    mtp          MTPProposer           the checkpoint's MTP layer, chained k times
+    dflash       DFlashProposer        a block drafter over the target's hidden-state taps
+    dspark       DSparkProposer        a block drafter plus a Markov head
+    draft_model  DraftModelProposer    a small separate LM
+
+One speculative step (ModelRunner._spec_step): the proposer drafts d1..dk; the target verifies
+[last, d1..dk] in one forward; rejection_sample accepts a prefix and adds one token; the target's GDN states
+and the proposer's caches commit to it; each slot's next input advances, on the device. Engine.step admits
+requests, launches a step and reads the step before back (asynchronous steps), emitting its tokens and
+applying the stops.
 """
 import argparse
 import codecs
 import dataclasses
+import datetime
+import functools
 import json
 import math
 import os
@@ -24,8 +53,10 @@ import unicodedata
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import numpy as np
 import tiktoken
 import torch
@@ -44,6 +75,32 @@ class ConfigError(ValueError):
 # ==============================================================================================
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+
+# What ModelConfig.check accepts of a text_config: (key, its default, accepted values, message: {v} the value)
+MODEL_CHECKS = [
+    ("model_type", "qwen3_5_text", ("qwen3_5_text", "qwen3_5_moe_text"),
+     "unsupported text model_type {v!r}; supported: qwen3_5_text, qwen3_5_moe_text"),
+    ("attn_output_gate", True, (True,),
+     "unsupported config: attn_output_gate={v!r} (only True is implemented)"),
+    ("attention_bias", False, (False,),
+     "unsupported config: attention_bias={v!r} (only False is implemented)"),
+    ("hidden_act", "silu", ("silu",), "unsupported hidden_act {v!r}; only silu is implemented"),
+]
+
+
+def _layer_types(cfg):
+    """Per layer "linear_attention" (GDN) or "full_attention": as listed, or each
+    full_attention_interval-th."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("full_attention_interval", 4)
+        n = cfg["num_hidden_layers"]
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return types
+
+
+def _rope(cfg):
+    return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
 
 
 @dataclass
@@ -88,50 +145,59 @@ class ModelConfig:
             raise ConfigError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                               f"num_key_value_heads={self.num_key_value_heads}")
 
-    @classmethod
-    def from_dict(cls, cfg, top=None):
-        """From a text_config dict (`top` = the wrapper config, for fields it may carry instead)."""
-        top = top or {}
-        mt = cfg.get("model_type", "qwen3_5_text")
-        if mt not in ("qwen3_5_text", "qwen3_5_moe_text"):
-            raise ConfigError(f"unsupported text model_type {mt!r}; supported: qwen3_5_text, qwen3_5_moe_text")
-        moe = mt == "qwen3_5_moe_text"
-        for key, want in (("attn_output_gate", True), ("attention_bias", False)):
-            if cfg.get(key, want) != want:
-                raise ConfigError(f"unsupported config: {key}={cfg[key]!r} (only {want} is implemented)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is implemented")
+    @staticmethod
+    def check(cfg):
+        """Refuse a text_config specdec does not implement: MODEL_CHECKS, layer types, RoPE, MoE layers."""
+        for key, default, accepted, message in MODEL_CHECKS:
+            if cfg.get(key, default) not in accepted:
+                raise ConfigError(message.format(v=cfg[key]))
         n = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types")
-        if types is None:
-            every = cfg.get("full_attention_interval", 4)
-            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+        types = _layer_types(cfg)
         if len(types) != n or set(types) - {"full_attention", "linear_attention"}:
-            raise ConfigError(f"layer_types must list {n} entries of full_attention/linear_attention, got {types}")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            raise ConfigError(f"layer_types must list {n} entries of full_attention/linear_attention, "
+                              f"got {types}")
+        rope = _rope(cfg)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"unsupported rope_type {rope_type!r}; only default (M-)RoPE is implemented")
+        if cfg.get("model_type") == "qwen3_5_moe_text" and cfg.get("mlp_only_layers"):
+            raise ConfigError("unsupported config: mlp_only_layers (every layer of qwen3_5_moe is MoE)")
+
+    @classmethod
+    def from_dict(cls, cfg, top=None):
+        """From a text_config dict (`top` = the wrapper config, for fields it may carry instead)."""
+        cls.check(cfg)
+        top = top or {}
+        mt = cfg.get("model_type", "qwen3_5_text")
+        moe = mt == "qwen3_5_moe_text"
+        moe_key = lambda key: cfg.get(key, 0) if moe else 0                            # MoE fields only
+        rope = _rope(cfg)
         eos = cfg.get("eos_token_id", top.get("eos_token_id"))
         tie = cfg.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
-        if moe and cfg.get("mlp_only_layers"):
-            raise ConfigError("unsupported config: mlp_only_layers (every layer of qwen3_5_moe is MoE)")
         return cls(
-            moe=moe, model_type=mt, hidden_size=cfg["hidden_size"], num_hidden_layers=n, layer_types=list(types),
-            vocab_size=cfg["vocab_size"], num_attention_heads=cfg["num_attention_heads"],
+            moe=moe,
+            model_type=mt,
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            layer_types=list(_layer_types(cfg)),
+            vocab_size=cfg["vocab_size"],
+            num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            linear_num_key_heads=cfg["linear_num_key_heads"], linear_num_value_heads=cfg["linear_num_value_heads"],
-            linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
+            linear_num_key_heads=cfg["linear_num_key_heads"],
+            linear_num_value_heads=cfg["linear_num_value_heads"],
+            linear_key_head_dim=cfg["linear_key_head_dim"],
+            linear_value_head_dim=cfg["linear_value_head_dim"],
             linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
             intermediate_size=0 if moe else cfg["intermediate_size"],
-            num_experts=cfg.get("num_experts", 0) if moe else 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if moe else 0,
+            num_experts=moe_key("num_experts"),
+            num_experts_per_tok=moe_key("num_experts_per_tok"),
+            moe_intermediate_size=moe_key("moe_intermediate_size"),
+            shared_expert_intermediate_size=moe_key("shared_expert_intermediate_size"),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e7)),
             partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(tie),
             mtp_num_hidden_layers=cfg.get("mtp_num_hidden_layers", 0),
             max_position_embeddings=cfg.get("max_position_embeddings", 262144),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -139,15 +205,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path):
-        """Read `config.json` (multimodal wrapper or text-only) and `generation_config.json` from a directory."""
+        """Read a directory's `config.json` (multimodal wrapper or text-only) and `generation_config.json`."""
         f = os.path.join(path, "config.json")
         if not os.path.isfile(f):
-            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a .gguf file)")
+            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a "
+                              ".gguf file)")
         with open(f) as fh:
             top = json.load(fh)
         mt = top.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         text = top["text_config"] if mt in ("qwen3_5", "qwen3_5_moe") else top
         if mt in ("qwen3_5", "qwen3_5_moe") and "model_type" not in text:
             text = dict(text, model_type=mt + "_text")
@@ -160,6 +228,16 @@ class ModelConfig:
                 if e not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(e)
         return cfg
+
+
+# What SamplingParams.check accepts: (field, accepted(value), message: {v} the value)
+SAMPLING_CHECKS = [
+    ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}"),
+    ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}"),
+    ("top_k", lambda v: not (v == 0 or v < -1), "top_k must be -1 (disable) or at least 1, got {v}"),
+    ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}"),
+    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}"),
+]
 
 
 @dataclass
@@ -180,16 +258,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ConfigError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ConfigError(f"logprobs must be non-negative, got {self.logprobs}")
+        self.check()
+
+    def check(self):
+        for name, accepted, message in SAMPLING_CHECKS:
+            v = getattr(self, name)
+            if not accepted(v):
+                raise ConfigError(message.format(v=v))
 
     @property
     def greedy(self):
@@ -197,391 +272,21 @@ class SamplingParams:
 
 
 # ==============================================================================================
-# Speculative config: vLLM's --speculative-config JSON object
-# ==============================================================================================
-
-SPEC_METHODS = ("mtp", "dflash", "dspark", "ngram", "draft_model")
-VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "ngram_gpu", "custom_class",
-                     "extract_hidden_states")
-# vLLM keys that specdec accepts only at their default value (a different value is refused by name)
-UNSUPPORTED_KEYS = {"moe_backend": None, "attention_backend": None, "kv_cache_dtype": None, "code_revision": None,
-                    "index_share_for_mtp_iteration": None, "disable_padded_drafter_batch": False,
-                    "disable_eagle_block_drop": False, "use_local_argmax_reduction": False,
-                    "use_heterogeneous_vocab": False, "parallel_drafting": False,
-                    "num_speculative_tokens_per_batch_size": None, "enable_adaptive_verification": False,
-                    "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
-                    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
-                    "suffix_decoding_min_token_prob": 0.1}
-
-
-@dataclass
-class SpeculativeConfig:
-    """vLLM's speculative config (same keys, same validation rules, same meaning)."""
-    method: str = None
-    model: str = None
-    num_speculative_tokens: int = None
-    prompt_lookup_min: int = None
-    prompt_lookup_max: int = None
-    draft_tensor_parallel_size: int = None
-    quantization: str = None
-    max_model_len: int = None
-    revision: str = None
-    enforce_eager: bool = None
-    rejection_sample_method: str = "standard"
-    synthetic_acceptance_rates: list = None
-    synthetic_acceptance_length: float = None
-    draft_sample_method: str = "greedy"
-    dspark_draft_topk: int = None
-
-    @classmethod
-    def from_json(cls, obj):
-        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message."""
-        if isinstance(obj, SpeculativeConfig) or obj is None:
-            return obj
-        if isinstance(obj, str):
-            try:
-                obj = json.loads(obj)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative config is not valid JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"speculative config must be a JSON object, got {type(obj).__name__}")
-        obj = dict(obj)
-        if "tensor_parallel_size" in obj:
-            raise ConfigError("'tensor_parallel_size' is not a valid argument in the speculative_config. "
-                              "Please pass 'draft_tensor_parallel_size' instead.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in list(obj):
-            if key in UNSUPPORTED_KEYS:
-                if obj[key] != UNSUPPORTED_KEYS[key]:
-                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not support "
-                                      f"(only its default {UNSUPPORTED_KEYS[key]!r} is accepted)")
-                del obj[key]
-            elif key not in known:
-                raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in vLLM); "
-                                  f"accepted keys: {', '.join(sorted(known))}")
-        return cls(**obj)
-
-    def __post_init__(self):
-        m = self.method
-        if m is None:  # vLLM's inference: "ngram" model -> ngram, a dotted class path -> custom_class, else draft_model
-            if self.model in ("ngram", "[ngram]"):
-                m = "ngram"
-            elif self.model and "/" not in self.model and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", self.model) \
-                    and not os.path.exists(self.model):
-                m = "custom_class"
-            else:
-                m = "draft_model"
-        if not isinstance(m, str):
-            raise ConfigError(f"speculative method must be a string, got {m!r}")
-        if m.endswith("_mtp"):
-            warnings.warn(f"method `{m}` is deprecated and replaced with mtp.")
-            m = "mtp"
-        if m in VLLM_ONLY_METHODS:
-            raise ConfigError(f"speculative method {m!r} is a vLLM method that specdec does not implement; "
-                              f"accepted methods: {', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
-        if m not in SPEC_METHODS:
-            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: {', '.join(SPEC_METHODS)} "
-                              f"(and the *_mtp aliases of mtp)")
-        self.method = m
-        k = self.num_speculative_tokens
-        if self.model is None and k is not None:
-            if m in ("dflash", "draft_model"):
-                raise ConfigError("num_speculative_tokens was provided but without speculative model.")
-            self.model = m if m == "ngram" else None  # mtp / dspark: the target checkpoint itself
-        if k is None:
-            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the draft "
-                              "model config contains an n_predict parameter.")
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-        if m == "ngram":
-            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-            if lo > hi:
-                raise ConfigError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
-            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise ConfigError("prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'")
-        if self.draft_tensor_parallel_size not in (None, 1):
-            raise ConfigError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} cannot be other value "
-                              "than 1 or target model tensor_parallel_size (1 in specdec)")
-        if self.quantization not in (None, "none", "None"):
-            raise ConfigError(f"draft quantization {self.quantization!r} is not supported; specdec runs drafts "
-                              "in the target's dtype")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if self.rejection_sample_method not in ("standard", "synthetic"):
-            raise ConfigError(f"rejection_sample_method must be 'standard' or 'synthetic', got "
-                              f"{self.rejection_sample_method!r}")
-        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
-        if self.rejection_sample_method == "synthetic":
-            if (rates is None) == (length is None):
-                raise ConfigError("rejection_sample_method 'synthetic' needs exactly one of "
-                                  "synthetic_acceptance_rates and synthetic_acceptance_length")
-            if rates is not None:
-                if not isinstance(rates, list) or len(rates) != k or any(not 0 <= r <= 1 for r in rates):
-                    raise ConfigError(f"synthetic_acceptance_rates must be a list of {k} numbers in [0, 1], got {rates!r}")
-                if any(b > a for a, b in zip(rates, rates[1:])):
-                    raise ConfigError(f"synthetic_acceptance_rates must be non-increasing, got {rates!r}")
-            elif not 1 <= length <= k + 1:
-                raise ConfigError(f"synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k + 1}], "
-                                  f"got {length!r}")
-        elif rates is not None or length is not None:
-            raise ConfigError("synthetic_acceptance_rates / synthetic_acceptance_length need "
-                              "rejection_sample_method 'synthetic'")
-        if self.draft_sample_method not in ("greedy", "probabilistic"):
-            raise ConfigError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {self.draft_sample_method!r}")
-        if self.dspark_draft_topk is not None:
-            if m != "dspark":
-                raise ConfigError("dspark_draft_topk is only valid with method 'dspark'")
-            if not isinstance(self.dspark_draft_topk, int) or self.dspark_draft_topk < 1:
-                raise ConfigError(f"dspark_draft_topk must be an integer >= 1, got {self.dspark_draft_topk!r}")
-        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-
-    def conditional_rates(self):
-        """Synthetic mode: the probability of accepting position i given that positions < i were accepted."""
-        if self.synthetic_acceptance_rates is not None:
-            return list(self.synthetic_acceptance_rates)
-        L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
-        whole = int(math.floor(L - 1))
-        return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
-
-# ==============================================================================================
-# Tokenizer: byte-level BPE on tiktoken, incremental decoding, the Qwen3.6 chat format
-# ==============================================================================================
-# Qwen3.5/3.6 use a byte-level BPE (HF `tokenizers` layout). We run it on tiktoken: the pre-tokenizer
-# regex is tiktoken's pat_str, the BPE vocab its mergeable ranks, the added tokens its special tokens.
-
-QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
-                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-
-
-def _gpt2_byte_chars():
-    # GPT-2 byte-level alphabet: printable bytes stand for themselves, the other 68 map to U+0100..
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    rest = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
-
-
-BYTE_OF_CHAR = {c: b for b, c in _gpt2_byte_chars().items()}
-# str.translate table: byte-level char -> latin-1 char of its byte; any other char -> U+0100 (not latin-1)
-_TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
-
-
-class Tokenizer:
-    def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
-                 special=None, nfc=True, ignore_merges=False):
-        """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
-        (None: ids are the merge ranks, as in tiktoken files); added_tokens: text -> id, matched whole;
-        special: the added tokens that decode(skip_special=True) drops (default: all of them);
-        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole even if no merge makes it."""
-        added_tokens = dict(added_tokens or {})
-        self.nfc, self._vocab = nfc, vocab
-        try:
-            tok_bytes = {t: t.translate(_TO_LATIN1).encode("latin-1") for t in vocab}
-        except UnicodeEncodeError:
-            bad = next(t for t in vocab if any(c not in BYTE_OF_CHAR for c in t))
-            raise ValueError(f"vocab is not byte-level BPE: token {bad!r} has characters outside the GPT-2 "
-                             "byte alphabet") from None
-        if len({b for b in tok_bytes.values() if len(b) == 1}) != 256:
-            raise ValueError("vocab is not byte-level BPE: it lacks some of the 256 single-byte tokens")
-        # id -> bytes for every id we know; ids nobody uses decode to b"" (HF skips unknown ids too)
-        self.vocab_size = max([*vocab.values(), *added_tokens.values()]) + 1
-        self._bytes = [b""] * self.vocab_size
-        for t, i in vocab.items():
-            self._bytes[i] = tok_bytes[t]
-        for t, i in added_tokens.items():
-            self._bytes[i] = t.encode("utf-8")
-        self.special_ids = dict(added_tokens)  # every added token, e.g. "<think>" too
-        self._special = set(added_tokens) if special is None else set(special) & set(added_tokens)
-        self._special_id_set = {added_tokens[t] for t in self._special}
-        self._nonspecial = set(added_tokens) - self._special  # HF always matches these, like <think>
-
-        # tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the
-        # merge with the lowest *merge index*. So a token's tiktoken rank must be its merge priority.
-        if merges is None:  # tiktoken-style vocab: ids are the ranks
-            order = sorted(vocab, key=vocab.get)
-        else:
-            prio = {}
-            for p, m in enumerate(merges):
-                a, b = m.split(" ") if isinstance(m, str) else m
-                if a not in vocab or b not in vocab or a + b not in vocab:
-                    raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
-                prio.setdefault(a + b, p)  # several merges making one token: the first one wins
-            # "orphans" (multi-byte tokens no merge makes) are unreachable in HF BPE: leave them out. With
-            # ignore_merges HF takes a pre-token that is an orphan whole, like tiktoken does; add the orphans
-            # no two mergeable tokens spell, as tiktoken can only ever take those whole too.
-            order = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get) + sorted(prio, key=prio.get)
-            if ignore_merges:
-                have = {tok_bytes[t] for t in order}
-                order += sorted((t for t in vocab if t not in prio and len(b := tok_bytes[t]) > 1
-                                 and not any(b[:k] in have and b[k:] in have for k in range(1, len(b)))), key=vocab.get)
-        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1 and (merges is None or t in prio)]
-        if all(i < j for i, j in zip(merged_ids, merged_ids[1:])):  # ids follow merge order: rank = id
-            self._rank_to_id = None
-            ranks = {tok_bytes[t]: vocab[t] for t in order}
-            specials = added_tokens
-        else:  # ranks follow merge order, and a table maps them back to ids
-            self._rank_to_id = [vocab[t] for t in order] + list(added_tokens.values())
-            ranks = {tok_bytes[t]: r for r, t in enumerate(order)}
-            specials = {t: len(order) + k for k, t in enumerate(added_tokens)}
-        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-        if eos_token is None:
-            eos_token = next((t for t in ("<|im_end|>", "<|endoftext|>") if t in added_tokens), None)
-        self.eos_token_id = None if eos_token is None else self.id_of(eos_token)
-
-    @classmethod
-    def from_dir(cls, path):
-        """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
-        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
-            tj = json.load(f)
-        model = tj.get("model") or {}
-        if model.get("type") != "BPE":
-            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only byte-level BPE")
-        for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
-            if model.get(key):
-                raise ValueError(f"tokenizer.json: BPE option {key}={model[key]!r} is not supported")
-        pre = tj.get("pre_tokenizer") or {}
-        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-        kinds = [s.get("type") for s in steps]
-        if (kinds != ["Split", "ByteLevel"] or "Regex" not in steps[0].get("pattern", {})
-                or steps[0].get("behavior") != "Isolated" or steps[0].get("invert")
-                or steps[1].get("add_prefix_space") or steps[1].get("use_regex")):
-            raise ValueError(f"tokenizer.json: pre-tokenizer {kinds} is not the byte-level "
-                             "Split(regex, isolated) + ByteLevel(no prefix space, no regex) layout")
-        if (tj.get("decoder") or {}).get("type") != "ByteLevel":
-            raise ValueError("tokenizer.json: decoder is not ByteLevel")
-        norm = (tj.get("normalizer") or {}).get("type")
-        if norm not in (None, "NFC"):
-            raise ValueError(f"tokenizer.json: normalizer {norm!r} is not supported (only NFC or none)")
-        added, special = {}, set()
-        for t in tj.get("added_tokens", []):
-            if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
-                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses lstrip/rstrip/single_word")
-            added[t["content"]] = t["id"]
-            if t.get("special"):
-                special.add(t["content"])
-        eos = None
-        cfg_path = os.path.join(path, "tokenizer_config.json")
-        if os.path.exists(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-        return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
-                   special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
-
-    def encode(self, text, allow_special=True):
-        """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
-        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
-        allowed = self._nonspecial | self._special if allow_special else self._nonspecial
-        ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
-        return ids if self._rank_to_id is None else [self._rank_to_id[r] for r in ids]
-
-    def token_bytes(self, i):
-        return self._bytes[i] if 0 <= i < self.vocab_size else b""
-
-    def decode_bytes(self, ids, skip_special=False):
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids  # torch/numpy ids too
-        ids = [ids] if isinstance(ids, int) else ids
-        skip = self._special_id_set if skip_special else ()
-        return b"".join(self.token_bytes(i) for i in ids if i not in skip)
-
-    def decode(self, ids, skip_special=False):
-        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
-
-    def id_of(self, token):
-        """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
-        text that is exactly one token (" the")."""
-        if token in self.special_ids:
-            return self.special_ids[token]
-        if token in self._vocab:
-            return self._vocab[token]
-        try:
-            r = self._enc.encode_single_token(token.encode("utf-8"))
-        except KeyError:
-            raise KeyError(f"{token!r} is not a single token") from None
-        return r if self._rank_to_id is None else self._rank_to_id[r]
-
-
-class IncrementalDecoder:
-    """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
-
-    def __init__(self, tokenizer, skip_special=False):
-        self.tok, self.skip_special = tokenizer, skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""  # everything emitted so far, for the caller's stop-string checks
-
-    def add(self, ids):
-        new = self._utf8.decode(self.tok.decode_bytes(ids, self.skip_special))
-        self.text += new
-        return new
-
-    def flush(self):
-        new = self._utf8.decode(b"", final=True)  # a dangling partial character becomes U+FFFD
-        self.text += new
-        return new
-
-
-def _content_text(content):
-    # message content: a string, None, or a list of {"type": "text", "text": ...} parts
-    if content is None or isinstance(content, str):
-        return content or ""
-    if any("text" not in part for part in content):
-        raise ValueError("only text content parts are supported (no images, video or audio)")
-    return "".join(part["text"] for part in content)
-
-
-def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, preserve_thinking=False,
-                        tools=None):
-    """Qwen3.5/3.6 chat prompt (ChatML), following the published chat_template.jinja for text-only chats."""
-    if tools:
-        raise ValueError("tool definitions are not supported by this chat template")
-    texts = [_content_text(m.get("content")).strip() for m in messages]
-    # the last real user query (not a tool response): assistant turns after it keep their reasoning
-    is_query = [m["role"] == "user" and not (t.startswith("<tool_response>") and t.endswith("</tool_response>"))
-                for m, t in zip(messages, texts)]
-    last_query = max((i for i, q in enumerate(is_query) if q), default=None)
-    if last_query is None:
-        raise ValueError("no user query found in messages")
-    out = []
-    for i, (m, text) in enumerate(zip(messages, texts)):
-        role = m["role"]
-        if role == "system" and i > 0:
-            raise ValueError("a system message must be the first message")
-        if role in ("system", "user"):
-            out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
-        elif role == "assistant":
-            if m.get("tool_calls"):
-                raise ValueError("assistant tool_calls are not supported by this chat template")
-            reasoning = m.get("reasoning_content")
-            if not isinstance(reasoning, str):
-                reasoning = ""
-                if "</think>" in text:  # reasoning written inline as <think>...</think>
-                    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                    text = text.split("</think>")[-1].lstrip("\n")
-            if preserve_thinking or i > last_query:
-                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip()}\n</think>\n\n{text}<|im_end|>\n")
-            else:
-                out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
-        elif role == "tool":  # consecutive tool results share one user turn
-            first = i > 0 and messages[i - 1]["role"] != "tool"
-            last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
-            out.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{text}\n</tool_response>"
-                       + ("<|im_end|>\n" if last else ""))
-        else:
-            raise ValueError(f"unexpected message role {role!r}")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
-    return "".join(out)
-
-# ==============================================================================================
 # Model
 # ==============================================================================================
+
+def rope_inv_freq(dim, theta, device=None):
+    """RoPE's inverse frequencies theta^(-2i/dim), i < dim/2, for the first `dim` dims of a head (fp32)."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+
+
+def init_rope(model, device):
+    """RoPE frequencies are no checkpoint tensors: computed on the device once the weights are there."""
+    for m in model.modules():
+        if hasattr(m, "rope_dim"):
+            m.inv_freq = rope_inv_freq(m.rope_dim, m.rope_theta, device)
+    return model
+
 
 class Linear(nn.Linear):
     """nn.Linear without bias, through kernels.linear (batch-invariant on the CPU reference path)."""
@@ -598,7 +303,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim, eps, plain=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim) if plain else torch.zeros(dim))
-        self.eps, self.plain = eps, plain
+        self.eps = eps
+        self.plain = plain
 
     def forward(self, x):
         return (K.plain_rms_norm if self.plain else K.rms_norm)(x, self.weight, self.eps)
@@ -612,22 +318,23 @@ class Ctx:
     pos: torch.Tensor            # [B] long, position of each row's first token
     kv_len: int                  # cache prefix attention must look at (>= max(pos) + T)
     mode: str = "decode"         # "prefill" (chunked GDN), "decode" (T tokens, commit all), "verify"
-    no_write: "torch.Tensor | None" = field(init=False, default=None)  # verify: [B] zeros, the GDN kernels' n_keep
+    no_write: "torch.Tensor | None" = field(init=False, default=None)  # verify: [B] zeros, GDN n_keep
 
     def __post_init__(self):
-        # A verify leaves the GDN states as they are (n_keep = 0). The zeros are the state's own, allocated once: a
-        # tensor made here would die with the Ctx, and a CUDA graph captured with this Ctx would then read freed
-        # memory on every replay (in 0d2d4b3 it did: garbage n_keep, illegal memory accesses on the H200).
+        # A verify leaves the GDN states as they are (n_keep = 0). The zeros are the state's own, allocated
+        # once: a tensor made here would die with the Ctx, and a CUDA graph captured with this Ctx would then
+        # read freed memory on every replay (in 0d2d4b3 it did: garbage n_keep, illegal memory accesses on the
+        # H200).
         if self.mode == "verify":
             self.no_write = self.state.keep_none[:self.slots.shape[0]]
-
 
 
 class Attention(nn.Module):
     """Gated full attention: per-head [query | gate] from q_proj, q/k RMSNorm, partial RoPE, GQA."""
     def __init__(self, cfg, layer_id):
         super().__init__()
-        self.layer_id, self.nh, self.nkv, self.hd = layer_id, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim  # sizes
         H = cfg.hidden_size
         self.q_proj = Linear(H, 2 * self.nh * self.hd, bias=False)
         self.k_proj = Linear(H, self.nkv * self.hd, bias=False)
@@ -635,13 +342,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.nh * self.hd, H, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        rd = cfg.rotary_dim
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd), persistent=False)
+        self.rope_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta                # partial RoPE
+        self.register_buffer("inv_freq", rope_inv_freq(self.rope_dim, self.rope_theta), persistent=False)
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
         if hasattr(self, "qkv"):  # fused after loading: one GEMM, views of its output
-            qg, k, v = K.linear(x, self.qkv).split([2 * self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+            kv_dim = self.nkv * self.hd
+            qg, k, v = K.linear(x, self.qkv).split([2 * self.nh * self.hd, kv_dim, kv_dim], -1)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qg = qg.view(B, T, self.nh, 2 * self.hd)                                     # per head [query | gate]
@@ -651,14 +359,15 @@ class Attention(nn.Module):
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
                              k_cache, v_cache, ctx.slots, ctx.pos)                   # [B, T, nh, hd]
         o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
-        return self.o_proj(K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1))     # output gate: sigmoid(gate)
+        return self.o_proj(K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1))   # output gate: sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule; its state is a conv window plus a d_k x d_v matrix per head."""
+    """Linear attention by the gated delta rule; its state: a conv window and a d_k x d_v matrix per head."""
     def __init__(self, cfg, layer_id):
         super().__init__()
-        self.layer_id, self.cfg = layer_id, cfg
+        self.layer_id = layer_id
+        self.cfg = cfg
         H, C, Kc = cfg.hidden_size, cfg.conv_dim, cfg.linear_conv_kernel_dim
         self.in_proj_qkv = Linear(H, C, bias=False)
         self.in_proj_z = Linear(H, cfg.value_dim, bias=False)
@@ -693,11 +402,12 @@ class GatedDeltaNet(nn.Module):
         y = K.causal_conv(mixed, st.conv[self.layer_id], ctx.slots, self.conv1d.weight[:, 0], ctx.no_write)
         q, k, v = self.split(y, B, T)
         if ctx.mode == "prefill" and T > 1:
-            g, beta = K.gdn_gates(a, b, self.A_log, self.dt_bias)  # beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+            # beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+            g, beta = K.gdn_gates(a, b, self.A_log, self.dt_bias)
             o = K.gdn_chunked(q, k, v, g, beta, st.rec[self.layer_id], ctx.slots)
         else:  # the gates are computed inside the recurrent kernel
-            o = K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[self.layer_id], ctx.slots,
-                                      ctx.no_write)
+            o = K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[self.layer_id],
+                                      ctx.slots, ctx.no_write)
         if ctx.mode == "verify":
             # Rollback by replay: a verify leaves the state untouched and keeps its per-token inputs; commit()
             # re-runs the accepted prefix. Measured against per-position snapshots (27B layer, H_v=48, d=128):
@@ -713,8 +423,10 @@ class GatedDeltaNet(nn.Module):
     def commit(self, ctx, n_keep):
         """After a verify: advance the conv window and recurrent state by the first n_keep[b] tokens."""
         mixed, q, k, v, a, b = ctx.state.stash.pop(self.layer_id)  # states only: the verify made the outputs
-        K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, ctx.state.rec[self.layer_id], ctx.slots, n_keep,
-                              outputs=False, conv=(mixed, ctx.state.conv[self.layer_id]))  # + conv window: one launch
+        st = ctx.state
+        i = self.layer_id
+        K.gdn_recurrent_gated(q, k, v, a, b, self.A_log, self.dt_bias, st.rec[i], ctx.slots, n_keep,
+                              outputs=False, conv=(mixed, st.conv[i]))          # + the conv window
 
 
 class MLP(nn.Module):
@@ -725,8 +437,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, H, bias=False)
 
     def forward(self, x, residual=None):
-        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM's kernel]."""
-        if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation kernel
+        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM]."""
+        if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation
             return K.linear(K.silu_mul(K.linear(x, self.gate_up)), self.down_proj.weight, residual)
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return y if residual is None else residual + y
@@ -740,16 +452,16 @@ class MoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.gate = Linear(H, E, bias=False)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, then up rows
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, up rows
         self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))         # [E, H, I]
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1, bias=False)
 
     def forward(self, x, residual=None):
-        """The routed experts plus the gated shared expert [+ residual], as one output (one fused epilogue)."""
+        """The routed experts plus the gated shared expert [+ residual], as one output (a fused epilogue)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
-        if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up, one GEMM
+        if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up
             E, I = self.experts.gate_up_proj.shape[0], self.shared_expert.down_proj.weight.shape[1]
             logits, sg, gu = K.linear(x, self.router_shared).split([E, 1, 2 * I], -1)
             shared = self.shared_expert.down_proj(K.silu_mul(gu))
@@ -757,7 +469,8 @@ class MoE(nn.Module):
             logits, sg, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
         w, idx = K.moe_route(logits, self.top_k)
         res = None if residual is None else residual.reshape(-1, shape[-1])
-        return K.moe_experts(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj, shared, sg, res).view(shape)
+        experts = self.experts
+        return K.moe_experts(x, w, idx, experts.gate_up_proj, experts.down_proj, shared, sg, res).view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -802,9 +515,10 @@ class Qwen36(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t == "full_attention") for i, t in enumerate(cfg.layer_types))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t == "full_attention")
+                                    for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTPHead(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
 
     def forward(self, ids, ctx, taps=()):
@@ -871,16 +585,22 @@ class State:
     """
     def __init__(self, cfg, num_slots, max_len, dtype, device, mtp=False):
         S = num_slots + 1
-        self.dummy_slot, self.max_len = num_slots, max_len
-        self.kv, self.conv, self.rec, self.stash = {}, {}, {}, {}
+        self.dummy_slot = num_slots                                   # the last slot: padding rows
+        self.max_len = max_len
+        self.kv = {}                                                  # layer id -> (K, V)
+        self.conv = {}                                                # GDN layer id -> conv window
+        self.rec = {}                                                 # GDN layer id -> recurrent state
+        self.stash = {}                                               # GDN layer id -> a verify's inputs
         self.keep_none = torch.zeros(S, dtype=torch.long, device=device)  # n_keep = 0 per row: a verify (Ctx)
         kv_shape = (S, max_len, cfg.num_key_value_heads, cfg.head_dim)
         ids = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] + (["mtp"] if mtp else [])
         for i in ids:
-            self.kv[i] = (torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device))
+            self.kv[i] = (torch.zeros(kv_shape, dtype=dtype, device=device),
+                          torch.zeros(kv_shape, dtype=dtype, device=device))
         for i, t in enumerate(cfg.layer_types):
             if t == "linear_attention":
-                self.conv[i] = torch.zeros(S, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+                K1 = cfg.linear_conv_kernel_dim - 1
+                self.conv[i] = torch.zeros(S, cfg.conv_dim, K1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(S, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                           cfg.linear_value_head_dim, dtype=torch.float32, device=device)
 
@@ -891,33 +611,293 @@ class State:
 
 
 # ==============================================================================================
-# Proposers: draft k tokens per sequence. One interface (a class taking (engine, spec)):
-#   prefill(engine, req, hidden, ids, pos)   see a prompt chunk (model drafters fill their caches):
-#       hidden [1, T, H] final-norm target states at positions pos.., ids [1, T] the next token of each
-#   propose(engine, reqs) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
-#   commit(engine, reqs, hidden, ids, n_acc, tokens)   see the verified step [B, k+1], keep the accepted prefix
-#   taps (optional attribute): target layers whose outputs the proposer reads; after every target forward
-#       (prefill chunk or verify) engine.aux holds them, [B, T, H] each, in the same order
+# Speculative config: vLLM's --speculative-config JSON object
 # ==============================================================================================
 
-def ngram_lookup_ref(ctx, k, lo, hi):
-    """vLLM's prompt lookup, plainly: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
-    earliest occurrence, and up to k tokens that followed it."""
-    N = len(ctx)
-    for n in range(min(hi, N - 1), lo - 1, -1):
-        tail = ctx[N - n:]
-        for start in range(0, N - n):
-            if ctx[start:start + n] == tail:
-                return ctx[start + n:start + n + k]
-    return []
+SPEC_METHODS = ("mtp", "dflash", "dspark", "ngram", "draft_model")
+VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "ngram_gpu", "custom_class",
+                     "extract_hidden_states")
+# vLLM keys that specdec accepts only at their default value (a different value is refused by name)
+UNSUPPORTED_KEYS = {
+    "moe_backend": None, "attention_backend": None, "kv_cache_dtype": None, "code_revision": None,
+    "index_share_for_mtp_iteration": None, "disable_padded_drafter_batch": False,
+    "disable_eagle_block_drop": False, "use_local_argmax_reduction": False, "use_heterogeneous_vocab": False,
+    "parallel_drafting": False, "num_speculative_tokens_per_batch_size": None,
+    "enable_adaptive_verification": False, "draft_load_config": None, "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1}
+NEUTRAL_KEYS = {"kv_cache_dtype": "auto", "attention_backend": "auto", "moe_backend": "auto"}  # vLLM's "auto"
+# What vLLM infers the method from when a draft `model` is given without one (config.py's SpeculativeConfig):
+# a name containing these, else the draft's architectures, else its model_type
+METHOD_BY_NAME = (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"))
+METHOD_BY_ARCH = {"MuseGlimmerAssistantModel": "dflash", "Qwen3DSparkModel": "dspark"}
+MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5_mtp",
+                   "qwen3_next_mtp")  # vLLM rewrites these draft configs to an MTP model
+
+
+CLASS_PATH = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+"  # a dotted Python path (vLLM: custom_class)
+
+
+def _positive_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# What SpeculativeConfig.check accepts once the method and k are known, in this order: (field, accepted(value,
+# config), message: {v} the value, {k} num_speculative_tokens, {k1} k + 1)
+SPEC_CHECKS = [
+    ("draft_tensor_parallel_size", lambda v, c: v in (None, 1),
+     "draft_tensor_parallel_size={v} cannot be other value than 1 or target model tensor_parallel_size "
+     "(1 in specdec)"),
+    ("quantization", lambda v, c: v in (None, "none", "None"),
+     "draft quantization {v!r} is not supported; specdec runs drafts in the target's dtype"),
+    ("max_model_len", lambda v, c: v is None or (isinstance(v, int) and v >= 1),
+     "max_model_len must be a positive integer, got {v!r}"),
+    ("rejection_sample_method", lambda v, c: v in ("standard", "synthetic"),
+     "rejection_sample_method must be 'standard' or 'synthetic', got {v!r}"),
+    ("synthetic_acceptance_rates",                                     # not without synthetic mode
+     lambda v, c: c.synthetic or (v is None and c.synthetic_acceptance_length is None),
+     "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method 'synthetic'"),
+    ("synthetic_acceptance_rates",                                     # synthetic mode: one of the two
+     lambda v, c: not c.synthetic or (v is None) != (c.synthetic_acceptance_length is None),
+     "rejection_sample_method 'synthetic' needs exactly one of synthetic_acceptance_rates and "
+     "synthetic_acceptance_length"),
+    ("synthetic_acceptance_rates",
+     lambda v, c: v is None or (isinstance(v, list) and len(v) == c.num_speculative_tokens
+                                and all(0 <= r <= 1 for r in v)),
+     "synthetic_acceptance_rates must be a list of {k} numbers in [0, 1], got {v!r}"),
+    ("synthetic_acceptance_rates", lambda v, c: v is None or not any(b > a for a, b in zip(v, v[1:])),
+     "synthetic_acceptance_rates must be non-increasing, got {v!r}"),
+    ("synthetic_acceptance_length", lambda v, c: v is None or 1 <= v <= c.num_speculative_tokens + 1,
+     "synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k1}], got {v!r}"),
+    ("draft_sample_method", lambda v, c: v in ("greedy", "probabilistic"),
+     "draft_sample_method must be 'greedy' or 'probabilistic', got {v!r}"),
+    ("dspark_draft_topk", lambda v, c: v is None or c.method == "dspark",
+     "dspark_draft_topk is only valid with method 'dspark'"),
+    ("dspark_draft_topk", lambda v, c: v is None or (isinstance(v, int) and v >= 1),
+     "dspark_draft_topk must be an integer >= 1, got {v!r}"),
+    ("enforce_eager", lambda v, c: v is None or isinstance(v, bool),
+     "enforce_eager must be true or false, got {v!r}"),
+]
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative config (same keys, same validation rules, same meaning)."""
+    method: str = None
+    model: str = None
+    num_speculative_tokens: int = None
+    prompt_lookup_min: int = None
+    prompt_lookup_max: int = None
+    draft_tensor_parallel_size: int = None
+    quantization: str = None
+    max_model_len: int = None
+    revision: str = None
+    enforce_eager: bool = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list = None
+    synthetic_acceptance_length: float = None
+    draft_sample_method: str = "greedy"
+    dspark_draft_topk: int = None
+
+    @classmethod
+    def from_json(cls, obj, target=None):
+        """Parse a JSON string or dict; every problem is a ConfigError with a one-line message. `target`: the
+        target checkpoint's path (a draft `model` that is the target itself may be inferred as mtp)."""
+        if isinstance(obj, SpeculativeConfig) or obj is None:
+            return obj
+        if isinstance(obj, str):
+            try:
+                obj = json.loads(obj)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"speculative config must be a JSON object, got {type(obj).__name__}")
+        obj = dict(obj)
+        if "tensor_parallel_size" in obj:
+            raise ConfigError("'tensor_parallel_size' is not a valid argument in the speculative_config. "
+                              "Please pass 'draft_tensor_parallel_size' instead.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in list(obj):
+            if key in UNSUPPORTED_KEYS:
+                neutral = (UNSUPPORTED_KEYS[key],) + ((NEUTRAL_KEYS[key],) if key in NEUTRAL_KEYS else ())
+                if obj[key] not in neutral:
+                    raise ConfigError(f"speculative config key {key!r} is a vLLM option specdec does not "
+                                      f"support (only {' or '.join(map(repr, neutral))} is accepted)")
+                del obj[key]
+            elif key not in known:
+                raise ConfigError(f"unknown speculative config key {key!r} (extra keys are forbidden, as in "
+                                  f"vLLM); accepted keys: {', '.join(sorted(known))}")
+        return cls(**infer_from_draft(obj, target))
+
+    def __post_init__(self):
+        self.check()
+
+    @property
+    def synthetic(self):
+        return self.rejection_sample_method == "synthetic"
+
+    def check(self):
+        """vLLM's validation, and its defaults: the method (inferred as vLLM infers it; `*_mtp` aliases are
+        mtp), the model (mtp and dspark draft with the target's), ngram's lookup window; then SPEC_CHECKS."""
+        self.method = self._method()
+        k = self.num_speculative_tokens
+        if self.model is None and k is not None:
+            if self.method in ("dflash", "draft_model"):
+                raise ConfigError("num_speculative_tokens was provided but without speculative model.")
+            self.model = "ngram" if self.method == "ngram" else None
+        if k is None:
+            raise ConfigError("num_speculative_tokens must be provided with speculative model unless the "
+                              "draft model config contains an n_predict parameter.")
+        if not _positive_int(k):
+            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+        if self.method == "ngram":
+            self._lookup_window()
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ConfigError("prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'")
+        for name, accepted, message in SPEC_CHECKS:
+            v = getattr(self, name)
+            if not accepted(v, self):
+                raise ConfigError(message.format(v=v, k=k, k1=k + 1))
+
+    def _method(self):
+        m = self.method
+        if m is None:  # vLLM: model "ngram" -> ngram, a dotted class path -> custom_class, else draft_model
+            if self.model in ("ngram", "[ngram]"):
+                m = "ngram"
+            elif (self.model and "/" not in self.model and re.fullmatch(CLASS_PATH, self.model)
+                  and not os.path.exists(self.model)):
+                m = "custom_class"
+            else:
+                m = "draft_model"
+        if not isinstance(m, str):
+            raise ConfigError(f"speculative method must be a string, got {m!r}")
+        if m.endswith("_mtp"):
+            warnings.warn(f"method `{m}` is deprecated and replaced with mtp.")
+            m = "mtp"
+        if m in VLLM_ONLY_METHODS:
+            raise ConfigError(f"speculative method {m!r} is a vLLM method that specdec does not implement; "
+                              f"accepted methods: {', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
+        if m not in SPEC_METHODS:
+            raise ConfigError(f"unknown speculative method {m!r}; accepted methods: "
+                              f"{', '.join(SPEC_METHODS)} (and the *_mtp aliases of mtp)")
+        return m
+
+    def _lookup_window(self):
+        """ngram: [prompt_lookup_min, prompt_lookup_max], 5/5 by default; one given stands for both."""
+        lo = self.prompt_lookup_min
+        hi = self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _positive_int(v):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if lo > hi:
+            raise ConfigError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        self.prompt_lookup_min = lo
+        self.prompt_lookup_max = hi
+
+    def conditional_rates(self):
+        """Synthetic mode: the probability of accepting position i given that positions < i were accepted."""
+        if self.synthetic_acceptance_rates is not None:
+            return list(self.synthetic_acceptance_rates)
+        L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
+        whole = int(math.floor(L - 1))
+        return [1.0 if i < whole else (L - 1 - whole if i == whole else 0.0) for i in range(k)]
+
+
+def infer_from_draft(obj, target=None):
+    """What vLLM reads from a draft checkpoint named by `model`: without a method, the method (a name with
+    eagle-/eagle3/dflash/dspark, else the draft's architectures, else an MTP model_type: a Qwen3.5/3.6
+    checkpoint drafts with its MTP layer); without num_speculative_tokens, the draft's n_predict. A hub id
+    `model` becomes its snapshot in the local Hugging Face cache. -> the config dict, completed."""
+    model = obj.get("model")
+    if not isinstance(model, str) or model in ("ngram", "[ngram]"):
+        return obj
+    path = model if os.path.exists(model) else find_in_hf_cache(model)
+    cfg = {}
+    if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    obj = dict(obj, model=path or model)
+    archs, model_type, n_predict = cfg.get("architectures") or [], cfg.get("model_type"), cfg.get("n_predict")
+    if obj.get("method") is None:
+        method = next((m for key, m in METHOD_BY_NAME if key in model.lower()), None)
+        method = method or next((METHOD_BY_ARCH[a] for a in archs if a in METHOD_BY_ARCH), None)
+        if method is None and "DSparkDraftModel" in archs and model_type == "qwen3":
+            method = "dspark"
+        if method is None and model_type in ("medusa", "mlp_speculator"):
+            method = model_type
+        if method is None and model_type in MTP_MODEL_TYPES:
+            same = target is not None and path is not None and os.path.samefile(path, target)
+            if not same:
+                raise ConfigError(f"the draft model {model!r} is a {model_type} checkpoint, which vLLM "
+                                  "runs as method 'mtp' with that checkpoint's MTP layer; specdec's mtp "
+                                  "drafts with the target's own MTP head: leave 'model' out for that, or "
+                                  "pass \"method\": \"draft_model\" to draft with this model as a separate "
+                                  "LM")
+            method, obj["model"] = "mtp", None
+            n_predict = (cfg.get("text_config") or cfg).get("mtp_num_hidden_layers")
+        obj = dict(obj, method=method) if method is not None else obj
+    k = obj.get("num_speculative_tokens")
+    if _positive_int(n_predict):
+        if k is None:
+            obj["num_speculative_tokens"] = n_predict  # vLLM: "Default to max value defined in draft config"
+        elif _positive_int(k) and k > n_predict and k % n_predict:
+            raise ConfigError(f"num_speculative_tokens:{k} must be divisible by n_predict={n_predict}")
+    return obj
+
+
+# ==============================================================================================
+# Proposers: draft k tokens per sequence
+# ==============================================================================================
+# One interface. A proposer is built as cls(spec, io), where io (ProposerIO) is all it may use of the
+# engine; each step hands it the Batch of running rows.
+#   prefill(req, hidden, taps, ids, pos)   see a prompt chunk at positions pos.. (model drafters fill their
+#       caches): hidden [1, T, H] the target's final-norm states, taps the outputs of the target layers it
+#       reads (.taps), ids [1, T] the next token of each position
+#   propose(batch) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
+#   commit(batch, hidden, taps, ids, n_acc, tokens)   see the verified step over ids [B, k+1]; keep the
+#       accepted prefix
+#   taps: the target layers whose outputs it reads (DFlash/DSpark), [B, T, H] each, in its order; () if none
+
+@dataclass
+class Batch:
+    """The rows of one step: the requests and, on the device, each row's slot, last position, last token."""
+    reqs: list                # [B] requests
+    slots: torch.Tensor       # [B] long, the state slot of each row
+    pos: torch.Tensor         # [B] long, the position of each row's last token (the step's first input)
+    last: torch.Tensor        # [B] long, each row's last token
+    host_knows_pos: bool      # synchronous steps; an asynchronous step's positions live on the device only
+
+    def kv_len(self, extra, cap):
+        """How far an eager step's attention reads: the last position + extra when the host knows the
+        positions, else cap (the cache length)."""
+        return max(len(r.tokens) for r in self.reqs) - 1 + extra if self.host_knows_pos else cap
+
+
+@dataclass
+class ProposerIO:
+    """What a proposer may use of the engine, and nothing more (a test builds one without an Engine)."""
+    model: nn.Module          # the target: its embeddings, lm_head, MTP head and config
+    state: "State"            # the target's state (the MTP layer's KV cache, layer id "mtp", lives there)
+    num_slots: int            # max_num_seqs; a drafter's caches get one slot more: the padding rows' dummy
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    h2d: object               # h2d(host data, dtype=None) -> device tensor, without waiting for the device
+    call: object              # call(name, fn, kv_len, inputs) -> fn(kv_len, **inputs): a CUDA graph when on
 
 
 def ngram_lookup(ctx, k, lo, hi):
-    """ngram_lookup_ref vectorised with numpy (it runs on the host every step, over prompt + output)."""
+    """vLLM's prompt lookup: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
+    earliest occurrence, and up to k tokens that followed it. Vectorised with numpy: it runs on the host every
+    step, over prompt + output (the tests hold a plain reference)."""
     a = np.asarray(ctx, dtype=np.int64)
     N = len(a)
     for n in range(min(hi, N - 1), lo - 1, -1):
-        hits = (np.lib.stride_tricks.sliding_window_view(a[:N - 1], n) == a[N - n:]).all(1)  # starts 0 .. N-n-1
+        hits = (np.lib.stride_tricks.sliding_window_view(a[:N - 1], n) == a[N - n:]).all(1)  # starts 0..N-n-1
         if hits.any():
             start = int(hits.argmax())
             return ctx[start + n:start + n + k]
@@ -925,29 +905,35 @@ def ngram_lookup(ctx, k, lo, hi):
 
 
 class NgramProposer:
-    def __init__(self, engine, spec):
-        self.k, self.lo, self.hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+    """method ngram: prompt lookup over each request's tokens, on the host."""
+    taps = ()
 
-    def prefill(self, engine, req, hidden, ids, pos):
+    def __init__(self, spec, io):
+        self.io = io
+        self.k = spec.num_speculative_tokens
+        self.lo = spec.prompt_lookup_min
+        self.hi = spec.prompt_lookup_max
+
+    def prefill(self, req, hidden, taps, ids, pos):
         pass
 
-    def propose(self, engine, reqs):
-        drafts = torch.full((len(reqs), self.k), -1, dtype=torch.long)
-        for b, r in enumerate(reqs):
-            room = engine.max_model_len - len(r.tokens)
+    def propose(self, batch):
+        drafts = torch.full((len(batch.reqs), self.k), -1, dtype=torch.long)
+        for b, r in enumerate(batch.reqs):
+            room = self.io.max_model_len - len(r.tokens)
             d = ngram_lookup(r.tokens, min(self.k, room), self.lo, self.hi) if room > 0 else []
             drafts[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return engine.h2d(drafts), None
+        return self.io.h2d(drafts), None
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         pass
 
 
-def draft_noise(engine, reqs, k):
+def draft_noise(io, reqs, k):
     """Per-request inputs of probabilistic drafting: temperatures [B] and uniforms [B, k] from each
     request's generator (drawn on the host so a captured graph can take them as inputs)."""
-    t = engine.h2d([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs])
-    return t, engine.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
+    t = io.h2d([r.params.temperature if not r.params.greedy else 1e-5 for r in reqs])
+    return t, io.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
 
 
 def draft_pick(logits, temp=None, u=None):
@@ -965,53 +951,57 @@ class MTPProposer:
     accepted tokens after each verify. The MTP output hidden at the last committed position is kept
     per slot; propose() turns it into d1 and feeds its own output back for d2..dk. On the GPU the
     whole chain, and the commit pass, run as captured graphs."""
-    def __init__(self, engine, spec):
-        self.engine, self.k, self.greedy = engine, spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
-        m = engine.model
-        self.hidden = torch.zeros(engine.max_num_seqs + 1, m.cfg.hidden_size, dtype=engine.dtype, device=engine.device)
+    taps = ()
 
-    def _run(self, engine, ids, hidden, slots, pos, kv_len):
-        m = engine.model
-        return m.mtp(m.embed_tokens(ids), hidden, Ctx(engine.state, slots, pos, kv_len, "decode"))
+    def __init__(self, spec, io):
+        self.io = io
+        self.model = io.model
+        self.k = spec.num_speculative_tokens
+        self.greedy = spec.draft_sample_method == "greedy"
+        H = io.model.cfg.hidden_size
+        self.hidden = torch.zeros(io.num_slots + 1, H, dtype=io.dtype, device=io.device)  # [slots + 1, H]
 
-    def prefill(self, engine, req, hidden, ids, pos):
+    def _run(self, ids, hidden, slots, pos, kv_len):
+        m = self.model
+        return m.mtp(m.embed_tokens(ids), hidden, Ctx(self.io.state, slots, pos, kv_len, "decode"))
+
+    def prefill(self, req, hidden, taps, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
-        T = ids.shape[1]
-        out = self._run(engine, ids, hidden, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), pos + T)
+        slots = self.io.h2d([req.slot], torch.long)
+        out = self._run(ids, hidden, slots, self.io.h2d([pos]), pos + ids.shape[1])
         self.hidden[req.slot] = out[0, -1]
 
     def _chain(self, kv_len, slots, pos, temp=None, u=None):
-        m, drafts, probs = self.engine.model, [], []
+        drafts = []
+        probs = []
         h = self.hidden[slots]                                                       # [B, H]
         for j in range(self.k):
             if j > 0:
-                h = self._run(self.engine, drafts[-1][:, None], h[:, None], slots, pos + j, kv_len)[:, 0]
-            d, q = draft_pick(m.logits(h), temp, None if u is None else u[:, j])
+                h = self._run(drafts[-1][:, None], h[:, None], slots, pos + j, kv_len)[:, 0]
+            d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
             drafts.append(d)
             probs.append(q)
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
-    def propose(self, engine, reqs):
-        inputs = dict(slots=engine.cur_slots, pos=engine.cur_pos - 1)                # position of the kept hidden
+    def propose(self, batch):
+        inputs = dict(slots=batch.slots, pos=batch.pos - 1)                   # where the kept hidden is
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call("mtp-propose", self._chain, engine.kv_len(reqs, self.k - 1, engine.state.max_len), inputs)
+            inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
+        kv_len = batch.kv_len(self.k - 1, self.io.state.max_len)
+        return self.io.call("mtp-propose", self._chain, kv_len, inputs)
 
     def _commit(self, kv_len, slots, pos, nxt, hidden, n_acc):
-        out = self._run(self.engine, nxt, hidden, slots, pos, kv_len)                 # [B, k+1, H]
+        out = self._run(nxt, hidden, slots, pos, kv_len)                              # [B, k+1, H]
         self.hidden[slots] = out[torch.arange(out.shape[0], device=out.device), n_acc]
         return ()
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         # position p+i gets (h_{p+i}, x_{p+i+1}): the drafts, with the correction/bonus token at n_acc
         rows = torch.arange(ids.shape[0], device=ids.device)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         nxt[rows, n_acc] = tokens[rows, n_acc]
-        engine.call("mtp-commit", self._commit, engine.kv_len(reqs, ids.shape[1], engine.state.max_len),
-                    dict(slots=engine.cur_slots, pos=engine.cur_pos, nxt=nxt, hidden=hidden, n_acc=n_acc))
-
-
-PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engine, spec)
+        inputs = dict(slots=batch.slots, pos=batch.pos, nxt=nxt, hidden=hidden, n_acc=n_acc)
+        self.io.call("mtp-commit", self._commit, batch.kv_len(ids.shape[1], self.io.state.max_len), inputs)
 
 
 # ==============================================================================================
@@ -1021,13 +1011,14 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer}  # method -> class(engi
 # Facts from z-lab/dflash, deepseek-ai/DeepSpec, vllm-project/speculators and vLLM (shared/reference/
 # speculative-methods.md §5, §6, §8).
 #
-# A block drafter is a stack of plain Qwen3 layers (RMSNorm x*w, not zero-centred; no output gate; full NeoX RoPE)
-# with its own KV cache, indexed by position. Committed tokens enter it as "context" K/V: c = hidden_norm(fc(concat
-# taps)), then per layer k = RoPE(k_norm(k_proj(c))), v = v_proj(c) (no input_layernorm). A draft is one forward
-# over [anchor, mask x (Q-1)] at positions P..P+Q-1, each query seeing all context before P and the whole block.
-# DFlash: Q = K+1, mask slot j predicts position P+j. DSpark: Q = K, slot j predicts P+j+1 (the anchor predicts
-# too), then a low-rank Markov bias is added token by token. Rejected context needs no rollback: the next block
-# overwrites those positions before anything reads them.
+# A block drafter is a stack of plain Qwen3 layers (RMSNorm x*w, not zero-centred; no output gate; full NeoX
+# RoPE) with its own KV cache, indexed by position. Committed tokens enter it as "context" K/V: c =
+# hidden_norm(fc(concat taps)), then per layer k = RoPE(k_norm(k_proj(c))), v = v_proj(c) (no
+# input_layernorm). A draft is one forward over [anchor, mask x (Q-1)] at positions P..P+Q-1, each query
+# seeing all context before P and the whole block. DFlash: Q = K+1, mask slot j predicts position P+j.
+# DSpark: Q = K, slot j predicts P+j+1 (the anchor predicts too), then a low-rank Markov bias is added token
+# by token. Rejected context needs no rollback: the next block overwrites those positions before anything
+# reads them.
 
 @dataclass
 class DraftConfig:
@@ -1062,17 +1053,22 @@ def qwen3_fields(d, where):
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"{where}: unsupported RoPE scaling {rope!r}; only default RoPE is implemented")
     n = d["num_hidden_layers"]
-    types = d.get("layer_types") or ["sliding_attention" if d.get("use_sliding_window") and
-                                     i >= d.get("max_window_layers", n) else "full_attention" for i in range(n)]
+    sliding = lambda i: d.get("use_sliding_window") and i >= d.get("max_window_layers", n)     # noqa: E731
+    types = d.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention"
+                                     for i in range(n)]
     if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
-        raise ConfigError(f"{where}: layer_types must list {n} full_attention/sliding_attention entries, got {types}")
-    return dict(hidden_size=d["hidden_size"], num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
-                num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-                intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-                rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", d.get("rope_theta", 1e6)),
-                attention_bias=bool(d.get("attention_bias", False)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False))), types
+        raise ConfigError(f"{where}: layer_types must list {n} full_attention/sliding_attention entries, "
+                          f"got {types}")
+    fields = dict(hidden_size=d["hidden_size"], num_hidden_layers=n,
+                  num_attention_heads=d["num_attention_heads"],
+                  num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+                  head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                  intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+                  rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                  rope_theta=rope.get("rope_theta", d.get("rope_theta", 1e6)),
+                  attention_bias=bool(d.get("attention_bias", False)),
+                  tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+    return fields, types
 
 
 def read_config(path, what):
@@ -1083,23 +1079,31 @@ def read_config(path, what):
         return json.load(fh)
 
 
-def read_block_config(path, method):
-    """config.json of a DFlash/DSpark draft in any published layout -> DraftConfig (ids in our tap convention)."""
-    top = read_config(path, f"{method} draft")
-    arch, smt = top.get("architectures") or [], top.get("speculators_model_type")
-    if smt in ("dflash", "dspark"):  # speculators: the layer config nested, aux ids in vLLM's "entering layer L"
-        kind, base, dc, layout = smt, top["transformer_layer_config"], {}, f"speculators {smt}"
+def block_layout(top, method, path):
+    """The published layout of a DFlash/DSpark config.json -> (the method it is for, its layer config, its
+    dflash_config, the layout's name, the target layer ids (our convention), whether the anchor drafts)."""
+    arch = top.get("architectures") or []
+    smt = top.get("speculators_model_type")
+    if smt in ("dflash", "dspark"):  # speculators: the layer config nested, vLLM's aux ids ("entering L")
         ids = [i - 1 for i in top["aux_hidden_state_layer_ids"]]
         from_anchor = top.get("sample_from_anchor", smt == "dspark")
-    elif "DFlashDraftModel" in arch:  # z-lab
-        kind, base, dc, layout = "dflash", top, top.get("dflash_config") or {}, "z-lab DFlashDraftModel"
-        ids, from_anchor = dc.get("target_layer_ids"), dc.get("sample_from_anchor", False)
-    elif "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and top.get("model_type") == "qwen3"):  # DeepSpec
-        kind, base, dc, layout = "dspark", top, top.get("dflash_config") or {}, "DeepSpec Qwen3DSparkModel"
-        ids, from_anchor = top.get("target_layer_ids"), True
-    else:
-        raise ConfigError(f"{method} draft {path}: not a DFlash/DSpark checkpoint (architectures {arch}); expected "
-                          "DFlashDraftModel (z-lab), Qwen3DSparkModel (DeepSpec) or speculators_model_type dflash/dspark")
+        return smt, top["transformer_layer_config"], {}, f"speculators {smt}", ids, from_anchor
+    if "DFlashDraftModel" in arch:  # z-lab
+        dc = top.get("dflash_config") or {}
+        ids = dc.get("target_layer_ids")
+        return "dflash", top, dc, "z-lab DFlashDraftModel", ids, dc.get("sample_from_anchor", False)
+    if "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and top.get("model_type") == "qwen3"):
+        dc = top.get("dflash_config") or {}                                          # DeepSpec
+        return "dspark", top, dc, "DeepSpec Qwen3DSparkModel", top.get("target_layer_ids"), True
+    raise ConfigError(f"{method} draft {path}: not a DFlash/DSpark checkpoint (architectures {arch}); "
+                      "expected DFlashDraftModel (z-lab), Qwen3DSparkModel (DeepSpec) or "
+                      "speculators_model_type dflash/dspark")
+
+
+def read_block_config(path, method):
+    """config.json of a DFlash/DSpark draft in any published layout -> DraftConfig (ids in our convention)."""
+    top = read_config(path, f"{method} draft")
+    kind, base, dc, layout, ids, from_anchor = block_layout(top, method, path)
     where = f"{method} draft {path} ({layout})"
     if kind != method:
         raise ConfigError(f"{where} is a {kind} checkpoint: use method {kind!r}")
@@ -1120,13 +1124,14 @@ def read_block_config(path, method):
         sliding = [True] * len(types)
     window = dc.get("swa_window_size", base.get("sliding_window"))
     if any(sliding) and not window:
-        raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or sliding_window)")
+        raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or "
+                          "sliding_window)")
     forced = top.get("is_causal", dc.get("causal"))
     causal = [bool(forced) if forced is not None else s and not top.get("sliding_window_non_causal", False)
               for s in sliding]
     return DraftConfig(**fields, windows=[window if s else None for s in sliding], causal=causal,
-                       block_size=int(top.get("block_size", dc.get("block_size", 16))), mask_token_id=int(mask),
-                       target_layer_ids=list(ids), from_anchor=bool(from_anchor),
+                       block_size=int(top.get("block_size", dc.get("block_size", 16))),
+                       mask_token_id=int(mask), target_layer_ids=list(ids), from_anchor=bool(from_anchor),
                        draft_vocab_size=top.get("draft_vocab_size"),
                        markov_rank=int(dc.get("markov_rank", top.get("markov_rank", 0))),
                        confidence_with_markov=bool(top.get("confidence_head_with_markov", False)))
@@ -1134,10 +1139,11 @@ def read_block_config(path, method):
 
 def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
     """Attention of T queries at positions pos[b]..pos[b]+T-1 over the slot's cached keys (the block's own
-    keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal: keys up
-    to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and, when non-causal,
-    k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B]; kv_len >= max(pos)+T.
-    Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU kernel); else a masked reference."""
+    keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal:
+    keys up to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and,
+    when non-causal, k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B];
+    kv_len >= max(pos)+T. Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU
+    kernel); else a masked reference."""
     B, T, nh, d = q.shape
     if window is None and causal:
         return K.attention(q, k_cache, v_cache, slots, pos, kv_len)
@@ -1159,11 +1165,13 @@ def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, windo
 
 
 class Qwen3Attention(nn.Module):
-    """Qwen3 attention (per-head q/k RMSNorm, full NeoX RoPE, GQA, no output gate) over a position-indexed cache."""
+    """Qwen3 attention (per-head q/k RMSNorm, full NeoX RoPE, GQA, no output gate), position-indexed cache."""
     def __init__(self, c, layer_id):
         super().__init__()
-        self.layer_id, self.nh, self.nkv, self.hd = layer_id, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.causal, self.window = c.causal[layer_id], c.windows[layer_id]
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim  # sizes
+        self.causal = c.causal[layer_id]
+        self.window = c.windows[layer_id]
         H, b = c.hidden_size, c.attention_bias
         self.q_proj = nn.Linear(H, self.nh * self.hd, bias=b)
         self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
@@ -1171,17 +1179,18 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=b)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
-        self.theta = c.rope_theta
-        self.register_buffer("inv_freq", torch.zeros(self.hd // 2), persistent=False)  # set by load_weights
+        self.rope_dim, self.rope_theta = self.hd, c.rope_theta                          # full RoPE
+        self.register_buffer("inv_freq", rope_inv_freq(self.rope_dim, self.rope_theta), persistent=False)
 
     def write_kv(self, x, ctx, q=None):
-        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the query
-        projection q [B, T, nh, hd] also returns RoPE(q_norm(q)). One kernel on the GPU (kernels.attention_prep)."""
+        """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the
+        query projection q [B, T, nh, hd] also returns RoPE(q_norm(q)). One kernel on the GPU."""
         B, T, _ = x.shape
         k, v = self.k_proj(x).view(B, T, self.nkv, self.hd), self.v_proj(x).view(B, T, self.nkv, self.hd)
         k_cache, v_cache = ctx.state.kv[self.layer_id]
-        return K.attention_prep(k[:, :, :0] if q is None else q, k, v, self.q_norm.weight, self.k_norm.weight,
-                                self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos, plain=True)
+        q = k[:, :, :0] if q is None else q
+        return K.attention_prep(q, k, v, self.q_norm.weight, self.k_norm.weight, self.k_norm.eps,
+                                self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos, plain=True)
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
@@ -1204,8 +1213,19 @@ class Qwen3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def qwen3_layer_tensors(H, nh, nkv, hd, I):
+    """A plain Qwen3 decoder layer's checkpoint tensors {name: shape} (Qwen3Layer's parameters), in the
+    order the random-weight writers (bench.py, tools/train_drafters.py, the tests) draw them."""
+    return {"self_attn.q_proj.weight": (nh * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),
+            "self_attn.v_proj.weight": (nkv * hd, H), "self_attn.o_proj.weight": (H, nh * hd),
+            "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+            "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+
+
 class Qwen3LM(nn.Module):
-    """A plain Qwen3 causal LM (draft_model), with Qwen36's interface: forward -> final-norm hidden, logits, commit."""
+    """A plain Qwen3 causal LM (draft_model) with Qwen36's interface: forward (final-norm hidden), logits,
+    commit."""
     def __init__(self, c):
         super().__init__()
         self.cfg = c
@@ -1227,13 +1247,18 @@ class Qwen3LM(nn.Module):
 
 
 class KVCache:
-    """Per-layer K, V caches [slots + 1, max_len, n_kv, head_dim] of a draft network (last slot: padding rows).
-    Shaped like State for the Qwen3 layers; nothing recurrent, so nothing to reset or roll back."""
+    """Per-layer K, V caches [slots + 1, max_len, n_kv, head_dim] of a draft network (last slot: padding
+    rows). Shaped like State for the Qwen3 layers; nothing recurrent, so nothing to reset or roll back."""
     def __init__(self, c, num_slots, max_len, dtype, device):
         shape = (num_slots + 1, max_len, c.num_key_value_heads, c.head_dim)
-        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device))
                    for i in range(c.num_hidden_layers)}
-        self.conv, self.rec, self.stash, self.dummy_slot, self.max_len = {}, {}, {}, num_slots, max_len
+        self.conv = {}                                                # nothing recurrent
+        self.rec = {}
+        self.stash = {}
+        self.dummy_slot = num_slots
+        self.max_len = max_len
         self.keep_none = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # as State's
 
     def reset(self, slot):
@@ -1243,35 +1268,10 @@ class KVCache:
 DRAFT_SKIP = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")  # training-only tensors (speculators)
 
 
-def load_weights(module, tensors, dtype, device, where, rename=lambda n: n):
-    """Fill a module built on the meta device from {checkpoint name: file}: every parameter found with its shape,
-    every tensor used (integer tensors such as d2t keep their dtype); RoPE frequencies computed on the device."""
-    from safetensors import safe_open
-    want, have, handles = dict(module.named_parameters()), {rename(n): n for n in tensors}, {}
-    for m, n in have.items():
-        if m not in want:
-            raise ConfigError(f"unexpected tensor {n!r} in {where}")
-    for m, p in want.items():
-        if m not in have:
-            raise ConfigError(f"missing tensor {m!r} in {where}")
-        f = tensors[have[m]]
-        if f not in handles:
-            handles[f] = safe_open(f, "pt")
-        t = handles[f].get_tensor(have[m])
-        if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError(f"tensor {have[m]!r} in {where} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        mod, _, leaf = m.rpartition(".")
-        module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-    for a in module.modules():
-        if isinstance(a, Qwen3Attention):
-            a.inv_freq = 1.0 / a.theta ** (torch.arange(0, a.hd, 2, device=device).float() / a.hd)
-    return module.eval()
-
-
 class BlockDrafter(nn.Module):
-    """The DFlash/DSpark draft network. Parameter names are the checkpoint's; the optional parts (own embed_tokens
-    and lm_head, d2t, Markov head, confidence head) exist iff the checkpoint has them (`shapes`)."""
+    """The DFlash/DSpark draft network. Parameter names are the checkpoint's; the optional parts (own
+    embed_tokens and lm_head, d2t, Markov head, confidence head) exist iff the checkpoint has them
+    (`shapes`)."""
     def __init__(self, c, shapes):
         super().__init__()
         H, V, r = c.hidden_size, c.vocab_size, c.markov_rank
@@ -1282,9 +1282,11 @@ class BlockDrafter(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps, plain=True)
         self.embed_tokens = nn.Embedding(V, H) if "embed_tokens.weight" in shapes else None
         self.lm_head = nn.Linear(H, Vd, bias=False) if "lm_head.weight" in shapes else None
-        self.d2t = nn.Parameter(torch.zeros(Vd, dtype=torch.long), requires_grad=False) if "d2t" in shapes else None
+        self.d2t = None                                                              # draft id -> target id
+        if "d2t" in shapes:
+            self.d2t = nn.Parameter(torch.zeros(Vd, dtype=torch.long), requires_grad=False)
         self.markov_head = self.confidence_head = None
-        if r:  # DSpark: bias_k = W2 . W1[prev]; W1 embeds target ids [V, r], W2 projects to draft logits [V_d, r]
+        if r:  # DSpark: bias_k = W2 . W1[prev]; W1 embeds target ids [V, r], W2 [V_d, r] makes draft logits
             self.markov_head = nn.Module()
             self.markov_head.markov_w1 = nn.Embedding(V, r)
             self.markov_head.markov_w2 = nn.Linear(r, Vd, bias=False)
@@ -1294,7 +1296,8 @@ class BlockDrafter(nn.Module):
         self.draft_vocab_size = Vd
 
     def write_context(self, feats, ctx):
-        """Context K/V of committed tokens from their concatenated target taps feats [B, T, n_taps * H_target]."""
+        """Context K/V of committed tokens from their concatenated target taps feats [B, T, n_taps *
+        H_target]."""
         c = self.hidden_norm(self.fc(feats))                                         # [B, T, H]
         for layer in self.layers:
             layer.self_attn.write_kv(c, ctx)
@@ -1307,91 +1310,111 @@ class BlockDrafter(nn.Module):
 
 
 class BlockProposer:
-    """method dflash / dspark: the block drafter, its KV cache (context written at prefill and after each verify),
-    and drafting: one block forward, then argmax/sampling (DFlash) or the Markov stage (DSpark)."""
-    def __init__(self, engine, spec):
-        m, path, K, tcfg = spec.method, spec.model, spec.num_speculative_tokens, engine.model.cfg
-        if path is None:
+    """The block drafters' common part (dflash, dspark): the draft network, its KV cache (context K/V
+    written at prefill and after each verify) and the block forward over [anchor, mask x (Q-1)], whose
+    logits a subclass turns into drafts (_sample)."""
+    method = None
+
+    def __init__(self, spec, io):
+        m = self.method
+        if spec.model is None:
             raise ConfigError(f"method {m!r} needs 'model': the path of a {m} draft checkpoint "
                               "(Qwen3.5/3.6 targets do not ship one)")
-        c, where = read_block_config(path, m), f"{m} draft {path}"
-        L, ids = tcfg.num_hidden_layers, c.target_layer_ids
-        if any(not -1 <= i < L for i in ids):
-            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the target "
-                              f"model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, 'output of layer i')")
-        if m == "dspark" and K < c.block_size:  # vLLM's message
-            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size ({c.block_size}); got {K}. "
-                              f"Smaller values produce incorrect output. Use num_speculative_tokens={c.block_size} "
-                              "or larger.")
-        if c.vocab_size != tcfg.vocab_size:
-            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's {tcfg.vocab_size}")
-        from safetensors import safe_open
-        tensors, shapes = {n: f for n, f in checkpoint_tensors(path).items() if n not in DRAFT_SKIP}, {}
-        for f in set(tensors.values()):  # the header's shapes decide the optional parts and fc's input size
-            with safe_open(f, "pt") as st:
-                shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys() if n in tensors})
-        if "fc.weight" not in shapes:
-            raise ConfigError(f"missing tensor 'fc.weight' in {where}")
-        got = len(ids) * tcfg.hidden_size
-        if shapes["fc.weight"][1] != got:  # vLLM's message
-            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden features but "
-                              f"received {got} ({len(ids)} taps x hidden {tcfg.hidden_size}). This usually means the "
-                              "draft model's target_layer_ids reference layers that do not exist in the target model "
-                              "(incompatible draft/target pair).")
-        with torch.device("meta"):
-            net = BlockDrafter(c, shapes)
-        self.net = fuse_projections(load_weights(net, tensors, engine.dtype, engine.device, where))  # MLP gate/up
-        Vd = net.draft_vocab_size
-        if Vd > tcfg.vocab_size or (Vd < tcfg.vocab_size and (net.d2t is None or net.lm_head is None)):
-            raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {tcfg.vocab_size}: a reduced draft "
-                              "vocabulary needs the draft's lm_head and d2t; a larger one is not supported")
-        if c.hidden_size != tcfg.hidden_size and (net.embed_tokens is None or net.lm_head is None):
-            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's {tcfg.hidden_size}, so "
-                              "the draft must ship its own embed_tokens and lm_head")
-        if not 0 <= c.mask_token_id < tcfg.vocab_size:
-            raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} is outside the vocabulary")
-        self.embed = net.embed_tokens or engine.model.embed_tokens
+        path = spec.model
+        K = spec.num_speculative_tokens
+        tcfg = io.model.cfg
+        c = read_block_config(path, m)
+        where = f"{m} draft {path}"
+        self.check(c, K, tcfg, where)
+        net = self.net = self._load_net(path, c, tcfg, where, io)
+        self.embed = net.embed_tokens or io.model.embed_tokens
         self.mask_vec = self.embed.weight[c.mask_token_id]                           # [H]
         override = os.path.join(path, "mask_embedding.pt")  # some checkpoints ship a trained mask embedding
         if os.path.isfile(override):
             e = torch.load(override, weights_only=True)
             e = e["embedding"] if isinstance(e, dict) else e
-            self.mask_vec = e.reshape(-1).to(engine.device, engine.dtype)
-        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else engine.model.logits
-        self.method, self.k, self.greedy = m, K, spec.draft_sample_method == "greedy"
-        self.topk, self.V = spec.dspark_draft_topk, tcfg.vocab_size
-        if self.topk is not None and self.topk > Vd:
-            raise ConfigError(f"dspark_draft_topk={self.topk} exceeds the draft vocabulary ({Vd})")
+            self.mask_vec = e.reshape(-1).to(io.device, io.dtype)
+        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else io.model.logits
+        self.io = io
+        self.k = K
+        self.greedy = spec.draft_sample_method == "greedy"
+        self.V = tcfg.vocab_size
         self.Q = K if c.from_anchor else K + 1                                       # block queries
         self.out = slice(0, K) if c.from_anchor else slice(1, K + 1)                 # the slots that draft
-        self.taps = tuple(sorted(set(ids)))  # Qwen36.forward returns taps in layer order; self.order restores ours
-        self.order = [self.taps.index(i) for i in ids]
-        self.cache = KVCache(c, engine.max_num_seqs, engine.max_model_len + self.Q + K + 1, engine.dtype, engine.device)
+        self.taps = tuple(sorted(set(c.target_layer_ids)))   # the target gives them in layer order: .order
+        self.order = [self.taps.index(i) for i in c.target_layer_ids]
+        self.cache = KVCache(c, io.num_slots, io.max_model_len + self.Q + K + 1, io.dtype, io.device)
         self.cfg = c
 
-    # Drafting and the context write after a verify go through engine.call: captured graphs on the GPU (inputs
-    # are device tensors, batch first; kv_len is then the cache length), eager elsewhere.
+    def check(self, c, K, tcfg, where):
+        """Refuse a drafter that does not fit the target."""
+        L = tcfg.num_hidden_layers
+        ids = c.target_layer_ids
+        if any(not -1 <= i < L for i in ids):
+            raise ConfigError(f"{where}: target_layer_ids {ids} reference layers that do not exist in the "
+                              f"target model ({L} layers: valid ids are -1 (embeddings) .. {L - 1}, "
+                              "'output of layer i')")
+        if c.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"{where}: vocab_size {c.vocab_size} differs from the target's "
+                              f"{tcfg.vocab_size}")
+
+    @staticmethod
+    def _load_net(path, c, tcfg, where, io):
+        """The draft network, loaded; the checkpoint's shapes decide its optional parts and fc's input."""
+        from safetensors import safe_open
+        tensors = {n: f for n, f in checkpoint_tensors(path).items() if n not in DRAFT_SKIP}
+        shapes = {}
+        for f in set(tensors.values()):
+            with safe_open(f, "pt") as st:
+                shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys() if n in tensors})
+        if "fc.weight" not in shapes:
+            raise ConfigError(f"missing tensor 'fc.weight' in {where}")
+        n_taps = len(c.target_layer_ids)
+        got = n_taps * tcfg.hidden_size
+        if shapes["fc.weight"][1] != got:  # vLLM's message
+            raise ConfigError(f"DFlash drafter expects {shapes['fc.weight'][1]} concatenated aux hidden "
+                              f"features but received {got} ({n_taps} taps x hidden {tcfg.hidden_size}). "
+                              "This usually means the draft model's target_layer_ids reference layers that "
+                              "do not exist in the target model (incompatible draft/target pair).")
+        with torch.device("meta"):
+            net = BlockDrafter(c, shapes)
+        net = fuse_projections(load_weights(net, checkpoint_sources(tensors), io.dtype, io.device, where))
+        Vd, V = net.draft_vocab_size, tcfg.vocab_size
+        if Vd > V or (Vd < V and (net.d2t is None or net.lm_head is None)):
+            raise ConfigError(f"{where}: draft vocabulary {Vd} vs the target's {V}: a reduced draft "
+                              "vocabulary needs the draft's lm_head and d2t; a larger one is not supported")
+        if c.hidden_size != tcfg.hidden_size and (net.embed_tokens is None or net.lm_head is None):
+            raise ConfigError(f"{where}: hidden_size {c.hidden_size} differs from the target's "
+                              f"{tcfg.hidden_size}, so the draft must ship its own embed_tokens and lm_head")
+        if not 0 <= c.mask_token_id < V:
+            raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} is outside the vocabulary")
+        return net
+
+    # Drafting and the context write after a verify go through io.call: captured graphs on the GPU (inputs are
+    # device tensors, batch first; kv_len is then the cache length), eager elsewhere.
     def _context(self, kv_len, slots, pos, feats):
         self.net.write_context(feats, Ctx(self.cache, slots, pos, kv_len))
         return ()
 
-    def _feats(self, engine):
-        return torch.cat([engine.aux[i] for i in self.order], -1)                   # [B, T, n_taps * H_target]
+    def _feats(self, taps):
+        return torch.cat([taps[i] for i in self.order], -1)                         # [B, T, n_taps * H_t]
 
-    def prefill(self, engine, req, hidden, ids, pos):  # eager: prompt chunks come in any length
-        self._context(0, engine.slot_tensor([req]), torch.tensor([pos], device=engine.device), self._feats(engine))
+    def prefill(self, req, hidden, taps, ids, pos):  # eager: prompt chunks come in any length
+        slots = self.io.h2d([req.slot], torch.long)
+        self._context(0, slots, self.io.h2d([pos]), self._feats(taps))
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
-        # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next block,
-        # which overwrites them before any query reads them
-        engine.call(f"{self.method}-context", self._context, 0,
-                    dict(slots=engine.cur_slots, pos=engine.cur_pos, feats=self._feats(engine)))
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
+        # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next
+        # block, which overwrites them before any query reads them
+        inputs = dict(slots=batch.slots, pos=batch.pos, feats=self._feats(taps))
+        self.io.call(f"{self.method}-context", self._context, 0, inputs)
 
-    def propose(self, engine, reqs):
-        inputs = dict(slots=engine.cur_slots, pos=engine.cur_pos, anchor=engine.cur_last)  # the anchor and its position
+    def propose(self, batch):
+        inputs = dict(slots=batch.slots, pos=batch.pos, anchor=batch.last)          # the anchor, its position
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call(f"{self.method}-propose", self._draft, engine.kv_len(reqs, self.Q, self.cache.max_len), inputs)
+            inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
+        kv_len = batch.kv_len(self.Q, self.cache.max_len)
+        return self.io.call(f"{self.method}-propose", self._draft, kv_len, inputs)
 
     def block_logits(self, kv_len, slots, pos, anchor):
         """The block forward over [anchor, mask x (Q-1)] at pos..: base draft logits [B, K, V_d] (fp32)."""
@@ -1400,11 +1423,8 @@ class BlockProposer:
 
     def _draft(self, kv_len, slots, pos, anchor, temp=None, u=None):
         U = self.block_logits(kv_len, slots, pos, anchor)                           # [B, K, V_d]
-        if self.net.markov_head is None and self.topk is None:
-            d, q = self._pick(U, temp, u)
-        else:
-            d, q = self._markov(U, anchor, temp, u)
-        if self.net.d2t is not None and q is not None:                               # draft vocab -> target vocab
+        d, q = self._sample(U, anchor, temp, u)
+        if self.net.d2t is not None and q is not None:                              # draft -> target vocab
             cols = self._tid(torch.arange(q.shape[-1], device=q.device))
             q = q.new_zeros(*q.shape[:2], self.V).index_copy_(-1, cols, q)
         return self._tid(d), q
@@ -1413,28 +1433,62 @@ class BlockProposer:
         return d if self.net.d2t is None else d + self.net.d2t[d]
 
     def _pick(self, logits, temp, u):
-        """draft_pick over positions: logits [B, n, V_d]; temp [B] (None: greedy argmax, verified as one-hot q);
-        u [B, n] uniforms. Probabilistic: samples of softmax(logits / temp), returned as q [B, n, V_d]."""
+        """draft_pick over positions: logits [B, n, V_d]; temp [B] (None: greedy argmax, verified as one-hot
+        q); u [B, n] uniforms. Probabilistic: samples of softmax(logits / temp), returned as q [B, n, V_d]."""
         if temp is None:
             return logits.argmax(-1), None
         q = (logits / temp[:, None, None]).softmax(-1)
         return sample_from(q.flatten(0, 1), u.flatten()).view(u.shape), q
 
-    def _markov(self, U, anchor, temp, u):
-        """DSpark's sequential stage: logits_j = U_j + W2 . W1[prev], prev = the anchor, then each new draft (as a
-        target id). With dspark_draft_topk the bias goes on the top-k base logits only, the rest -inf. A fixed-length
-        loop of device ops without host syncs, so it runs inside the captured drafting graph."""
+
+class DFlashProposer(BlockProposer):
+    """method dflash: mask slot j of the block drafts position P+j (Q = K+1), by argmax or sampling."""
+    method = "dflash"
+
+    def _sample(self, U, anchor, temp, u):
+        return self._pick(U, temp, u)
+
+
+class DSparkProposer(BlockProposer):
+    """method dspark: every slot drafts, the anchor's too (Q = K), and the Markov head biases each draft by
+    the one before it, token by token on the device."""
+    method = "dspark"
+
+    def __init__(self, spec, io):
+        super().__init__(spec, io)
+        self.topk = spec.dspark_draft_topk
+        if self.topk is not None and self.topk > self.net.draft_vocab_size:
+            raise ConfigError(f"dspark_draft_topk={self.topk} exceeds the draft vocabulary "
+                              f"({self.net.draft_vocab_size})")
+
+    def check(self, c, K, tcfg, where):
+        super().check(c, K, tcfg, where)
+        if K < c.block_size:  # vLLM's message
+            raise ConfigError(f"DSpark requires num_speculative_tokens >= dspark_block_size "
+                              f"({c.block_size}); got {K}. Smaller values produce incorrect output. "
+                              f"Use num_speculative_tokens={c.block_size} or larger.")
+
+    def _sample(self, U, anchor, temp, u):
+        """DSpark's sequential stage: logits_j = U_j + W2 . W1[prev], prev = the anchor, then each new
+        draft (as a target id). With dspark_draft_topk the bias goes on the top-k base logits only, the
+        rest -inf. A fixed-length loop of device ops without host syncs: it runs inside the drafting graph."""
         head = self.net.markov_head
-        if temp is None and not self.topk and head is not None and self.net.d2t is None:  # greedy: fused kernels
-            return K.markov_greedy(U, head.markov_w1(anchor), head.markov_w1.weight, head.markov_w2.weight), None
+        if head is None and self.topk is None:
+            return self._pick(U, temp, u)
+        if temp is None and not self.topk and self.net.d2t is None:  # greedy: fused kernels
+            w1, w2 = head.markov_w1, head.markov_w2
+            return K.markov_greedy(U, w1(anchor), w1.weight, w2.weight), None
         if self.topk:
             vals, idx = U.topk(self.topk, -1)                                        # [B, K, k]
-        prev, ds, qs = anchor, [], []
+        prev = anchor
+        ds = []
+        qs = []
         for j in range(U.shape[1]):
             e = head.markov_w1(prev) if head is not None else None                   # [B, r]
             if self.topk:
                 bias = 0 if e is None else (head.markov_w2.weight[idx[:, j]] @ e[..., None])[..., 0]  # [B, k]
-                lj = torch.full_like(U[:, j], float("-inf")).scatter_(-1, idx[:, j], (vals[:, j] + bias).float())
+                lj = torch.full_like(U[:, j], float("-inf"))                     # [B, V_d]: -inf but top-k
+                lj.scatter_(-1, idx[:, j], (vals[:, j] + bias).float())
             else:
                 lj = U[:, j] + head.markov_w2(e).float()                             # [B, V_d]
             d, q = self._pick(lj[:, None], temp, None if u is None else u[:, j:j + 1])
@@ -1444,75 +1498,91 @@ class BlockProposer:
         return torch.stack(ds, 1), None if temp is None else torch.cat(qs, 1)
 
 
-def load_draft_lm(path, engine, max_len):
-    """draft_model's LM and its state: a Qwen3.5/3.6 checkpoint (specdec's model, GDN states with stash/commit) or a
-    plain Qwen3 one (Qwen3Layer stack, KV cache only)."""
-    top, tv = read_config(path, "draft_model"), engine.model.cfg.vocab_size
+def load_draft_lm(path, io, max_len):
+    """draft_model's LM and its state: a Qwen3.5/3.6 checkpoint (specdec's model, GDN states with
+    stash/commit) or a plain Qwen3 one (Qwen3Layer stack, KV cache only)."""
+    top = read_config(path, "draft_model")
+    tv = io.model.cfg.vocab_size
     mt = top.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES + ("qwen3",):
-        raise ConfigError(f"draft_model {path}: model_type {mt!r} is not supported; the draft must be a Qwen3.5/3.6 "
-                          f"({', '.join(SUPPORTED_MODEL_TYPES)}) or plain Qwen3 (qwen3) checkpoint")
+        raise ConfigError(f"draft_model {path}: model_type {mt!r} is not supported; the draft must be a "
+                          f"Qwen3.5/3.6 ({', '.join(SUPPORTED_MODEL_TYPES)}) or plain Qwen3 (qwen3) "
+                          "checkpoint")
     fields, types = qwen3_fields(top, f"draft_model {path}") if mt == "qwen3" else (None, None)
     dv = fields["vocab_size"] if fields else ModelConfig.from_hf(path).vocab_size
     if dv != tv:  # vLLM's message
-        raise ConfigError(f"Target and draft model should have the same vocabulary size. Target model vocab_size={tv}. "
-                          f"Draft model vocab_size={dv}. Using models with different tokenizers can cause out-of-bounds "
-                          "errors during speculative decoding.")
-    args = (engine.max_num_seqs, max_len, engine.dtype, engine.device)
+        raise ConfigError(f"Target and draft model should have the same vocabulary size. Target model "
+                          f"vocab_size={tv}. Draft model vocab_size={dv}. Using models with different "
+                          "tokenizers can cause out-of-bounds errors during speculative decoding.")
+    args = (io.num_slots, max_len, io.dtype, io.device)
     if fields is None:
         try:
-            model, cfg, _ = load_model(path, engine.dtype, engine.device)
+            model, cfg, _ = load_model(path, io.dtype, io.device)
         except FileNotFoundError as e:
             raise ConfigError(f"draft_model {path}: {e}") from None
         return model, State(cfg, *args)
-    c = DraftConfig(**fields, windows=[top.get("sliding_window") if t == "sliding_attention" else None for t in types],
-                    causal=[True] * len(types))
-    tensors = {n: f for n, f in checkpoint_tensors(path).items() if not (c.tie_word_embeddings and n == "lm_head.weight")}
+    windows = [top.get("sliding_window") if t == "sliding_attention" else None for t in types]
+    c = DraftConfig(**fields, windows=windows, causal=[True] * len(types))
+    tied = c.tie_word_embeddings
+    tensors = {n: f for n, f in checkpoint_tensors(path).items() if not (tied and n == "lm_head.weight")}
     with torch.device("meta"):
         model = Qwen3LM(c)
-    model = load_weights(model, tensors, engine.dtype, engine.device, f"draft_model {path}",
-                         rename=lambda n: n[len("model."):] if n.startswith("model.") else n)
+    sources = checkpoint_sources(tensors, lambda n: n[len("model."):] if n.startswith("model.") else n)
+    model = load_weights(model, sources, io.dtype, io.device, f"draft_model {path}")
     return model, KVCache(c, *args)
 
 
 class DraftModelProposer:
-    """method draft_model: a small LM drafts k tokens autoregressively with its own caches, one token behind the
-    target like vLLM. At each propose a first pass feeds it the tokens committed since the last one (right-padded to
-    k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the target does); d1 comes
-    from the last real position. Drafts d2..dk come from verify-mode passes that never write the GDN states (over
-    [d1..dj] for a hybrid draft, just d_j for an attention-only one), so nothing needs rolling back."""
-    def __init__(self, engine, spec):
-        self.k, self.greedy = spec.num_speculative_tokens, spec.draft_sample_method == "greedy"
-        self.model, self.state = load_draft_lm(spec.model, engine, engine.max_model_len + 2 * self.k + 2)
-        self.recurrent = bool(self.state.rec)
-        # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the accepted
-        # n+1 after a verify; right-padded to k+1), how many, and the position of the first
-        S, dev = engine.max_num_seqs + 1, engine.device
-        self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=dev)
-        self.new_n, self.start = torch.ones(S, dtype=torch.long, device=dev), torch.zeros(S, dtype=torch.long, device=dev)
+    """method draft_model: a small LM drafts k tokens autoregressively with its own caches, one token behind
+    the target like vLLM. At each propose a first pass feeds it the tokens committed since the last one
+    (right-padded to k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the
+    target does); d1 comes from the last real position. Drafts d2..dk come from verify-mode passes that
+    never write the GDN states (over [d1..dj] for a hybrid draft, just d_j for an attention-only one), so
+    nothing needs rolling back."""
+    taps = ()
 
-    def prefill(self, engine, req, hidden, ids, pos):
-        T, slots = hidden.shape[1], engine.slot_tensor([req])
+    def __init__(self, spec, io):
+        self.io = io
+        self.k = spec.num_speculative_tokens
+        self.greedy = spec.draft_sample_method == "greedy"
+        self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + 2 * self.k + 2)
+        self.recurrent = bool(self.state.rec)
+        # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the
+        # accepted n+1 after a verify; right-padded to k+1), how many, and the position of the first
+        S = io.num_slots + 1
+        self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=io.device)     # [S, k+1]
+        self.new_n = torch.ones(S, dtype=torch.long, device=io.device)                    # [S]
+        self.start = torch.zeros(S, dtype=torch.long, device=io.device)                   # [S]
+
+    def prefill(self, req, hidden, taps, ids, pos):
+        T = hidden.shape[1]
+        slots = self.io.h2d([req.slot], torch.long)
         if pos == 0:
             self.state.reset(req.slot)
-        chunk = torch.tensor([req.prompt_ids[pos:pos + T]], device=engine.device)
-        self.model(chunk, Ctx(self.state, slots, torch.tensor([pos], device=engine.device), pos + T, "prefill"))
-        if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose consumes it
-            self.new_ids[req.slot, 0], self.new_n[req.slot], self.start[req.slot] = ids[0, -1], 1, pos + T
+        chunk = self.io.h2d([req.prompt_ids[pos:pos + T]])
+        pos_t = self.io.h2d([pos])
+        self.model(chunk, Ctx(self.state, slots, pos_t, pos + T, "prefill"))
+        if pos + T == len(req.prompt_ids):  # ids' last is the first sampled token: the first propose eats it
+            self.new_ids[req.slot, 0] = ids[0, -1]
+            self.new_n[req.slot] = 1
+            self.start[req.slot] = pos + T
 
-    def propose(self, engine, reqs):
-        s = engine.cur_slots
+    def propose(self, batch):
+        s = batch.slots
         inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s], n=self.new_n[s])
         if not self.greedy:
-            inputs["temp"], inputs["u"] = draft_noise(engine, reqs, self.k)
-        return engine.call("draft-propose", self._draft, engine.kv_len(reqs, 2 * self.k + 1, self.state.max_len), inputs)
+            inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
+        kv_len = batch.kv_len(2 * self.k + 1, self.state.max_len)
+        return self.io.call("draft-propose", self._draft, kv_len, inputs)
 
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
         ctx = Ctx(self.state, slots, start, kv_len, "verify")
         h = self.model(ids, ctx)                                                     # [B, k+1, H]
-        self.model.commit(ctx, n)                                                    # keep exactly the new tokens
+        self.model.commit(ctx, n)                                                    # keep the new tokens
         h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]                  # [B, H] at each anchor
-        p1, drafts, probs = start + n, [], []                                        # p1: position of d1
+        p1 = start + n                                                               # [B] position of d1
+        drafts = []
+        probs = []
         for j in range(self.k):
             if j > 0:
                 x, pos = (torch.stack(drafts, 1), p1) if self.recurrent else (drafts[-1][:, None], p1 + j - 1)
@@ -1522,22 +1592,26 @@ class DraftModelProposer:
             probs.append(q)
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
-    def commit(self, engine, reqs, hidden, ids, n_acc, tokens):
-        s = engine.cur_slots  # the next propose's first pass consumes the accepted tokens
-        self.new_ids[s], self.new_n[s], self.start[s] = tokens.clamp(min=0), n_acc + 1, engine.cur_pos + 1
+    def commit(self, batch, hidden, taps, ids, n_acc, tokens):
+        s = batch.slots  # the next propose's first pass consumes the accepted tokens
+        self.new_ids[s] = tokens.clamp(min=0)
+        self.new_n[s] = n_acc + 1
+        self.start[s] = batch.pos + 1
 
 
-PROPOSERS.update(dflash=BlockProposer, dspark=BlockProposer, draft_model=DraftModelProposer)
+PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashProposer, "dspark": DSparkProposer,
+             "draft_model": DraftModelProposer}  # method -> class(spec, io)
+
 
 # ==============================================================================================
 # Verification & sampling
 # ==============================================================================================
 
 def target_probs(logits, temperature, top_k, top_p, filtered=None):
-    """The target distribution p that sampling and verification draw from: temperature, then top-k,
-    then top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N]
-    tensors (temperature 0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32.
-    `filtered` (optional, known on the host): whether any row has top-k or top-p; None reads it from the device."""
+    """The target distribution p that sampling and verification draw from: temperature, then top-k, then
+    top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N] tensors (temperature
+    0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32. `filtered` (optional, known on
+    the host): whether any row has top-k or top-p; None reads it from the device."""
     t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
     x = logits / t[:, None]
     if filtered is None:
@@ -1549,7 +1623,7 @@ def target_probs(logits, temperature, top_k, top_p, filtered=None):
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
         drop = rank >= k[:, None]                                                    # top-k
         p = srt.masked_fill(drop, float("-inf")).softmax(-1)
-        drop |= (p.cumsum(-1) - p) > top_p[:, None]                                  # top-p: keep the set reaching p
+        drop |= (p.cumsum(-1) - p) > top_p[:, None]                        # top-p: keep the set reaching p
         drop[:, 0] = False
         x = x.scatter(-1, order, srt.masked_fill(drop, float("-inf")))
     return x.softmax(-1)
@@ -1562,19 +1636,19 @@ def sample_from(probs, u):
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample, all_greedy=None,
-                     filtered=None):
+def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample,
+                     all_greedy=None, filtered=None):
     """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
 
     logits [B, k+1, V] fp32 target logits at [last token, d1..dk]; drafts [B, k] long (-1 = padding,
-    always rejected); draft_probs [B, k, V] or None (= one-hot q at the draft); temperature, top_k,
-    top_p [B]; u_accept [B, k], u_sample [B, k+1] uniforms in [0, 1).
-    Greedy rows (temperature 0) accept while draft == argmax, then emit the argmax. Random rows accept
-    d_i with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
+    always rejected); draft_probs [B, k, V] or None (= one-hot q at the draft); temperature, top_k, top_p [B];
+    u_accept [B, k], u_sample [B, k+1] uniforms in [0, 1).
+    Greedy rows (temperature 0) accept while draft == argmax, then emit the argmax. Random rows accept d_i
+    with probability min(1, p_i(d_i)/q_i(d_i)); the first rejected position is resampled from
     norm(max(0, p_i - q_i)); when all k are accepted a bonus token is drawn from p_{k+1}.
     Returns tokens [B, k+1] (-1 after the emitted ones) and num_accepted [B] (bonus excluded).
-    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy; `filtered`
-    is passed to target_probs.
+    `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy;
+    `filtered` is passed to target_probs.
     """
     B, k1, V = logits.shape
     k = k1 - 1
@@ -1584,7 +1658,8 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     if all_greedy:
         argmax = logits.argmax(-1)                                                   # [B, k+1]
         n = torch.cumprod(((drafts == argmax[:, :k]) & (drafts >= 0)).long(), dim=1).sum(1)
-        tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
+        padded = torch.cat([drafts, drafts[:, :1]], 1)                               # [B, k+1]
+        tokens = torch.where(pos < n[:, None], padded, torch.full_like(argmax, -1))  # the accepted drafts
         tokens[rows, n] = argmax[rows, n]
         return tokens, n
     rep = lambda t: t.repeat_interleave(k1)
@@ -1598,19 +1673,33 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     n = torch.cumprod(ok.long(), dim=1).sum(1)                                       # accepted prefix length
     # the token after the accepted prefix: greedy -> argmax; random -> residual at a rejection, p at the bonus
     p_n = p[rows, n]                                                                 # [B, V]
-    d_n = drafts[rows, n.clamp(max=k - 1)]                                          # draft at the stop (if any)
-    q_n = F.one_hot(d_n.clamp(min=0), V).to(p.dtype) if draft_probs is None else draft_probs[rows, n.clamp(max=k - 1)]
+    stop = n.clamp(max=k - 1)
+    d_n = drafts[rows, stop]                                                     # the draft at the stop
+    q_n = F.one_hot(d_n.clamp(min=0), V).to(p.dtype) if draft_probs is None else draft_probs[rows, stop]
     q_n = q_n * (d_n >= 0)[:, None]                                                  # padding has q = 0
     resid = torch.where((n < k)[:, None], (p_n - q_n).clamp(min=0), p_n)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)                 # p == q: any draw from p
     extra = torch.where(greedy, argmax[rows, n], sample_from(resid, u_sample[rows, n]))
-    tokens = torch.where(pos < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), torch.full_like(argmax, -1))
+    padded = torch.cat([drafts, drafts[:, :1]], 1)                                   # [B, k+1]
+    tokens = torch.where(pos < n[:, None], padded, torch.full_like(argmax, -1))      # the accepted drafts
     tokens[rows, n] = extra
     return tokens, n
 
 
+def synthetic_sample(logits, drafts, rates, u_accept):
+    """Benchmark mode (vLLM's `synthetic` rejection_sample_method), not lossless: accept draft i with the
+    conditional probability rates[i] whatever the tokens are (never past the real drafts), then emit the
+    target's argmax. logits [B, k+1, V]; drafts [B, k] (-1 = padding); rates [k]; u_accept [B, k]. Returns
+    tokens [B, k+1] and num_accepted [B], as rejection_sample."""
+    rows = torch.arange(drafts.shape[0], device=drafts.device)
+    n = torch.minimum(torch.cumprod((u_accept < rates).long(), 1).sum(1), (drafts >= 0).sum(1))
+    tokens = torch.cat([drafts, drafts[:, :1]], 1)                               # the drafts, then the argmax
+    tokens[rows, n] = logits[rows, n].argmax(-1)
+    return tokens, n
+
+
 # ==============================================================================================
-# Engine: slots, requests, the step loop, stops, metrics
+# Engine: ModelRunner runs the steps, Engine schedules the requests (nano-vllm's split)
 # ==============================================================================================
 
 @dataclass
@@ -1639,25 +1728,38 @@ class SpecStats:
     def draft_acceptance_rate(self):
         return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
 
-    def summary(self):
+    def summary(self, elapsed=None):
+        """vLLM's log line; with `elapsed` (seconds the counts took) its two throughputs too."""
         per_pos = ", ".join(f"{a / max(self.num_drafts, 1):.3f}" for a in self.accepted_per_pos)
-        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+        rates = "" if elapsed is None else (
+            f"Accepted throughput: {self.num_accepted_tokens / max(elapsed, 1e-9):.2f} tokens/s, "
+            f"Drafted throughput: {self.num_draft_tokens / max(elapsed, 1e-9):.2f} tokens/s, ")
+        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, {rates}"
                 f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
-                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
+                f"Per-position acceptance rate: {per_pos}, "
+                f"Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
 
 
 class Request:
     """One sequence: its tokens, sampling parameters, output so far, slot and stop state."""
     def __init__(self, rid, prompt_ids, params, tokenizer, seed):
-        self.id, self.prompt_ids, self.params = rid, list(prompt_ids), params
-        self.output_ids, self.text = [], ""
+        self.id = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids = []
+        self.text = ""
         self.tokens = list(prompt_ids)  # prompt + output, kept up to date by Engine._emit (read every step)
         self.logprobs = [] if params.logprobs is not None else None
-        self.finish_reason = self.stop_reason = self.slot = None
+        self.finish_reason = None
+        self.stop_reason = None
+        self.slot = None
+        self.prefilled = 0  # prompt tokens prefilled so far (chunked prefill spreads them over steps)
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
         self.detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # None: token ids only
         self.spec = SpecStats()
-        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time = None
+        self.finish_time = None
         self.on_update = None  # callback(req, n_new_tokens), e.g. the server's stream
 
     @property
@@ -1665,145 +1767,342 @@ class Request:
         return self.finish_reason is not None
 
 
+def h2d(device, data, dtype=None):
+    """Host data (a list or CPU tensor) on the device without waiting for the device: through pinned memory,
+    copied asynchronously. (A copy from pageable memory waits until every queued kernel has run, which would
+    stall the host once per copy and undo asynchronous steps.)"""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class GraphRunner:
-    """CUDA graphs captured by hand for the target's decode (T = 1) and verify (T = k+1) steps, one per batch
-    bucket (1, 2, 4, 8), sharing one memory pool. Inputs are copied into static buffers; padding rows point at
-    the dummy slot. A verify graph's GDN stash and the commit graph that replays it use the same tensors."""
-    def __init__(self, engine):
-        self.e = engine
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < engine.max_num_seqs] + [engine.max_num_seqs]
-        self.graphs = {}
+    """CUDA graphs captured by hand (nano-vllm's way) for every step that runs often: the target's decode
+    (T = 1), its verify (T = k+1) with the GDN commit after it, and the drafters' steps. One capture path:
+    a step fn(kv_len, **inputs) -> tuple of tensors is captured per batch bucket (1, 2, 4, 8, ..,
+    max_num_seqs) and input shape, all in one memory pool. Its inputs are copied into static buffers that
+    its record owns (as it owns the outputs); padding rows beyond the batch get slot = the dummy slot,
+    temperature 1, everything else 0. A batch no bucket holds runs eagerly (the caller's fallback)."""
+    def __init__(self, state):
+        n = state.dummy_slot                                          # max_num_seqs
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < n] + [n]
+        self.dummy_slot = state.dummy_slot
+        self.kv_len = state.max_len   # a graph serves every position: its attention may read the whole cache
+        self.graphs = {}              # (name, bucket, input shapes) -> record: static inputs, outputs, graphs
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, B, T, mode):
-        e, st = self.e, self.e.state
-        dev = e.device
-        g = types.SimpleNamespace()  # static inputs, outputs and the graphs of one (bucket, T)
-        g.ids, g.pos = torch.zeros(B, T, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
-        g.slots = torch.full((B,), st.dummy_slot, dtype=torch.long, device=dev)
-        g.n_keep = torch.zeros(B, dtype=torch.long, device=dev)
-        ctx = Ctx(st, g.slots, g.pos, st.max_len, mode)
-        fwd = lambda: e.model(g.ids, ctx, e.taps) if e.taps else (e.model(g.ids, ctx), None)
-        for _ in range(2):  # warm every kernel (Triton compiles, cuBLAS picks) on this shape before capture
-            g.h, g.aux = fwd()
-            g.logits = e.model.logits(g.h)
-            if mode == "verify":
-                e.model.commit(ctx, g.n_keep)
-        torch.cuda.synchronize()
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.h, g.aux = fwd()
-            g.logits = e.model.logits(g.h)
-        g.commit = None
-        if mode == "verify":  # replays the stash the verify graph just wrote (same tensors on every replay)
-            g.commit = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.commit, pool=self.pool):
-                e.model.commit(ctx, g.n_keep)
-        st.stash.clear()
-        self.graphs[(B, T)] = g
-        return g
+    def pad(self, name):
+        return self.dummy_slot if name == "slots" else (1 if name == "temp" else 0)
 
-    def run(self, ids, pos, slots, mode):
-        """Replay the smallest bucket that fits, or return None (the caller runs eagerly)."""
-        B, T = ids.shape
-        Bp = next((b for b in self.buckets if b >= B), None)
-        if Bp is None:
-            return None
-        g = self.graphs.get((Bp, T)) or self.capture(Bp, T, mode)
-        g.ids[:B].copy_(ids)
-        g.pos[:B].copy_(pos)
-        g.slots[:B].copy_(slots)
-        if Bp > B:
-            g.ids[B:].zero_()
-            g.pos[B:].zero_()
-            g.slots[B:].fill_(self.e.state.dummy_slot)
-        g.graph.replay()
-        return g
-
-    def call(self, name, fn, inputs):
-        """Replay (capturing on first use) fn(kv_len, **inputs) for the smallest bucket that fits, with
-        static input buffers: rows beyond the batch get slot = dummy, temperature 1, everything else 0.
-        Returns fn's outputs (a tuple of tensors or None) cut to the batch, or None if no bucket fits."""
+    def run(self, name, fn, inputs, then=None):
+        """Replay fn's graph for the smallest bucket that holds the batch (capturing it on first use) and
+        return its record (outputs in .out, bucket-sized), or None when no bucket fits. inputs: device
+        tensors, batch first. then: see capture."""
         B = next(iter(inputs.values())).shape[0]
         Bp = next((b for b in self.buckets if b >= B), None)
         if Bp is None:
             return None
-        key = (name, Bp) + tuple(t.shape[1:] for t in inputs.values())
-        pad = lambda n: self.e.state.dummy_slot if n == "slots" else (1 if n == "temp" else 0)
-        if key not in self.graphs:
-            static = {n: torch.full((Bp, *t.shape[1:]), pad(n), dtype=t.dtype, device=t.device) for n, t in inputs.items()}
-            for _ in range(2):
-                fn(self.e.state.max_len, **static)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn(self.e.state.max_len, **static)
-            self.graphs[key] = (graph, static, out)
-        graph, static, out = self.graphs[key]
+        key = (name, Bp, *[t.shape[1:] for t in inputs.values()])
+        g = self.graphs.get(key) or self.capture(key, Bp, fn, inputs, then)
         for n, t in inputs.items():
-            static[n][:B].copy_(t)
+            g.static[n][:B].copy_(t)
             if Bp > B:
-                static[n][B:].fill_(pad(n))
-        graph.replay()
-        return tuple(None if o is None else o[:B] for o in out)
+                g.static[n][B:].fill_(self.pad(n))
+        g.graph.replay()
+        return g
 
-    def commit(self, g, n_keep):
+    def capture(self, key, Bp, fn, inputs, then=None):
+        """Static inputs for bucket Bp, two warm-up runs on them (Triton compiles, cuBLAS picks: nothing may
+        tune inside a capture), then the capture. `then` (after a verify, the commit:
+        then(n_keep=.., **inputs)) is a second graph captured right after fn's, reading what fn leaves in the
+        state (the GDN stash)."""
+        g = types.SimpleNamespace(then=None)
+        g.static = {n: torch.full((Bp, *t.shape[1:]), self.pad(n), dtype=t.dtype, device=t.device)
+                    for n, t in inputs.items()}
+        g.n_keep = torch.zeros(Bp, dtype=torch.long, device=next(iter(inputs.values())).device)
+        for _ in range(2):
+            fn(self.kv_len, **g.static)
+            if then is not None:
+                then(n_keep=g.n_keep, **g.static)
+        torch.cuda.synchronize()
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.out = fn(self.kv_len, **g.static)
+        if then is not None:
+            g.then = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.then, pool=self.pool):
+                then(n_keep=g.n_keep, **g.static)
+        self.graphs[key] = g
+        return g
+
+    def replay_then(self, g, n_keep):
         g.n_keep.zero_()
         g.n_keep[:n_keep.shape[0]].copy_(n_keep)
-        g.commit.replay()
+        g.then.replay()
+
+
+class ModelRunner:
+    """Runs the steps on the device. Owns the State (allocated once: max_num_seqs slots + a dummy slot for
+    padding rows), the proposer, the CUDA graphs and each slot's next input (token and position, on the
+    device); prefills a request, launches one decode or speculative step over a batch of running requests,
+    and starts copying its tokens to the host, which reads them back later (asynchronous steps: a step later).
+    """
+    def __init__(self, model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager=False,
+                 async_steps=None):
+        self.model = model
+        self.max_model_len = max_model_len
+        self.device = device
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # One intra-op thread: a CPU step is a few hundred small ops, and with two OpenMP threads each
+            # waits at a barrier for the other; on a busy 2-core machine that made the toy model 9x slower
+            # (64 tokens, load average 10: 1.4 vs 12.5 tok/s). OMP_NUM_THREADS set by the user wins.
+            torch.set_num_threads(1)
+        self.k = spec.num_speculative_tokens if spec else 0
+        mtp = spec is not None and spec.method == "mtp"
+        self.state = State(model.cfg, max_num_seqs, max_model_len + self.k + 1, dtype, device, mtp=mtp)
+        self.h2d = functools.partial(h2d, device)
+        self.prefill_chunk = 2048
+        self.graphs = GraphRunner(self.state) if device.type == "cuda" and not enforce_eager else None
+        self.eager_drafts = spec is not None and bool(spec.enforce_eager)  # vLLM's override, for the draft
+        # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their
+        # inputs from here and write them back, so launching a step needs nothing from the host.
+        self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
+        # Asynchronous steps (default with CUDA graphs): step n+1 is launched before step n's tokens are
+        # read back, so the host's work (stop checks, detokenising, the next launch) overlaps the device's.
+        # A request's stop is then seen one step late: the extra step's tokens are dropped. Ngram drafts
+        # from the host's tokens, so it runs synchronously; so does a speculative config with enforce_eager
+        # (its eager drafter reads them).
+        host_drafts = spec is not None and (spec.method == "ngram" or spec.enforce_eager)
+        default_async = self.graphs is not None
+        self.async_steps = (default_async if async_steps is None else async_steps) and not host_drafts
+        # the target's steps: fn(kv_len, ids, pos, slots) -> (hidden, logits, *taps), and the one after it
+        self.steps = {"decode": (functools.partial(self._forward, mode="decode"), None),
+                      "verify": (functools.partial(self._forward, mode="verify"), self._commit)}
+        self.proposer = None
+        if spec is not None:
+            io = ProposerIO(model, self.state, max_num_seqs, max_model_len, dtype, device, h2d=self.h2d,
+                            call=self.call)
+            self.proposer = PROPOSERS[spec.method](spec, io)
+            if spec.rejection_sample_method == "synthetic":  # benchmarks: accept by the given rates
+                self.rates = torch.tensor(spec.conditional_rates(), device=device)
+                self.accept = self._synthetic_sample
+            else:
+                self.accept = self._rejection_sample
+        self.taps = tuple(getattr(self.proposer, "taps", ()))  # target layers the proposer reads (DFlash)
+
+    # -- inputs ------------------------------------------------------------------------------
+    def batch(self, reqs):
+        """The Batch of a step over reqs: slots, and each row's last position and token (on the device)."""
+        slots = self.h2d([r.slot for r in reqs], torch.long)
+        return Batch(reqs, slots, self.next_pos[slots], self.next_ids[slots], not self.async_steps)
+
+    def _advance(self, slots, last, pos):
+        """The next step's inputs, on the device. Positions are capped below max_model_len: a step launched
+        after a request's final one (async) is dropped, but must still write inside the caches."""
+        self.next_ids[slots] = last
+        self.next_pos[slots] = pos.clamp(max=self.max_model_len - 1)
+
+    def call(self, name, fn, kv_len, inputs):
+        """A drafter's step fn(kv_len, **inputs) -> tuple of tensors: its CUDA graph, or eagerly without
+        graphs (or when the speculative config says enforce_eager) and when no bucket fits."""
+        g = None if self.graphs is None or self.eager_drafts else self.graphs.run(name, fn, inputs)
+        if g is None:
+            return fn(kv_len, **inputs)
+        B = next(iter(inputs.values())).shape[0]
+        return tuple([None if o is None else o[:B] for o in g.out])
+
+    # -- the target ----------------------------------------------------------------------------
+    def _hidden(self, ids, ctx):
+        """The target's final-norm hidden states and the outputs of the layers the proposer reads."""
+        return self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), ())
+
+    def _forward(self, kv_len, ids, pos, slots, mode):
+        """The target over ids [B, T] at positions pos.. of slots -> hidden [B, T, H], logits, *taps."""
+        h, taps = self._hidden(ids, Ctx(self.state, slots, pos, kv_len, mode))
+        return (h, self.model.logits(h), *taps)
+
+    def _commit(self, ids, pos, slots, n_keep):
+        """After a verify: each GDN layer's state advances by the first n_keep [B] tokens (its stash)."""
+        self.model.commit(Ctx(self.state, slots, pos, 0), n_keep)
+
+    def _target(self, batch, ids, mode):
+        """One target step over ids [B, T] at the batch's positions: its graph, or eagerly when none fits.
+        Returns hidden [B, T, H], logits [B, T, V], taps, and commit(n_keep) (after a verify)."""
+        fn, then = self.steps[mode]
+        inputs = dict(ids=ids, pos=batch.pos, slots=batch.slots)
+        g = None if self.graphs is None else self.graphs.run(mode, fn, inputs, then)
+        if g is None:
+            h, logits, *taps = fn(batch.kv_len(ids.shape[1], self.state.max_len), **inputs)
+            return h, logits, taps, lambda n_keep: then(n_keep=n_keep, **inputs)
+        B = ids.shape[0]
+        h, logits, *taps = [o[:B] for o in g.out]
+        return h, logits, taps, lambda n_keep: self.graphs.replay_then(g, n_keep)
+
+    # -- steps -----------------------------------------------------------------------------------
+    def prefill(self, req, start=0, end=None):
+        """Prompt tokens start..end (default: all) of a new request through the target and the proposer,
+        in pieces of prefill_chunk tokens at fixed offsets (the same arithmetic whatever else runs). Returns
+        the first token (an int: the host waits for it) and its logits [1, V] once the prompt is done, else
+        None."""
+        ids = req.prompt_ids
+        n = len(ids)
+        end = n if end is None else end
+        if start == 0:
+            self.state.reset(req.slot)
+        slots = self.h2d([req.slot], torch.long)
+        with K.not_invariant():  # one prompt alone: nothing to be invariant against (kernels.BATCH_INVARIANT)
+            for s in range(start, end, self.prefill_chunk):
+                chunk = self.h2d([ids[s:min(s + self.prefill_chunk, end)]])  # no wait for the step in flight
+                T = chunk.shape[1]
+                pos = self.h2d([s])
+                h, taps = self._hidden(chunk, Ctx(self.state, slots, pos, s + T, "prefill"))
+                if s + T == n:
+                    logits = self.model.logits(h[:, -1])                              # [1, V]
+                    tok = self._sample(logits, [req])
+                if self.proposer is not None:
+                    nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
+                    self.proposer.prefill(req, h, taps, self.h2d([nxt]), s)
+        if end < n:
+            return None
+        self.next_ids[req.slot] = tok[0]
+        self.next_pos[req.slot] = n
+        return int(tok[0]), logits
+
+    def launch(self, reqs):
+        """Queue one decode or speculative step over reqs on the device; returns it as a pending step."""
+        batch = self.batch(reqs)
+        return self._spec_step(batch) if self.proposer is not None else self._decode_step(batch)
+
+    def _decode_step(self, batch):
+        h, logits, taps, _ = self._target(batch, batch.last[:, None], "decode")
+        toks = self._sample(logits[:, 0], batch.reqs)                                 # [B]
+        self._advance(batch.slots, toks, batch.pos + 1)
+        return self._pending(batch.reqs, toks[:, None], logits)
+
+    def _spec_step(self, batch):
+        """One speculative step, as DESIGN.md tells it: propose, verify, accept, commit, advance."""
+        drafts, q = self.proposer.propose(batch)                          # [B, k], [B, k, V] or None
+        ids = torch.cat([batch.last[:, None], drafts.clamp(min=0)], 1)    # [B, k+1]: last, d1..dk
+        h, logits, taps, commit = self._target(batch, ids, "verify")      # [B, k+1, H], [B, k+1, V]
+        tokens, n = self.accept(batch.reqs, logits, drafts, q)            # [B, k+1], [B] drafts accepted
+        commit(n + 1)                                                     # GDN states after last, d1..dn
+        self.proposer.commit(batch, h, taps, ids, n, tokens)
+        rows = torch.arange(len(batch.reqs), device=self.device)
+        self._advance(batch.slots, tokens[rows, n], batch.pos + n + 1)    # next: the (n+1)-th token
+        n_drafted = (drafts >= 0).sum(1, keepdim=True)                    # [B, 1]
+        out = torch.cat([tokens, n[:, None], n_drafted], 1)               # [B, k+3] for the host
+        return self._pending(batch.reqs, out, logits)
+
+    # -- sampling --------------------------------------------------------------------------------
+    def _sample(self, logits, reqs):
+        """Sample one token per row of logits [B, V] with each request's own generator."""
+        if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
+            return logits.argmax(-1)
+        f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
+        greedy = f("greedy")
+        temperature = f("temperature").float()
+        p = target_probs(logits, temperature, f("top_k"), f("top_p").float(), self._filtered(reqs))
+        u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
+        return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
+
+    @staticmethod
+    def _filtered(reqs):
+        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
+
+    def _uniforms(self, reqs):
+        """A verify's uniforms from each request's generator: u_accept [B, k], u_sample [B, k+1]."""
+        u_acc = self.h2d(torch.stack([torch.rand(self.k, generator=r.gen) for r in reqs]))
+        u_smp = self.h2d(torch.stack([torch.rand(self.k + 1, generator=r.gen) for r in reqs]))
+        return u_acc, u_smp
+
+    def _rejection_sample(self, reqs, logits, drafts, q):
+        """rejection_sample with each request's sampling parameters."""
+        u_acc, u_smp = self._uniforms(reqs)
+        f = lambda name, dtype: self.h2d([getattr(r.params, name) for r in reqs], dtype)
+        return rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
+                                f("top_p", torch.float32), u_acc, u_smp,
+                                all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs))
+
+    def _synthetic_sample(self, reqs, logits, drafts, q):
+        """synthetic_sample with the configured rates (the uniforms are drawn as for rejection_sample)."""
+        u_acc, _ = self._uniforms(reqs)
+        return synthetic_sample(logits, drafts, self.rates, u_acc)
+
+    # -- read-back ------------------------------------------------------------------------------
+    def _pending(self, reqs, out, logits):
+        """Start copying a step's result rows out [B, n] to the host (pinned memory, no wait)."""
+        host = out
+        event = None
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return types.SimpleNamespace(reqs=reqs, host=host, event=event, logits=logits)
+
+    @staticmethod
+    def read(p):
+        """A pending step's rows on the host (waits for its copy)."""
+        if p.event is not None:
+            p.event.synchronize()
+        return p.host.tolist()
 
 
 class Engine:
-    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0, enforce_eager=False,
-                 async_steps=None):
-        self.model, self.tokenizer, self.spec = model, tokenizer, spec
-        self.max_num_seqs, self.max_model_len, self.dtype, self.device, self.seed = max_num_seqs, max_model_len, dtype, device, seed
-        self.k = spec.num_speculative_tokens if spec else 0
+    """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what
+    fits, prefills (chunked prefill: up to max_num_batched_tokens per step, counting the running requests'
+    tokens, so a long prompt does not stall them), launches one step over the running requests on the
+    ModelRunner, reads the step before back and emits its tokens, stopping each request exactly where
+    plain decoding stops (EOS, stop ids and strings, max_tokens, max_model_len). Counts vLLM's spec-decode
+    metrics."""
+    def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0,
+                 enforce_eager=False, async_steps=None, max_num_batched_tokens=None,
+                 enable_chunked_prefill=True):
+        budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
+        if budget < max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({budget}) must be greater than or equal to "
+                              f"max_num_seqs ({max_num_seqs}).")
+        self.runner = ModelRunner(model, spec, max_num_seqs, max_model_len, dtype, device, enforce_eager,
+                                  async_steps)
+        self.chunked = enable_chunked_prefill
+        self.max_num_batched_tokens = budget
+        if self.chunked:  # a prompt's pieces: budget tokens each, at fixed offsets
+            self.runner.prefill_chunk = budget
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.vocab_size = model.cfg.vocab_size
+        self.seed = seed
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
-        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # skipped in text
-        self.state = State(model.cfg, max_num_seqs, max_model_len + self.k + 1, dtype, device, mtp=spec is not None and spec.method == "mtp")
+        self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # not in text
         self.slots = [None] * max_num_seqs
         self.waiting = deque()
+        self.prefilling = deque()  # admitted (a slot each), prompt not yet all prefilled; FIFO
         self.stats = SpecStats()
-        self.prefill_chunk = 2048
-        self.proposer = None
-        if spec is not None:
-            self.proposer = PROPOSERS[spec.method](self, spec)
-            self.synthetic = torch.tensor(spec.conditional_rates(), device=device) \
-                if spec.rejection_sample_method == "synthetic" else None
         self.num_requests = 0
-        self.time_drafts, self.draft_seconds, self.spec_steps = False, 0.0, 0
-        self.graphs = GraphRunner(self) if device.type == "cuda" and not enforce_eager else None
-        # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their inputs
-        # from here and write them back, so launching a step needs nothing from the host.
-        self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
-        self.next_pos = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
-        # Asynchronous steps (default with CUDA graphs): step n+1 is launched before step n's tokens are read back,
-        # so the host's work (stop checks, detokenising, the next launch) overlaps the device's. A request's stop
-        # is then seen one step late: the extra step's tokens are dropped. Ngram drafts from the host's tokens,
-        # so it runs synchronously; so does a speculative config with enforce_eager (its eager drafter reads them).
-        host_drafts = spec is not None and (spec.method == "ngram" or spec.enforce_eager)
-        self.async_steps = (self.graphs is not None if async_steps is None else async_steps) and not host_drafts
         self.pending = None  # the launched step whose tokens the host has not read yet
-        # target layers whose outputs the proposer reads (DFlash/DSpark taps); the last forward's are in self.aux
-        self.taps, self.aux = tuple(getattr(self.proposer, "taps", ())), None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params, rid=None):
         if not prompt_ids:
             raise ConfigError("the prompt is empty: at least one prompt token is needed")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.cfg.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.model.cfg.vocab_size})")
-        if params.max_tokens is None and len(prompt_ids) >= self.max_model_len:
-            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"request has {len(prompt_ids)} input tokens. Please reduce the length of the input messages.")
-        n, m = len(prompt_ids), params.max_tokens or (self.max_model_len - len(prompt_ids))
+            raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        n = len(prompt_ids)
+        if params.max_tokens is None and n >= self.max_model_len:
+            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your request has {n} input tokens. Please reduce the length of the input "
+                              "messages.")
+        m = params.max_tokens or (self.max_model_len - n)
         if n + m > self.max_model_len:
-            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {n + m} tokens ({n} in the messages, {m} in the completion). Please reduce "
-                              f"the length of the messages or completion.")
+            raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"you requested {n + m} tokens ({n} in the messages, {m} in the completion). "
+                              f"Please reduce the length of the messages or completion.")
         params = dataclasses.replace(params, max_tokens=m)
         self.num_requests += 1
         req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
@@ -1815,6 +2114,8 @@ class Engine:
         """Cancel a request (e.g. its client went away): its slot frees at once."""
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if not req.finished:
             req.finish_reason = "abort"
         self._release(req)
@@ -1827,179 +2128,79 @@ class Engine:
     def has_work(self):
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
-    def call(self, name, fn, kv_len, inputs):
-        """Run a drafter step fn(kv_len, **inputs) -> tuple of tensors: as a captured graph on the GPU, else eagerly
-        (also when the speculative config says enforce_eager: vLLM's override for the draft)."""
-        eager = self.graphs is None or (self.spec is not None and self.spec.enforce_eager)
-        out = None if eager else self.graphs.call(name, fn, inputs)
-        return out if out is not None else fn(kv_len, **inputs)
-
-    def h2d(self, data, dtype=None):
-        """Host data (a list or CPU tensor) on the engine's device without waiting for the device: through pinned
-        memory, copied asynchronously. (A copy from pageable memory waits until every queued kernel has run,
-        which would stall the host once per copy and undo asynchronous steps.)"""
-        t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def slot_tensor(self, reqs):
-        return self.h2d([r.slot for r in reqs], torch.long)
-
-    def set_batch(self, reqs):
-        """The device inputs of a step over reqs: slots, the position of each row's last token, that token [B].
-        Kept as cur_slots / cur_pos / cur_last for the proposers of this step."""
-        self.cur_slots = slots = self.slot_tensor(reqs)
-        self.cur_pos, self.cur_last = self.next_pos[slots], self.next_ids[slots]
-        return self.cur_slots, self.cur_pos, self.cur_last
-
-    def kv_len(self, reqs, extra, cap):
-        """How far this step's attention reads (eager paths): last position + extra when the host knows the
-        positions (synchronous steps), else cap (the cache length: an async step's positions live on the device)."""
-        return cap if self.async_steps else max(len(r.tokens) - 1 for r in reqs) + extra
-
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self):
-        """Admit waiting requests into free slots (prefill each), then one decode or speculative step for
-        every running request. Returns the requests that got new tokens."""
-        touched = []
+        """Admit waiting requests into free slots, prefill, then one decode or speculative step for every
+        running request. Returns the requests that got new tokens."""
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
             req.slot = self.slots.index(None)
             self.slots[req.slot] = req
-            self._prefill(req)
-            touched.append(req)
-        running = [r for r in self.slots if r is not None and r not in touched and not self._ends_in_flight(r)]
-        launched = self._launch(running) if running else None
-        done, self.pending = self.pending, launched
+            self.prefilling.append(req)
+        running = [r for r in self.slots
+                   if r is not None and r not in self.prefilling and not self._ends_in_flight(r)]
+        touched = self._prefill(self.max_num_batched_tokens - len(running) * (self.runner.k + 1))
+        done = self.pending
+        self.pending = self.runner.launch(running) if running else None  # launched before `done` is read
         if done is not None:
             touched += self._finish(done)
-        if self.pending is not None and not (self.async_steps and all(r.logprobs is None for r in running)):
-            done, self.pending = self.pending, None  # synchronous: read this step back now
+        stay_async = self.runner.async_steps and all(r.logprobs is None for r in running)  # logprobs: sync
+        if self.pending is not None and not stay_async:
+            done = self.pending  # synchronous: read this step back now
+            self.pending = None
             touched += self._finish(done)
         return touched
 
+    def _prefill(self, budget):
+        """Prefill waiting prompts, first come first served: whole prompts, or with chunked prefill pieces of
+        runner.prefill_chunk tokens while the step's budget lasts (one piece at least). Requests whose prompt
+        is done emit their first token; returned."""
+        touched = []
+        first = True
+        while self.prefilling:
+            req = self.prefilling[0]
+            n = len(req.prompt_ids)
+            end = min(n, req.prefilled + self.runner.prefill_chunk) if self.chunked else n
+            if self.chunked and not first and end - req.prefilled > budget:
+                break
+            first = False
+            try:
+                out = self.runner.prefill(req, req.prefilled, end)
+            except Exception as e:
+                e.failed_request = req  # this request's own prefill failed: the others can go on (server.py)
+                raise
+            budget -= end - req.prefilled
+            req.prefilled = end
+            if out is None:
+                continue
+            self.prefilling.popleft()
+            self._emit(req, [out[0]], out[1])
+            touched.append(req)
+        return touched
+
     def _ends_in_flight(self, r):
-        """r is in the step in flight, which surely ends it (it yields >= 1 token): another step would be wasted."""
+        """r is in the step in flight, which surely ends it (it yields >= 1 token): another step is waste."""
         return (self.pending is not None and r in self.pending.reqs and
                 (len(r.output_ids) + 1 >= r.params.max_tokens or len(r.tokens) + 1 >= self.max_model_len))
 
-    def _launch(self, reqs):
-        """Queue one decode or speculative step for reqs on the device; returns it as a pending step."""
-        slots, pos, last = self.set_batch(reqs)
-        return (self._spec_step if self.spec else self._decode_step)(reqs, slots, pos, last)
-
-    def _pending(self, reqs, out, logits):
-        """Start copying a step's result rows out [B, n] to the host (pinned memory, no wait)."""
-        host, event = out, None
-        if out.is_cuda:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return types.SimpleNamespace(reqs=reqs, host=host, event=event, logits=logits)
-
     def _finish(self, p):
         """Read a launched step back and emit its tokens (requests that finished meanwhile are skipped)."""
-        if p.event is not None:
-            p.event.synchronize()
-        rows, live = p.host.tolist(), []
+        rows = self.runner.read(p)
+        live = []
         for b, r in enumerate(p.reqs):
             if r.finished:  # stopped by the step before, or aborted: this step's tokens are not part of it
                 continue
             toks = rows[b]
             if self.spec is not None:  # [tokens (k+1), n accepted, n drafted]
-                toks, n, n_draft = toks[:-2], toks[-2], toks[-1]
+                n = toks[-2]
+                n_draft = toks[-1]
                 r.spec.add(n_draft, n)
                 self.stats.add(n_draft, n)
                 toks = toks[:n + 1]
             self._emit(r, toks, p.logits[b])
             live.append(r)
         return live
-
-    def _prefill(self, req):
-        self.state.reset(req.slot)
-        ids, n = req.prompt_ids, len(req.prompt_ids)
-        slots = self.slot_tensor([req])
-        for s in range(0, n, self.prefill_chunk):
-            chunk = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)
-            T = chunk.shape[1]
-            ctx = Ctx(self.state, slots, torch.tensor([s], device=self.device), s + T, "prefill")
-            h, self.aux = self.model(chunk, ctx, self.taps) if self.taps else (self.model(chunk, ctx), None)
-            if s + T == n:
-                logits = self.model.logits(h[:, -1])                                  # [1, V]
-                tok = self._sample(logits, [req])
-            if self.proposer is not None:
-                nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
-                self.proposer.prefill(self, req, h, torch.tensor([nxt], device=self.device), s)
-        self.next_ids[req.slot], self.next_pos[req.slot] = tok[0], n
-        self._emit(req, [int(tok[0])], logits)
-
-    def _sample(self, logits, reqs):
-        """Sample one token per row of logits [B, V] with each request's own generator."""
-        if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
-            return logits.argmax(-1)
-        f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
-        greedy = f("greedy")
-        p = target_probs(logits, f("temperature").float(), f("top_k"), f("top_p").float(), self._filtered(reqs))
-        u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
-        return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
-
-    @staticmethod
-    def _filtered(reqs):
-        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
-
-    def _target(self, reqs, ids, pos, slots, mode):
-        """One target forward over ids [B, T] at positions pos [B] in slots [B]: (hidden, logits, commit-fn)."""
-        B, T = ids.shape
-        g = self.graphs.run(ids, pos, slots, mode) if self.graphs is not None else None
-        if g is not None:
-            self.aux = [a[:B] for a in g.aux] if g.aux is not None else None
-            return g.h[:B], g.logits[:B], lambda n_keep: self.graphs.commit(g, n_keep)
-        ctx = Ctx(self.state, slots, pos, self.kv_len(reqs, T, self.state.max_len), mode)
-        h, self.aux = self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), None)
-        return h, self.model.logits(h), lambda n_keep: self.model.commit(ctx, n_keep)
-
-    def _advance(self, slots, last, pos):
-        """The next step's inputs, on the device. Positions are capped below max_model_len: a step launched
-        after a request's final one (async) is dropped, but must still write inside the caches."""
-        self.next_ids[slots] = last
-        self.next_pos[slots] = pos.clamp(max=self.max_model_len - 1)
-
-    def _decode_step(self, reqs, slots, pos, last):
-        h, logits, _ = self._target(reqs, last[:, None], pos, slots, "decode")
-        toks = self._sample(logits[:, 0], reqs)                                       # [B]
-        self._advance(slots, toks, pos + 1)
-        return self._pending(reqs, toks[:, None], logits)
-
-    def _spec_step(self, reqs, slots, pos, last):
-        B, k = len(reqs), self.k
-        if self.time_drafts:  # bench.py: the drafter's share of a step (costs two syncs per step)
-            torch.cuda.synchronize() if self.device.type == "cuda" else None
-            t0 = time.perf_counter()
-        drafts, q = self.proposer.propose(self, reqs)                                 # [B, k]
-        if self.time_drafts:
-            torch.cuda.synchronize() if self.device.type == "cuda" else None
-            self.draft_seconds, self.spec_steps = self.draft_seconds + time.perf_counter() - t0, self.spec_steps + 1
-        ids = torch.cat([last[:, None], drafts.clamp(min=0)], 1)                     # [B, k+1]
-        h, logits, commit = self._target(reqs, ids, pos, slots, "verify")             # [B, k+1, H], [B, k+1, V]
-        f = lambda name, dt: self.h2d([getattr(r.params, name) for r in reqs], dt)
-        u_acc = self.h2d(torch.stack([torch.rand(k, generator=r.gen) for r in reqs]))
-        u_smp = self.h2d(torch.stack([torch.rand(k + 1, generator=r.gen) for r in reqs]))
-        rows = torch.arange(B, device=self.device)
-        if self.synthetic is not None:  # benchmark mode: accept by the given rates, whatever the tokens are
-            n = torch.minimum(torch.cumprod((u_acc < self.synthetic).long(), 1).sum(1), (drafts >= 0).sum(1))
-            tokens = torch.cat([drafts, drafts[:, :1]], 1).clone()                    # (real drafts only)
-            tokens[rows, n] = logits[rows, n].argmax(-1)
-        else:
-            tokens, n = rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
-                                         f("top_p", torch.float32), u_acc, u_smp,
-                                         all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs))
-        commit(n + 1)
-        self.proposer.commit(self, reqs, h, ids, n, tokens)
-        self._advance(slots, tokens[rows, n], pos + n + 1)
-        return self._pending(reqs, torch.cat([tokens, n[:, None], (drafts >= 0).sum(1, keepdim=True)], 1), logits)
 
     # -- output --------------------------------------------------------------------------------
     def _emit(self, req, toks, logits):
@@ -2024,12 +2225,15 @@ class Engine:
                 for s in p.stop:
                     j = req.text.find(s, max(0, old - len(s) + 1))
                     if j >= 0:
-                        req.text, req.finish_reason, req.stop_reason = req.text[:j], "stop", s
+                        req.text = req.text[:j]
+                        req.finish_reason = "stop"
+                        req.stop_reason = s
                         break
             if req.finished:
                 break
             if t in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", t
+                req.finish_reason = "stop"
+                req.stop_reason = t
             elif t in self.stop_ids and not p.ignore_eos:
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
@@ -2046,11 +2250,468 @@ class Engine:
 
 
 # ==============================================================================================
+# Tokenizer: byte-level BPE on tiktoken, incremental decoding, the Qwen3.6 chat format
+# ==============================================================================================
+# Qwen3.5/3.6 use a byte-level BPE (HF `tokenizers` layout). We run it on tiktoken: the pre-tokenizer
+# regex is tiktoken's pat_str, the BPE vocab its mergeable ranks, the added tokens its special tokens.
+
+QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def _gpt2_byte_chars():
+    # GPT-2 byte-level alphabet: printable bytes stand for themselves, the other 68 map to U+0100..
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+BYTE_OF_CHAR = {c: b for b, c in _gpt2_byte_chars().items()}
+# str.translate table: byte-level char -> latin-1 char of its byte; any other char -> U+0100 (not latin-1)
+_TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
+
+
+class Tokenizer:
+    chat_template = None  # a GGUF file's template text (tokenizer.chat_template); directories: ChatTemplate
+
+    def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
+                 special=None, nfc=True, ignore_merges=False):
+        """vocab: byte-level token string -> id; merges: "a b" strings or [a, b] pairs in priority order
+        (None: ids are the merge ranks, as in tiktoken files); added_tokens: text -> id, matched whole;
+        special: the added tokens that decode(skip_special=True) drops (default: all of them);
+        ignore_merges: HF's flag, a pre-token that is a vocab token is taken whole (no merge need make it)."""
+        added_tokens = dict(added_tokens or {})
+        self.nfc = nfc
+        self._vocab = vocab
+        try:
+            tok_bytes = {t: t.translate(_TO_LATIN1).encode("latin-1") for t in vocab}
+        except UnicodeEncodeError:
+            bad = next(t for t in vocab if any(c not in BYTE_OF_CHAR for c in t))
+            raise ValueError(f"vocab is not byte-level BPE: token {bad!r} has characters outside the GPT-2 "
+                             "byte alphabet") from None
+        if len({b for b in tok_bytes.values() if len(b) == 1}) != 256:
+            raise ValueError("vocab is not byte-level BPE: it lacks some of the 256 single-byte tokens")
+        # id -> bytes for every id we know; ids nobody uses decode to b"" (HF skips unknown ids too)
+        self.vocab_size = max([*vocab.values(), *added_tokens.values()]) + 1
+        self._bytes = [b""] * self.vocab_size
+        for t, i in vocab.items():
+            self._bytes[i] = tok_bytes[t]
+        for t, i in added_tokens.items():
+            self._bytes[i] = t.encode("utf-8")
+        self.special_ids = dict(added_tokens)  # every added token, e.g. "<think>" too
+        self._special = set(added_tokens) if special is None else set(special) & set(added_tokens)
+        self._special_id_set = {added_tokens[t] for t in self._special}
+        self._nonspecial = set(added_tokens) - self._special  # HF always matches these, like <think>
+
+        order, merged = self._merge_order(vocab, tok_bytes, merges, ignore_merges)
+        merged_ids = [vocab[t] for t in order if len(tok_bytes[t]) > 1 and t in merged]
+        if all(i < j for i, j in zip(merged_ids, merged_ids[1:])):  # ids follow merge order: rank = id
+            self._rank_to_id = None
+            ranks = {tok_bytes[t]: vocab[t] for t in order}
+            specials = added_tokens
+        else:  # ranks follow merge order, and a table maps them back to ids
+            self._rank_to_id = [vocab[t] for t in order] + list(added_tokens.values())
+            ranks = {tok_bytes[t]: r for r, t in enumerate(order)}
+            specials = {t: len(order) + k for k, t in enumerate(added_tokens)}
+        self._enc = tiktoken.Encoding("specdec", pat_str=pattern, mergeable_ranks=ranks,
+                                      special_tokens=specials)
+        if eos_token is None:
+            eos_token = next((t for t in ("<|im_end|>", "<|endoftext|>") if t in added_tokens), None)
+        self.eos_token_id = None if eos_token is None else self.id_of(eos_token)
+
+    @staticmethod
+    def _merge_order(vocab, tok_bytes, merges, ignore_merges):
+        """The tokens in tiktoken rank order, and those that merges make (all, for a tiktoken-style vocab).
+        tiktoken merges the adjacent pair whose *merged token* has the lowest rank; HF BPE applies the merge
+        with the lowest *merge index*. So a token's tiktoken rank must be its merge priority."""
+        if merges is None:  # tiktoken-style vocab: ids are the ranks
+            return sorted(vocab, key=vocab.get), vocab
+        prio = {}
+        for p, m in enumerate(merges):
+            a, b = m.split(" ") if isinstance(m, str) else m
+            if a not in vocab or b not in vocab or a + b not in vocab:
+                raise ValueError(f"merge {m!r} refers to a token that is not in the vocab")
+            prio.setdefault(a + b, p)  # several merges making one token: the first one wins
+        # "orphans" (multi-byte tokens no merge makes) are unreachable in HF BPE: leave them out. With
+        # ignore_merges HF takes a pre-token that is an orphan whole, like tiktoken does; add the orphans
+        # no two mergeable tokens spell, as tiktoken can only ever take those whole too.
+        singles = sorted((t for t in vocab if len(tok_bytes[t]) == 1), key=vocab.get)
+        order = singles + sorted(prio, key=prio.get)
+        if ignore_merges:
+            have = {tok_bytes[t] for t in order}
+            spelled = lambda b: any(b[:k] in have and b[k:] in have for k in range(1, len(b)))  # noqa: E731
+            orphans = (t for t in vocab
+                       if t not in prio and len(tok_bytes[t]) > 1 and not spelled(tok_bytes[t]))
+            order += sorted(orphans, key=vocab.get)
+        return order, prio
+
+    @classmethod
+    def from_dir(cls, path):
+        """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+            tj = json.load(f)
+        model = tj.get("model") or {}
+        if model.get("type") != "BPE":
+            raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only "
+                             "byte-level BPE")
+        for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(key):
+                raise ValueError(f"tokenizer.json: BPE option {key}={model[key]!r} is not supported")
+        pre = tj.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = [s.get("type") for s in steps]
+        if (kinds != ["Split", "ByteLevel"] or "Regex" not in steps[0].get("pattern", {})
+                or steps[0].get("behavior") != "Isolated" or steps[0].get("invert")
+                or steps[1].get("add_prefix_space") or steps[1].get("use_regex")):
+            raise ValueError(f"tokenizer.json: pre-tokenizer {kinds} is not the byte-level "
+                             "Split(regex, isolated) + ByteLevel(no prefix space, no regex) layout")
+        if (tj.get("decoder") or {}).get("type") != "ByteLevel":
+            raise ValueError("tokenizer.json: decoder is not ByteLevel")
+        norm = (tj.get("normalizer") or {}).get("type")
+        if norm not in (None, "NFC"):
+            raise ValueError(f"tokenizer.json: normalizer {norm!r} is not supported (only NFC or none)")
+        added, special = {}, set()
+        for t in tj.get("added_tokens", []):
+            if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
+                raise ValueError(f"tokenizer.json: added token {t['content']!r} uses "
+                                 "lstrip/rstrip/single_word")
+            added[t["content"]] = t["id"]
+            if t.get("special"):
+                special.add(t["content"])
+        eos = None
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+        return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
+                   special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
+
+    def encode(self, text, allow_special=True):
+        """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
+        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        allowed = self._nonspecial | self._special if allow_special else self._nonspecial
+        ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
+        return ids if self._rank_to_id is None else [self._rank_to_id[r] for r in ids]
+
+    def token_bytes(self, i):
+        return self._bytes[i] if 0 <= i < self.vocab_size else b""
+
+    def decode_bytes(self, ids, skip_special=False):
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids  # torch/numpy ids too
+        ids = [ids] if isinstance(ids, int) else ids
+        skip = self._special_id_set if skip_special else ()
+        return b"".join(self.token_bytes(i) for i in ids if i not in skip)
+
+    def decode(self, ids, skip_special=False):
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def id_of(self, token):
+        """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
+        text that is exactly one token (" the")."""
+        if token in self.special_ids:
+            return self.special_ids[token]
+        if token in self._vocab:
+            return self._vocab[token]
+        try:
+            r = self._enc.encode_single_token(token.encode("utf-8"))
+        except KeyError:
+            raise KeyError(f"{token!r} is not a single token") from None
+        return r if self._rank_to_id is None else self._rank_to_id[r]
+
+
+class IncrementalDecoder:
+    """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
+
+    def __init__(self, tokenizer, skip_special=False):
+        self.tok = tokenizer
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # everything emitted so far, for the caller's stop-string checks
+
+    def add(self, ids):
+        new = self._utf8.decode(self.tok.decode_bytes(ids, self.skip_special))
+        self.text += new
+        return new
+
+    def flush(self):
+        new = self._utf8.decode(b"", final=True)  # a dangling partial character becomes U+FFFD
+        self.text += new
+        return new
+
+
+# -- Chat templates ---------------------------------------------------------------------------
+# A chat becomes a prompt through the checkpoint's own Jinja template (chat_template.jinja, `chat_template` in
+# tokenizer_config.json, or the GGUF's tokenizer.chat_template), rendered as transformers and vLLM render it:
+# a sandboxed environment (no Python internals reachable from a template) with transformers' globals and
+# filters. apply_chat_template, the published Qwen3.6 template written in Python, is the fallback for a
+# checkpoint that ships none (the toy models).
+
+def _content_text(content):
+    # message content: a string, None, or a list of {"type": "text", "text": ...} parts
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any("text" not in part for part in content):
+        raise ValueError("only text content parts are supported (no images, video or audio)")
+    return "".join(part["text"] for part in content)
+
+
+# The system turn the Qwen3.6 template writes when tools are given: the tools' JSON between these two
+QWEN_TOOLS_HEAD = "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN_TOOLS_TAIL = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\n"
+    "multiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls "
+    "MUST follow the specified format: an inner <function=...></function> block must be nested within "
+    "<tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional "
+    "reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If "
+    "there is no function call available, answer the question like normal with your current knowledge and do "
+    "not tell the user about function calls\n</IMPORTANT>")
+
+
+def _qwen_tool_calls(calls, content):
+    """An assistant turn's tool calls in the Qwen3.6 XML form (arguments: strings as they are, else JSON)."""
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function", call)
+        sep = ("\n\n" if content.strip() else "") if i == 0 else "\n"
+        out.append(f"{sep}<tool_call>\n<function={fn['name']}>\n")
+        for name, value in (fn.get("arguments") or {}).items():
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            out.append(f"<parameter={name}>\n{text}\n</parameter>\n")
+        out.append("</function>\n</tool_call>")
+    return "".join(out)
+
+
+def apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, preserve_thinking=False,
+                        tools=None):
+    """Qwen3.5/3.6 chat prompt (ChatML, thinking, tools), as the published chat_template.jinja renders a
+    text-only chat whose messages went through chat_messages (tool call arguments are objects)."""
+    if not messages:
+        raise ValueError("No messages provided.")
+    texts = [_content_text(m.get("content")).strip() for m in messages]
+    # the last real user query (not a tool response): assistant turns after it keep their reasoning
+    tool_result = lambda t: t.startswith("<tool_response>") and t.endswith("</tool_response>")  # noqa: E731
+    is_query = [m["role"] == "user" and not tool_result(t) for m, t in zip(messages, texts)]
+    last_query = max((i for i, q in enumerate(is_query) if q), default=None)
+    if last_query is None:
+        raise ValueError("no user query found in messages")
+    system = texts[0] if messages[0]["role"] == "system" else None
+    out = []
+    if tools:
+        listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        system_text = f"\n\n{system}" if system else ""
+        out.append(QWEN_TOOLS_HEAD + listed + QWEN_TOOLS_TAIL + system_text + "<|im_end|>\n")
+    elif system is not None:
+        out.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+    for i, (m, text) in enumerate(zip(messages, texts)):
+        role = m["role"]
+        if role == "system":
+            if i > 0:
+                raise ValueError("a system message must be the first message")
+        elif role == "user":
+            out.append(f"<|im_start|>user\n{text}<|im_end|>\n")
+        elif role == "assistant":
+            reasoning = m.get("reasoning_content")
+            if not isinstance(reasoning, str):
+                reasoning = ""
+                if "</think>" in text:  # reasoning written inline as <think>...</think>
+                    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                    text = text.split("</think>")[-1].lstrip("\n")
+            keep = preserve_thinking or i > last_query
+            think = f"<think>\n{reasoning.strip()}\n</think>\n\n" if keep else ""
+            calls = _qwen_tool_calls(m.get("tool_calls") or [], text)
+            out.append(f"<|im_start|>assistant\n{think}{text}{calls}<|im_end|>\n")
+        elif role == "tool":  # consecutive tool results share one user turn
+            first = i > 0 and messages[i - 1]["role"] != "tool"
+            last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+            out.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{text}\n</tool_response>"
+                       + ("<|im_end|>\n" if last else ""))
+        else:
+            raise ValueError(f"unexpected message role {role!r}")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n<think>\n" + ("" if enable_thinking else "\n</think>\n\n"))
+    return "".join(out)
+
+
+def _tool_call_object(call):
+    """A history tool call with its `arguments` (JSON text on the wire) as the object templates iterate."""
+    call = dict(call)
+    fn = call["function"] = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"tool call arguments are not valid JSON ({e}): {args[:40]!r}") from None
+    if not isinstance(args if args is not None else {}, dict):
+        raise ValueError(f"tool call arguments must be a JSON object, got {json.dumps(args)[:40]}")
+    fn["arguments"] = args or {}
+    return call
+
+
+def chat_messages(messages, developer_as_system=True):
+    """Messages as templates read them, prepared as vLLM and transformers prepare them: keys whose value is
+    None dropped, a tool call's `arguments` parsed to an object, the reasoning under `reasoning_content` (also
+    taken from `reasoning`, vLLM's newer name), and OpenAI's `developer` role as `system` for a template that
+    does not know it."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "developer" and developer_as_system:
+            m["role"] = "system"
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_tool_call_object(c) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters), with its options
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _TemplateDict:
+    """`dict` in a template: builds dicts, and exposes nothing of the type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace() that refuses attribute names starting with "_" (a way towards Python internals)."""
+
+    def __init__(*args, **kwargs):  # jinja2's signature: `self` may be an attribute name too
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (marks the assistant's tokens for training): rendered as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+@functools.lru_cache(maxsize=1)
+def _jinja_env():
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_TemplateDict(),
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
+
+
+class ChatTemplate:
+    """How a chat becomes a prompt: a Jinja template (`source`) rendered with the tokenizer's special tokens
+    (bos_token, eos_token, ...) as variables, or, with no source, the built-in apply_chat_template."""
+    SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
+    RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # set by render itself
+
+    def __init__(self, source=None, special_tokens=None, origin="the built-in Qwen3.6 template"):
+        self.source, self.origin = source, origin
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self.template = None if source is None else _jinja_env().from_string(source)
+        except jinja2.exceptions.TemplateError as e:
+            raise ConfigError(f"chat template from {origin} does not compile: {e}") from None
+        self.knows_developer = source is not None and "developer" in source
+
+    @classmethod
+    def from_checkpoint(cls, path, tokenizer=None):
+        """The template a checkpoint ships: chat_template.jinja, else tokenizer_config.json's `chat_template`
+        (a string, or a list of named templates: "default"), else a GGUF's; else the built-in one."""
+        if str(path).endswith(".gguf"):
+            eos = getattr(tokenizer, "eos_token_id", None)
+            special = {} if eos is None else {"eos_token": tokenizer.decode([eos])}
+            source = getattr(tokenizer, "chat_template", None)
+            return cls(source, special, f"{path} (tokenizer.chat_template)") if source else cls(None, special)
+        cfg = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        special = {k: v.get("content") if isinstance(v, dict) else v
+                   for k in cls.SPECIAL_TOKENS if (v := cfg.get(k)) is not None}
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # [{"name": ..., "template": ...}]: the one named "default"
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                return cls(f.read(), special, jinja_path)
+        if isinstance(source, str):
+            return cls(source, special, f"{cfg_path} (chat_template)")
+        return cls(None, special)
+
+    @classmethod
+    def from_arg(cls, value, special_tokens=None):
+        """--chat-template, as vLLM takes it: a file's path, or the template itself in one line."""
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return cls(f.read(), special_tokens, value)
+        if "{" not in value:
+            raise ConfigError(f"--chat-template {value!r}: no such file (give a template file's path, or the "
+                              "template itself)")
+        return cls(value, special_tokens, "--chat-template")
+
+    def render(self, messages, tools=None, add_generation_prompt=True, **kwargs):
+        """The prompt text. kwargs: the chat_template_kwargs (enable_thinking, preserve_thinking, ...). A
+        template's own refusal (raise_exception) or failure is a ValueError with its message."""
+        clash = [k for k in self.RESERVED if k in kwargs]
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        messages = chat_messages(messages, developer_as_system=not self.knows_developer)
+        if self.template is None:
+            thinking = kwargs.get("enable_thinking") is not False  # the template's "is false" / "is true"
+            return apply_chat_template(messages, add_generation_prompt, thinking,
+                                       kwargs.get("preserve_thinking") is True, tools)
+        try:
+            return self.template.render(messages=messages, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **{**self.special_tokens, **kwargs})
+        except jinja2.exceptions.TemplateError as e:  # raise_exception(...), an undefined name, the sandbox
+            raise ValueError(f"chat template: {e}") from None
+        except Exception as e:  # the template is the checkpoint's code: whatever it raises is about this chat
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+
+
+# ==============================================================================================
 # Loading: safetensors (sharded, multimodal names, fused or per-expert MoE) and GGUF
 # ==============================================================================================
 
 def checkpoint_tensors(path):
-    """{name: (file, dtype-str, shape)} for a directory of model.safetensors or sharded model-*.safetensors."""
+    """{tensor name: path of the file holding it} for a directory of model.safetensors or sharded
+    model-*.safetensors (with or without model.safetensors.index.json)."""
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -2061,7 +2722,8 @@ def checkpoint_tensors(path):
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
-        raise ConfigError(f"{path}: no model.safetensors, model-*.safetensors or model.safetensors.index.json found")
+        raise ConfigError(f"{path}: no model.safetensors, model-*.safetensors or "
+                          "model.safetensors.index.json found")
     out = {}
     for f in files:
         full = os.path.join(path, f)
@@ -2073,11 +2735,61 @@ def checkpoint_tensors(path):
     return out
 
 
-SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")  # the vision tower: not used
+def checkpoint_sources(files, rename=lambda n: n):
+    """{our parameter name: (checkpoint name, read() -> tensor)} from {checkpoint name: safetensors file};
+    rename maps a checkpoint name to ours (None: skipped). Each file opens once; tensors are read on use."""
+    from safetensors import safe_open
+    handles = {}
+
+    def read(name):
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt")
+        return handles[f].get_tensor(name)
+    return {m: (n, functools.partial(read, n)) for n in files if (m := rename(n)) is not None}
 
 
-def internal_name(name):
-    """Checkpoint name -> our parameter name (None = skipped by a named rule)."""
+def load_weights(module, sources, dtype, device, where):
+    """The one loader: fill a module built on the meta device from sources {our parameter name: (checkpoint
+    name, read())}. Every parameter must be found with its shape and every source used, else a ConfigError
+    names the tensor. Floating tensors become `dtype` (the GDN decay A_log stays fp32; integer ones such as
+    d2t keep theirs); RoPE frequencies are computed on the device."""
+    want = dict(module.named_parameters())
+    for m in sources:
+        if m not in want:
+            raise ConfigError(f"unexpected tensor {m!r} in {where}")
+    for m in want:
+        if m not in sources:
+            raise ConfigError(f"missing tensor {m!r} in {where}")
+    bar = None
+    if len(want) > 200:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(want), desc="loading weights", unit="tensor", file=sys.stderr)
+        except ImportError:
+            pass
+    for m, p in want.items():
+        name, read = sources[m]
+        t = read()
+        if tuple(t.shape) != tuple(p.shape):
+            raise ConfigError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} "
+                              f"({where})")
+        keep = torch.float32 if m.endswith("A_log") else dtype if t.is_floating_point() else t.dtype
+        mod, _, leaf = m.rpartition(".")
+        module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=keep),
+                                                                    requires_grad=False)
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    return init_rope(module, device).eval()
+
+
+SKIP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")  # the vision tower
+
+
+def internal_name(name, where):
+    """The target's name table: checkpoint name -> our parameter name (None: skipped by a named rule)."""
     if name.startswith(SKIP_PREFIXES):
         return None
     for prefix in ("model.language_model.", "model."):
@@ -2085,114 +2797,78 @@ def internal_name(name):
             return name[len(prefix):]
     if name.startswith(("lm_head.", "mtp.")):
         return name
-    return "?" + name
+    raise ConfigError(f"unexpected tensor {name!r} in {where} (not a Qwen3.5/3.6 text-decoder weight)")
+
+
+def stack_experts(sources, num_experts, where):
+    """Per-expert MoE tensors (experts.{e}.{gate,up,down}_proj.weight) become sources of the fused layout:
+    gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]."""
+    parts = {}
+    for m in list(sources):
+        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", m)
+        if hit:
+            parts.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = sources.pop(m)[1]
+    E = num_experts
+    for prefix, p in parts.items():
+        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down")
+                   if (e, w) not in p]
+        if missing:
+            raise ConfigError(f"missing tensor {missing[0]!r} in {where}")
+
+        def gate_up(p=p):
+            return torch.stack([torch.cat([p[(e, "gate")](), p[(e, "up")]()], 0) for e in range(E)])
+
+        def down(p=p):
+            return torch.stack([p[(e, "down")]() for e in range(E)])
+        sources[prefix + ".gate_up_proj"] = (prefix + ".gate_up_proj", gate_up)
+        sources[prefix + ".down_proj"] = (prefix + ".down_proj", down)
+    return sources
 
 
 def load_model(path, dtype, device, want_mtp=False):
-    """Build the model from a checkpoint directory or .gguf file; every parameter is checked by name and shape."""
+    """Build the model from a checkpoint directory or .gguf file -> (model, ModelConfig, Tokenizer)."""
     if str(path).endswith(".gguf"):
         cfg, tensors, tok = read_gguf_model(path, dtype)
-        get = lambda n: tensors[n]
-        names = {internal_name(n): n for n in tensors}
+        sources = {internal_name(n, path): (n, functools.partial(tensors.__getitem__, n)) for n in tensors}
     else:
         cfg = ModelConfig.from_hf(path)
-        files = checkpoint_tensors(path)
-        from safetensors import safe_open
-        handles = {}
-
-        def get(n):
-            f = files[n]
-            if f not in handles:
-                handles[f] = safe_open(f, "pt")
-            return handles[f].get_tensor(n)
-        names = {}
-        for n in files:
-            m = internal_name(n)
-            if m is not None and m.startswith("?"):
-                raise ConfigError(f"unexpected tensor {n!r} in {path} (not a Qwen3.5/3.6 text-decoder weight)")
-            if m is not None:
-                names[m] = n
+        sources = checkpoint_sources(checkpoint_tensors(path), lambda n: internal_name(n, path))
         tok = Tokenizer.from_dir(path)
-    has_mtp = any(n.startswith("mtp.") for n in names)
+    has_mtp = any(m.startswith("mtp.") for m in sources)
     if want_mtp and not has_mtp and str(path).endswith(".gguf"):
         raise ConfigError(f"{path}: {GGUF_NO_MTP_MESSAGE}")
     if want_mtp and not has_mtp:
-        raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* tensors "
-                          "(the MTP head is missing)")
+        raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* "
+                          "tensors (the MTP head is missing)")
     if not has_mtp or cfg.mtp_num_hidden_layers == 0:
-        names = {m: n for m, n in names.items() if not m.startswith("mtp.")}
-    # per-expert MoE tensors (experts.{e}.{gate,up,down}_proj.weight) are stacked into the fused layout
-    per_expert = {}
-    for m in list(names):
-        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", m)
-        if hit:
-            per_expert.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = names.pop(m)
+        sources = {m: s for m, s in sources.items() if not m.startswith("mtp.")}
     with torch.device("meta"):
         model = Qwen36(cfg, with_mtp=has_mtp)
-    expected = dict(model.named_parameters())
-    for prefix, parts in per_expert.items():
-        E = cfg.num_experts
-        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down") if (e, w) not in parts]
-        if missing:
-            raise ConfigError(f"missing tensor {missing[0]!r} in {path}")
-        names[prefix + ".gate_up_proj"] = [(parts[(e, "gate")], parts[(e, "up")]) for e in range(E)]
-        names[prefix + ".down_proj"] = [parts[(e, "down")] for e in range(E)]
-    for m in names:
-        if m not in expected:
-            raise ConfigError(f"unexpected tensor {m!r} in {path} for this config")
-    for m in expected:
-        if m not in names:
-            raise ConfigError(f"missing tensor {m!r} in {path}")
-    items = list(expected.items())
-    bar = None
-    if len(items) > 200:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=len(items), desc="loading weights", unit="tensor", file=sys.stderr)
-        except ImportError:
-            pass
-    for m, p in items:
-        src = names[m]
-        if isinstance(src, list):  # per-expert checkpoints
-            t = torch.stack([torch.cat([get(s[0]), get(s[1])], 0) if isinstance(s, tuple) else get(s) for s in src])
-        else:
-            t = get(src)
-        if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError(f"tensor {src if isinstance(src, str) else m!r} has shape {tuple(t.shape)}, "
-                              f"expected {tuple(p.shape)}")
-        keep_fp32 = m.endswith("A_log")  # the GDN decay stays fp32 (fp32 in the checkpoint)
-        t = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
-        mod = model.get_submodule(m.rsplit(".", 1)[0]) if "." in m else model
-        mod._parameters[m.rsplit(".", 1)[-1]] = nn.Parameter(t, requires_grad=False)
-        if bar:
-            bar.update()
-    if bar:
-        bar.close()
-    for mod in model.modules():  # non-checkpoint buffers (RoPE frequencies) are computed on the device
-        if isinstance(mod, Attention):
-            rd = cfg.rotary_dim
-            mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return fuse_projections(model.eval()), cfg, tok
+    sources = stack_experts(sources, cfg.num_experts, path)
+    return fuse_projections(load_weights(model, sources, dtype, device, path)), cfg, tok
 
 
 # ==============================================================================================
 # GGUF loading (llama.cpp qwen35 / qwen35moe files)
 # ==============================================================================================
-# llama.cpp GGUF files (arch `qwen35` / `qwen35moe`) <-> HF text-only names and layouts. read_gguf undoes every
-# transform of llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel), so its tensors
-# go into the same loader as safetensors; write_gguf applies them (used by tests). ggml lists dims innermost first
-# (`ne`); the gguf reader hands back numpy arrays in PyTorch order (reversed ne): 2-D [out, in], experts
-# [E, I, H] (gate, up) and [E, H, I] (down), as HF stores them.
+# llama.cpp GGUF files (arch `qwen35` / `qwen35moe`) <-> HF text-only names and layouts. read_gguf undoes
+# every transform of llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel), so
+# its tensors go into the same loader as safetensors; the tests' write_gguf applies them. ggml lists dims
+# innermost first (`ne`); the gguf reader hands back numpy arrays in PyTorch order (reversed ne): 2-D [out,
+# in], experts [E, I, H] (gate, up) and [E, H, I] (down), as HF stores them.
 
 GGUF_NO_MTP_MESSAGE = (
-    "this GGUF file has no MTP block (no blk.N.nextn.* tensors), so `method: mtp` cannot run on it. Re-export it "
-    "with llama.cpp's convert_hf_to_gguf.py WITHOUT `--no-mtp`, from a Hugging Face checkpoint that has the mtp.* "
-    "tensors (older converters drop them: use a recent llama.cpp), or pick another speculative method.")
+    "this GGUF file has no MTP block (no blk.N.nextn.* tensors), so `method: mtp` cannot run on it. "
+    "Re-export it with llama.cpp's convert_hf_to_gguf.py WITHOUT `--no-mtp`, from a Hugging Face checkpoint "
+    "that has the mtp.* tensors (older converters drop them: use a recent llama.cpp), or pick another "
+    "speculative method.")
 
 _GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}  # no output.weight = tied embeddings
-_GGUF_BLK = {  # blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary tensors -> mtp.layers.0.<value>
-    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+# blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary tensors -> mtp.layers.0.<value>
+_GGUF_BLK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -2205,26 +2881,27 @@ _GGUF_BLK = {  # blk.N.<key> -> model.layers.N.<value>; the MTP block's ordinary
     "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight", "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # only with --fuse-gate-up-exps: cat([gate, up], 1)
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # only with --fuse-gate-up-exps: cat([gate, up])
 }  # the default ffn_gate_exps + ffn_up_exps [E, I, H] are re-fused into mlp.experts.gate_up_proj [E, 2I, H]
-_GGUF_NEXTN = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+_GGUF_NEXTN = {"nextn.eh_proj.weight": "mtp.fc.weight",
+               "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
                "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
                "nextn.shared_head_norm.weight": "mtp.norm.weight"}  # in block num_hidden_layers
-_GGUF_SKIP = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # optional; the shared ones are used
-_HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (_GGUF_TOP, _GGUF_BLK, _GGUF_NEXTN))
+_GGUF_SKIP = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # optional: the shared ones serve
 
 _PRETOKENIZE = {  # split regex by tokenizer.ggml.pre (\p{..} needs the `regex` module)
-    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
              r"|\s*[\r\n]+|\s+(?!\S)|\s+"}
 
 
 def _vhead_perm(t, dim, a, b, d):
-    """View `dim` as [a, b, d] and swap a and b. HF grouped -> GGUF tiled value heads: a = H_k, b = R = H_v / H_k
-    (head g*R + r moves to r*H_k + g, where ggml's broadcast repeat pairs it with key head g);
-    GGUF -> HF: a = R, b = H_k."""
+    """View `dim` as [a, b, d] and swap a and b. HF grouped -> GGUF tiled value heads: a = H_k, b = R = H_v
+    / H_k (head g*R + r moves to r*H_k + g, where ggml's broadcast repeat pairs it with key head g); GGUF ->
+    HF: a = R, b = H_k."""
     dim, s = dim % t.ndim, list(t.shape)
     return t.reshape(s[:dim] + [a, b, d] + s[dim + 1:]).transpose(dim, dim + 1).reshape(s)
 
@@ -2247,9 +2924,10 @@ def _gdn_reorder(name, t, cfg, to_gguf):
 
 
 def _is_shifted_norm(name):
-    """Zero-centred RMSNorm weights, stored by the converter as 1 + w (the GDN gated norm is not). The MTP pre-fc
-    norms count: the converter tests `endswith("norm.weight")` after renaming them to enorm / hnorm."""
-    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") or "pre_fc_norm_" in name
+    """Zero-centred RMSNorm weights, stored by the converter as 1 + w (the GDN gated norm is not). The MTP
+    pre-fc norms count: the converter tests `endswith("norm.weight")` after renaming them to enorm / hnorm."""
+    gated = name.endswith("linear_attn.norm.weight")
+    return name.endswith("norm.weight") and not gated or "pre_fc_norm_" in name
 
 
 def _gguf_tensor(rt):
@@ -2277,24 +2955,31 @@ def read_gguf(path, dtype=torch.float32):
     arch = meta("general.architecture")
     if arch not in ("qwen35", "qwen35moe"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (specdec reads 'qwen35' and 'qwen35moe')")
-    k = lambda key, default=None: meta(f"{arch}.{key}", default)  # noqa: E731
     byname = {t.name: t for t in r.tensors}
+    cfg = _gguf_config(lambda key, default=None: meta(f"{arch}.{key}", default), meta, arch, byname)
+    return cfg, _gguf_tensors(byname, cfg, dtype, path), _gguf_tokenizer(meta)
+
+
+def _gguf_config(k, meta, arch, byname):
+    """The text_config from the file's metadata (k: a key of the architecture) and tensor names."""
     nextn = k("nextn_predict_layers", 0)
     n = k("block_count") - nextn  # block_count includes the MTP layers
-    hd, hv = k("attention.key_length"), k("ssm.time_step_rank")
+    hd = k("attention.key_length")
+    hv = k("ssm.time_step_rank")
+    rope = dict(rope_type="default", rope_theta=_f32(k("rope.freq_base")),
+                partial_rotary_factor=k("rope.dimension_count") / hd,
+                mrope_section=list(k("rope.dimension_sections", [11, 11, 10, 0]))[:3], mrope_interleaved=True)
     cfg = dict(
-        model_type="qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text", hidden_size=k("embedding_length"),
-        num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
+        model_type="qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text",
+        hidden_size=k("embedding_length"), num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
         num_key_value_heads=k("attention.head_count_kv"), head_dim=hd,
-        linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=hv, linear_key_head_dim=k("ssm.state_size"),
+        linear_num_key_heads=k("ssm.group_count"),
+        linear_num_value_heads=hv, linear_key_head_dim=k("ssm.state_size"),
         linear_value_head_dim=k("ssm.inner_size") // hv, linear_conv_kernel_dim=k("ssm.conv_kernel"),
         full_attention_interval=k("full_attention_interval", 4),
-        layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention" for i in range(n)],
-        rope_parameters=dict(rope_type="default", rope_theta=_f32(k("rope.freq_base")),
-                             partial_rotary_factor=k("rope.dimension_count") / hd,
-                             mrope_section=list(k("rope.dimension_sections", [11, 11, 10, 0]))[:3],
-                             mrope_interleaved=True),
-        rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
+        layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention"
+                     for i in range(n)],
+        rope_parameters=rope, rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
         vocab_size=int(byname["token_embd.weight"].shape[1]),  # ne = {H, V}
         tie_word_embeddings="output.weight" not in byname,
         mtp_num_hidden_layers=nextn if any(x.startswith(f"blk.{n}.nextn.") for x in byname) else 0,
@@ -2306,19 +2991,27 @@ def read_gguf(path, dtype=torch.float32):
         cfg.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
                    moe_intermediate_size=k("expert_feed_forward_length"),
                    shared_expert_intermediate_size=k("expert_shared_feed_forward_length"))
+    return cfg
 
-    tensors, split = {}, {}
+
+def _gguf_tensors(byname, cfg, dtype, path):
+    """{HF text-only name: tensor}: names through the tables, every converter transform undone."""
+    n = cfg["num_hidden_layers"]
+    tensors = {}
+    split = {}
     for name, rt in byname.items():
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
         i, leaf = (int(m[1]), m[2]) if m else (-1, name)
         pre = f"model.layers.{i}." if i < n else f"mtp.layers.{i - n}."
-        if leaf in _GGUF_SKIP or (leaf.startswith("nextn.") and i != n):  # nextn.* is copied into every MTP block
+        if leaf in _GGUF_SKIP or (leaf.startswith("nextn.") and i != n):  # nextn.*: copied to every MTP block
             continue
         if leaf in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
             split.setdefault(pre, {})[leaf] = _gguf_tensor(rt).to(dtype)  # [E, I, H]
             continue
-        hf = _GGUF_TOP.get(name) if m is None else _GGUF_NEXTN.get(leaf) or (
-            pre + _GGUF_BLK[leaf] if leaf in _GGUF_BLK else None)
+        if m is None:
+            hf = _GGUF_TOP.get(name)
+        else:
+            hf = _GGUF_NEXTN.get(leaf) or (pre + _GGUF_BLK[leaf] if leaf in _GGUF_BLK else None)
         if hf is None:
             raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
         t = _gguf_tensor(rt)
@@ -2331,133 +3024,29 @@ def read_gguf(path, dtype=torch.float32):
             t = t.unsqueeze(1)  # [C, K] -> [C, 1, K]
         tensors[hf] = t.to(torch.float32 if hf.endswith(".A_log") else dtype)  # the GDN decay stays fp32
     for pre, d in split.items():  # gate rows first, then up
-        tensors[pre + "mlp.experts.gate_up_proj"] = torch.cat([d["ffn_gate_exps.weight"], d["ffn_up_exps.weight"]], 1)
+        gate_up = torch.cat([d["ffn_gate_exps.weight"], d["ffn_up_exps.weight"]], 1)
+        tensors[pre + "mlp.experts.gate_up_proj"] = gate_up
+    return tensors
 
+
+def _gguf_tokenizer(meta):
+    """The tokenizer.ggml.* metadata as a dict (read_gguf_model builds the Tokenizer from it)."""
     toks = meta("tokenizer.ggml.tokens", [])
-    types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user-defined, 5 unused
-    eos, pre_tok = meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.pre")
+    types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user, 5 unused
+    eos = meta("tokenizer.ggml.eos_token_id")
+    pre_tok = meta("tokenizer.ggml.pre")
     added = {t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty in (3, 4)}
     stops = {eos, meta("tokenizer.ggml.eot_token_id"), added.get("<|im_end|>"), added.get("<|endoftext|>")}
-    tok = dict(model=meta("tokenizer.ggml.model"), pre=pre_tok, pattern=_PRETOKENIZE.get(pre_tok), tokens=toks,
-               token_types=types, merges=meta("tokenizer.ggml.merges", []), eos_token_id=eos,
-               eos_token=toks[eos] if eos is not None and eos < len(toks) else None,
-               bos_token_id=meta("tokenizer.ggml.bos_token_id"), pad_token_id=meta("tokenizer.ggml.padding_token_id"),
-               chat_template=meta("tokenizer.chat_template"), added_tokens=added,
-               special_tokens=[t for t, ty in zip(toks, types) if ty == 3],  # dropped by skip_special decoding
-               vocab={t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty not in (3, 4, 5)},
-               stop_token_ids=sorted(s for s in stops if s is not None))
-    return cfg, tensors, tok
-
-
-def gguf_has_mtp(src):
-    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block; else GGUF_NO_MTP_MESSAGE."""
-    if isinstance(src, dict):
-        return src.get("mtp_num_hidden_layers", 0) > 0
-    import gguf
-    return any(".nextn." in t.name for t in gguf.GGUFReader(src).tensors)
-
-
-def write_gguf(hf_config, tensors, out_path, ftype="F16", tokenizer_json_path=None, with_mtp=True):
-    """Write HF text-only tensors as llama.cpp's converter does (for tests). ftype: F32 | F16 | BF16 | Q8_0;
-    with_mtp=False is the converter's --no-mtp. Without a tokenizer.json, a byte-level vocab is written."""
-    import gguf
-    Q, c, g = gguf.GGMLQuantizationType, hf_config, hf_config.get
-    qtype, ftype_id = {"F32": (Q.F32, 0), "F16": (Q.F16, 1), "BF16": (Q.BF16, 32), "Q8_0": (Q.Q8_0, 7)}[ftype]
-    n, n_mtp = c["num_hidden_layers"], g("mtp_num_hidden_layers", 0) if with_mtp else 0
-    hf = {k.replace("model.language_model.", "model."): t for k, t in tensors.items()
-          if "visual." not in k and (n_mtp or not k.startswith("mtp."))}
-    for k in [k for k in hf if k.endswith(".experts.0.gate_proj.weight")]:  # per-expert checkpoints -> fused
-        p = k[: -len("0.gate_proj.weight")]
-        st = lambda w: torch.stack([hf.pop(f"{p}{e}.{w}_proj.weight") for e in range(c["num_experts"])])  # noqa
-        hf[p + "gate_up_proj"], hf[p + "down_proj"] = torch.cat([st("gate"), st("up")], 1), st("down")
-
-    w = gguf.GGUFWriter(out_path, "qwen35moe" if "num_experts" in c else "qwen35")
-    rp, hd = g("rope_parameters") or {}, c["head_dim"]
-    for add, v in [  # the converter's keys, in its order; None = not written
-            (w.add_type, gguf.GGUFType.MODEL), (w.add_block_count, n + n_mtp),
-            (w.add_context_length, c["max_position_embeddings"]), (w.add_embedding_length, c["hidden_size"]),
-            (w.add_feed_forward_length, g("intermediate_size")), (w.add_head_count, c["num_attention_heads"]),
-            (w.add_head_count_kv, c["num_key_value_heads"]),
-            (w.add_rope_dimension_sections, (list(rp.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4]),
-            (w.add_rope_freq_base, rp.get("rope_theta", g("rope_theta"))),
-            (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
-            (w.add_expert_count, g("num_experts")), (w.add_expert_used_count, g("num_experts_per_tok")),
-            (w.add_key_length, hd), (w.add_value_length, hd), (w.add_file_type, ftype_id),
-            (w.add_expert_feed_forward_length, g("moe_intermediate_size")),
-            (w.add_expert_shared_feed_forward_length, g("shared_expert_intermediate_size")),
-            (w.add_ssm_conv_kernel, c["linear_conv_kernel_dim"]), (w.add_ssm_state_size, c["linear_key_head_dim"]),
-            (w.add_ssm_group_count, c["linear_num_key_heads"]), (w.add_ssm_time_step_rank, c["linear_num_value_heads"]),
-            (w.add_ssm_inner_size, c["linear_value_head_dim"] * c["linear_num_value_heads"]),
-            (w.add_full_attention_interval, g("full_attention_interval", 4)),
-            (w.add_rope_dimension_count, int(hd * rp.get("partial_rotary_factor", g("partial_rotary_factor", 0.25)))),
-            (w.add_nextn_predict_layers, n_mtp or None), (w.add_quantization_version, gguf.GGML_QUANT_VERSION)]:
-        if v is not None:
-            add(v)
-    _write_vocab(w, c, tokenizer_json_path)
-
-    for name, t in hf.items():
-        t = t.float()
-        if _is_shifted_norm(name):
-            t = t + 1.0
-        elif name.endswith(".A_log"):
-            t = -torch.exp(t)
-        t = _gdn_reorder(name, t.squeeze(1) if name.endswith(".conv1d.weight") else t, c, to_gguf=True)
-        m = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.(.+)", name)
-        b = m and int(m[2]) + (n if m[1] == "mtp" else 0)
-        if m is None:  # mtp.fc and the 3 MTP norms go into every MTP block
-            out = [(_HF_TOP[name], t)] if name in _HF_TOP else [
-                (f"blk.{j}.{_HF_NEXTN[name]}", t) for j in range(n, n + n_mtp)]
-        elif m[3] == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up [E, I, H] (ne {H, I, E})
-            i = t.shape[1] // 2
-            out = [(f"blk.{b}.ffn_gate_exps.weight", t[:, :i]), (f"blk.{b}.ffn_up_exps.weight", t[:, i:])]
-        else:
-            out = [(f"blk.{b}.{_HF_BLK[m[3]]}", t)]
-        for gname, t in out:  # the converter keeps 1-D tensors, norms, routers and the conv in F32
-            a = t.contiguous().numpy()
-            f32 = a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") or re.search(
-                r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$", gname)
-            q = Q.F32 if f32 else qtype
-            try:
-                data = gguf.quants.quantize(a, q)
-            except gguf.QuantError:  # row length not a multiple of the block: F16, as the converter does
-                q, data = Q.F16, a.astype(np.float16)
-            w.add_tensor(gname, data, raw_dtype=q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _write_vocab(w, c, tokenizer_json_path):
-    """tokenizer.ggml.* as the converter writes them: model gpt2, pre qwen35, ids up to vocab_size, gaps [PADi]."""
-    eos = c.get("eos_token_id")
-    eos, merges, template = eos[0] if isinstance(eos, list) else eos, [], None
-    if tokenizer_json_path is None:  # GPT-2 byte alphabet (printable bytes as themselves, others from U+0100 on)
-        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-        other = iter(range(256, 512))
-        vocab = {chr(b if b in keep else next(other)): b for b in range(256)}
-        special = {s: True for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
-        vocab.update({s: 256 + j for j, s in enumerate(special)})
-    else:
-        tj = json.loads(Path(tokenizer_json_path).read_text(encoding="utf-8"))
-        vocab = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
-        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
-        special = {a["content"]: a.get("special", False) for a in tj.get("added_tokens", [])}
-        tc = Path(tokenizer_json_path).with_name("tokenizer_config.json")
-        tc = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
-        e = tc.get("eos_token")  # the converter's SpecialVocab takes eos from tokenizer_config.json first
-        eos, template = vocab.get(e.get("content") if isinstance(e, dict) else e, eos), tc.get("chat_template")
-    rev = {i: t for t, i in vocab.items()}
-    tokens = [rev.get(i, f"[PAD{i}]") for i in range(c["vocab_size"])]
-    types = [5 if i not in rev else 1 if t not in special else 3 if special[t] or (t[:2], t[-2:]) == ("<|", "|>")
-             else 4 for i, t in enumerate(tokens)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    for add, v in ((w.add_token_merges, merges), (w.add_eos_token_id, eos), (w.add_chat_template, template)):
-        if v or v == 0:
-            add(v)
+    return dict(
+        model=meta("tokenizer.ggml.model"), pre=pre_tok, pattern=_PRETOKENIZE.get(pre_tok), tokens=toks,
+        token_types=types, merges=meta("tokenizer.ggml.merges", []), eos_token_id=eos,
+        eos_token=toks[eos] if eos is not None and eos < len(toks) else None,
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+        chat_template=meta("tokenizer.chat_template"), added_tokens=added,
+        special_tokens=[t for t, ty in zip(toks, types) if ty == 3],  # dropped by skip_special decoding
+        vocab={t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty not in (3, 4, 5)},
+        stop_token_ids=sorted(s for s in stops if s is not None))
 
 
 def read_gguf_model(path, dtype):
@@ -2470,7 +3059,9 @@ def read_gguf_model(path, dtype):
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok["stop_token_ids"]))
     tokenizer = Tokenizer(tok["vocab"], tok["merges"], tok["added_tokens"], tok["pattern"] or QWEN_PATTERN,
                           tok["eos_token"], special=tok["special_tokens"])
+    tokenizer.chat_template = tok["chat_template"]  # the file's own template (ChatTemplate.from_checkpoint)
     return cfg, tensors, tokenizer
+
 
 # ==============================================================================================
 # API: LLM(...).generate / .chat, shaped like vLLM's offline API
@@ -2501,38 +3092,231 @@ def resolve_device_dtype(device, dtype):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype in (None, "auto"):
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-              "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+              "half": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
     if dtype not in dtypes and not isinstance(dtype, torch.dtype):
         raise ConfigError(f"unsupported dtype {dtype!r}; choose one of auto, bfloat16, float16, float32")
     return torch.device(device), dtypes.get(dtype, dtype)
 
 
+# -- Model names: a local path, or a hub id found in the local Hugging Face cache -------------------
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # Org/Name
+
+
+def hf_hub_cache():
+    """Where huggingface_hub keeps models: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    home = os.environ.get("HF_HOME") or os.path.join(cache, "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def find_in_hf_cache(name):
+    """A hub id's snapshot in the cache, models--Org--Name/snapshots/<the commit refs/main names> (without
+    refs/main: the only snapshot), or None."""
+    if not isinstance(name, str) or not HUB_ID.fullmatch(name):
+        return None
+    snapshots = os.path.join(hf_hub_cache(), "models--" + name.replace("/", "--"), "snapshots")
+    ref = os.path.join(os.path.dirname(snapshots), "refs", "main")
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            path = os.path.join(snapshots, f.read().strip())
+        return path if os.path.isdir(path) else None
+    found = os.listdir(snapshots) if os.path.isdir(snapshots) else []
+    return os.path.join(snapshots, found[0]) if len(found) == 1 else None
+
+
+def resolve_model(name):
+    """A model named as vLLM users name it: a local directory or .gguf file as it is; a hub id
+    (Qwen/Qwen3.6-27B) as its snapshot in the local Hugging Face cache. Nothing is ever downloaded."""
+    if os.path.exists(name):
+        return name
+    path = find_in_hf_cache(name)
+    if path is not None:
+        return path
+    if not HUB_ID.fullmatch(name):
+        raise ConfigError(f"model path {name!r} does not exist")
+    repo = os.path.join(hf_hub_cache(), "models--" + name.replace("/", "--"))
+    raise ConfigError(f"model {name!r} is not a local path, and the Hugging Face cache has no snapshot of "
+                      f"it (looked in {repo}/snapshots for the commit refs/main names); specdec does not "
+                      f"download: fetch it with `hf download {name}`, or set HF_HUB_CACHE / HF_HOME to the "
+                      "cache that has it")
+
+
+# -- Memory: the static slots' KV caches and GDN states (vLLM's --gpu-memory-utilization) ------------
+
+GiB = 1 << 30
+
+
+def state_bytes(cfg, dtype, mtp=False):
+    """What State allocates for one slot: (bytes per position: K and V of every attention layer, and of the
+    MTP layer with method mtp; bytes per slot: every GDN layer's conv window and fp32 recurrent state)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    n_attn = cfg.layer_types.count("full_attention") + int(mtp)
+    n_gdn = cfg.layer_types.count("linear_attention")
+    per_pos = n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * el
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return per_pos, n_gdn * (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * el + rec)
+
+
+def memory_budget(device, utilization):
+    """(bytes the slots may take, how they were counted). CUDA, as vLLM: the fraction of the GPU's total
+    memory, less what this process holds already (the weights), and no more than is free. CPU: the fraction of
+    the system memory available now (MemAvailable, with the weights already loaded)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        budget = min(utilization * total - held, free)
+        return int(budget), (f"{utilization} x {total / GiB:.2f} GiB GPU memory - {held / GiB:.2f} GiB held "
+                             f"by the weights, at most the {free / GiB:.2f} GiB free")
+    avail = None
+    if os.path.isfile("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            kib = [int(line.split()[1]) for line in f if line.startswith("MemAvailable:")]
+            avail = kib[0] * 1024 if kib else None
+    if avail is None:  # not Linux
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(utilization * avail), (f"{utilization} x {avail / GiB:.2f} GiB of system memory available "
+                                      "(CPU: the memory available after loading the weights)")
+
+
+def size_slots(per_pos, per_slot, num_seqs, extra, budget, basis, limit, want=None):
+    """The max_model_len the slots get, and the start-up line that shows the arithmetic. Each of num_seqs + 1
+    slots (the last pads batches) holds max_model_len + extra positions (per_pos bytes each) and per_slot
+    bytes of GDN state. want None: the model's limit if it fits, else the largest that fits."""
+    need = lambda slots, n: slots * ((n + extra) * per_pos + per_slot)  # noqa: E731
+    fits = lambda slots: (budget // slots - per_slot) // max(per_pos, 1) - extra  # noqa: E731  (largest n)
+    slots = num_seqs + 1
+    n = limit if want is None else want
+    why = "the model's limit" if want is None else "--max-model-len"
+    if need(slots, n) > budget and want is None and fits(slots) >= 1:
+        n, why = fits(slots), f"the largest that fits; the model allows {limit}"
+    have = f"{budget / GiB:.2f} GiB ({basis})"
+    if need(slots, n) > budget:
+        if fits(2) < n:  # not even one sequence (and the padding slot)
+            raise ConfigError(f"max_model_len={n}: one sequence needs {need(2, n) / GiB:.2f} GiB of KV cache "
+                              f"and state (with the padding slot), more than the {have}; the largest that "
+                              f"fits one sequence is {max(fits(2), 0)}: lower --max-model-len or raise "
+                              "--gpu-memory-utilization")
+        most = budget // need(1, n) - 1
+        raise ConfigError(f"--max-num-seqs {num_seqs} slots of max_model_len={n} need "
+                          f"{need(slots, n) / GiB:.2f} GiB of KV cache and state, more than the {have}; "
+                          f"{most} fit: lower --max-num-seqs or --max-model-len, or raise "
+                          "--gpu-memory-utilization")
+    return n, (f"KV cache and state: {slots} slots ({num_seqs} + 1 for padding) x (({n} + {extra}) positions "
+               f"x {per_pos} B + {per_slot} B) = {need(slots, n) / GiB:.3f} GiB of {have}; max_model_len {n} "
+               f"({why})")
+
+
+# -- Sampling defaults: the model's generation_config.json (vLLM's --generation-config) -------------
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")  # vLLM's
+NOT_IMPLEMENTED = {"repetition_penalty": 1.0, "min_p": 0.0}  # accepted only at these values, for now
+
+
+def _json_arg(value, what):
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {value!r}")
+    return obj
+
+
+def generation_defaults(model, generation_config="auto", override=None):
+    """What a request that leaves them unset gets, as vLLM's --generation-config: "auto" reads the model's
+    generation_config.json, "vllm" none, a folder that folder's; --override-generation-config's JSON goes on
+    top. -> {temperature, top_p, top_k, max_tokens (its max_new_tokens)} as given there."""
+    cfg, where = {}, "vLLM's defaults"
+    if generation_config != "vllm":
+        auto = generation_config in (None, "auto")
+        own = os.path.dirname(model) if str(model).endswith(".gguf") else model
+        folder = own if auto else generation_config
+        where = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(where):
+            with open(where) as f:
+                cfg = json.load(f)
+        elif not auto:
+            raise ConfigError(f"--generation-config {generation_config!r}: no generation_config.json there "
+                              "(give a folder that has one, 'auto' for the model's, or 'vllm' for none)")
+    cfg.update(_json_arg(override, "--override-generation-config"))
+    out = {k: cfg[k] for k in GENERATION_KEYS if cfg.get(k) is not None}
+    for key, neutral in NOT_IMPLEMENTED.items():
+        if out.pop(key, neutral) != neutral:
+            raise ConfigError(f"the generation config ({where} and overrides) sets {key}={cfg[key]}, which "
+                              "specdec does not implement yet; start with --generation-config vllm, or "
+                              f"--override-generation-config '{{\"{key}\": {neutral}}}'")
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    if out.get("top_k") == 0:
+        out["top_k"] = -1  # vLLM: 0 disables top-k too
+    try:
+        SamplingParams(**out)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"the generation config ({where} and overrides): {e}") from None
+    return out
+
+
+# -- The offline API ------------------------------------------------------------------------------
+
 class LLM:
+    """vLLM's offline API: LLM(model, **engine_args), then generate / chat. The engine arguments have vLLM's
+    names; tensor_parallel_size and quantization are accepted at their neutral values only (not yet
+    implemented), trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code)."""
+
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
-                 max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None):
-        spec = SpeculativeConfig.from_json(speculative_config)
-        model = model or default_model_path()
-        if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
-            raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from a "
-                              "re-quantised copy of the model the drafter was not trained on; use the safetensors "
-                              "checkpoint as the target")
-        if not os.path.exists(model):
-            raise ConfigError(f"model path {model!r} does not exist")
+                 max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
+                 max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
+                 generation_config="auto", override_generation_config=None,
+                 tensor_parallel_size=1, quantization=None, trust_remote_code=False):
+        if tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
+                              "parallelism is not supported yet; specdec runs the model on one device")
+        if quantization not in (None, "None", "none"):
+            raise ConfigError(f"quantization={quantization!r} (--quantization) is not supported yet; specdec "
+                              "runs a checkpoint in its own dtype (GGUF files are dequantised at load)")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        model = resolve_model(model or default_model_path())
+        spec = SpeculativeConfig.from_json(speculative_config, target=model)
+        if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
+            raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from "
+                              "a re-quantised copy of the model the drafter was not trained on; use the "
+                              "safetensors checkpoint as the target")
+        self.default_sampling = generation_defaults(model, generation_config, override_generation_config)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device,
-                                                          want_mtp=spec is not None and spec.method == "mtp")
-        max_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
-        if max_len > self.cfg.max_position_embeddings:
-            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                              f"{self.cfg.max_position_embeddings}")
+        want_mtp = spec is not None and spec.method == "mtp"
+        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp=want_mtp)
+        want = None if max_model_len in (None, "auto", -1) else max_model_len
+        if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
+            raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")
+        limit = self.cfg.max_position_embeddings
+        if want is not None and want > limit:
+            raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={limit}")
         if spec is not None and spec.max_model_len is not None:
-            max_len = min(max_len, spec.max_model_len)
-        self.model_path, self.max_model_len, self.spec = model, max_len, spec
-        self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device, seed,
-                             enforce_eager, async_scheduling)
+            limit = min(limit, spec.max_model_len)
+            want = None if want is None else min(want, limit)
+        k = spec.num_speculative_tokens if spec else 0
+        budget, basis = memory_budget(self.device, gpu_memory_utilization)
+        per_pos, per_slot = state_bytes(self.cfg, self.dtype, want_mtp)
+        max_len, self.memory_report = size_slots(per_pos, per_slot, max_num_seqs, k + 1, budget, basis, limit,
+                                                 want)
+        if spec is not None and spec.method in ("dflash", "dspark", "draft_model"):
+            self.memory_report += " (the drafter's own cache comes on top)"
+        self.model_path = model
+        self.max_model_len = max_len
+        self.spec = spec
+        self.chat_template = ChatTemplate.from_checkpoint(model, self.tokenizer)
+        self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
+                             seed, enforce_eager, async_scheduling, max_num_batched_tokens,
+                             enable_chunked_prefill)
 
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):
@@ -2541,10 +3325,18 @@ class LLM:
             return self.encode_prompt(prompt.get("prompt_token_ids", prompt.get("prompt")))
         return None, list(prompt)
 
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self):
+        """SamplingParams with the model's generation-config defaults (what generate uses without any)."""
+        return SamplingParams(**self.default_sampling)
+
     def generate(self, prompts, sampling_params=None):
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        one_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)  # a prompt's ids
+        single = isinstance(prompts, str) or one_ids
         prompts = [prompts] if single else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         reqs = []
         for p, sp in zip(prompts, params):
@@ -2554,9 +3346,18 @@ class LLM:
             self.engine.step()
         return [self._output(text, r) for text, r in reqs]
 
-    def chat(self, messages, sampling_params=None, enable_thinking=True, add_generation_prompt=True):
+    def chat(self, messages, sampling_params=None, *, chat_template=None, add_generation_prompt=True,
+             tools=None, chat_template_kwargs=None, enable_thinking=None):
+        """One conversation (a list of messages) or several, through the model's chat template (or the
+        `chat_template` given: a path or the template text), as vLLM's LLM.chat."""
+        template = self.chat_template
+        if chat_template is not None:
+            template = ChatTemplate.from_arg(chat_template, template.special_tokens)
+        kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(m, add_generation_prompt, enable_thinking) for m in convs]
+        prompts = [template.render(m, tools, add_generation_prompt, **kwargs) for m in convs]
         return self.generate(prompts, sampling_params)
 
     def _output(self, text, r):
@@ -2572,19 +3373,21 @@ class LLM:
         return self.engine.stats
 
     def warmup(self, force=False):
-        """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM captures at
-        start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks through every
-        bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture. Counters reset after."""
+        """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM
+        captures at start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks
+        through every bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture.
+        Counters reset after."""
         e = self.engine
-        if e.graphs is None and not force:
+        if e.runner.graphs is None and not force:
             return
         prompt = list(range(1, 17))
         for i in range(e.max_num_seqs):
-            n = min(2 + (e.k + 2) * i, self.max_model_len - len(prompt))
+            n = min(2 + (e.runner.k + 2) * i, self.max_model_len - len(prompt))
             e.add_request(prompt, SamplingParams(temperature=0, max_tokens=max(n, 1), ignore_eos=True))
         while e.has_work():
             e.step()
-        e.stats, e.num_requests = SpecStats(), 0
+        e.stats = SpecStats()
+        e.num_requests = 0
 
 
 def default_model_path():
@@ -2592,57 +3395,129 @@ def default_model_path():
     if os.path.isdir(here):
         return here
     raise ConfigError("no --model given and no shipped model at models/toy; pass --model PATH "
-                      "(python tools/make_tiny.py /tmp/tiny makes a tiny random checkpoint)")
+                      "(python test_specdec.py make-tiny /tmp/tiny writes a tiny random checkpoint)")
 
 
 # ==============================================================================================
 # CLI
 # ==============================================================================================
 
+def vllm_argv(argv):
+    """vLLM's spelling of flags: an underscore in a flag's name is a dash (--max_model_len=4096)."""
+    out = []
+    for a in argv:
+        if a.startswith("--"):
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
+
+
+def human_int(value):
+    """vLLM's human-readable integers: 32k = 32000, 32K = 32768 (k, m, g decimal; K, M, G binary)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", value.strip())
+    if not m or ("." in m[1] and m[2] not in ("k", "m", "g")):
+        raise argparse.ArgumentTypeError(f"invalid integer {value!r} (e.g. 4096, 32k, 32K)")
+    if m[2] in ("k", "m", "g"):
+        return int(float(m[1]) * 1000 ** (1 + "kmg".index(m[2])))
+    return int(m[1]) * 1024 ** ("KMG".index(m[2]) + 1 if m[2] else 0)
+
+
+def max_len_arg(value):
+    return "auto" if value.strip() in ("auto", "-1") else human_int(value)
+
+
 def add_engine_args(ap):
-    """Flags shared by specdec.py, server.py and bench.py (vLLM's names)."""
-    ap.add_argument("--model", default=None, help="checkpoint directory (HF safetensors) or .gguf file "
-                                                   "(default: the shipped toy model in models/)")
+    """Flags shared by specdec.py and server.py: vLLM's engine arguments (the names of LLM's keywords)."""
+    ap.add_argument("--model", default=None, help="checkpoint directory (HF safetensors), .gguf file, or a "
+                    "hub id (Org/Name) in the local Hugging Face cache (default: the shipped toy model in "
+                    "models/)")
     ap.add_argument("--speculative-config", default=None, help="vLLM's speculative config as JSON, e.g. "
-                    '\'{"method":"mtp","num_speculative_tokens":2}\' (methods: ' + ", ".join(SPEC_METHODS) + ")")
-    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
+                    '\'{"method":"mtp","num_speculative_tokens":2}\' (methods: ' + ", ".join(SPEC_METHODS)
+                    + ")")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens (default min(model, 4096))")
+    ap.add_argument("--max-model-len", type=max_len_arg, default=None,
+                    help="max prompt + output tokens, e.g. 4096, 32k, 32K; auto or -1: fit (default: the "
+                    "model's limit if --max-num-seqs slots of it fit in --gpu-memory-utilization, else the "
+                    "largest that fits)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="max concurrent sequences (slots)")
-    ap.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed derive theirs from it)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of the memory the KV caches and GDN states of the slots may use: of the "
+                    "GPU's memory (less the weights); on the CPU, of the system memory available after "
+                    "loading (default 0.9)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="engine seed (requests without a seed derive theirs from it)")
     ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="launch step n+1 before reading step n back (default: on with CUDA graphs)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, the running requests' included; with chunked prefill a long "
+                         "prompt is prefilled in pieces of this many tokens beside the running requests "
+                         "(default 2048)")
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill long prompts in pieces between the running requests' steps, so they keep "
+                         "their pace (default: on; off: each prompt is prefilled whole when admitted)")
+    ap.add_argument("--generation-config", default="auto", help="sampling defaults: auto (the model's "
+                    "generation_config.json), vllm (none), or a folder with a generation_config.json")
+    ap.add_argument("--override-generation-config", default=None,
+                    help="JSON object over the generation config, e.g. '{\"temperature\": 0.6}'")
+    ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="not supported yet (only 1)")
+    ap.add_argument("-q", "--quantization", default=None, help="not supported yet")
+    ap.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; it "
+                    "changes nothing: specdec never runs code from a checkpoint")
 
 
 def llm_from_args(a):
     return LLM(model=a.model, speculative_config=a.speculative_config, dtype=a.dtype, device=a.device,
-               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed, enforce_eager=a.enforce_eager,
-               async_scheduling=a.async_scheduling)
+               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=a.seed,
+               enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
+               max_num_batched_tokens=a.max_num_batched_tokens,
+               enable_chunked_prefill=a.enable_chunked_prefill,
+               gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
+               override_generation_config=a.override_generation_config,
+               tensor_parallel_size=a.tensor_parallel_size, quantization=a.quantization,
+               trust_remote_code=a.trust_remote_code)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="specdec: generate text with a Qwen3.6 model, optionally speculating")
+    ap = argparse.ArgumentParser(description="specdec: generate text with a Qwen3.6 model, optionally "
+                                             "speculating")
     add_engine_args(ap)
     ap.add_argument("--prompt", default="def fib(n):", help="the prompt text")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
+    ap.add_argument("--chat", action="store_true",
+                    help="wrap the prompt as one user turn of the model's chat template")
+    ap.add_argument("--chat-template", default=None, help="with --chat: this template (a file or the text) "
+                    "instead of the model's")
     ap.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact argmax)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    ap.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1 = all)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (exact argmax) (default: the generation config's, else 0)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="nucleus sampling mass (default: the generation config's, else 1)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="keep the k most likely tokens, -1 = all (default: the generation config's, "
+                    "else -1)")
     ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(vllm_argv(sys.argv[1:] if argv is None else argv))
     try:
         llm = llm_from_args(a)
         prompt = a.prompt
         if a.chat:
-            prompt = apply_chat_template([{"role": "user", "content": prompt}], True, not a.no_thinking)
-        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                                seed=a.seed, ignore_eos=a.ignore_eos)
+            template = llm.chat_template
+            if a.chat_template is not None:
+                template = ChatTemplate.from_arg(a.chat_template, template.special_tokens)
+            prompt = template.render([{"role": "user", "content": prompt}], enable_thinking=not a.no_thinking)
+        given = {"temperature": 0.0, **llm.default_sampling}
+        pick = lambda name, default: default if getattr(a, name) is None else getattr(a, name)  # noqa: E731
+        params = SamplingParams(temperature=pick("temperature", given["temperature"]),
+                                top_p=pick("top_p", given.get("top_p", 1.0)),
+                                top_k=pick("top_k", given.get("top_k", -1)),
+                                max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shown = [0]
@@ -2659,10 +3534,11 @@ def main(argv=None):
     n = len(req.output_ids)
     ttft = req.first_token_time - t0
     rate = (n - 1) / (t1 - req.first_token_time) if n > 1 and t1 > req.first_token_time else float("nan")
-    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {n}, time to first token: {ttft * 1e3:.1f} ms, "
-          f"{rate:.1f} tok/s, finish: {req.finish_reason}]", file=sys.stderr)
+    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {n}, "
+          f"time to first token: {ttft * 1e3:.1f} ms, {rate:.1f} tok/s, finish: {req.finish_reason}]",
+          file=sys.stderr)
     if llm.spec is not None:
-        print(f"[{req.spec.summary()}]", file=sys.stderr)
+        print(f"[{req.spec.summary(t1 - t0)}]", file=sys.stderr)
     return 0
 
 

@@ -4,10 +4,12 @@ written here in the real published layouts. Run: python -m pytest -q test_specde
 
 Also a tool: `python test_specdec.py make-tiny DIR [--moe]` writes a tiny random checkpoint.
 """
+import dataclasses
 import http.client
 import json
 import math
 import os
+import random
 import re
 import socket
 import subprocess
@@ -32,6 +34,7 @@ except ImportError:  # the GPU image has no gguf package: the GGUF tests skip th
     gguf = None
 needs_gguf = pytest.mark.skipif(gguf is None, reason="needs the gguf package")
 
+import bench
 import kernels as K
 import specdec as sd
 from specdec import LLM, SamplingParams, ConfigError
@@ -122,11 +125,69 @@ def random_weights(cfg, seed=0, mtp=True, per_expert=False):
     return w
 
 
+def cycles(V, g, lo=3, hi=9):
+    """A permutation of range(V) made of cycles of lo..hi ids (the last may be shorter): nxt[x]."""
+    order, nxt, i = torch.randperm(V, generator=g).tolist(), list(range(V)), 0
+    while i < V:
+        c = order[i:i + int(torch.randint(lo, hi + 1, (), generator=g))]
+        for a, b in zip(c, c[1:] + c[:1]):
+            nxt[a] = b
+        i += len(c)
+    return torch.tensor(nxt)
+
+
+def bigram_hidden(w):
+    """What the target's final norm makes of each token's embedding alone [V, H] (text-only names)."""
+    e = w["model.embed_tokens.weight"]
+    return e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w["model.norm.weight"])
+
+
+PREDICTABLE_MIX = 0.1  # the mixers' and MLPs' output projections, scaled
+
+
+def make_predictable(w, cfg, seed):
+    """Random tensors -> a target that a drafter can predict, so speculative tests see multi-token acceptance:
+    - every mixer's and MLP's output projection scaled by PREDICTABLE_MIX: the last token decides most of the next
+      one (a bigram model), while the context still moves every logit (~0.2 on average: wrong GDN or KV state
+      shows in the logprobs, and flips ~15 % of the greedy tokens);
+    - the lm_head rows tilted toward a permutation of the vocabulary made of short cycles (cycles()): the bigram
+      then walks a cycle, so greedy text repeats (ngram drafts it), with some tokens tilted too weakly to win;
+    - the MTP head wired to that bigram: fc passes the normed embedding through (plus a little of the hidden
+      state), its final norm is the target's;
+    - the last id (unused by the tokenizer; the block drafters' mask token) has a zero embedding;
+    - the two ids before id 0 in its cycle get the strongest tilt: id 0 then likely follows two steps after the
+      first (a padding draft, -1, is fed to the target as id 0: wrongly accepted, it would show); id 1 is a cycle
+      of its own, strongly tilted: after drafts ending in 1 the bonus token is likely 1 again.
+    Measured on SPEC_PROMPTS (48 tokens): mtp k=4 4.05 tokens per step, ngram k=4 4.45; 3 of the 5 outputs cycle."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(seed + 100)
+    for n in w:
+        if n.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+            w[n] = w[n] * PREDICTABLE_MIX
+    w["model.embed_tokens.weight"][V - 1] = 0
+    h = bigram_hidden(w)
+    scale = 0.25 + 2 * torch.rand(V, 1, generator=g)
+    nxt = cycles(V, g)
+    before1 = int((nxt == 1).nonzero())
+    nxt[before1], nxt[1], scale[1] = nxt[1], 1, 1.25                             # id 1 follows itself
+    before = int((nxt == 0).nonzero())
+    scale[before] = scale[int((nxt == before).nonzero())] = 2.25                 # x -> y -> 0 likely (padding ids)
+    head = "model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"
+    assert head == "lm_head.weight", "a predictable target needs its own lm_head"
+    tilt = scale * h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    w[head] = w[head].index_add(0, nxt, tilt)                                    # row nxt[x] += tilt toward h(x)
+    if "mtp.fc.weight" in w:
+        w["mtp.fc.weight"] = torch.cat([torch.eye(H), torch.randn(H, H, generator=g) * 0.01], 1)
+        w["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+        w["mtp.norm.weight"] = w["model.norm.weight"].clone()
+    return w
+
+
 def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, shards=1, per_expert=False, seed=0,
-                          tokenizer=True, extra=None, drop=None):
+                          tokenizer=True, extra=None, drop=None, predictable=False):
     """Write config.json, generation_config.json, tokenizer files and safetensors in the published layout:
     `wrapper` = multimodal Qwen3_5ForConditionalGeneration names (model.language_model.*, a vision tower
-    that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*)."""
+    that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*). `predictable`: make_predictable."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     tok_vocab = 0
@@ -142,6 +203,8 @@ def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, sh
         ids = {t["content"]: t["id"] for t in tj["added_tokens"]}
         text["eos_token_id"] = ids["<|endoftext|>"]
     w = random_weights(text, seed, mtp, per_expert)
+    if predictable:
+        w = make_predictable(w, text, seed)
     if wrapper:
         top = {"model_type": "qwen3_5_moe" if moe else "qwen3_5",
                "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
@@ -260,14 +323,50 @@ def test_seeded_sampling_reproducible(tiny):
     assert c.outputs[0].token_ids != a
 
 
-def test_ngram_lookup_matches_reference_and_vllm_example():
-    assert sd.ngram_lookup([1, 2, 3, 4, 2, 3], 4, 2, 3) == [4, 2, 3]  # vLLM's docstring example
+def ngram_reference(ctx, k, lo, hi):
+    """Prompt lookup as README.md states it, written plainly: of the suffixes of ctx with lo..hi tokens that also occur
+    earlier (an occurrence may overlap the suffix but not be it), the longest; its earliest occurrence; the up to k
+    tokens that follow that occurrence."""
+    N, best = len(ctx), None
+    for n in range(lo, hi + 1):                                   # shortest first: a longer match replaces it
+        suffix = list(ctx[N - n:]) if n < N else None
+        starts = [i for i in range(N - n) if suffix is not None and list(ctx[i:i + n]) == suffix]
+        if starts:
+            best = (n, starts[0])
+    return [] if best is None else list(ctx[best[0] + best[1]:best[0] + best[1] + k])
+
+
+NGRAM_CASES = [  # (ctx, k, lo, hi, drafts): each tells one rule from its plausible wrong version
+    ([1, 2, 3, 4, 2, 3], 4, 2, 3, [4, 2, 3]),                     # vLLM's docstring example
+    ([1, 2, 7, 1, 2, 8, 1, 2], 3, 2, 2, [7, 1, 2]),               # earliest occurrence ([8, 1, 2]: the latest)
+    ([3, 8, 2, 3, 9, 2, 3], 3, 1, 2, [9, 2, 3]),                  # longest n-gram ([8, 2, 3]: the 1-gram [3] first)
+    ([3, 8, 2, 3, 9, 5, 2, 3], 3, 1, 1, [8, 2, 3]),               # hi = 1: only 1-grams
+    ([0, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3], 3, 1, 3, [6, 1, 2]),      # the 3-gram [1, 2, 3]
+    ([0, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3], 3, 1, 2, [5, 1, 2]),      # hi = 2 caps it: the 2-gram [2, 3], earliest
+    ([3, 8, 2, 3], 3, 2, 4, []),                                  # lo = 2: the 1-gram match does not count
+    ([3, 8, 2, 3], 3, 1, 4, [8, 2, 3]),                           # lo = 1: it does
+    ([4, 5], 2, 1, 1, []),                                        # the suffix itself is no occurrence
+    ([7], 3, 1, 5, []),                                           # one token: nothing earlier
+    ([1, 1, 1], 5, 1, 5, [1]),                                    # n <= N - 1; overlapping match; runs to the end
+    ([6, 6, 6, 6, 6], 2, 3, 3, [6, 6]),                           # k caps the drafts
+    ([2, 9, 9, 2, 5, 2], 4, 1, 1, [9, 9, 2, 5]),                  # exactly k tokens after the first 2
+]
+
+
+@pytest.mark.parametrize("ctx,k,lo,hi,want", NGRAM_CASES)
+def test_ngram_lookup_cases(ctx, k, lo, hi, want):
+    assert ngram_reference(ctx, k, lo, hi) == want               # the reference is right on the hand-made cases
+    assert sd.ngram_lookup(ctx, k, lo, hi) == want
+
+
+def test_ngram_lookup_matches_reference():
     g = torch.Generator().manual_seed(0)
-    for _ in range(300):
+    for _ in range(400):
         ctx = torch.randint(0, 4, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
         lo = int(torch.randint(1, 4, (1,), generator=g))
         hi = lo + int(torch.randint(0, 3, (1,), generator=g))
-        assert sd.ngram_lookup(ctx, 5, lo, hi) == sd.ngram_lookup_ref(ctx, 5, lo, hi), (ctx, lo, hi)
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        assert sd.ngram_lookup(ctx, k, lo, hi) == ngram_reference(ctx, k, lo, hi), (ctx, k, lo, hi)
 
 
 def test_top_k_top_p_masks():
@@ -284,8 +383,7 @@ def test_top_k_top_p_masks():
 
 def our_logits(llm, ids, mode):
     """All-position logits of a prompt: one chunked prefill, or one token at a time."""
-    eng = llm.engine
-    st = eng.state
+    st = llm.engine.runner.state
     st.reset(0)
     slots = torch.tensor([0])
     x = torch.tensor([ids])
@@ -341,16 +439,32 @@ SPEC_CONFIGS = [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_
 
 
 @pytest.fixture(scope="session")
-def spec_off(tiny):
-    llm = LLM(model=tiny, device="cpu")
+def tiny_spec(tmp_path_factory):
+    """The tiny target made predictable (make_predictable): its MTP head and the ngram lookup get drafts accepted."""
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_spec")), predictable=True)
+
+
+@pytest.fixture(scope="session")
+def spec_off(tiny_spec):
+    llm = LLM(model=tiny_spec, device="cpu")
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     return sp, llm.generate(SPEC_PROMPTS, sp), llm.generate(SPEC_PROMPTS[:1], sp)
 
 
+def assert_multi_token(stats, k, at_least):
+    """Speculation did its work: mean acceptance length (tokens per verify step) >= at_least, some steps accepted
+    all k drafts (bonus tokens), and (k > 1) some accepted a part of them. Without acceptance every step emits one
+    token (length 1.0), and a lossless check could not see what happens inside a multi-token run."""
+    assert stats.num_drafts > 0
+    assert stats.mean_acceptance_length >= at_least, (stats.mean_acceptance_length, at_least)
+    assert stats.accepted_per_pos[k - 1] > 0                                     # all k accepted
+    assert k == 1 or stats.accepted_per_pos[0] > stats.accepted_per_pos[k - 1]  # runs that end inside the drafts
+
+
 @pytest.mark.parametrize("cfg", SPEC_CONFIGS, ids=lambda c: f"{c['method']}{c['num_speculative_tokens']}")
-def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
+def test_greedy_spec_equals_plain(cfg, tiny_spec, spec_off):
     sp, ref, ref1 = spec_off
-    llm = LLM(model=tiny, device="cpu", speculative_config=cfg)
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg)
     one = llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0]
     assert one.token_ids == ref1[0].outputs[0].token_ids
     outs = llm.generate(SPEC_PROMPTS, sp)  # a batch of 5 prompts of different lengths
@@ -359,15 +473,16 @@ def test_greedy_spec_equals_plain(cfg, tiny, spec_off):
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
             assert abs(a[t] - b[t]) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
             assert set(a) == set(b)
-    if cfg["method"] == "mtp" or cfg.get("prompt_lookup_min") == 1:  # these always find a draft
-        assert llm.get_metrics().num_drafts > 0
+    k = cfg["num_speculative_tokens"]
+    assert_multi_token(llm.get_metrics(), k, 1 + 0.5 * k)  # measured: ngram 3.70, 4.45; mtp 1.91, 2.71, 4.05
 
 
 class OracleProposer:
-    """Proposes the true greedy continuation with planted mistakes: exercises full acceptance (bonus
-    tokens), partial acceptance and rejection at position 0, whatever the draft model's quality."""
-    def __init__(self, k, truth):
-        self.k, self.truth, self.step = k, truth, 0
+    """Proposes the true greedy continuation `truth` (prompt's first id -> plain decoding's output ids), with planted
+    mistakes when `mistakes`: exercises full acceptance (bonus tokens), partial acceptance and rejection at position
+    0, whatever a draft model's quality. Without mistakes every draft is accepted: each step emits k+1 tokens."""
+    def __init__(self, k, truth, vocab_size, mistakes=True):
+        self.k, self.truth, self.vocab_size, self.mistakes, self.step = k, truth, vocab_size, mistakes, 0
 
     def prefill(self, *a):
         pass
@@ -375,26 +490,27 @@ class OracleProposer:
     def commit(self, *a):
         pass
 
-    def propose(self, engine, reqs):
+    def propose(self, batch):
+        reqs = batch.reqs
         d = torch.full((len(reqs), self.k), -1)
         for b, r in enumerate(reqs):
             n = len(r.output_ids)
             seq = self.truth[r.prompt_ids[0]][n:n + self.k]
             d[b, :len(seq)] = torch.tensor(seq)
             wrong = (self.step + b) % (self.k + 2)  # position of a planted wrong token (none if >= k)
-            if wrong < len(seq):
-                d[b, wrong] = (d[b, wrong] + 1) % engine.model.cfg.vocab_size
+            if self.mistakes and wrong < len(seq):
+                d[b, wrong] = (d[b, wrong] + 1) % self.vocab_size
         self.step += 1
         return d, None
 
 
-def test_verify_commit_with_oracle_drafts(tiny, spec_off):
+def test_verify_commit_with_oracle_drafts(tiny_spec, spec_off):
     sp, ref, _ = spec_off
-    llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
     truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
     assert len(truth) == len(prompts)
-    llm.engine.proposer = OracleProposer(4, truth)
+    llm.engine.runner.proposer = OracleProposer(4, truth, llm.cfg.vocab_size)
     outs = llm.generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
@@ -402,10 +518,208 @@ def test_verify_commit_with_oracle_drafts(tiny, spec_off):
     assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
 
 
+def mtp_chain_reference(model, ids, k, temp=None, u=None):
+    """MTP drafts after the committed tokens ids (prompt + output; the last not yet seen by the target), from scratch
+    with the MTP module, step by step: target hidden states h_t over ids[:-1]; the MTP layer over positions
+    t = 0..L-1 fed (h_t, ids[t+1]) (L = len(ids) - 1); its output at L-1 gives d1; step j (1..k-1) runs at position
+    L-1+j fed (its own previous output, d_j). Greedy: argmax; temp: d_j drawn by inverse CDF with u[j] from
+    q_j = softmax(logits / temp). -> (drafts, [q_j] or None)."""
+    L = len(ids) - 1
+    st = sd.State(model.cfg, 1, L + k + 1, torch.float32, "cpu", mtp=True)
+    x, slot = torch.tensor([ids]), torch.tensor([0])
+    ctx = lambda p, n, mode="decode": sd.Ctx(st, slot, torch.tensor([p]), n, mode)
+    with torch.inference_mode():
+        h = model(x[:, :L], ctx(0, L, "prefill"))                                    # [1, L, H]
+        g = model.mtp(model.embed_tokens(x[:, 1:]), h, ctx(0, L))[:, -1]             # [1, H] at position L-1
+        out, qs = [], []
+        for j in range(k):
+            if j > 0:
+                g = model.mtp(model.embed_tokens(torch.tensor([[out[-1]]])), g[:, None], ctx(L - 1 + j, L + j))[:, 0]
+            logits = model.logits(g)[0]
+            if temp is None:
+                out.append(int(logits.argmax()))
+                continue
+            q = (logits / temp).softmax(-1)
+            qs.append(q)
+            out.append(min(int((q.cumsum(-1) <= u[j] * q.sum()).sum()), len(q) - 1))
+    return out, (qs if temp is not None else None)
+
+
+def test_accepted_draft_of_id_0_is_verified_as_0(tiny_spec):
+    """A draft of token id 0 goes into the verify as 0 (only padding, -1, is fed as 0) and counts as drafted: an
+    oracle proposing plain decoding's own continuation, which holds id 0 at a draft position, has every draft
+    accepted; outputs equal plain decoding and num_accepted_tokens == num_draft_tokens. Prompts: single tokens whose
+    greedy bigram walk (bigram_laws) passes through 0."""
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=8)
+    nxt = bigram_laws(plain).argmax(-1)
+    walks = [torch.arange(nxt.shape[0])]
+    for _ in range(10):
+        walks.append(nxt[walks[-1]])
+    walks = torch.stack(walks, 1)
+    starts = [s for s in range(1, nxt.shape[0]) if bool((walks[s, 2:10] == 0).any())][:8]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[s] for s in starts]
+    truth = {p[0]: o.outputs[0].token_ids for p, o in zip(prompts, plain.generate(prompts, sp))}
+    prompts = [p for p in prompts if 0 in truth[p[0]][1:12]]                     # 0 at a draft position
+    assert prompts
+    spec = LLM(model=tiny_spec, device="cpu", max_num_seqs=8,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    oracle = OracleProposer(3, truth, spec.cfg.vocab_size, mistakes=False)
+    drafted, propose = [], oracle.propose
+    oracle.propose = lambda batch: drafted.append(propose(batch)[0]) or (drafted[-1], None)
+    spec.engine.runner.proposer = oracle
+    outs = spec.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [truth[p[0]] for p in prompts]
+    assert any(bool((d == 0).any()) for d in drafted)
+    s = spec.get_metrics()
+    assert s.num_accepted_tokens == s.num_draft_tokens == sum(int((d >= 0).sum()) for d in drafted) > 0
+
+
+def test_spec_step_hands_q_and_taps_on(tiny_spec):
+    """ModelRunner._spec_step hands the proposer's q to the acceptance (probabilistic MTP drafting: the very tensor
+    propose returned) and the verify's taps to the proposer's commit (MTP reads none: an empty list, not None)."""
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config={
+        "method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})
+    runner = llm.engine.runner
+    proposed, accepted, committed = [], [], []
+    propose, accept, commit = runner.proposer.propose, runner.accept, runner.proposer.commit
+    runner.proposer.propose = lambda batch: proposed.append(propose(batch)) or proposed[-1]
+    runner.accept = lambda reqs, logits, drafts, q: accepted.append(q) or accept(reqs, logits, drafts, q)
+    runner.proposer.commit = lambda batch, h, taps, *a: committed.append(taps) or commit(batch, h, taps, *a)
+    out = llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=8, seed=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert len(proposed) == len(accepted) == len(committed) > 0
+    assert all(q is p[1] and q is not None for q, p in zip(accepted, proposed))
+    assert all(taps == [] for taps in committed)
+
+
+@pytest.mark.parametrize("ckpt,drafting", [("tiny", "probabilistic"), ("tiny_spec", "probabilistic"),
+                                           ("tiny_spec", "greedy")])
+def test_mtp_chain_equals_step_by_step_reference(ckpt, drafting, request):
+    """MTPProposer's k = 3 drafts (and q, when drafting is probabilistic) at every position == mtp_chain_reference,
+    right after the prefill and after each of 4 verify steps (its commit: MTP cache over the accepted tokens, the
+    hidden state kept at the last one), three requests with different lengths in one batch, the third greedy
+    (temperature 0: probabilistic drafting draws its drafts at temperature 1e-5, the argmax chain). tiny: random
+    weights, where positions and fed hidden states move the draft laws a lot; tiny_spec: drafts get accepted."""
+    path, k = request.getfixturevalue(ckpt), 3
+    llm = LLM(model=path, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                                             "draft_sample_method": drafting})
+    e, m, runner = llm.engine, llm.model, llm.engine.runner
+    prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS[2:5]]
+    temps = [0.8, 0.8, 0.0]
+    reqs = [e.add_request(p, SamplingParams(temperature=t, max_tokens=30, seed=i, ignore_eos=True))
+            for i, (p, t) in enumerate(zip(prompts, temps))]
+    e.step()                                                                       # prefills
+    accepted = 0
+    for _ in range(5):
+        running = [r for r in e.slots if r is not None]
+        assert len(running) == 3
+        saved = [r.gen.get_state() for r in running]
+        with torch.inference_mode():
+            drafts, q = runner.proposer.propose(runner.batch(running))
+        for b, r in enumerate(running):
+            u = torch.rand(k, generator=torch.Generator().set_state(saved[b])) if drafting != "greedy" else None
+            temp = (temps[b] or 1e-5) if drafting != "greedy" else None
+            want, q_ref = mtp_chain_reference(m, r.tokens, k, temp, u)
+            assert drafts[b].tolist() == want
+            if q_ref is not None:
+                assert (q[b] - torch.stack(q_ref)).abs().max() <= 1e-5
+        for r, st in zip(running, saved):
+            r.gen.set_state(st)                                                    # the step draws them again
+        before = e.stats.num_accepted_tokens
+        e.step()
+        accepted += e.stats.num_accepted_tokens - before
+    assert ckpt == "tiny" or accepted >= 3                                         # commits after accepted drafts
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_mtp_chain_and_target_attention_reads_are_bounded(tiny_spec, asynchronous, monkeypatch):
+    """Every attention call of a speculative run (target prefill / decode / verify, the MTP chain and its commit)
+    gets what Ctx promises: kv_len an int with max(pos) + T <= kv_len <= the cache length (the keys it may read).
+    Synchronous steps compute it from the host's lengths, asynchronous ones pass the cache length."""
+    seen, attention = [], K.attention
+
+    def checked(q, k_cache, v_cache, slots, pos, kv_len):
+        assert isinstance(kv_len, int) and int((pos + q.shape[1]).max()) <= kv_len <= k_cache.shape[1], kv_len
+        seen.append(q.shape[1])
+        return attention(q, k_cache, v_cache, slots, pos, kv_len)
+    monkeypatch.setattr(K, "attention", checked)
+    llm = LLM(model=tiny_spec, device="cpu", async_scheduling=asynchronous,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    out = llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out) and llm.get_metrics().num_accepted_tokens > 0
+    assert {1, 4} <= set(seen)                                                     # decode-sized and verify calls
+
+
+def test_proposer_without_an_engine(tiny):
+    """A proposer's whole world is a ProposerIO (the target, its state, device copies, graph calls: here eager) and
+    the Batch of each step: no Engine. MTP's chained drafts from its caches == the MTP layer recomputed from scratch
+    over the whole sequence for each draft (greedy: the tokens; probabilistic: q); ngram's == prompt lookup over
+    each request's tokens."""
+    cpu = torch.device("cpu")
+    model, cfg, _ = sd.load_model(tiny, torch.float32, cpu, want_mtp=True)
+    state = sd.State(cfg, 2, 64, torch.float32, cpu, mtp=True)
+    io = sd.ProposerIO(model, state, num_slots=2, max_model_len=60, dtype=torch.float32, device=cpu,
+                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype),
+                       call=lambda name, fn, kv_len, inputs: fn(kv_len, **inputs))
+    k = 3
+    greedy, sampled = (sd.MTPProposer(sd.SpeculativeConfig(method="mtp", num_speculative_tokens=k,
+                                                           draft_sample_method=m), io)
+                       for m in ("greedy", "probabilistic"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 6)]
+    ctx = lambda slot, pos, n, mode="prefill": sd.Ctx(state, torch.tensor([slot]), torch.tensor([pos]), n, mode)
+    with torch.inference_mode():
+        seqs = []
+        for slot, p in enumerate(prompts):
+            state.reset(slot)
+            h = model(torch.tensor([p]), ctx(slot, 0, len(p)))
+            t = int(model.logits(h[:, -1]).argmax())                      # the first sampled token, at len(p)
+            for prop in (greedy, sampled):
+                prop.prefill(types.SimpleNamespace(slot=slot), h, (), torch.tensor([p[1:] + [t]]), 0)
+            seqs.append((p, t, h))
+        reqs = [types.SimpleNamespace(tokens=p + [t], params=SamplingParams(temperature=0.7),
+                                      gen=torch.Generator().manual_seed(i)) for i, (p, t, _) in enumerate(seqs)]
+        batch = sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([len(p) for p in prompts]),
+                         torch.tensor([t for _, t, _ in seqs]), host_knows_pos=True)
+        for prop in (greedy, sampled):
+            drafts, q = prop.propose(batch)
+            assert drafts.shape == (2, k) and (q is None) == (prop is greedy)
+            for row, (p, t, h) in enumerate(seqs):                        # from scratch, in a fresh slot each time
+                hidden, nxt = h, p[1:] + [t]
+                for j in range(k):
+                    u = model.mtp(model.embed_tokens(torch.tensor([nxt])), hidden, ctx(2, 0, len(nxt), "decode"))
+                    logits = model.logits(u[0, -1])                        # [V] at the draft's position
+                    if q is None:
+                        assert int(drafts[row, j]) == int(logits.argmax())
+                    else:
+                        assert torch.allclose(q[row, j], (logits / 0.7).softmax(-1), atol=1e-5)
+                    hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [int(drafts[row, j])]
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=2), io)
+    reqs = [types.SimpleNamespace(tokens=[1, 2, 3, 1, 2]), types.SimpleNamespace(tokens=[5, 6, 7])]
+    d, q = ngram.propose(sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([2, 7]), True))
+    assert d.tolist() == [[3, 1, 2], [-1, -1, -1]] and q is None
+
+
+def test_ngram_drafts_stop_at_max_model_len():
+    """NgramProposer drafts at most max_model_len - len(tokens) tokens (vLLM: no draft beyond the model's length):
+    k = 3, max_model_len 12, a repeating context: 4 short of it 3 drafts, 3 short 3, 2 short 2, 1 short 1, none at
+    the length."""
+    io = sd.ProposerIO(None, None, num_slots=5, max_model_len=12, dtype=torch.float32, device=torch.device("cpu"),
+                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype), call=None)
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=2), io)
+    reqs = [types.SimpleNamespace(tokens=([1, 2, 3, 4] * 3)[:n]) for n in (8, 9, 10, 11, 12)]
+    zeros = torch.zeros(5, dtype=torch.long)
+    d, q = ngram.propose(sd.Batch(reqs, torch.arange(5), zeros, zeros, True))
+    assert d.tolist() == [[1, 2, 3], [2, 3, 4], [3, 4, -1], [4, -1, -1], [-1, -1, -1]] and q is None
+
+
 def test_rollback_equals_token_by_token(tiny):
     """GDN conv/recurrent states after a verify with partial acceptance == decoding the accepted tokens one by one."""
     llm = LLM(model=tiny, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    m, st = llm.model, llm.engine.state
+    m, st = llm.model, llm.engine.runner.state
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 500, (1, 9), generator=g)
     tail = torch.randint(0, 500, (2, 5), generator=g)  # rows 0, 1: [last token, d1..d4]
@@ -443,48 +757,264 @@ def test_rejection_sampler_greedy():
     assert torch.equal(tok2, tok) and torch.equal(n2, n)
 
 
-@pytest.mark.parametrize("full_q", [False, True])
-def test_rejection_sampler_preserves_distribution(full_q):
-    """Emitted first token ~ p for random p, q: chi-square over 200k trials (fixed seed)."""
-    g = torch.Generator().manual_seed(0)
-    V, N = 6, 200_000
-    p_logits = torch.randn(V, generator=g) * 1.5
-    p = p_logits.softmax(-1)
-    q = (torch.randn(V, generator=g) * 1.5).softmax(-1)
-    if full_q:
-        drafts = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
-        draft_probs = q.expand(N, 1, V)
-    else:
-        drafts = torch.full((N, 1), 2)            # a deterministic draft: one-hot q
-        draft_probs = None
-    logits = p_logits.expand(N, 2, V).clone()
-    tok, n = sd.rejection_sample(logits, drafts, draft_probs, torch.ones(N), torch.full((N,), -1), torch.ones(N),
-                                 torch.rand(N, 1, generator=g), torch.rand(N, 2, generator=g))
-    counts = torch.bincount(tok[:, 0], minlength=V).double()
-    chi2 = float(((counts - N * p.double()) ** 2 / (N * p.double())).sum())
-    assert chi2 < 20.5, chi2  # 99.9% quantile of chi-square with 5 dof
-    assert 0 < float(n.float().mean()) < 1
+def chi2_sf(x, dof):
+    """P(X > x) for X ~ chi-square with dof degrees of freedom (the regularised upper incomplete gamma function)."""
+    half = lambda v: torch.tensor(v / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(half(dof), half(x)))
 
 
-def test_sampled_distribution_same_with_speculation(tiny):
-    """temperature 1, top-p 0.9: each of the first 3 generated tokens follows the same law with and without
-    speculation (two-sample chi-square over 600 seeds each; the first token comes from the prefill in both)."""
+def goodness_of_fit(counts, law):
+    """Pearson's chi-square p-value of counts [V] (int) against law [V]; a count where law is 0 gives p = 0."""
+    counts, law = counts.double(), law.double()
+    if counts[law == 0].sum() > 0:
+        return 0.0
+    m = law > 0
+    if int(m.sum()) == 1:
+        return 1.0
+    expected = counts.sum() * law[m]
+    return chi2_sf(float(((counts[m] - expected) ** 2 / expected).sum()), int(m.sum()) - 1)
+
+
+def target_law(logits, temperature, top_k, top_p):
+    """The law a sampled token must follow, written out: logits / temperature, the top_k largest kept (-1: all),
+    then the smallest set of the largest probabilities whose mass reaches top_p, renormalised. logits [V]."""
+    p = (logits.double() / temperature).softmax(-1)
+    order = p.argsort(descending=True).tolist()
+    keep = order[:top_k] if top_k > 0 else order
+    p = torch.zeros_like(p).index_put_((torch.tensor(keep),), p[keep] / p[keep].sum())
+    kept, mass = [], 0.0
+    for i in keep:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(p[i])
+    out = torch.zeros_like(p)
+    out[kept] = p[kept] / p[kept].sum()
+    return out
+
+
+RS_GROUPS = [(1.0, -1, 1.0), (1.3, 6, 0.95)]  # (temperature, top_k, top_p) of even and odd rows
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("drafting", ["one_hot", "full_q", "one_hot_padded"])
+def test_rejection_sampler_distribution_every_position(k, drafting):
+    """Lossless sampling, position by position: over the rows whose step reaches position j (n >= j), the token
+    emitted there follows the target law p_j, for j = 0..k (j = k: the bonus token). The drafts at positions > j
+    and the uniforms of position j are independent of reaching j, so this holds for any q. Drafts: one-hot q (a
+    draft per row, draft_probs None: greedy drafting), full q (drafts sampled from q_j, draft_probs = q_j), or
+    one-hot with -1 padding after a random number of real drafts (ngram without a long enough match). Also the
+    acceptance rate at each position equals its law: sum_x min(p_j, q_j) (full q), E_d min(1, p_j(d)) (one-hot).
+
+    Bounds: every check is a test at false-alarm rate 1e-6 (chi-square p-value; binomial z = 4.9), at most 16 checks
+    per case: a correct sampler fails a case with probability < 2e-5. The seed is fixed, so the run is reproducible;
+    the rate says what a failure means. Two row groups with different temperature / top-k / top-p, interleaved."""
+    g = torch.Generator().manual_seed(k)
+    V, N = 8, 240_000
+    likely = torch.randint(0, V, (k + 1,), generator=g)                          # a likely token per position, so
+    logits = torch.randn(k + 1, V, generator=g) + 2.5 * F.one_hot(likely, V)     # that runs reach position k often
+    q_logits = torch.randn(k, V, generator=g) + 2.0 * F.one_hot(likely[:k], V)   # per position: different laws
+    if drafting != "full_q":                                                     # one-hot drafts never use the last
+        q_logits[:, V - 1] = float("-inf")                                       # id (q's width is V, not max + 1)
+    q_law = q_logits.softmax(-1)                                                 # q_j (full) or the draft mix (one-hot)
+    drafts = torch.stack([torch.multinomial(q_law[j], N, replacement=True, generator=g) for j in range(k)], 1)
+    n_real = torch.full((N,), k)
+    if drafting == "one_hot_padded":
+        n_real = torch.randint(0, 2 * k + 1, (N,), generator=g).clamp(max=k)      # half the rows: no padding
+        drafts[torch.arange(k)[None] >= n_real[:, None]] = -1
+    draft_probs = q_law.expand(N, k, V) if drafting == "full_q" else None
+    group = torch.arange(N) % 2
+    temperature = torch.tensor([RS_GROUPS[i][0] for i in group.tolist()])
+    top_k = torch.tensor([RS_GROUPS[i][1] for i in group.tolist()])
+    top_p = torch.tensor([RS_GROUPS[i][2] for i in group.tolist()])
+    tok, n = sd.rejection_sample(logits.expand(N, k + 1, V).clone(), drafts, draft_probs, temperature, top_k, top_p,
+                                 torch.rand(N, k, generator=g), torch.rand(N, k + 1, generator=g))
+    assert tok.shape == (N, k + 1) and bool((n >= 0).all()) and bool((n <= n_real).all())
+    emitted = torch.arange(k + 1)[None] <= n[:, None]
+    assert bool((tok[emitted] >= 0).all()) and bool((tok[emitted] < V).all()) and bool((tok[~emitted] == -1).all())
+    assert torch.equal(tok[:, :k][torch.arange(k)[None] < n[:, None]], drafts[torch.arange(k)[None] < n[:, None]])
+    z = 4.9                                                                      # two-sided normal 1e-6
+    for gi, (temp, tk, tp) in enumerate(RS_GROUPS):
+        p = torch.stack([target_law(logits[j], temp, tk, tp) for j in range(k + 1)])
+        for j in range(k + 1):
+            reach = (group == gi) & (n >= j)
+            assert int(reach.sum()) > 2000, (gi, j)
+            counts = torch.bincount(tok[reach, j], minlength=V)
+            assert goodness_of_fit(counts, p[j]) > 1e-6, (gi, j, counts.tolist(), p[j].tolist())
+            if j == k:
+                continue
+            has = reach & (n_real > j)                                         # a real draft at position j
+            if drafting == "full_q":
+                rate = float(torch.minimum(p[j], q_law[j].double()).sum())
+            else:
+                rate = float((q_law[j].double() * p[j].clamp(max=1)).sum())   # p <= 1 already: E_d p_j(d)
+            m, acc = int(has.sum()), int((n[has] > j).sum())
+            assert abs(acc / m - rate) <= z * math.sqrt(rate * (1 - rate) / m) + 1e-9, (gi, j, acc / m, rate)
+            if drafting == "one_hot_padded":
+                assert int((n[reach & (n_real == j)] > j).sum()) == 0            # a -1 draft is never accepted
+
+
+def test_rejection_sampler_edges():
+    """Edge cases of the ratio test, each with its reason:
+    - u = 0 (torch.rand can return it) never accepts a draft the target gives probability 0 (outside its top-k);
+    - p == q with the draft's probability subnormal and u just below 1: u * q(d) rounds to q(d), the draft is rejected
+      and max(0, p - q) is all zero: the next token is drawn from p (another row's residual is not);
+    - temperature exactly 1e-5 is sampled, not greedy (SamplingParams.greedy is temperature < 1e-5, and plain decoding
+      samples it): between two tied top logits the sampled law is 1/2 each, so a draft of the second is accepted;
+    - a draft its own law gave probability 0 (q(d) = 0: vLLM rejects it rather than divide by zero) is rejected even
+      with u = 0 and p(d) > 0, and the next token comes from max(0, p - q)."""
+    V = 6
+    logits = torch.tensor([[3.0, 2.5, 1.0, 0.0, -1.0, -2.0]] * 2)[None]          # B = 1, k = 1
+    for draft_probs in (None, torch.full((1, 1, V), 1.0 / V)):
+        tok, n = sd.rejection_sample(logits, torch.tensor([[4]]), draft_probs, torch.ones(1), torch.tensor([2]),
+                                     torch.ones(1), torch.zeros(1, 1), torch.full((1, 2), 0.5))
+        assert int(n[0]) == 0 and int(tok[0, 0]) in (0, 1)
+    zlog = torch.tensor([[0.0, -100.0, 1.0, 0.5, 0.2, 0.1], [2.0, -1.0, 0.0, 0.0, 0.0, 0.0]])  # row 0: p(1) ~ 4e-44
+    zl = zlog[:, None].expand(2, 2, V).clone()                                  # k = 1
+    p = sd.target_probs(zl.reshape(-1, V), torch.ones(4), torch.full((4,), -1), torch.ones(4)).view(2, 2, V)
+    assert 0 < float(p[0, 0, 1]) < 1e-38                                          # subnormal
+    q = p[:, :1].clone()
+    q[1, 0] = torch.tensor([0.0, 0.2, 0.2, 0.2, 0.2, 0.2])                        # row 1: residual mass on id 0
+    below_one = torch.tensor(1.0).nextafter(torch.tensor(0.0))
+    tok, n = sd.rejection_sample(zl, torch.tensor([[1], [3]]), q, torch.ones(2), torch.full((2,), -1), torch.ones(2),
+                                 torch.tensor([[below_one], [0.99]]), torch.zeros(2, 2))
+    assert n.tolist() == [0, 0] and tok[:, 0].tolist() == [0, 0]                  # the first id with mass, both rows
+    tie = torch.tensor([[1.0, 4.0, 0.0, 4.0, 2.0, 0.0]] * 2)[None]
+    assert not SamplingParams(temperature=1e-5).greedy
+    tok, n = sd.rejection_sample(tie, torch.tensor([[3]]), None, torch.full((1,), 1e-5), torch.full((1,), -1),
+                                 torch.ones(1), torch.full((1, 1), 0.25), torch.full((1, 2), 0.5))
+    assert int(n[0]) == 1 and int(tok[0, 0]) == 3
+    q0 = torch.zeros(1, 1, V)
+    q0[0, 0, 0] = 1.0                                                             # q all on id 0; the draft is 2
+    tok, n = sd.rejection_sample(logits, torch.tensor([[2]]), q0, torch.ones(1), torch.full((1,), -1), torch.ones(1),
+                                 torch.zeros(1, 1), torch.full((1, 2), 0.5))
+    assert int(n[0]) == 0 and int(tok[0, 0]) not in (0, -1)                       # p(2) > 0; residual: not id 0
+
+
+def test_rejection_sampler_stays_on_the_logits_device():
+    """Every tensor rejection_sample makes is on the logits' device (the GPU in production): run on the meta device,
+    where an operation mixing in a CPU tensor fails. Greedy, sampled with one-hot q, sampled with full q."""
+    B, k, V, meta = 3, 2, 7, torch.device("meta")
+    args = lambda temp: (torch.randn(B, k + 1, V, device=meta), torch.zeros(B, k, dtype=torch.long, device=meta))
+    rest = lambda temp: (torch.full((B,), temp, device=meta), torch.full((B,), -1, device=meta),
+                         torch.ones(B, device=meta), torch.rand(B, k, device=meta), torch.rand(B, k + 1, device=meta))
+    for temp, q, greedy in ((0.0, None, True), (1.0, None, False), (1.0, torch.rand(B, k, V, device=meta), False)):
+        tok, n = sd.rejection_sample(*args(temp), q, *rest(temp), all_greedy=greedy, filtered=False)
+        assert tok.device == meta and n.device == meta and tok.shape == (B, k + 1) and n.shape == (B,)
+
+
+def test_rejection_sampler_mixed_greedy_and_sampled_rows():
+    """Greedy rows (temperature 0) in a batch with sampled rows decide exactly as an all-greedy batch does."""
+    g = torch.Generator().manual_seed(5)
+    B, k, V = 64, 3, 10
+    logits = torch.randn(B, k + 1, V, generator=g)
+    am = logits.argmax(-1)
+    drafts = am[:, :k].clone()
+    wrong = torch.randint(0, k + 1, (B,), generator=g)                            # first wrong draft (k: none)
+    for b in range(B):
+        if wrong[b] < k:
+            drafts[b, wrong[b]] = (drafts[b, wrong[b]] + 1) % V
+    drafts[::7, 1:] = -1                                                         # some padded rows
+    temperature = torch.where(torch.arange(B) % 2 == 0, torch.zeros(B), torch.full((B,), 0.9))
+    args = (torch.full((B,), -1), torch.ones(B), torch.rand(B, k, generator=g), torch.rand(B, k + 1, generator=g))
+    tok, n = sd.rejection_sample(logits, drafts, None, temperature, *args)
+    greedy = torch.arange(0, B, 2)
+    tok_g, n_g = sd.rejection_sample(logits[greedy], drafts[greedy], None, torch.zeros(len(greedy)),
+                                     *(a[greedy] for a in args), all_greedy=True)
+    assert torch.equal(tok[greedy], tok_g) and torch.equal(n[greedy], n_g)
+    for i, b in enumerate(greedy.tolist()):                                      # and that is the argmax rule
+        real = int((drafts[b] >= 0).sum())
+        want = min(int(wrong[b]), real)
+        assert int(n_g[i]) == want and tok_g[i, :want + 1].tolist() == am[b, :want + 1].tolist()
+
+
+def two_sample_pvalue(xs, ys, min_count=10):
+    """Chi-square p-value that two equally large samples of hashable outcomes come from one law; outcomes seen fewer
+    than min_count times in both together are pooled into one cell. Statistic sum (a - b)^2 / (a + b)."""
     import collections
-    prompt = "a b c a b c a b"
+    assert len(xs) == len(ys)
+    a, b = collections.Counter(xs), collections.Counter(ys)
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= min_count]
+    ca = torch.tensor([a[k] for k in keys] + [len(xs) - sum(a[k] for k in keys)], dtype=torch.float64)
+    cb = torch.tensor([b[k] for k in keys] + [len(ys) - sum(b[k] for k in keys)], dtype=torch.float64)
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    if len(ca) < 2:
+        return 1.0
+    return chi2_sf(float(((ca - cb) ** 2 / (ca + cb)).sum()), len(ca) - 1)
+
+
+SAMPLED_ALPHA = 1e-3  # false-alarm rate of each two-sample check below (seeds are fixed: the run is reproducible)
+
+
+def test_sampled_distribution_same_with_speculation(tiny_spec):
+    """temperature 1, top-p 0.9, MTP k = 2 (drafts accepted, some with the bonus): each of the first 4 generated
+    tokens, and the pair of the 2nd and 3rd, follow the same law with and without speculation (two-sample chi-square
+    over 300 seeds per prompt, at false-alarm rate SAMPLED_ALPHA per check). Token 0 comes from the prefill in both;
+    tokens 1..3 from the first speculative step (token 3: its bonus when both drafts are accepted). The second prompt
+    repeats id 1, which follows itself with probability ~0.6 (make_predictable): drafts [1, 1], then a bonus that is
+    1 again - the case where drawing the bonus from the residual p - q instead of p would show."""
+    prompts = ["a b c a b c a b", [1, 1, 1]] * 300
+    ps = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, seed=i // 2, ignore_eos=True)
+          for i in range(len(prompts))]
     outs = []
     for cfg in (None, {"method": "mtp", "num_speculative_tokens": 2}):
-        llm = LLM(model=tiny, device="cpu", speculative_config=cfg, max_num_seqs=8)
-        ps = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, seed=s, ignore_eos=True) for s in range(600)]
-        outs.append([o.outputs[0].token_ids for o in llm.generate([prompt] * len(ps), ps)])
-    for pos in range(3):
-        counts = [collections.Counter(t[pos] for t in o) for o in outs]
-        keys = [k for k in set(counts[0]) | set(counts[1]) if counts[0][k] + counts[1][k] >= 10]
-        a = torch.tensor([counts[0][k] for k in keys], dtype=torch.float64)
-        b = torch.tensor([counts[1][k] for k in keys], dtype=torch.float64)
-        a, b = torch.cat([a, 600 - a.sum(0, keepdim=True)]), torch.cat([b, 600 - b.sum(0, keepdim=True)])  # + "rare"
-        chi2 = float(((a - b) ** 2 / (a + b).clamp(min=1)).sum())  # two-sample chi-square, dof = bins - 1
-        dof = len(keys)
-        assert dof >= 3 and chi2 < dof + 4 * math.sqrt(2 * dof) + 10, (pos, chi2, dof)
+        llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
+        outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
+    assert all(len(t) == 4 for o in outs for t in o)
+    s = llm.get_metrics()
+    assert s.accepted_per_pos[1] >= 50 and s.num_accepted_tokens < s.num_draft_tokens  # bonus tokens, rejections
+    for group in (0, 1):
+        a, b = outs[0][group::2], outs[1][group::2]
+        for pos in range(4):
+            assert two_sample_pvalue([t[pos] for t in a], [t[pos] for t in b]) > SAMPLED_ALPHA, (group, pos)
+        assert two_sample_pvalue([t[1:3] for t in a], [t[1:3] for t in b]) > SAMPLED_ALPHA, group
+
+
+def bigram_laws(llm):
+    """The next-token law after each single token [V, V] (one prefill of V one-token rows, temperature 1)."""
+    m, V = llm.model, llm.model.cfg.vocab_size
+    st = sd.State(m.cfg, V, 2, torch.float32, "cpu")
+    with torch.inference_mode():
+        h = m(torch.arange(V)[:, None], sd.Ctx(st, torch.arange(V), torch.zeros(V, dtype=torch.long), 1, "prefill"))
+        return m.logits(h[:, 0]).softmax(-1)
+
+
+def test_sampled_ngram_with_padding_rows(tiny_spec):
+    """Sampling with ngram: rows with drafts beside rows whose lookup found nothing (all -1: padding) in one verify.
+    No -1 is ever emitted, and each of the first 3 tokens keeps its law (two-sample chi-square against speculation
+    off, false-alarm rate SAMPLED_ALPHA per check). The no-match prompt is the token y whose likely next token a is
+    likely followed by id 0 (a padding draft is fed to the target as 0: accepting it would emit -1 there); the match
+    prompt is the likeliest 17-token greedy walk of the bigram laws, which cycles."""
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=8)
+    P = bigram_laws(plain)
+    via = P * P[:, 0][None]                                                      # [y, a]: y -> a -> 0
+    via.fill_diagonal_(0)                                                        # a == y would be a match
+    y = int(via.sum(-1).argmax())
+    assert float(via[y].sum()) > 0.3
+    walks = [torch.arange(P.shape[0])]                                           # from every id, 16 likeliest steps
+    for _ in range(16):
+        walks.append(P[walks[-1]].argmax(-1))
+    walks = torch.stack(walks, 1)                                                # [V, 17]: they enter a cycle
+    odds = P[walks[:, :-1], walks[:, 1:]].log().sum(-1)
+    walk = walks[int(odds.argmax())].tolist()                                    # a repeating text: ngram drafts
+    assert len(set(walk)) < 10
+    prompts = [[y], walk] * 300                                                  # no match / a match, interleaved
+    ps = [SamplingParams(temperature=1.0, max_tokens=3, seed=i // 2, ignore_eos=True) for i in range(len(prompts))]
+    spec = LLM(model=tiny_spec, device="cpu", max_num_seqs=8, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    verified = []
+    propose = spec.engine.runner.proposer.propose
+    spec.engine.runner.proposer.propose = lambda batch: verified.append(propose(batch)) or verified[-1]
+    outs = [[tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)] for llm in (plain, spec)]
+    assert all(min(t) >= 0 and len(t) == 3 for o in outs for t in o)
+    padded = [bool(((d < 0).all(1)).any() and (d >= 0).any(1).any()) for d, _ in verified]
+    assert sum(padded) >= 20                                                     # verifies mixing both kinds of row
+    assert spec.get_metrics().num_accepted_tokens > 0
+    for group in (0, 1):
+        for pos in range(3):
+            a, b = ([t[pos] for t in o[group::2]] for o in outs)
+            assert two_sample_pvalue(a, b) > SAMPLED_ALPHA, (group, pos)
 
 
 # ==============================================================================================
@@ -496,7 +1026,7 @@ def gguf_from_checkpoint(path, out, ftype, with_mtp=True):
     with open(os.path.join(path, "config.json")) as fh:
         top = json.load(fh)
     w = load_file(os.path.join(path, "model.safetensors"))
-    sd.write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
+    write_gguf(top.get("text_config", top), w, out, ftype, os.path.join(path, "tokenizer.json"), with_mtp)
     return out
 
 
@@ -519,17 +1049,19 @@ def test_gguf_logits_equal_safetensors(ftype, bound, moe, tiny, tiny_moe, tmp_pa
 
 
 @needs_gguf
-def test_gguf_mtp_greedy_lossless_and_refusals(tiny, tmp_path):
-    f = gguf_from_checkpoint(tiny, str(tmp_path / "m.gguf"), "F32")
+def test_gguf_mtp_greedy_lossless_and_refusals(tiny_spec, tmp_path):
+    f = gguf_from_checkpoint(tiny_spec, str(tmp_path / "m.gguf"), "F32")
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = LLM(model=f, device="cpu").generate(["a b c a b"], sp)[0].outputs[0].token_ids
     spec = LLM(model=f, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert spec.generate(["a b c a b"], sp)[0].outputs[0].token_ids == ref
-    nomtp = gguf_from_checkpoint(tiny, str(tmp_path / "nomtp.gguf"), "F32", with_mtp=False)
+    assert_multi_token(spec.get_metrics(), 2, 2.0)                                # the GGUF's MTP block drafts
+    nomtp = gguf_from_checkpoint(tiny_spec, str(tmp_path / "nomtp.gguf"), "F32", with_mtp=False)
     with pytest.raises(ConfigError, match="no MTP block"):
         LLM(model=nomtp, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ConfigError, match="'dspark' is refused for a GGUF target"):
-        LLM(model=f, device="cpu", speculative_config={"method": "dspark", "model": tiny, "num_speculative_tokens": 7})
+        LLM(model=f, device="cpu",
+            speculative_config={"method": "dspark", "model": tiny_spec, "num_speculative_tokens": 7})
 
 
 # ==============================================================================================
@@ -586,46 +1118,142 @@ def test_fp32_a_log_in_bf16_model_and_vision_skipped(tiny):
     assert len(llm.generate("hi", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids) == 4
 
 
-SPEC_ERRORS = [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "'eagle3' is a vLLM method that specdec does not implement; accepted methods: mtp, dflash, dspark, ngram, draft_model"),
-    ({"method": "ngram_gpu", "num_speculative_tokens": 2}, "'ngram_gpu' is a vLLM method"),
-    ({"method": "foo", "num_speculative_tokens": 2}, "unknown speculative method 'foo'; accepted methods: mtp, dflash"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "bogus": 1}, "unknown speculative config key 'bogus'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "tensor_parallel_size": 1}, "Please pass 'draft_tensor_parallel_size' instead"),
-    ({"method": "mtp"}, "num_speculative_tokens must be provided"),
-    ({"method": "ngram"}, "num_speculative_tokens must be provided"),
+def json_error(text):
+    """The json module's own message for text."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return str(e)
+
+
+VLLM_ONLY = "is a vLLM method that specdec does not implement; " \
+            "accepted methods: mtp, dflash, dspark, ngram, draft_model (and the *_mtp aliases of mtp)"
+SPEC_ERRORS = [  # (config, the whole message): the user-facing text, vLLM's own where vLLM has one
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, f"speculative method 'eagle3' {VLLM_ONLY}"),
+    ({"method": "ngram_gpu", "num_speculative_tokens": 2}, f"speculative method 'ngram_gpu' {VLLM_ONLY}"),
+    ({"method": "foo", "num_speculative_tokens": 2}, "unknown speculative method 'foo'; accepted methods: mtp, dflash, "
+                                                     "dspark, ngram, draft_model (and the *_mtp aliases of mtp)"),
+    ({"method": 3, "num_speculative_tokens": 2}, "speculative method must be a string, got 3"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "bogus": 1}, "unknown speculative config key 'bogus' (extra keys are "
+     "forbidden, as in vLLM); accepted keys: " + ", ".join(sorted(f.name for f in dataclasses.fields(sd.SpeculativeConfig)))),
+    ({"method": "mtp", "num_speculative_tokens": 2, "tensor_parallel_size": 1}, "'tensor_parallel_size' is not a valid "
+     "argument in the speculative_config. Please pass 'draft_tensor_parallel_size' instead."),
+    ({"method": "mtp"}, "num_speculative_tokens must be provided with speculative model unless the draft model config "
+                        "contains an n_predict parameter."),
+    ({"method": "ngram"}, "num_speculative_tokens must be provided with speculative model unless the draft model config "
+                          "contains an n_predict parameter."),
     ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
-    ({"method": "mtp", "num_speculative_tokens": -1}, "must be a positive integer, got -1"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be a positive integer"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "only valid with method 'ngram'"),
+    ({"method": "mtp", "num_speculative_tokens": -1}, "num_speculative_tokens must be a positive integer, got -1"),
+    ({"method": "mtp", "num_speculative_tokens": True}, "num_speculative_tokens must be a positive integer, got True"),
+    ({"method": "mtp", "num_speculative_tokens": 2.0}, "num_speculative_tokens must be a positive integer, got 2.0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "prompt_lookup_min must be a positive integer, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": True},
+     "prompt_lookup_max must be a positive integer, got True"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"},
+     "prompt_lookup_min must be a positive integer, got '3'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'"),
     ({"method": "dflash", "num_speculative_tokens": 2}, "num_speculative_tokens was provided but without speculative model."),
-    ({"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "cannot be other value than 1"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "quantization": "fp8"}, "draft quantization 'fp8' is not supported"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"}, "must be 'standard' or 'synthetic'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "needs exactly one of"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2.0}, "need rejection_sample_method 'synthetic'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5]}, "must be a list of 2 numbers"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5, 0.9]}, "must be non-increasing"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.5}, r"must be in \[1, num_speculative_tokens \+ 1 = 3\]"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "beam"}, "draft_sample_method must be 'greedy' or 'probabilistic'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "dspark_draft_topk": 4}, "dspark_draft_topk is only valid with method 'dspark'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch' is a vLLM option specdec does not support"),
-    ({"model": "my.pkg.Proposer", "num_speculative_tokens": 2}, "'custom_class' is a vLLM method"),
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "must be a JSON object"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "num_speculative_tokens was provided but without speculative model."),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2 cannot "
+     "be other value than 1 or target model tensor_parallel_size (1 in specdec)"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "quantization": "fp8"},
+     "draft quantization 'fp8' is not supported; specdec runs drafts in the target's dtype"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len must be a positive integer, got 0"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "max_model_len": "8"},
+     "max_model_len must be a positive integer, got '8'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
+     "rejection_sample_method must be 'standard' or 'synthetic', got 'block'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}, "rejection_sample_method "
+     "'synthetic' needs exactly one of synthetic_acceptance_rates and synthetic_acceptance_length"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.0, 1.0], "synthetic_acceptance_length": 2.0}, "rejection_sample_method "
+     "'synthetic' needs exactly one of synthetic_acceptance_rates and synthetic_acceptance_length"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2.0},
+     "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method 'synthetic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [1.0, 1.0]},
+     "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method 'synthetic'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.5]}, "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got [0.5]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.0, -0.5]},
+     "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got [1.0, -0.5]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.5, 1.0]},
+     "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got [1.5, 1.0]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": "0.5"}, "synthetic_acceptance_rates must be a list of 2 numbers in [0, 1], got '0.5'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.5, 0.9]}, "synthetic_acceptance_rates must be non-increasing, got [0.5, 0.9]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 3.5},
+     "synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = 3], got 3.5"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 0.5},
+     "synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = 3], got 0.5"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "beam"},
+     "draft_sample_method must be 'greedy' or 'probabilistic', got 'beam'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "dspark_draft_topk": 4},
+     "dspark_draft_topk is only valid with method 'dspark'"),
+    ({"method": "dspark", "num_speculative_tokens": 4, "dspark_draft_topk": 0},
+     "dspark_draft_topk must be an integer >= 1, got 0"),
+    ({"method": "dspark", "num_speculative_tokens": 4, "dspark_draft_topk": 2.5},
+     "dspark_draft_topk must be an integer >= 1, got 2.5"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "enforce_eager": "yes"}, "enforce_eager must be true or false, got 'yes'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}, "speculative config key "
+     "'disable_padded_drafter_batch' is a vLLM option specdec does not support (only its default False is accepted)"),
+    ({"model": "my.pkg.Proposer", "num_speculative_tokens": 2}, f"speculative method 'custom_class' {VLLM_ONLY}"),
+    ("{not json", "speculative config is not valid JSON: " + json_error("{not json")),
+    ("[1, 2]", "speculative config must be a JSON object, got list"),
+    ("3", "speculative config must be a JSON object, got int"),
 ]
 
 
 @pytest.mark.parametrize("cfg,msg", SPEC_ERRORS, ids=[m[:40] for _, m in SPEC_ERRORS])
 def test_spec_config_errors(cfg, msg):
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConfigError) as e:
         sd.SpeculativeConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    assert str(e.value) == msg
 
 
-def test_spec_config_inference_and_aliases():
+def test_spec_config_inference_and_aliases(tmp_path):
     c = sd.SpeculativeConfig.from_json({"model": "ngram", "num_speculative_tokens": 3})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
+    assert sd.SpeculativeConfig.from_json(c) is c and sd.SpeculativeConfig.from_json(None) is None
+    c = sd.SpeculativeConfig.from_json('{"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 3}')
+    assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", "[ngram]", 3, 3)
+    c = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)   # vLLM sets model = "ngram"
+    c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 2, "quantization": "None",
+                                        "draft_tensor_parallel_size": 1, "enforce_eager": True, "max_model_len": 9,
+                                        "disable_padded_drafter_batch": False, "draft_sample_method": "probabilistic"})
+    assert (c.method, c.model, c.enforce_eager, c.max_model_len, c.draft_sample_method) == \
+        ("mtp", None, True, 9, "probabilistic")
+    dotted = tmp_path / "my.draft"                                       # a dotted name that is a directory: a model
+    dotted.mkdir()
+    os.chdir(tmp_path)
+    try:
+        assert sd.SpeculativeConfig.from_json({"model": "my.draft", "num_speculative_tokens": 1}).method == "draft_model"
+    finally:
+        os.chdir(HERE)
+    assert sd.SpeculativeConfig.from_json({"model": "org.pkg/Draft", "num_speculative_tokens": 1}).method == \
+        "draft_model"
+    c = sd.SpeculativeConfig.from_json({"method": "dspark", "model": "d", "num_speculative_tokens": 4,
+                                        "dspark_draft_topk": 1})
+    assert (c.method, c.dspark_draft_topk) == ("dspark", 1)
+    c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method":
+                                        "synthetic", "synthetic_acceptance_rates": [1.0, 0.5, 0.0]})
+    assert c.conditional_rates() == [1.0, 0.5, 0.0]
+    for length in (1, 4):                                                # the ends of [1, k + 1]
+        c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 3,
+                                            "rejection_sample_method": "synthetic", "synthetic_acceptance_length": length})
+        assert c.conditional_rates() == ([0.0] * 3 if length == 1 else [1.0] * 3)
     c = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 7})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (7, 7)
     assert sd.SpeculativeConfig.from_json({"model": "some/draft", "num_speculative_tokens": 3}).method == "draft_model"
@@ -655,12 +1283,143 @@ def test_request_errors(tiny):
             SamplingParams(**bad)
 
 
-def test_stops_inside_speculative_steps(tiny, spec_off):
-    """EOS / stop ids / stop strings / max_tokens cut the accepted run where plain decoding stops."""
+def emit_reference(tok, stream, params, eos, room):
+    """A request's output after the tokens of `stream`, by the stop rules written plainly: tokens are appended one at a
+    time; EOS and special ids add no text; after each token, the first of params.stop (in its order) found in the
+    text ends the output (the text cut before it; the token stays), else a stop id (kept), else EOS unless ignore_eos,
+    else max_tokens or the context (room: tokens left). -> (ids, text, finish_reason, stop_reason)."""
+    ids, text_ids = [], []
+    for t in stream:
+        ids.append(t)
+        if t not in eos and t not in tok._special_id_set:
+            text_ids.append(t)
+            text = tok.decode(text_ids)
+            hit = next((x for x in params.stop if x in text), None)
+            if hit is not None:
+                return ids, text[:text.index(hit)], "stop", hit
+        text = tok.decode(text_ids)
+        if t in params.stop_token_ids:
+            return ids, text, "stop", t
+        if t in eos and not params.ignore_eos:
+            return ids, text, "stop", None
+        if len(ids) >= min(params.max_tokens, room):
+            return ids, text, "length", None
+    return ids, tok.decode(text_ids), None, None
+
+
+def test_stops_inside_runs_match_the_stop_rules(tiny):
+    """Engine._emit, fed token runs of 1 to 5 tokens at a time (a speculative step's accepted run) with logits, against
+    emit_reference on 300 random requests: output ids, text, finish and stop reasons; logprobs (top-2 or top-0, and the
+    token's, from the logits); the stream callback's count per run; first / finish times; the slot freed at the finish.
+    Streams of ASCII tokens with EOS and special ids mixed in, some with a character split over two tokens; stop
+    strings that span token boundaries, start the text, occur twice within one token, or never occur; stop ids;
+    several stops per request."""
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=1, max_model_len=64)
+    e, tok = llm.engine, llm.tokenizer
+    V = llm.model.cfg.vocab_size
+    ascii_ids = [i for i in range(tok.vocab_size) if i not in tok._special_id_set and tok.token_bytes(i)
+                 and all(32 <= c < 127 for c in tok.token_bytes(i))]
+    twice = [i for i in ascii_ids if any(tok.token_bytes(i).count(c) >= 2 for c in set(tok.token_bytes(i)))]
+    byte = {tok.token_bytes(i)[0]: i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1}
+    dangling = [i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) >= 2 and 32 <= tok.token_bytes(i)[0] < 127
+                and 0xC2 <= tok.token_bytes(i)[-1] <= 0xF4]                      # ASCII, then a character's first byte
+    assert dangling
+    eos = sorted(e.stop_ids)
+    g = torch.Generator().manual_seed(0)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (), generator=g))]
+    for trial in range(300):
+        n = int(torch.randint(1, 30, (), generator=g))
+        stream = [pick(ascii_ids) for _ in range(n)]
+        for _ in range(int(torch.randint(0, 3, (), generator=g))):              # EOS / special ids inside
+            stream[int(torch.randint(n, (), generator=g))] = pick(eos + sorted(tok._special_id_set))
+        if trial % 7 == 0:
+            stream[0] = pick(twice)
+        if trial % 6 == 1:                                                       # a 2-byte character split over
+            at = 1 + int(torch.randint(n, (), generator=g))                      # two tokens (a stop between them:
+            stream[at:at + 1] = [byte[0xC3], byte[0xA9]]                         # the dangling byte flushes as U+FFFD)
+            n = len(stream)
+        text = tok.decode([t for t in stream if t not in eos and t not in tok._special_id_set])
+        stops = []
+        for _ in range(int(torch.randint(0, 3, (), generator=g))):
+            kind = int(torch.randint(4, (), generator=g))
+            a = int(torch.randint(len(text) + 1, (), generator=g))
+            cand = [text[a:a + 3], text[:2], "\x01never", "".join(chr(c) for c in tok.token_bytes(stream[0]))][kind]
+            if kind == 3 and trial % 7 == 0:                                     # a character twice in token 0
+                b = tok.token_bytes(stream[0])
+                cand = chr(next(c for c in b if b.count(c) >= 2))
+            if cand:
+                stops.append(cand)
+        if trial % 13 == 5:                                                      # a stop string ends where a token
+            stream[0] = pick(dangling)                                           # leaves a partial character: the cut
+            stops.insert(0, chr(tok.token_bytes(stream[0])[0]))                  # text gets no U+FFFD from it
+        params = SamplingParams(temperature=0, max_tokens=int(torch.randint(1, 32, (), generator=g)), stop=stops,
+                                stop_token_ids=[pick(stream)] if trial % 3 == 0 else None, ignore_eos=trial % 4 == 0,
+                                logprobs=[2, 0, None, None, None][trial % 5])
+        prompt = [pick(ascii_ids) for _ in range(int(torch.randint(1, 31, (), generator=g)))]
+        req = e.add_request(prompt, params)
+        e.waiting.remove(req)
+        req.slot, e.slots[0] = 0, req
+        calls = []
+        req.on_update = lambda r, k: calls.append((r, k))
+        want = emit_reference(tok, stream, req.params, set(eos), e.max_model_len - len(prompt))
+        at, runs, first = 0, [], None
+        while at < len(stream) and not req.finished:
+            k = int(torch.randint(1, 6, (), generator=g))
+            logits = torch.randn(k, V, generator=g)
+            before = len(req.output_ids)
+            e._emit(req, stream[at:at + k], logits)
+            runs.append((len(req.output_ids) - before, logits))
+            first = first or req.first_token_time
+            assert req.first_token_time == first and first is not None
+            at += k
+        assert (req.output_ids, req.text, req.finish_reason, req.stop_reason) == want, (trial, stream, params)
+        assert req.tokens == prompt + req.output_ids and calls == [(req, m) for m, _ in runs]
+        assert (req.finish_time is not None) == req.finished == (e.slots[0] is None) == (req.slot is None)
+        if req.logprobs is not None:
+            lps = [lg[i].double().log_softmax(-1) for m, lg in runs for i in range(m)]
+            assert len(req.logprobs) == len(req.output_ids)
+            for d, lp, t in zip(req.logprobs, lps, req.output_ids):
+                top = set(lp.topk(params.logprobs).indices.tolist()) | {t}             # logprobs=0: the token's only
+                assert set(d) == top and all(abs(d[x] - float(lp[x])) < 1e-5 for x in top)
+        e.slots[0] = None
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_step_returns_the_requests_it_gave_tokens(tiny_spec, asynchronous):
+    """Engine.step returns exactly the requests whose output grew in it, and the outputs equal plain synchronous
+    decoding's. Three MTP requests in one batch, the first (slot 0) stopped by a stop id after 3 tokens: with
+    asynchronous steps the step launched before that stop was read still holds it; that step's tokens for it are
+    dropped, the other rows' are emitted."""
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=3)
+    prompts = [plain.tokenizer.encode(p) for p in SPEC_PROMPTS[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = plain.generate(prompts[:1], greedy)[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i])       # first met at index >= 2
+    params = [dataclasses.replace(greedy, stop_token_ids=[stop]), greedy, greedy]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert len(want[0]) < 12 and want[0][-1] == stop
+    llm = LLM(model=tiny_spec, device="cpu", max_num_seqs=3, async_scheduling=asynchronous,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    e = llm.engine
+    reqs = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+    dropped = 0
+    while e.has_work():
+        before = [len(r.output_ids) for r in reqs]
+        stale = e.pending is not None and reqs[0] in e.pending.reqs and reqs[0].finished  # read back in this step
+        touched = e.step()
+        grew = [r for r, n in zip(reqs, before) if len(r.output_ids) > n]
+        assert sorted(map(id, touched)) == sorted(map(id, grew))
+        dropped += stale and len(grew) > 0                                       # the others' tokens emitted
+    assert [r.output_ids for r in reqs] == want
+    assert e.runner.async_steps == asynchronous and (dropped > 0) == asynchronous
+
+
+def test_stops_inside_speculative_steps(tiny_spec, spec_off):
+    """EOS / stop ids / stop strings / max_tokens cut the accepted run where plain decoding stops (MTP k = 4)."""
     sp, ref, _ = spec_off
     full = ref[0].outputs[0]
-    plain = LLM(model=tiny, device="cpu")
-    spec = LLM(model=tiny, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 4})
+    plain = LLM(model=tiny_spec, device="cpu")
+    spec = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 4})
     stop_id = full.token_ids[7]
     text = full.text
     stop_str = text[len(text) // 2: len(text) // 2 + 3]
@@ -670,6 +1429,70 @@ def test_stops_inside_speculative_steps(tiny, spec_off):
         a, b = plain.generate([SPEC_PROMPTS[0]], p)[0].outputs[0], spec.generate([SPEC_PROMPTS[0]], p)[0].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
     assert b.finish_reason == "stop" and b.stop_reason == stop_str and stop_str not in b.text
+    assert spec.get_metrics().mean_acceptance_length >= 2.0                   # the stops met multi-token runs
+
+
+def oracle_stop_cases(tok, prompts, outs, k):
+    """Stops that plain decoding meets at a token emitted at each offset of a run of the no-mistakes oracle (token 0
+    from the prefill, then k+1 tokens a step: offset (i - 1) % (k + 1); offset k = the bonus token): per kind and
+    offset, the first prompt and index i where it is the first stop. -> {(kind, offset): (prompt, i, kwargs)}."""
+    import codecs
+    cases = {}
+    for p, ids in zip(prompts, outs):
+        utf8, text, starts = codecs.getincrementaldecoder("utf-8")(errors="replace"), "", [0]
+        for t in ids:                                                            # the streamed text: bytes of a
+            if t not in tok._special_id_set:                                     # partial character wait
+                text += utf8.decode(tok.token_bytes(t))
+            starts.append(len(text))                                             # text before token j
+        for i in range(1, len(ids)):
+            o = (i - 1) % (k + 1)
+            if ids[i] not in ids[:i]:
+                cases.setdefault(("stop_id", o), (p, i, dict(stop_token_ids=[ids[i]])))
+                cases.setdefault(("eos", o), (p, i, dict(eos=ids[i])))
+            s = text[starts[i] - 2:starts[i] + 1]                                # 2 characters of i-1, 1 of i
+            if starts[i] - starts[i - 1] >= 2 and starts[i + 1] > starts[i] and text.find(s) == starts[i] - 2:
+                cases.setdefault(("stop_string", o), (p, i, dict(stop=[s])))
+            cases.setdefault(("max_tokens", o), (p, i, dict(max_tokens=i + 1)))
+    return cases
+
+
+def test_stops_inside_accepted_runs(tiny_spec, spec_off):
+    """Every draft accepted (an oracle proposing plain decoding's own tokens, k = 3: each step emits 4 tokens): a stop
+    met at each offset of a run - first draft, middle, last draft, bonus token - ends the output exactly where plain
+    decoding ends it: stop ids, EOS, stop strings spanning two tokens, max_tokens. Output ids, text, finish and stop
+    reasons (hence the token count) equal, and it is the intended token."""
+    sp, ref, _ = spec_off
+    k, kinds = 3, ("stop_id", "eos", "stop_string", "max_tokens")
+    plain = LLM(model=tiny_spec, device="cpu", max_num_seqs=16)
+    spec = LLM(model=tiny_spec, device="cpu", max_num_seqs=16,
+               speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    prompts = [plain.tokenizer.encode(p) for p in SPEC_PROMPTS]
+    truth = {p[0]: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+    spec.engine.runner.proposer = OracleProposer(k, truth, spec.cfg.vocab_size, mistakes=False)
+    cases = oracle_stop_cases(plain.tokenizer, prompts, [r.outputs[0].token_ids for r in ref], k)
+    assert set(cases) == {(kind, o) for kind in kinds for o in range(k + 1)}    # every kind at every offset
+    keys = sorted(cases)
+    outs = []
+    for llm in (plain, spec):
+        batch = [key for key in keys if key[0] != "eos"]                         # one batch: stops at every offset
+        params = [SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 48, **cases[key][2]})
+                  for key in batch]
+        got = dict(zip(batch, llm.generate([cases[key][0] for key in batch], params)))
+        for key in keys:
+            if key[0] == "eos":                                                  # the model's EOS, for this case
+                p, _, args = cases[key]
+                llm.engine.stop_ids = {args["eos"]}
+                got[key] = llm.generate([p], SamplingParams(temperature=0, max_tokens=48))[0]
+        outs.append({key: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                           o.outputs[0].stop_reason) for key, o in got.items()})
+    for key in keys:
+        (kind, o), (p, i, args), a = key, cases[key], outs[0][key]
+        assert outs[1][key] == a, key
+        assert len(a[0]) == i + 1 and a[2] == ("length" if kind == "max_tokens" else "stop"), key
+        reason = {"stop_id": args.get("stop_token_ids", [None])[0], "stop_string": args.get("stop", [None])[0]}
+        assert a[3] == reason.get(kind), key
+    s = spec.get_metrics()
+    assert s.num_accepted_tokens == s.num_draft_tokens and s.accepted_per_pos[k - 1] > 0   # every draft accepted
 
 
 # ==============================================================================================
@@ -681,15 +1504,17 @@ def run_cli(*args):
                           timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
-def test_cli_generates_with_stats_and_speculation(tiny):
-    base = ["--model", tiny, "--prompt", "a b c a b", "--max-tokens", "8", "--device", "cpu", "--ignore-eos"]
+def test_cli_generates_with_stats_and_speculation(tiny_spec):
+    base = ["--model", tiny_spec, "--prompt", "a b c a b", "--max-tokens", "16", "--device", "cpu", "--ignore-eos"]
     plain = run_cli(*base)
     assert plain.returncode == 0, plain.stderr
-    assert "prompt tokens:" in plain.stderr and "generated tokens: 8" in plain.stderr and "tok/s" in plain.stderr
+    assert "prompt tokens:" in plain.stderr and "generated tokens: 16" in plain.stderr and "tok/s" in plain.stderr
     spec = run_cli(*base, "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}')
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and spec.stdout.strip()
-    assert "Mean acceptance length" in spec.stderr
+    mal = re.search(r"Mean acceptance length: ([0-9.]+)", spec.stderr)
+    assert mal and float(mal[1]) >= 1.5, spec.stderr                            # drafts accepted (measured 2.12)
+    assert re.search(r"Accepted throughput: [\d.]+ tokens/s, Drafted throughput: [\d.]+ tokens/s", spec.stderr)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -697,6 +1522,8 @@ def test_cli_generates_with_stats_and_speculation(tiny):
     (["--speculative-config", '{"method":"mtp"}'], "num_speculative_tokens must be provided"),
     (["--model", "/nonexistent/dir"], "does not exist"),
     (["--dtype", "int3"], "unsupported dtype"),
+    (["--model", "Qwen/Qwen3.6-NotCached"], "hf download Qwen/Qwen3.6-NotCached"),
+    (["--tensor_parallel_size", "2"], "tensor parallelism is not supported yet"),
 ])
 def test_cli_errors_are_one_line(args, msg, tiny):
     r = run_cli("--model", tiny, "--device", "cpu", *args)
@@ -707,10 +1534,16 @@ def test_cli_errors_are_one_line(args, msg, tiny):
 
 
 def test_cli_help_documents_every_flag():
+    """--help exits 0 and lists, each with its help text, the CLI's flags and the engine flags README.md names."""
     r = run_cli("--help")
-    for flag in ("--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype",
-                 "--device", "--max-model-len", "--chat", "--speculative-config", "--enforce-eager"):
-        assert flag in r.stdout
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+    readme = open(os.path.join(HERE, "README.md")).read()
+    named = set(re.findall(r"`(--[a-z-]+)`", readme[readme.index("Every flag"):readme.index("The CLI streams")]))
+    assert {"--model", "--speculative-config", "--max-num-seqs", "--async-scheduling"} <= named
+    for flag in named | {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--device", "--chat",
+                         "--ignore-eos", "--no-thinking"}:
+        m = re.search(r"^  (?:-\w, )?" + re.escape(flag) + r"\b[^\n]*?(?: {2,}|\n {10,})(\S[^\n]*)", r.stdout, re.M)
+        assert m, flag                                                             # an option line with its help
 
 
 # ==============================================================================================
@@ -937,8 +1770,6 @@ def test_chat_template_tool_results_and_errors():
     assert apply_chat_template(msgs, add_generation_prompt=False) == (
         "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\ncalling<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response><|im_end|>\n")
-    with pytest.raises(ValueError, match="tool"):
-        apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(ValueError, match="system"):
         apply_chat_template([{"role": "user", "content": "Q"}, {"role": "system", "content": "S"}])
     with pytest.raises(ValueError, match="user query"):
@@ -952,7 +1783,121 @@ def test_chat_template_tool_results_and_errors():
 # ==============================================================================================
 
 import numpy as np  # noqa: E402
-from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, gguf_has_mtp, read_gguf, write_gguf  # noqa: E402
+from pathlib import Path  # noqa: E402
+from specdec import GGUF_NO_MTP_MESSAGE, _gguf_tensor, _vhead_perm, read_gguf  # noqa: E402
+
+# the writer: llama.cpp's converter (conversion/qwen.py) in miniature, the inverse of specdec's read_gguf
+_HF_TOP, _HF_BLK, _HF_NEXTN = ({v: k for k, v in d.items()} for d in (sd._GGUF_TOP, sd._GGUF_BLK, sd._GGUF_NEXTN))
+
+
+def gguf_has_mtp(src):
+    """Whether a GGUF (a path, or the text_config read_gguf gave for it) has an MTP block."""
+    if isinstance(src, dict):
+        return src.get("mtp_num_hidden_layers", 0) > 0
+    import gguf
+    return any(".nextn." in t.name for t in gguf.GGUFReader(src).tensors)
+
+
+def write_gguf(hf_config, tensors, out_path, ftype="F16", tokenizer_json_path=None, with_mtp=True):
+    """Write HF text-only tensors as llama.cpp's converter does. ftype: F32 | F16 | BF16 | Q8_0;
+    with_mtp=False is the converter's --no-mtp. Without a tokenizer.json, a byte-level vocab is written."""
+    import gguf
+    Q, c, g = gguf.GGMLQuantizationType, hf_config, hf_config.get
+    qtype, ftype_id = {"F32": (Q.F32, 0), "F16": (Q.F16, 1), "BF16": (Q.BF16, 32), "Q8_0": (Q.Q8_0, 7)}[ftype]
+    n, n_mtp = c["num_hidden_layers"], g("mtp_num_hidden_layers", 0) if with_mtp else 0
+    hf = {k.replace("model.language_model.", "model."): t for k, t in tensors.items()
+          if "visual." not in k and (n_mtp or not k.startswith("mtp."))}
+    for k in [k for k in hf if k.endswith(".experts.0.gate_proj.weight")]:  # per-expert checkpoints -> fused
+        p = k[: -len("0.gate_proj.weight")]
+        st = lambda w: torch.stack([hf.pop(f"{p}{e}.{w}_proj.weight") for e in range(c["num_experts"])])  # noqa
+        hf[p + "gate_up_proj"], hf[p + "down_proj"] = torch.cat([st("gate"), st("up")], 1), st("down")
+
+    w = gguf.GGUFWriter(out_path, "qwen35moe" if "num_experts" in c else "qwen35")
+    rp, hd = g("rope_parameters") or {}, c["head_dim"]
+    for add, v in [  # the converter's keys, in its order; None = not written
+            (w.add_type, gguf.GGUFType.MODEL), (w.add_block_count, n + n_mtp),
+            (w.add_context_length, c["max_position_embeddings"]), (w.add_embedding_length, c["hidden_size"]),
+            (w.add_feed_forward_length, g("intermediate_size")), (w.add_head_count, c["num_attention_heads"]),
+            (w.add_head_count_kv, c["num_key_value_heads"]),
+            (w.add_rope_dimension_sections, (list(rp.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4]),
+            (w.add_rope_freq_base, rp.get("rope_theta", g("rope_theta"))),
+            (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
+            (w.add_expert_count, g("num_experts")), (w.add_expert_used_count, g("num_experts_per_tok")),
+            (w.add_key_length, hd), (w.add_value_length, hd), (w.add_file_type, ftype_id),
+            (w.add_expert_feed_forward_length, g("moe_intermediate_size")),
+            (w.add_expert_shared_feed_forward_length, g("shared_expert_intermediate_size")),
+            (w.add_ssm_conv_kernel, c["linear_conv_kernel_dim"]), (w.add_ssm_state_size, c["linear_key_head_dim"]),
+            (w.add_ssm_group_count, c["linear_num_key_heads"]), (w.add_ssm_time_step_rank, c["linear_num_value_heads"]),
+            (w.add_ssm_inner_size, c["linear_value_head_dim"] * c["linear_num_value_heads"]),
+            (w.add_full_attention_interval, g("full_attention_interval", 4)),
+            (w.add_rope_dimension_count, int(hd * rp.get("partial_rotary_factor", g("partial_rotary_factor", 0.25)))),
+            (w.add_nextn_predict_layers, n_mtp or None), (w.add_quantization_version, gguf.GGML_QUANT_VERSION)]:
+        if v is not None:
+            add(v)
+    _write_vocab(w, c, tokenizer_json_path)
+
+    for name, t in hf.items():
+        t = t.float()
+        if sd._is_shifted_norm(name):
+            t = t + 1.0
+        elif name.endswith(".A_log"):
+            t = -torch.exp(t)
+        t = sd._gdn_reorder(name, t.squeeze(1) if name.endswith(".conv1d.weight") else t, c, to_gguf=True)
+        m = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.(.+)", name)
+        b = m and int(m[2]) + (n if m[1] == "mtp" else 0)
+        if m is None:  # mtp.fc and the 3 MTP norms go into every MTP block
+            out = [(_HF_TOP[name], t)] if name in _HF_TOP else [
+                (f"blk.{j}.{_HF_NEXTN[name]}", t) for j in range(n, n + n_mtp)]
+        elif m[3] == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up [E, I, H] (ne {H, I, E})
+            i = t.shape[1] // 2
+            out = [(f"blk.{b}.ffn_gate_exps.weight", t[:, :i]), (f"blk.{b}.ffn_up_exps.weight", t[:, i:])]
+        else:
+            out = [(f"blk.{b}.{_HF_BLK[m[3]]}", t)]
+        for gname, t in out:  # the converter keeps 1-D tensors, norms, routers and the conv in F32
+            a = t.contiguous().numpy()
+            f32 = a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") or re.search(
+                r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$", gname)
+            q = Q.F32 if f32 else qtype
+            try:
+                data = gguf.quants.quantize(a, q)
+            except gguf.QuantError:  # row length not a multiple of the block: F16, as the converter does
+                q, data = Q.F16, a.astype(np.float16)
+            w.add_tensor(gname, data, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_vocab(w, c, tokenizer_json_path):
+    """tokenizer.ggml.* as the converter writes them: model gpt2, pre qwen35, ids up to vocab_size, gaps [PADi]."""
+    eos = c.get("eos_token_id")
+    eos, merges, template = eos[0] if isinstance(eos, list) else eos, [], None
+    if tokenizer_json_path is None:  # the GPT-2 byte alphabet (specdec's), then the specials
+        vocab = dict(sd.BYTE_OF_CHAR)
+        special = {s: True for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+        vocab.update({s: 256 + j for j, s in enumerate(special)})
+    else:
+        tj = json.loads(Path(tokenizer_json_path).read_text(encoding="utf-8"))
+        vocab = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj.get("added_tokens", [])}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+        special = {a["content"]: a.get("special", False) for a in tj.get("added_tokens", [])}
+        tc = Path(tokenizer_json_path).with_name("tokenizer_config.json")
+        tc = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
+        e = tc.get("eos_token")  # the converter's SpecialVocab takes eos from tokenizer_config.json first
+        eos, template = vocab.get(e.get("content") if isinstance(e, dict) else e, eos), tc.get("chat_template")
+    rev = {i: t for t, i in vocab.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(c["vocab_size"])]
+    types = [5 if i not in rev else 1 if t not in special else 3 if special[t] or (t[:2], t[-2:]) == ("<|", "|>")
+             else 4 for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for add, v in ((w.add_token_merges, merges), (w.add_eos_token_id, eos), (w.add_chat_template, template)):
+        if v or v == 0:
+            add(v)
+
 
 Q = gguf.GGMLQuantizationType if gguf else None
 
@@ -1257,7 +2202,6 @@ def test_transformers_logits_roundtrip(tmp_path, moe):
         torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-
 # ==============================================================================================
 # GPU (skipped without CUDA)
 # ==============================================================================================
@@ -1268,21 +2212,22 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("cfg", [None, {"method": "mtp", "num_speculative_tokens": 2},
                                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
-def test_gpu_graphs_equal_eager(cfg, tiny):
+def test_gpu_graphs_equal_eager(cfg, tiny_spec):
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = []
     for eager in (True, False):
-        llm = LLM(model=tiny, device="cuda", dtype="float32", speculative_config=cfg, enforce_eager=eager)
+        llm = LLM(model=tiny_spec, device="cuda", dtype="float32", speculative_config=cfg, enforce_eager=eager)
         outs.append([o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, sp)])
     assert outs[0] == outs[1]
 
 
 @cuda
-def test_gpu_bf16_spec_equals_plain(tiny):
+def test_gpu_bf16_spec_equals_plain(tiny_spec):
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cuda").generate(SPEC_PROMPTS[:1], sp)]
-    llm = LLM(model=tiny, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    ref = [o.outputs[0].token_ids for o in LLM(model=tiny_spec, device="cuda").generate(SPEC_PROMPTS[:1], sp)]
+    llm = LLM(model=tiny_spec, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:1], sp)] == ref
+    assert llm.get_metrics().mean_acceptance_length >= 1.5                     # multi-token steps
 
 
 # ==============================================================================================
@@ -1304,17 +2249,18 @@ def free_port():
 
 
 class Server:
-    def __init__(self, model, log_dir, *args, prelude=None):
-        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults)."""
+    def __init__(self, model, log_dir, *args, prelude=None, env=None, command=None):
+        """server.py in a subprocess; `prelude`: Python run first in that process (e.g. to inject faults);
+        `command`: the arguments as a user types them (instead of --model MODEL --device cpu ARGS)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, f"server-{self.port}.log")
         main = [os.path.join(ROOT, "server.py")] if prelude is None else \
             ["-c", f"{prelude}\nimport sys, server\nsys.exit(server.main())"]
+        args = [*command] if command is not None else ["--model", model, "--device", "cpu", *args]
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, *main, "--model", model, "--device", "cpu", "--port",
-                                          str(self.port), *args], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env=ENV)
+            self.proc = subprocess.Popen([sys.executable, *main, *args, "--port", str(self.port)], stdout=fh,
+                                         stderr=subprocess.STDOUT, cwd=ROOT, env=dict(ENV, **(env or {})))
         deadline = time.time() + 120
         while True:
             if self.proc.poll() is not None or time.time() > deadline:
@@ -1418,7 +2364,7 @@ def srv_model(srv):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_server")))
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_server")), predictable=True)  # ngram accepts
 
 
 def server_fixture(name, *flags, prelude=None):
@@ -1703,31 +2649,57 @@ def test_spec_decode_metrics(srv_spec, srv):
     per_pos = [d("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=i) for i in range(3)]
     assert drafts > 0 and d("vllm:spec_decode_num_draft_tokens_total") >= drafts
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert per_pos[2] > 0                                      # whole drafts accepted (a predictable tiny_model)
     assert sum(1 for n, _ in after if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total") == 3
     assert r["usage"]["completion_tokens"] == 32
     assert r["choices"][0]["text"] == srv.post("/v1/completions", dict(body, model="tiny"))[1]["choices"][0]["text"]
 
 
 def test_bench_serve(srv_spec):
-    bench = os.path.join(ROOT, "bench.py")
-    cmd = [bench, "serve"]
-    env = ENV
-    p = subprocess.run([sys.executable, *cmd, "--url", srv_spec.url, "--num-prompts", "8", "--max-concurrency", "4",
-                        "--prompt-len", "24", "--gen-len", "12", "--seed", "1"], capture_output=True, text=True,
-                       timeout=120, env=env)
+    """bench.py serve, checked against what it does not compute: the server's own counters (scraped here before and
+    after, with this file's Prometheus parser) and the wall time of the run. Token and request counts and the
+    spec-decode counters equal the server's; the client's TTFT and end-to-end latency intervals contain the
+    server's (its clock starts before the request reaches the server and stops after the chunk left it)."""
+    before = wait_idle(srv_spec)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url", srv_spec.url, "--num-prompts",
+                        "8", "--max-concurrency", "4", "--prompt-len", "24", "--gen-len", "12", "--seed", "1"],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr
+    after = wait_idle(srv_spec)
+    d = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert "Serving Benchmark Result" in p.stdout
-    assert res["completed"] == 8 and res["failed"] == 0
-    assert res["total_input_tokens"] == 8 * 24 and res["total_output_tokens"] == 8 * 12
-    assert res["output_throughput"] == pytest.approx(96 / res["duration"])
-    assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"] and res["mean_tpot_ms"] > 0 and res["mean_itl_ms"] > 0
-    assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
-    n, acc = res["spec_decode_num_drafts"], res["spec_decode_accepted_tokens"]
-    assert n > 0 and res["spec_decode_acceptance_length"] == pytest.approx(1 + acc / n)
-    assert res["spec_decode_acceptance_rate"] == pytest.approx(100 * acc / res["spec_decode_draft_tokens"])
-    assert len(res["spec_decode_per_position_acceptance_rates"]) == 3
-    assert sum(res["spec_decode_per_position_acceptance_rates"]) == pytest.approx(acc / n)
+    assert res["completed"] == d("vllm:request_success_total") == 8 and res["failed"] == 0
+    assert res["total_input_tokens"] == d("vllm:prompt_tokens_total") == 8 * 24
+    assert res["total_output_tokens"] == d("vllm:generation_tokens_total") == 8 * 12
+    assert 0 < res["duration"] < wall and res["output_throughput"] == pytest.approx(96 / res["duration"])
+    server_mean = lambda h: 1e3 * d(h + "_sum") / d(h + "_count")                     # ms
+    assert d("vllm:time_to_first_token_seconds_count") == d("vllm:e2e_request_latency_seconds_count") == 8
+    assert res["mean_ttft_ms"] >= server_mean("vllm:time_to_first_token_seconds") > 0
+    assert res["mean_e2el_ms"] >= server_mean("vllm:e2e_request_latency_seconds") > 0
+    assert res["mean_e2el_ms"] >= res["mean_ttft_ms"] and res["median_ttft_ms"] <= res["p99_ttft_ms"]
+    n, acc = d("vllm:spec_decode_num_drafts_total"), d("vllm:spec_decode_num_accepted_tokens_total")
+    assert res["spec_decode_num_drafts"] == n > 0 and res["spec_decode_accepted_tokens"] == acc
+    assert res["spec_decode_draft_tokens"] == d("vllm:spec_decode_num_draft_tokens_total")
+    per_pos = [d("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=i) for i in range(3)]
+    assert res["spec_decode_per_position_acceptance_rates"] == pytest.approx([a / n for a in per_pos])
+    assert res["spec_decode_acceptance_length"] == pytest.approx(1 + acc / n)
+
+
+def test_bench_summarize_matches_numpy():
+    """bench.summarize's mean / median / std / p99 (ms) against numpy's (linear-interpolation percentile)."""
+    import numpy as np
+    sys.path.insert(0, ROOT)
+    import bench
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 100, 101):
+        xs = (torch.rand(n, generator=g) * 3).tolist()
+        got, a = bench.summarize(xs), np.array(xs)
+        want = {"mean": a.mean(), "median": np.median(a), "std": a.std(), "p99": np.percentile(a, 99)}
+        assert got == pytest.approx({k: 1e3 * v for k, v in want.items()}, rel=1e-12, abs=1e-9), n
+    assert bench.summarize([]) == {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
 
 
 def test_bad_startup_is_one_line(tiny_model, tmp_path):
@@ -2031,22 +3003,27 @@ def test_half_closed_client_gets_its_answer(srv):
 
 FAULTS = '''
 import specdec
-prefill, decode_step = specdec.Engine._prefill, specdec.Engine._decode_step
+init, prefill, launch = specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch
 marked = lambda req, mark: req.prompt_ids[:3] == [mark] * 3
+engines = []
 
-def _prefill(self, req):
+def _init(self, *a, **kw):
+    engines.append(self)
+    init(self, *a, **kw)
+
+def _prefill(self, req, *a):
     if marked(req, 7):
         raise RuntimeError("injected fault in a prefill")
-    return prefill(self, req)
+    return prefill(self, req, *a)
 
-def _decode_step(self, reqs, *args):
-    if any(marked(r, 8) for r in reqs) and self.waiting:  # once another request waits for a slot
+def _launch(self, reqs):
+    if any(marked(r, 8) for r in reqs) and engines[0].waiting:  # once another request waits for a slot
         raise ValueError("injected fault in a batched step")
     if any(marked(r, 9) for r in reqs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-    return decode_step(self, reqs, *args)
+    return launch(self, reqs)
 
-specdec.Engine._prefill, specdec.Engine._decode_step = _prefill, _decode_step
+specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.launch = _init, _prefill, _launch
 '''
 
 
@@ -2118,7 +3095,6 @@ def test_device_fault_exits_the_process(tiny_model, tmp_path):
     lines = [line for line in open(s.log).read().splitlines() if "fatal engine error" in line]
     assert lines == ["specdec server: fatal engine error, exiting: RuntimeError: CUDA error: an illegal memory "
                      "access was encountered (injected)"]
-
 
 
 # ==============================================================================================
@@ -2240,10 +3216,7 @@ def test_fused_projections_equal_separate(tiny):
     with torch.device("meta"):
         plain = sd.Qwen36(fused.cfg)
     plain.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()}, assign=True)
-    for m in plain.modules():
-        if isinstance(m, sd.Attention):
-            rd = fused.cfg.rotary_dim
-            m.inv_freq = 1.0 / fused.cfg.rope_theta ** (torch.arange(0, rd, 2).float() / rd)
+    sd.init_rope(plain, "cpu")
     assert hasattr(fused.layers[0].linear_attn, "in_proj") and not hasattr(plain.layers[0].linear_attn, "in_proj")
     ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     outs = []
@@ -2356,14 +3329,25 @@ def test_kernel_gdn_recurrent_gated(dtype):
     x = randn(B, T, C + 4, g=g_, dtype=dtype)[..., 2:2 + C]                         # strided conv inputs
     cpool = randn(3, C, W, g=g_, dtype=dtype)
     for keep in (n_keep, torch.tensor([0, 5], device=DEV)):  # the commit: states only, n_keep tokens (0: untouched)
-        p3, p4 = pool.clone(), pool.clone()
+        p3, p_ref = pool.clone(), pool.clone()
         assert fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p3, slots, keep, outputs=False) is None
-        fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p4, slots, keep)
-        assert torch.equal(p3, p4)
+        K.gdn_recurrent_ref(q, k, v, g, beta, p_ref, slots, keep)                  # the reference's states
+        assert rel(p3, p_ref) <= (1e-5 if dtype == torch.float32 else 1e-2), keep
+        for i in range(B):
+            assert int(keep[i]) > 0 or torch.equal(p3[slots[i]], pool[slots[i]])
+        # plain decoding reaches its states one token at a time (T = 1 launches, outputs on): the commit's must be
+        # those bit for bit, or speculation would not reproduce plain decoding's logits exactly
+        p4 = pool.clone()
+        for t in range(T):
+            r = torch.tensor([i for i in range(B) if t < int(keep[i])], dtype=torch.long, device=DEV)
+            if len(r):
+                one = lambda x_: x_[r, t:t + 1]
+                fast(K.gdn_recurrent_gated, one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, p4, slots[r])
+        assert torch.equal(p3, p4), keep
         p5, c5, c6 = pool.clone(), cpool.clone(), cpool.clone()                    # + the conv window, one launch
         fast(K.gdn_recurrent_gated, q, k, v, a, b, A_log, dt_bias, p5, slots, keep, outputs=False, conv=(x, c5))
         K.causal_conv_ref(x, c6, slots, randn(C, W + 1, g=g_, dtype=dtype), keep)
-        assert torch.equal(p5, p4) and torch.equal(c5, c6) and not torch.equal(c5, cpool)
+        assert torch.equal(p5, p3) and torch.equal(c5, c6) and not torch.equal(c5, cpool)
 
 
 @needs_kernels
@@ -2446,20 +3430,31 @@ def test_kernel_attention_prep(dtype, T):
     for b in range(B):
         assert changed[slots[b], pos[b]:pos[b] + T].all()
     assert changed.sum() == B * T
-    # Qwen3's layers (the drafters): plain q/k norm weights, full rotary; and a cache write without queries.
-    # (bf16 only on the GPU: the interpreter emulates bf16 casts by truncation, and a full rotation chains more
-    # of them than the zero-centred check above, past bf16's tolerance, which is not a kernel error)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_kernel_attention_prep_plain(dtype, T):
+    """Qwen3's layers (the drafters): plain q/k norm weights, full rotary; and a cache write without queries."""
     if dtype != torch.float32 and not CUDA:
-        return
-    q3 = qg[..., :hd]
+        pytest.skip("bf16 plain mode runs on the GPU only: the interpreter emulates bf16 casts by truncation, and a "
+                    "full rotation chains more of them than the zero-centred check, past bf16's tolerance")
+    B, nh, nkv, hd, L = 2, 6, 2, 32, 3000
+    g = gen(T + 20)
+    q3 = randn(B, T, nh, hd, g=g, dtype=dtype)
+    k, v = randn(B, T, nkv, hd, g=g, dtype=dtype), randn(B, T, nkv, hd, g=g, dtype=dtype)
+    qw3, kw3 = 1 + randn(hd, g=g, dtype=dtype, scale=0.1), 1 + randn(hd, g=g, dtype=dtype, scale=0.1)
     inv3 = 1.0 / 1e6 ** (torch.arange(0, hd, 2, device=DEV).float() / hd)
-    qw3, kw3 = 1 + qw, 1 + kw
+    kc, vc = randn(B + 1, L, nkv, hd, g=g, dtype=dtype), randn(B + 1, L, nkv, hd, g=g, dtype=dtype)
+    slots, pos = torch.tensor([2, 0], device=DEV), torch.tensor([7, 2900], device=DEV)
     for qq in (q3, k[:, :, :0]):
         k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
         q = fast(K.attention_prep, qq, k, v, qw3, kw3, 1e-6, inv3, k1, v1, slots, pos, plain=True)
         q_ref = K.attention_prep_ref(qq, k, v, qw3, kw3, 1e-6, inv3, k2, v2, slots, pos, plain=True)
         assert q.shape == q_ref.shape and rel(k1, k2) <= TOL[dtype] and torch.equal(v1, v2)
         assert q.numel() == 0 or rel(q, q_ref) <= TOL[dtype]
+        assert not torch.equal(k1, kc)
 
 
 @needs_kernels
@@ -2676,8 +3671,10 @@ def qwen3_config(vocab, layers=2, types=None, **kw):
     return {**cfg, **kw}
 
 
-def qwen3_layers(cfg, g, prefix=""):
-    """Random Qwen3 decoder layers (plain norms: weights around 1)."""
+def qwen3_layers(cfg, g, prefix="", copy=False):
+    """Random Qwen3 decoder layers (plain norms: weights around 1). copy: layers that carry what attention reads
+    through - value and output projections near the identity (n_kv * head_dim must be the hidden size), MLP output
+    scaled by PREDICTABLE_MIX - for the block drafters of a make_predictable target (predictive_backbone)."""
     H, nh, nkv, hd, I = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                           "intermediate_size"))
     r = lambda *s: torch.randn(*s, generator=g) * 0.1
@@ -2685,12 +3682,12 @@ def qwen3_layers(cfg, g, prefix=""):
     w = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"{prefix}layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
-                  p + "mlp.down_proj.weight": r(H, I), p + "input_layernorm.weight": one(H),
-                  p + "post_attention_layernorm.weight": one(H)})
+        w.update(bench.random_qwen3_layer(p, H, nh, nkv, hd, I, r, one))
+        if copy:
+            assert nkv * hd == H == nh * hd
+            w[p + "self_attn.v_proj.weight"] = torch.eye(H) + r(H, H) * 0.1
+            w[p + "self_attn.o_proj.weight"] = torch.eye(H) + r(H, H) * 0.1
+            w[p + "mlp.down_proj.weight"] = w[p + "mlp.down_proj.weight"] * PREDICTABLE_MIX
     return w
 
 
@@ -2711,14 +3708,32 @@ def backbone(cfg, n_taps, seed, fc_in=None):
             "norm.weight": 1 + torch.randn(H, generator=g) * 0.1, **qwen3_layers(cfg, g)}
 
 
+def predictive_backbone(cfg, n_taps, seed, target, out_scale=1.0, fc_in=None):
+    """A block drafter for a make_predictable target that predicts the token after the anchor: the mask slots' input
+    is zero (the target's mask embedding), so their queries are zero and their attention output is what the anchor
+    (and, faintly, the context: hidden_norm ~0.01) holds, carried through by copy layers; the final norm is the
+    target's, times out_scale. Every mask slot then predicts what the target predicts after the anchor alone (the
+    bigram), and DFlash's first draft is accepted as often as the target follows its bigram."""
+    from safetensors.torch import load_file
+    w = backbone(cfg, n_taps, seed, fc_in)
+    g = torch.Generator().manual_seed(seed + 1)
+    w.update(qwen3_layers(cfg, g, copy=True))
+    w["hidden_norm.weight"] = w["hidden_norm.weight"] * 0.01
+    tnorm = load_file(os.path.join(target, "model.safetensors"))["model.language_model.norm.weight"]
+    w["norm.weight"] = (1 + tnorm) * out_scale
+    return w
+
+
 def write_dflash(path, target, ids=(0, 2), block=4, seed=0, reduced=False, fc_in=None):
-    """z-lab layout: model_type qwen3, DFlashDraftModel, dflash_config; a sliding (causal) + a full layer."""
+    """z-lab layout: model_type qwen3, DFlashDraftModel, dflash_config; a sliding (causal) + a full layer. The
+    weights: predictive_backbone (for the target of the `ckpts` fixture, a make_predictable one)."""
     emb, head = target_tensors(target)
     V = emb.shape[0]
     cfg = qwen3_config(V, types=["sliding_attention", "full_attention"], sliding_window=6, architectures=[
         "DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"}, block_size=block,
-        num_target_layers=TARGET_LAYERS, dflash_config={"mask_token_id": V - 1, "target_layer_ids": list(ids)})
-    w = backbone(cfg, len(ids), seed, fc_in)
+        num_target_layers=TARGET_LAYERS, dflash_config={"mask_token_id": V - 1, "target_layer_ids": list(ids)},
+        num_key_value_heads=4)
+    w = predictive_backbone(cfg, len(ids), seed, target, fc_in=fc_in)
     if reduced:  # a reduced draft vocab: its own lm_head rows and d2t offsets (target id = id + d2t[id])
         keep = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:V // 2]).values
         cfg["draft_vocab_size"] = len(keep)
@@ -2727,13 +3742,21 @@ def write_dflash(path, target, ids=(0, 2), block=4, seed=0, reduced=False, fc_in
 
 
 def dspark_parts(target, ids, block, rank, seed):
+    """DSpark for a make_predictable target: predictive_backbone with its base logits scaled down (out_scale 0.05),
+    and a Markov head of rank = hidden size that is the target's bigram: W1[prev] = bigram_hidden (what the target's
+    final norm makes of prev's embedding), W2 = the lm_head. Each draft is then the bigram's pick after the previous
+    one (the anchor first): the chain an MTP head wired to the bigram drafts too."""
+    from safetensors.torch import load_file
     emb, head = target_tensors(target)
     V = emb.shape[0]
-    layer_cfg = qwen3_config(V)
-    w = backbone(layer_cfg, len(ids), seed)
+    layer_cfg = qwen3_config(V, num_key_value_heads=4)
+    w = predictive_backbone(layer_cfg, len(ids), seed, target, out_scale=0.05)
+    tw = load_file(os.path.join(target, "model.safetensors"))
     g = torch.Generator().manual_seed(seed + 1)
-    w.update({"markov_head.markov_w1.weight": torch.randn(V, rank, generator=g) * 0.5,
-              "markov_head.markov_w2.weight": torch.randn(V, rank, generator=g) * 0.5,
+    bigram = bigram_hidden({"model.embed_tokens.weight": emb,
+                            "model.norm.weight": tw["model.language_model.norm.weight"]})
+    assert rank == bigram.shape[1]
+    w.update({"markov_head.markov_w1.weight": bigram.clone(), "markov_head.markov_w2.weight": head.clone(),
               "confidence_head.proj.weight": torch.randn(1, 64 + rank, generator=g) * 0.1,
               "confidence_head.proj.bias": torch.zeros(1)})
     fields = {"block_size": block, "mask_token_id": V - 1, "markov_rank": rank, "markov_head_type": "vanilla",
@@ -2741,7 +3764,7 @@ def dspark_parts(target, ids, block, rank, seed):
     return layer_cfg, w, fields, emb, head
 
 
-def write_dspark_native(path, target, ids=(-1, 1, 3), block=4, rank=8, seed=0):
+def write_dspark_native(path, target, ids=(-1, 1, 3), block=4, rank=64, seed=0):
     """DeepSpec layout: a Qwen3 config copy + top-level DSpark fields; full draft state dict (embed, lm_head)."""
     layer_cfg, w, fields, emb, head = dspark_parts(target, ids, block, rank, seed)
     cfg = {**layer_cfg, **fields, "architectures": ["Qwen3DSparkModel"], "num_target_layers": TARGET_LAYERS,
@@ -2749,7 +3772,7 @@ def write_dspark_native(path, target, ids=(-1, 1, 3), block=4, rank=8, seed=0):
     return save(path, cfg, {**w, "embed_tokens.weight": emb.clone(), "lm_head.weight": head.clone()})
 
 
-def write_dspark_speculators(path, target, ids=(-1, 1, 3), block=4, rank=8, seed=0):
+def write_dspark_speculators(path, target, ids=(-1, 1, 3), block=4, rank=64, seed=0):
     """speculators layout: nested transformer_layer_config, aux ids in vLLM's semantics (= ours + 1)."""
     layer_cfg, w, fields, emb, head = dspark_parts(target, ids, block, rank, seed)
     cfg = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
@@ -2762,15 +3785,34 @@ def write_dspark_speculators(path, target, ids=(-1, 1, 3), block=4, rank=8, seed
     return save(path, cfg, {**w, "verifier_norm.weight": torch.ones(64)})  # a training-only tensor, skipped
 
 
-def write_qwen3_lm(path, vocab, seed=0, tie=True):
-    """A plain Qwen3 causal LM in the HF layout (model.*, lm_head)."""
-    cfg = qwen3_config(vocab, tie_word_embeddings=tie)
+def write_qwen3_lm(path, vocab, seed=0, tie=True, like=None):
+    """A plain Qwen3 causal LM in the HF layout (model.*, lm_head). like: a make_predictable target whose embedding,
+    lm_head and final norm it takes, its layers' output projections scaled by PREDICTABLE_MIX: it drafts the
+    target's bigram (plus its own small context term)."""
+    cfg = qwen3_config(vocab, tie_word_embeddings=tie and like is None)
     g = torch.Generator().manual_seed(seed)
     w = {"model.embed_tokens.weight": torch.randn(vocab, 64, generator=g) * 0.5,
          "model.norm.weight": 1 + torch.randn(64, generator=g) * 0.1, **qwen3_layers(cfg, g, "model.")}
-    if not tie:
+    if not tie or like is not None:
         w["lm_head.weight"] = torch.randn(vocab, 64, generator=g) * 0.3
+    if like is not None:
+        t = like_target(like)
+        w.update({"model.embed_tokens.weight": t["model.language_model.embed_tokens.weight"],
+                  "lm_head.weight": t["lm_head.weight"],
+                  "model.norm.weight": 1 + t["model.language_model.norm.weight"]})
+        for n in w:
+            if n.endswith(("o_proj.weight", "down_proj.weight")):
+                w[n] = w[n] * PREDICTABLE_MIX
     return save(path, cfg, w)
+
+
+def like_target(target):
+    """The tensors a draft shares with a make_predictable target so that it drafts the same bigram: embedding,
+    lm_head, final norm (wrapper names)."""
+    from safetensors.torch import load_file
+    w = load_file(os.path.join(target, "model.safetensors"))
+    return {n: w[n].clone() for n in ("model.language_model.embed_tokens.weight", "lm_head.weight",
+                                      "model.language_model.norm.weight")}
 
 
 # ==============================================================================================
@@ -2779,14 +3821,17 @@ def write_qwen3_lm(path, vocab, seed=0, tie=True):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
+    """A make_predictable target and drafters built to predict it (predictive_backbone, dspark_parts, like_target):
+    every method gets drafts accepted, so lossless checks and the drafters' own cache commits see accepted runs."""
     d = tmp_path_factory.mktemp("drafters")
-    t = write_tiny_checkpoint(str(d / "target"))
+    t = write_tiny_checkpoint(str(d / "target"), predictable=True)
     return {"target": t, "dflash": write_dflash(str(d / "dflash"), t),
             "dflash_small_vocab": write_dflash(str(d / "dflash_v"), t, reduced=True, seed=3),
             "dspark": write_dspark_native(str(d / "dspark"), t),
             "dspark_spec": write_dspark_speculators(str(d / "dspark_spec"), t),
-            "hybrid_draft": write_tiny_checkpoint(str(d / "hybrid_draft"), mtp=False, seed=5),
-            "qwen3_draft": write_qwen3_lm(str(d / "qwen3_draft"), 1024)}
+            "hybrid_draft": write_tiny_checkpoint(str(d / "hybrid_draft"), mtp=False, seed=5, predictable=True,
+                                                  extra=like_target(t)),
+            "qwen3_draft": write_qwen3_lm(str(d / "qwen3_draft"), 1024, like=t)}
 
 
 CONFIGS = {  # name -> (checkpoint key, speculative config); the first of each method also runs the mixed batch
@@ -2838,10 +3883,14 @@ def test_drafters_greedy_spec_equals_plain(name, runs, reference):
     llm, one, five, _ = runs(name)
     assert one == reference[0]                                  # batch 1
     assert five in (None, reference)                            # a mixed batch of 5 prompts of different lengths
-    s = llm.get_metrics()
-    assert s.num_drafts > 0
+    s, k = llm.get_metrics(), CONFIGS[name][1]["num_speculative_tokens"]
+    # measured (batch 1 + batch 5 where run): dflash 1.80, dspark 4.32, draft_hybrid 2.30, draft_qwen3 3.22
     if name == "draft_self":  # the target as its own draft: every draft is accepted (tests the draft's rollback)
-        assert s.num_accepted_tokens == s.num_draft_tokens
+        assert s.num_drafts > 0 and s.num_accepted_tokens == s.num_draft_tokens
+    elif name == "dflash":  # its mask slots all draft the bigram after the anchor (predictive_backbone): d1 only
+        assert s.mean_acceptance_length >= 1.5 and s.accepted_per_pos[0] > 0
+    else:
+        assert_multi_token(s, k, 1 + 0.5 * k)
 
 
 ASYNC_CONFIGS = [None, {"method": "mtp", "num_speculative_tokens": 3}, "dflash", "dspark", "draft_hybrid"]
@@ -2862,6 +3911,7 @@ def async_case(ckpts, cfg, variants):
     params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[full[0].text[10:13]], ignore_eos=True)
     params[2] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full[1].token_ids[9]])
     params[3] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=25, seed=7, ignore_eos=True)
+    params[4] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)  # the victim: aborted before its end
     params[5] = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)  # steps with it: synchronous
     outs = []
     for kw in variants:
@@ -2875,7 +3925,8 @@ def async_case(ckpts, cfg, variants):
             if victim.slot is not None and len(victim.output_ids) >= 2 and not victim.finished:
                 e.abort(victim)  # its slot is reused while a step holding it is still in flight
         outs.append([(r.output_ids, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in reqs])
-        assert (in_flight > 0) == e.async_steps
+        assert (in_flight > 0) == e.runner.async_steps
+        assert spec is None or e.stats.mean_acceptance_length >= 1.5, e.stats   # multi-token steps (ckpts' drafters)
     assert outs[0][4][2] == "abort" and outs[0][1][2] == "stop" and outs[0][2][2] == "stop"
     return outs
 
@@ -2963,31 +4014,35 @@ def test_graph_inputs_outlive_capture(cfg, ckpts, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
     llm = LLM(model=ckpts["target"], device="cpu", max_num_seqs=2, speculative_config=spec)
-    llm.engine.graphs = sd.GraphRunner(llm.engine)
+    runner = llm.engine.runner
+    runner.graphs = sd.GraphRunner(runner.state)
     llm.generate(SPEC_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(llm.engine.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
+    assert len(runner.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
     assert rec.outside, "nothing was recorded"
     assert rec.freed() == [], "captured graphs read tensors freed after their capture"
 
 
-def test_warmup_leaves_no_trace(tiny):
+def test_warmup_leaves_no_trace(tiny_spec):
     """LLM.warmup (the server calls it at start-up to capture every graph) runs dummy requests through every batch
-    bucket, then resets the counters: what follows is as if it had not run."""
+    bucket, then resets the counters: what follows is as if it had not run - the same tokens, and the same drafts
+    accepted (a draft state the warm-up left behind would change them)."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = LLM(model=tiny, device="cpu", max_num_seqs=3, speculative_config=spec).generate(SPEC_PROMPTS[:2], sp)
-    llm = LLM(model=tiny, device="cpu", max_num_seqs=3, speculative_config=spec)
+    fresh = LLM(model=tiny_spec, device="cpu", max_num_seqs=3, speculative_config=spec)
+    ref = fresh.generate(SPEC_PROMPTS[:2], sp)
+    llm = LLM(model=tiny_spec, device="cpu", max_num_seqs=3, speculative_config=spec)
     llm.warmup(force=True)
     assert llm.get_metrics().num_drafts == 0 and not llm.engine.has_work()
     out = llm.generate(SPEC_PROMPTS[:2], sp)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.request_id for o in out] == [o.request_id for o in ref]
+    assert vars(llm.get_metrics()) == vars(fresh.get_metrics()) and fresh.get_metrics().num_accepted_tokens > 0
 
 
 def test_dspark_layouts_load_to_the_same_drafter(runs):
     native, _, _, m_native = runs("dspark")
     spec, _, _, m_spec = runs("dspark_spec")
-    a, b = native.engine.proposer, spec.engine.proposer
+    a, b = native.engine.runner.proposer, spec.engine.runner.proposer
     assert a.taps == b.taps == (-1, 1, 3) and a.order == b.order and (a.Q, a.out) == (b.Q, b.out) == (4, slice(0, 4))
     pa, pb = dict(a.net.named_parameters()), dict(b.net.named_parameters())
     assert set(pa) - set(pb) == {"embed_tokens.weight", "lm_head.weight"}  # native ships copies of the target's
@@ -2996,13 +4051,19 @@ def test_dspark_layouts_load_to_the_same_drafter(runs):
     assert vars(m_native) == vars(m_spec)                       # same drafts, hence the same acceptance
 
 
+def llm_stats(d):
+    return sd.SpecStats(**d)
+
+
 def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = reference[0][:24]
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
-    assert llm.engine.proposer.net.d2t is not None
+    assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
+    s = llm.get_metrics()  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 tokens a step)
+    assert s.mean_acceptance_length >= 1.3 and s.accepted_per_pos[0] > 0
     # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
     metrics = []
     for topk in (None, 1024, 3):
@@ -3010,18 +4071,52 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
         assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
         metrics.append(vars(llm.get_metrics()))
     assert metrics[0] == metrics[1]
+    assert_multi_token(llm_stats(metrics[0]), 4, 3.0)                            # measured 3.86
+    # top-3 of the base logits (each slot: the bigram after the anchor) holds d1's pick only: measured 2.0
+    assert llm_stats(metrics[2]).mean_acceptance_length >= 1.5
+
+
+def pooled_fit(counts, expected, min_expected=5):
+    """Pearson chi-square p-value of counts [V] against expected counts [V] (a sum of the laws the draws came from),
+    cells expecting fewer than min_expected pooled into one; a count where nothing was expected gives p = 0."""
+    counts, expected = counts.double(), expected.double()
+    if counts[expected <= 0].sum() > 0:
+        return 0.0
+    big = expected >= min_expected
+    c = torch.cat([counts[big], counts[~big].sum()[None]])
+    x = torch.cat([expected[big], expected[~big].sum()[None]])
+    c, x = c[x > 0], x[x > 0]
+    return 1.0 if len(c) < 2 else chi2_sf(float(((c - x) ** 2 / x).sum()), len(c) - 1)
 
 
 @pytest.mark.parametrize("name", ["dflash", "dspark", "draft_self", "draft_qwen3"])
-def test_probabilistic_drafting_runs(name, ckpts):
+def test_probabilistic_drafts_follow_their_q(name, ckpts):
+    """Probabilistic drafting: at each position the drafts are draws from the q the proposer hands to verification.
+    Pooled over every proposal of 120 seeded requests (temperature 1.6: laws spread over many ids): the draft counts
+    against the sum of their q rows (chi-square) and the mean probability q gave its draft against its expectation
+    (z-test), false-alarm rate 1e-6 each; q rows sum to 1 and are positive at the draft. The ratio test with that q
+    then accepts drafts (draft_self: q = p, so nearly all)."""
     llm = make_llm(ckpts, name, draft_sample_method="probabilistic")
-    ps = [SamplingParams(temperature=0.8, max_tokens=16, seed=s, ignore_eos=True) for s in range(3)]
-    outs = llm.generate(SPEC_PROMPTS[:3], ps)
-    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    e, k, V = llm.engine.runner, llm.engine.runner.k, llm.model.cfg.vocab_size
+    seen, propose = [], e.proposer.propose
+    e.proposer.propose = lambda batch: seen.append(propose(batch)) or seen[-1]
+    n = 120
+    ps = [SamplingParams(temperature=1.6, max_tokens=6, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([SPEC_PROMPTS[i % 5] for i in range(n)], ps)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    d, q = torch.cat([x[0] for x in seen]), torch.cat([x[1] for x in seen])       # [R, k], [R, k, V]
+    assert d.shape[0] >= n and torch.allclose(q.sum(-1), torch.ones(q.shape[:2]), atol=1e-5)
+    assert bool((q.gather(-1, d[..., None]) > 0).all())
+    for j in range(k):
+        qj, dj = q[:, j].double(), d[:, j]
+        assert pooled_fit(torch.bincount(dj, minlength=V), qj.sum(0)) > 1e-6, j
+        # the probability each draft had: E q(d) = sum q^2 per row if d ~ q (a q sharper or flatter than the draws'
+        # law, e.g. another temperature, moves it); z-test, two-sided false-alarm rate 1e-6
+        got, m2, m3 = qj.gather(1, dj[:, None])[:, 0], qj.pow(2).sum(1), qj.pow(3).sum(1)
+        z = float((got - m2).sum() / (m3 - m2 ** 2).sum().sqrt())
+        assert abs(z) < 4.9, (j, z)
     s = llm.get_metrics()
-    assert s.num_drafts > 0
-    if name == "draft_self":  # q == p: the ratio test accepts (almost) everything
-        assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
+    assert s.num_accepted_tokens >= (0.9 if name == "draft_self" else 0.2) * s.num_draft_tokens, vars(s)
 
 
 @pytest.mark.parametrize("name,extra", [("dflash_small_vocab", {}), ("dspark", {"dspark_draft_topk": 5})])
@@ -3031,12 +4126,11 @@ def test_probabilistic_q_is_the_sampled_distribution(name, extra, ckpts):
     llm = LLM(model=ckpts["target"], device="cpu", speculative_config={
         "method": method, "model": ckpts[name], "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
         **extra})
-    e, prop = llm.engine, llm.engine.proposer
+    e, prop = llm.engine, llm.engine.runner.proposer
     req = e.add_request(llm.tokenizer.encode(SPEC_PROMPTS[0]), SamplingParams(temperature=0.7, max_tokens=8, seed=1))
     e.step()                                                    # prefill: context K/V for the prompt
     with torch.inference_mode():
-        e.set_batch([req])
-        d, q = prop.propose(e, [req])
+        d, q = prop.propose(e.runner.batch([req]))
     assert q.shape == (1, 4, 1024) and torch.allclose(q.sum(-1), torch.ones(1, 4))
     assert bool((q.gather(-1, d[..., None]) > 0).all())
     nonzero = (q > 0).sum(-1)
@@ -3095,21 +4189,21 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
     """After the 48-token batch run (mostly rejected drafts), each slot's context K/V over its committed tokens
     equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation."""
     llm, _, five, _ = runs(name)
-    e, prop = llm.engine, llm.engine.proposer
-    free = e.max_num_seqs - 1                                   # a slot the 5 prompts did not use
+    e, prop = llm.engine.runner, llm.engine.runner.proposer
+    free = llm.engine.max_num_seqs - 1                          # a slot the 5 prompts did not use
     with torch.inference_mode():
         for slot, toks in committed(llm, five):
             n = len(toks) - 1                                   # all but the last token have context K/V
             got = [prop.cache.kv[i][j][slot, :n].clone() for i in prop.cache.kv for j in (0, 1)]
             e.state.reset(free)
             ctx = sd.Ctx(e.state, torch.tensor([free]), torch.tensor([0]), n, "prefill")
-            h, e.aux = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
-            prop.prefill(e, types.SimpleNamespace(slot=free), h, None, 0)
+            h, taps = e.model(torch.tensor([toks[:n]]), ctx, prop.taps)
+            prop.prefill(types.SimpleNamespace(slot=free), h, taps, None, 0)
             want = [prop.cache.kv[i][j][free, :n] for i in prop.cache.kv for j in (0, 1)]
             assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got, want))
             anchor = torch.tensor([toks[-1]])
             U = prop.block_logits(n + prop.Q, torch.tensor([slot]), torch.tensor([n]), anchor)
-            feats = torch.cat([e.aux[i] for i in prop.order], -1)
+            feats = torch.cat([taps[i] for i in prop.order], -1)
             block = torch.cat([prop.embed(anchor)[:, None], prop.mask_vec.expand(1, prop.Q - 1, -1)], 1)
             ref = prop.logits(zlab_block_hidden(prop.net, prop.cfg, feats, block)[:, prop.out])
             assert torch.allclose(U, ref, atol=1e-4, rtol=1e-4)
@@ -3118,7 +4212,7 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
 def test_draft_model_state_equals_fresh_prefill(runs):
     """A hybrid draft's GDN conv/recurrent states and KV after the batch run == a prefill over the tokens it consumed."""
     llm, _, five, _ = runs("draft_hybrid")
-    prop = llm.engine.proposer
+    prop = llm.engine.runner.proposer
     m, st = prop.model, prop.state
     free = llm.engine.max_num_seqs - 1
     with torch.inference_mode():
@@ -3137,15 +4231,41 @@ def test_draft_model_state_equals_fresh_prefill(runs):
 # Building blocks
 # ==============================================================================================
 
-def test_block_attention_folded_kernel_equals_masked_reference():
+def block_attention_reference(q, kc, vc, slots, pos, causal):
+    """Attention of T queries at positions pos[b] + t over the slot's keys, plainly, in float64: a query sees keys
+    0 .. pos[b] + T - 1 (non-causal block) or 0 .. its own position (causal); query head h reads KV head h // group."""
+    B, T, nh, d = q.shape
+    group = nh // kc.shape[2]
+    out = torch.zeros(B, T, nh, d, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            last = int(pos[b]) + (t if causal else T - 1)
+            for h in range(nh):
+                keys = kc[slots[b], :last + 1, h // group].double()                # [L, d]
+                p = (keys @ q[b, t, h].double() / math.sqrt(d)).softmax(0)
+                out[b, t, h] = p @ vc[slots[b], :last + 1, h // group].double()
+    return out
+
+
+@needs_kernels
+@pytest.mark.skipif(CUDA, reason="counts the interpreter's launches on CPU tensors; on a CUDA machine CPU tensors "
+                                 "take the reference path")
+def test_block_attention_folded_kernel_equals_masked_reference(monkeypatch):
+    """DFlash / DSpark block attention without a window: the non-causal block folded into the head axis and served
+    by the causal attention kernel as one decode token (and the causal case), through the Triton kernel
+    (interpreted on CPU), against block_attention_reference; the windowed masked path against it too."""
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(3, 40, 2, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g)
     q, slots, pos = torch.randn(2, 5, 4, 16, generator=g), torch.tensor([2, 0]), torch.tensor([17, 30])
-    fold = sd.block_attention(q, kc, vc, slots, pos, 35)               # the non-causal path through K.attention
-    ref = sd.block_attention(q, kc, vc, slots, pos, 35, window=10 ** 6)
-    assert torch.allclose(fold, ref, atol=1e-5)
-    assert torch.allclose(sd.block_attention(q, kc, vc, slots, pos, 35, causal=True),
-                          sd.block_attention(q, kc, vc, slots, pos, 35, causal=True, window=10 ** 6), atol=1e-5)
+    launches, launch = [], K._attention_launch
+    monkeypatch.setattr(K, "_attention_launch", lambda *a, **kw: launches.append(a[0].shape) or launch(*a, **kw))
+    for causal in (False, True):
+        ref = block_attention_reference(q, kc, vc, slots, pos, causal)
+        got = fast(sd.block_attention, q, kc, vc, slots, pos, 35, causal=causal)
+        assert launches[-1] == ((2, 1, 20, 16) if not causal else (2, 5, 4, 16))  # folded: 4 heads x 5 queries
+        assert rel(got, ref) <= TOL[torch.float32], causal
+        assert rel(sd.block_attention(q, kc, vc, slots, pos, 35, causal=causal, window=10 ** 6), ref) <= 1e-6
+    assert len(launches) == 2
 
 
 def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
@@ -3156,9 +4276,9 @@ def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
     from safetensors.torch import load_file
     missing, unexpected = hf.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
-    engine = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
-                                   max_num_seqs=1, dtype=torch.float32, device=torch.device("cpu"))
-    m, st = sd.load_draft_lm(path, engine, 64)
+    io = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
+                               num_slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    m, st = sd.load_draft_lm(path, io, 64)
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours = m.logits(m(ids, sd.Ctx(st, torch.tensor([0]), torch.tensor([0]), 11, "prefill")))
@@ -3194,7 +4314,6 @@ def test_drafter_refusals(ckpts, tmp_path):
     for case, (cfg, msg) in refusal_cases(ckpts, str(tmp_path)).items():
         with pytest.raises(ConfigError, match=msg):
             LLM(model=ckpts["target"], device="cpu", speculative_config=cfg)
-
 
 
 # ==============================================================================================
@@ -3235,7 +4354,10 @@ def test_kernel_gemv(M, N, Kin, gemv_calls):
     r = randn(1, M, N, g=g)                                                        # the skip connection
     y = gemv(xs, w, residual=r)
     assert rel(y, r + F.linear(xs, w)) <= TOL[torch.float32] and len(gemv_calls) == 3
-    assert torch.equal(K.linear(xs, w, r), r + K.linear(xs, w))                   # the reference path
+    exact_ = r.double() + xs.double() @ w.double().T                              # the reference path (CPU) against
+    assert rel(K.linear(xs, w, r), exact_) <= 1e-6 and len(gemv_calls) == 3        # float64; and row by row, each
+    for i in range(M):                                                             # row as if it were alone
+        assert torch.equal(K.linear(xs[:, i:i + 1], w), K.linear(xs, w)[:, i:i + 1]) or CUDA
 
 
 @needs_kernels
@@ -3243,9 +4365,8 @@ def test_kernel_gemv_dispatch(gemv_calls):
     """Without GEMV_ALWAYS the CPU keeps its row-wise reference; ineligible inputs always take F.linear."""
     g = gen(0)
     w, x = randn(24, 200, g=g), randn(5, 200, g=g)
-    ref = K.linear(x, w)                                                           # the plain CPU / cuBLAS path
     if not CUDA:
-        assert torch.equal(gemv(x, w, always=False), ref) and not gemv_calls
+        assert rel(gemv(x, w, always=False), F.linear(x, w)) <= 1e-6 and not gemv_calls
     for xi, wi in [(randn(33, 200, g=g), w),                                       # M > 32
                    (x, randn(200, 24, g=g).t()),                                   # w not contiguous
                    (x.double(), w.double())]:                                      # fp64
@@ -3272,6 +4393,39 @@ def test_kernel_gemv_dispatch(gemv_calls):
         assert K._gemv_config(M, 64, 64, True, torch.bfloat16) == "rows"
     assert K._gemv_config(K.INVARIANT_ROWS + 1, 64, 64, True, torch.bfloat16) is None  # prefill: cuBLAS
     assert K._gemv_config(1, 248320, 5120, True, torch.float32) is None                # fp32: cuBLAS
+
+
+GEMV_SHAPES = [(N, K) for N in (64, 512, 1281, 2048, 4096, 5120, 6144, 8192, 14336, 16480, 17408, 25600, 34816,
+                                51200, 248320) for K in (512, 2048, 5120, 6144, 17408)]
+
+
+@needs_kernels
+def test_kernel_gemv_every_gpu_config():
+    """Every tile configuration the tuned GPU rule (_gemv_config on CUDA without BATCH_INVARIANT, bf16, M = 1..32, the
+    27B / 35B shapes and around them) can choose computes x @ w^T (F.linear in float64 is the reference; run here through the
+    interpreter on small odd shapes: the blocks' masks and the split-K sum, with the GPU's block sizes). And the
+    rule's documented invariants: fp32 always cuBLAS; K split only for tall weights (K >= 3N), never at M = 1."""
+    cfgs = {}                                                                     # config -> the M it serves
+    old, K.BATCH_INVARIANT = K.BATCH_INVARIANT, False                              # the tuned rule
+    try:
+        for M in range(1, 33):
+            for N, Kin in GEMV_SHAPES:
+                c = K._gemv_config(M, N, Kin, True, torch.bfloat16)
+                assert K._gemv_config(M, N, Kin, True, torch.float32) is None
+                if c is not None:
+                    assert c[2] == 1 or (Kin >= 3 * N and M > 1), (M, N, Kin, c)
+                    cfgs.setdefault(c, set()).add(M)
+    finally:
+        K.BATCH_INVARIANT = old
+    assert len(cfgs) >= 5
+    g = gen(1)
+    for c in sorted(cfgs):
+        # each configuration at the fewest and the most rows the rule gives it (on the GPU a config chosen for
+        # M = 1, BK = 1024, does not fit shared memory with the 32-row tile of M = 17: never launched so)
+        for M, (N, Kin) in zip(sorted({min(cfgs[c]), max(cfgs[c])}) * 2, ((37, 300), (70, 212), (9, 530))):
+            x, w, r = randn(M, Kin, g=g), randn(N, Kin, g=g), randn(M, N, g=g)
+            y = fast(K._gemv_launch, x, w, c, r)
+            assert rel(y, r.double() + x.double() @ w.double().T) <= TOL[torch.float32], (c, M, N, Kin)
 
 
 @needs_cuda
@@ -3324,9 +4478,9 @@ def rowwise_dot(monkeypatch):
         monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
 
 
-def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40), residual=False, seed=0):
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0):
     """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
-    row 0 and as the last row of steps of M rows."""
+    row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles)."""
     g = gen(seed)
     w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
     x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
@@ -3430,7 +4584,8 @@ def test_kernel_gdn_invariant():
                                    (248320, 5120), (12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048),
                                    (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
 def test_kernel_gpu_invariance_linear(N, Kin):
-    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 40 rows."""
+    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 136 rows (a 16-row
+    tile alone; 64-row tiles from 17 rows)."""
     _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
     assert all(torch.equal(y, alone) for y in got)
 
@@ -3450,11 +4605,50 @@ def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
     assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
 
 
+def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0):
+    """The MoE experts (router weights and ids given) of token x0 alone, then as the first and the last token of
+    steps of N tokens (other tokens' experts overlap its own), with the shared expert and the residual."""
+    g = gen(seed)
+    gu, dn = randn(E, 2 * I, H, g=g, dtype=dtype, scale=H ** -0.5), randn(E, H, I, g=g, dtype=dtype, scale=I ** -0.5)
+
+    def tokens(N):
+        x, sh, gt, res = (randn(N, d, g=g, dtype=dtype) for d in (H, H, 1, H))
+        idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + i))[:k]
+                           for i in range(N)]).to(DEV)
+        w = torch.rand(N, k, generator=torch.Generator().manual_seed(seed + N)).to(DEV).softmax(-1)
+        return [x, w, idx, sh, gt, res]
+    one = tokens(1)
+    run = lambda x, w, idx, sh, gt, res: fast(K.moe_experts, x, w, idx, gu, dn, sh, gt, res)
+    alone = run(*one)
+    got = []
+    for N in sizes:
+        many = tokens(N)
+        for at in (0, N - 1):
+            for t, t0 in zip(many, one):
+                t[at] = t0[0]
+            got.append(run(*many)[at:at + 1])
+    return alone, got
+
+
+@needs_kernels
+def test_kernel_moe_invariant():
+    alone, got = moe_rows_case(16, 24, 40, 4, torch.float32, sizes=(2, 5, 9))     # 9 x 4 pairs > 16 experts
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+def test_kernel_gpu_invariance_moe():
+    """bf16 at the 35B-A3B's expert shapes (256 experts, top 8): a token alone == the token in steps of 2 .. 136
+    tokens (more pairs than experts from 40 tokens on)."""
+    alone, got = moe_rows_case(256, 512, 2048, 8, torch.bfloat16)
+    assert all(torch.equal(y, alone) for y in got)
+
+
 def test_reference_logits_batch_invariant(tiny):
     """The CPU reference path (fp32): a token's logits are the same bits as a decode token alone, as token 0 of a
     T = 4 verify, and as a row of a batch of 3 decode tokens (the property speculation's losslessness rests on)."""
     llm = LLM(model=tiny, device="cpu", max_num_seqs=3)
-    m, st = llm.model, llm.engine.state
+    m, st = llm.model, llm.engine.runner.state
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 500, (3, 9), generator=g)
     nxt = torch.randint(0, 500, (3, 4), generator=g)
@@ -3477,6 +4671,746 @@ def test_reference_logits_batch_invariant(tiny):
     batch = logits(nxt[:, :1], [0, 1, 2], "decode")[1, 0]
     assert torch.equal(verify, alone) and torch.equal(batch, alone)
 
+
+def test_chunked_prefill_equals_whole(tiny):
+    """A prompt prefilled in pieces of 7 tokens (chunked prefill) leaves the same KV cache, GDN conv windows and
+    recurrent states, MTP hidden state and first-token logits as one whole prefill (fp32, within 1e-5)."""
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = []
+    for budget in (None, 7):
+        llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=budget,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        runner = llm.engine.runner
+        assert runner.prefill_chunk == (budget or 2048)
+        req = sd.Request("x", prompt, SamplingParams(temperature=0), None, 0)
+        req.slot = 1
+        with torch.inference_mode():
+            tok, logits = runner.prefill(req)
+        st = runner.state
+        got.append((tok, logits, [kv[i][1, :40] for kv in st.kv.values() for i in (0, 1)],
+                    [c[1] for c in st.conv.values()], [r[1] for r in st.rec.values()],
+                    runner.proposer.hidden[1]))
+    (t0, l0, kv0, c0, r0, h0), (t1, l1, kv1, c1, r1, h1) = got
+    assert t0 == t1 and rel(l1, l0) < 1e-5 and rel(h1, h0) < 1e-5
+    assert len(kv0) and len(c0) and len(r0)
+    for a, b in zip(kv0 + c0 + r0, kv1 + c1 + r1):
+        assert rel(b, a) < 1e-5
+
+
+def test_chunked_prefill_keeps_running_streams(tiny):
+    """A long prompt admitted while a request decodes is prefilled a piece per step (max_num_batched_tokens 8
+    minus the running request's k+1 = 3 verify tokens leaves less than a piece, so one piece per step) and the
+    running request gets tokens in every one of those steps; both outputs equal plain decoding (speculation off,
+    whole prefill), token for token."""
+    g = torch.Generator().manual_seed(2)
+    short = torch.randint(0, 500, (4,), generator=g).tolist()
+    long_ = torch.randint(0, 500, (60,), generator=g).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cpu", max_num_seqs=2,
+                                                   enable_chunked_prefill=False).generate([short, long_], sp)]
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=8,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    eng = llm.engine
+    a = eng.add_request(short, sp)
+    eng.step()
+    eng.step()
+    assert a.output_ids and not eng.prefilling
+    b = eng.add_request(long_, sp)
+    prefill_steps = 0
+    while not b.output_ids:
+        n_a = len(a.output_ids)
+        done_before = b.prefilled
+        eng.step()
+        prefill_steps += 1
+        assert b.prefilled - done_before == 8 or b.prefilled == 60
+        assert len(a.output_ids) > n_a or a.finished
+    assert prefill_steps == 8  # ceil(60 / 8)
+    while eng.has_work():
+        eng.step()
+    assert [a.output_ids, b.output_ids] == plain
+
+
+def test_chunked_prefill_budget_error(tiny):
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(2\) must be greater than or equal to "
+                                          r"max_num_seqs \(4\)"):
+        LLM(model=tiny, device="cpu", max_num_seqs=4, max_num_batched_tokens=2)
+
+def test_prefill_alone_steps_invariant(tiny, monkeypatch):
+    """Only prefill leaves batch invariance (K.not_invariant: a prompt is prefilled alone, nothing to be invariant
+    against); every verify step of the target runs with it, and the opt-out (VLLM_BATCH_INVARIANT=0) stays off."""
+    seen = []
+    real = sd.Qwen36.forward
+    monkeypatch.setattr(sd.Qwen36, "forward", lambda self, ids, ctx, *a: (
+        seen.append((ctx.mode, K.BATCH_INVARIANT)), real(self, ids, ctx, *a))[1])
+    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, speculative_config={"method": "mtp",
+                                                                               "num_speculative_tokens": 2})
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for invariant in (True, False):
+        monkeypatch.setattr(K, "BATCH_INVARIANT", invariant)
+        seen.clear()
+        llm.generate([[5, 6, 7], [8, 9, 10, 11]], sp)
+        assert {m for m, _ in seen} == {"prefill", "verify"}
+        assert all(on == (invariant and mode != "prefill") for mode, on in seen), seen
+        assert K.BATCH_INVARIANT == invariant
+
+
+# ==============================================================================================
+# Qwen3.6 recipes as vLLM users type them (issue 23): the chat template, the parsers, model names, memory
+# ==============================================================================================
+
+# A chat template written in the published Qwen3.6 style (tools in the system turn, tool calls in history, tool
+# responses in user turns, thinking kept after the last query or with preserve_thinking, enable_thinking)
+QWEN36_TEMPLATE = r"""{%- macro text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if 'text' in part -%}
+                {{- part.text -}}
+            {%- else -%}
+                {{- raise_exception('Only text content is supported.') -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- elif content is not none and content is defined -%}
+        {{- raise_exception('Unexpected content type.') -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if not messages %}
+    {{- raise_exception('No messages provided.') }}
+{%- endif %}
+{%- set system = text(messages[0].content)|trim if messages[0].role == 'system' else none %}
+{%- if tools and tools is iterable and tools is not mapping %}
+    {{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool|tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>' }}
+    {%- if system %}
+        {{- '\n\n' + system }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- elif system is not none %}
+    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' %}
+        {%- set content = text(message.content)|trim %}
+        {%- if not (content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = text(message.content)|trim %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if (preserve_thinking is defined and preserve_thinking is true) or loop.index0 > ns.last_query_index %}
+            {{- '<think>\n' + reasoning|trim + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set fn = call.function if call.function is defined else call %}
+            {%- if loop.first %}
+                {{- '\n\n' if content|trim else '' }}
+            {%- else %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<tool_call>\n<function=' + fn.name + '>\n' }}
+            {%- for name, value in (fn.arguments or {})|items %}
+                {{- '<parameter=' + name + '>\n' + (value if value is string else value|tojson) + '\n</parameter>\n' }}
+            {%- endfor %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.previtem and loop.previtem.role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather — città, région",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
+        "ratio": {"type": "number"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+        "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}}}
+RUN_CODE = {"type": "function", "function": {"name": "run_code", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}
+TOOLS = [WEATHER, RUN_CODE]
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are helpful. "}, {"role": "user", "content": "Hi!\n"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "Let me check.", "reasoning_content": "Need a tool.", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                       "arguments": {"city": "Paris", "days": 3,
+                                                                     "opts": {"a": [1, None, True]}}}},
+         {"id": "c2", "type": "function", "function": {"name": "run_code", "arguments": {"code": "a\n<b>"}}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+     {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "done"}]},
+     {"role": "assistant", "content": "<think>\nthinking again\n</think>\n\nSunny."},
+     {"role": "user", "content": "Thanks"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "Q1"},
+     {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                             "function": {"name": "get_weather", "arguments": {}}}]},
+     {"role": "tool", "content": "r"}],
+]
+
+
+def test_chat_template_renders_as_transformers():
+    """The checkpoint's template, rendered by specdec's sandboxed Jinja, is byte for byte transformers'
+    apply_chat_template (what vLLM calls) on the same chats; the built-in fallback renders them the same way."""
+    import transformers
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(TOY, "tokenizer.json"),
+                                              chat_template=QWEN36_TEMPLATE, eos_token="<|im_end|>")
+    ours, fallback = sd.ChatTemplate(QWEN36_TEMPLATE, {"eos_token": "<|im_end|>"}), sd.ChatTemplate(None)
+    for conv in CONVERSATIONS:
+        for kw in ({}, {"enable_thinking": False}, {"preserve_thinking": True}, {"add_generation_prompt": False}):
+            for tools in (None, TOOLS):
+                kw = dict(kw)
+                gen = kw.pop("add_generation_prompt", True)
+                want = hf.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=gen, **kw)
+                assert ours.render(conv, tools, gen, **kw) == want
+                assert fallback.render(conv, tools, gen, **kw) == want
+    # as vLLM: tool call arguments arrive as JSON text, reasoning as `reasoning`, and `developer` is `system`
+    wire = json.loads(json.dumps(CONVERSATIONS[1]))
+    for call in wire[2]["tool_calls"]:
+        call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    wire[2]["reasoning"] = wire[2].pop("reasoning_content")
+    wire[0]["role"] = "developer"
+    assert ours.render(wire, TOOLS) == ours.render(CONVERSATIONS[1], TOOLS) == fallback.render(wire, TOOLS)
+    for bad, msg in [([{"role": "user", "content": "x"}, {"role": "system", "content": "S"}], "at the beginning"),
+                     ([{"role": "system", "content": "S"}], "No user query"),
+                     ([{"role": "user", "content": [{"type": "image_url"}]}], "Only text content"),
+                     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                       "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}], "not valid JSON")]:
+        with pytest.raises(ValueError, match=msg):
+            ours.render(bad)
+
+
+def test_chat_template_from_the_checkpoint_sandboxed(tmp_path):
+    """chat_template.jinja first, then tokenizer_config.json's chat_template (a string or named list); none:
+    the built-in template. The sandbox keeps templates from Python's internals; transformers' globals work."""
+    src = TOY
+    for name in ("config.json", "tokenizer.json"):
+        os.symlink(os.path.join(src, name), tmp_path / name)
+    cfg = {"eos_token": {"content": "<|im_end|>"}, "chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ eos_token }}{{ messages|length }}"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert sd.ChatTemplate.from_checkpoint(str(tmp_path)).render(msgs) == "<|im_end|>1"
+    (tmp_path / "chat_template.jinja").write_text("{{ strftime_now('%Y') | length }}{{ [1, 'é'] | tojson(indent=1) }}"
+                                                  "{% generation %}G{% endgeneration %}")
+    t = sd.ChatTemplate.from_checkpoint(str(tmp_path))
+    assert t.origin.endswith("chat_template.jinja") and t.render(msgs) == '4[\n 1,\n "é"\n]G'
+    assert sd.ChatTemplate.from_checkpoint(TOY).source is None  # the toy ships none: the built-in one
+    assert sd.ChatTemplate("{{ messages.__class__ }}").render(msgs) == ""  # unsafe: undefined, as in transformers
+    for evil in ("{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__ }}", "{% set ns = namespace(_x=1) %}",
+                 "{{ raise_exception('refused by the template') }}", "{{ cycler.__init__.__globals__ }}"):
+        with pytest.raises(ValueError, match="chat template"):
+            sd.ChatTemplate(evil).render(msgs)
+    with pytest.raises(ConfigError, match="does not compile"):
+        sd.ChatTemplate("{% if %}")
+    with pytest.raises(ConfigError, match="no such file"):
+        sd.ChatTemplate.from_arg("/no/such/template.jinja")
+
+
+import server as srvmod  # noqa: E402  (the parsers are pure functions of text: tested here without a server)
+
+QWEN_ANSWER = ("The user wants weather.\nI should call <tool_call> tools</think>\n\nI will check.\n\n"
+               "<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+               "<parameter=days>\n3\n</parameter>\n<parameter=hot>\nTrue\n</parameter>\n<parameter=ratio>\n2.5\n"
+               "</parameter>\n<parameter=opts>\n{\"unit\": \"C\", \"n\": [1, 2]}\n</parameter>\n<parameter=tags>\n"
+               "['a', 'b']\n</parameter>\n<parameter=note>\nnull\n</parameter>\n<parameter=limit>\nNone\n"
+               "</parameter>\n<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+               "<function=run_code>\n<parameter=code>\nif a < b:\n    print('</parameter>')\n<x>y</x>\n\n"
+               "</parameter>\n</function>\n</tool_call>")
+PARSER_CASES = [  # (start, parser, answer, reasoning, content, [(name, arguments)])
+    ("thinking", "qwen3_coder", QWEN_ANSWER, "The user wants weather.\nI should call <tool_call> tools",
+     "\n\nI will check.\n\n",
+     [("get_weather", '{"city": "São Paulo", "days": 3, "hot": true, "ratio": 2.5, "opts": {"unit": "C", "n": '
+                      '[1, 2]}, "tags": ["a", "b"], "note": null, "limit": null, "extra": "42"}'),
+      ("run_code", '{"code": "if a < b:\\n    print(\'</parameter>\')\\n<x>y</x>\\n"}')]),
+    ("thinking", "qwen3_coder", "no end of thinking <tool_call", "no end of thinking <tool_call", None, []),
+    ("thinking", None, "R</think>\n\nA <think> B", "R", "\n\nA <think> B", []),
+    ("answer", None, "R</think>\n\nA", "", "R</think>\n\nA", []),  # thinking off: all is content
+    ("maybe", None, "<think>R</think>A", "R", "A", []),  # a model that opens its own thinking
+    ("maybe", None, "plain", "", "plain", []),
+    ("thinking", "qwen3_coder", "R\n<tool_call>\n<function=run_code>\n<parameter=code>\nx=1\n</parameter>\n</function>"
+     "\n</tool_call>", "R\n", None, [("run_code", '{"code": "x=1"}')]),  # a call ends the thinking (Qwen3.5+)
+    ("thinking", "qwen3_coder", "R<tool_call>\n<function=run_code>\n</function>\n</tool_call></think>A", "R",
+     "</think>A", [("run_code", "{}")]),  # ... before a later </think>, streamed or not
+    ("answer", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRo", "", None,
+     [("get_weather", "{}")]),  # cut off inside a value: the call closes with what is complete
+    ("answer", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<paramet", "",
+     None, [("get_weather", '{"days": 3}')]),
+    ("answer", "qwen3_coder", "<tool_call>\n<functi", "", "<tool_call>\n<functi", []),  # no name yet: no call
+    ("answer", "qwen3_coder", "see <tool_call>\nnot a call</tool_call> and <tool_call>\n<function=a b>\n</function>"
+     "</tool_call>", "", "see <tool_call>\nnot a call</tool_call> and <tool_call>\n<function=a b>\n</function>"
+     "</tool_call>", []),  # malformed calls stay in the content
+    ("answer", "qwen3_coder", "Done: <b>x</b>\n<tool_call>\n<function=run_code>\n</function>\n</tool_call>\nAfter.",
+     "", "Done: <b>x</b>\n\nAfter.", [("run_code", "{}")]),  # the text around a call as it is
+    ("answer", "hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "run_code", "arguments": "{\\"code\\": \\"</x>\\"}"}\n</tool_call>', "",
+     "Sure.\n", [("get_weather", '{"city": "Paris", "days": 3}'), ("run_code", '{"code": "</x>"}')]),
+    ("answer", "hermes", '<tool_call>\n{"name": bad json}\n</tool_call>\n<tool_call>\n{"name": "cut", "argu', "",
+     '<tool_call>\n{"name": bad json}\n</tool_call>\n<tool_call>\n{"name": "cut", "argu', []),
+]
+
+
+def stream_in_chunks(stream, text, size):
+    """Feed `text` as the engine's growing text (`size` characters a step), then once more, final: the deltas
+    summed."""
+    got = {"reasoning": "", "content": "", "calls": []}
+    for end in [*range(size, len(text), size), len(text)]:
+        for final in ((False, True) if end == len(text) else (False,)):
+            d = stream.feed(text[:end], final)
+            got["reasoning"] += d.get("reasoning", "")
+            got["content"] += d.get("content", "")
+            for c in d.get("tool_calls", []):
+                if c["index"] == len(got["calls"]):
+                    assert c["function"]["name"] and c["id"] and c["type"] == "function"  # the name comes first
+                    got["calls"].append([c["function"]["name"], ""])
+                got["calls"][c["index"]][1] += c["function"]["arguments"]
+    return got
+
+
+@pytest.mark.parametrize("case", range(len(PARSER_CASES)))
+def test_reasoning_and_tool_parsers_in_every_chunking(case):
+    """vLLM's qwen3 reasoning parser and qwen3_coder / hermes tool parsers on answers written as text: the whole
+    answer's fields, and the same fields summed from a stream cut into chunks of every size (chunks that end
+    in the middle of a tag, several tags in one chunk as a speculative step brings them)."""
+    start, parser, text, reasoning, content, calls = PARSER_CASES[case]
+    make = lambda: srvmod.ChatStream(start, parser and srvmod.TOOL_PARSERS[parser](TOOLS))  # noqa: E731
+    whole = make()
+    whole.feed(text, True)
+    assert (whole.reasoning, whole.content or None) == (reasoning, content or None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.calls] == calls
+    for args in (a for _, a in calls):
+        json.loads(args)
+    for size in range(1, len(text) + 1):
+        got = stream_in_chunks(make(), text, size)
+        assert (got["reasoning"], got["content"], got["calls"]) == (reasoning, content or "", [list(c) for c in calls])
+
+
+def test_parsers_stream_as_they_answer_on_random_text():
+    """Text made of the tags' pieces, streamed in random chunk sizes through every start x parser: never an
+    exception, every call's arguments valid JSON, and the stream's deltas add up to the whole answer."""
+    pieces = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "<think>",
+              "</think>", "\n", " ", "get_weather", "days", ">", "{", "}", '"name"', ":", "3", "null", "<", "a b",
+              '{"name": "get_weather", "arguments": {"days": 1}}', "<tool_call>\n<function=get_weather>\n"]
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": [1]}}},  # schemas a
+           {"type": "function", "function": {"name": "g", "parameters": {"properties": {"a": {"anyOf": 5}}}}}]  # client
+    stream = srvmod.ChatStream("answer", srvmod.Qwen3CoderParser(odd))  # may send: no types, values stay text
+    stream.feed("<tool_call>\n<function=g>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>", True)
+    assert stream.calls[0]["function"]["arguments"] == '{"a": "1"}'
+    rnd = random.Random(0)
+    for _ in range(120):
+        text = "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 30)))
+        for start in ("thinking", "answer", "maybe", None):
+            for parser in ("qwen3_coder", "hermes", None):
+                make = lambda: srvmod.ChatStream(start, parser and srvmod.TOOL_PARSERS[parser](TOOLS))  # noqa: E731
+                whole = make()
+                whole.feed(text, True)
+                calls = [[c["function"]["name"], c["function"]["arguments"]] for c in whole.calls]
+                for _, args in calls:
+                    json.loads(args)
+                got = stream_in_chunks(make(), text, rnd.randint(1, 5))
+                assert (got["reasoning"], got["content"], got["calls"]) == (whole.reasoning, whole.content or "", calls)
+
+
+def test_metrics_kv_usage_and_phase_times():
+    """vllm:kv_cache_usage_perc counts the slots' positions in use (a prompt in chunked prefill: its pieces so
+    far); the queue time ends when a slot is given, not at the first token (chunked prefill spans steps)."""
+    from collections import deque
+    m, R = srvmod.Metrics("m", 0), types.SimpleNamespace
+    a, b = R(tokens=[0] * 30, prefilled=30), R(tokens=[0] * 50, prefilled=20)
+    eng = R(slots=[a, None, b, None], waiting=[], prefilling=deque([b]), max_num_seqs=4, max_model_len=100,
+            stats=sd.SpecStats())
+    m.after_step(eng)
+    assert m.kv_usage == (30 + 20) / 400 and 'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.125' in m.render()
+    job = srvmod.Job([1, 2, 3], SamplingParams())
+    job.t_arrival, job.t_scheduled = 10.0, 11.0  # given a slot at 11 (EngineLoop), first token at 13
+    m.on_update(job, R(prompt_ids=[1, 2, 3], finished=False), 1, 13.0, 12.5)
+    assert m.hist[srvmod.QUEUE][1:] == [1.0, 1] and m.hist[srvmod.PREFILL][1:] == [2.0, 1]
+
+
+def test_hub_ids_resolve_in_the_local_cache(tmp_path, monkeypatch):
+    """Qwen/Qwen3.6-27B -> $HF_HUB_CACHE/models--Qwen--Qwen3.6-27B/snapshots/<refs/main>; absent: one line that
+    names the path looked in and the command that would download it. Nothing is fetched."""
+    hub = tmp_path / "hub"
+    repo = hub / "models--Qwen--Qwen3.6-Toy"
+    for rev in ("0ld", "c0ffee"):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee\n")
+    for name in os.listdir(TOY):
+        os.symlink(os.path.join(TOY, name), repo / "snapshots" / "c0ffee" / name)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # $HF_HOME/hub
+    assert sd.resolve_model("Qwen/Qwen3.6-Toy") == str(repo / "snapshots" / "c0ffee")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert sd.resolve_model("Qwen/Qwen3.6-Toy") == str(repo / "snapshots" / "c0ffee")
+    assert sd.resolve_model(TOY) == TOY
+    llm = LLM("Qwen/Qwen3.6-Toy", device="cpu", max_num_seqs=1)
+    assert llm.model_path == str(repo / "snapshots" / "c0ffee")
+    with pytest.raises(ConfigError) as e:
+        sd.resolve_model("Qwen/Qwen3.6-27B")
+    assert str(hub / "models--Qwen--Qwen3.6-27B") in str(e.value) and "hf download Qwen/Qwen3.6-27B" in str(e.value)
+    assert one_line_error(["Qwen/Qwen3.6-27B", "--port", "1"]).count("hf download Qwen/Qwen3.6-27B") == 1
+
+
+def test_memory_arithmetic_sizes_the_slots(tiny):
+    """state_bytes is what State allocates; the default max_model_len is the model's if max_num_seqs + 1 slots
+    of it fit in the budget, else the largest that fits; an asked length that does not fit is one clear line."""
+    cfg = sd.ModelConfig.from_hf(tiny)
+    for mtp in (False, True):
+        st = sd.State(cfg, 3, 100, torch.float32, "cpu", mtp=mtp)
+        have = sum(t.numel() * t.element_size() for t in [*sum(st.kv.values(), ()), *st.conv.values(),
+                                                          *st.rec.values()])
+        per_pos, per_slot = sd.state_bytes(cfg, torch.float32, mtp)
+        assert have == 4 * (100 * per_pos + per_slot)
+    per_pos, per_slot = 1000, 5000  # 9 slots, 3 extra positions each
+    n, line = sd.size_slots(per_pos, per_slot, 8, 3, 10 ** 9, "test", 4096)
+    assert n == 4096 and "max_model_len 4096 (the model's limit)" in line and "9 slots (8 + 1 for padding)" in line
+    n, line = sd.size_slots(per_pos, per_slot, 8, 3, 9 * (1000 * 1000 + 5000) + 1, "test", 4096)
+    assert n == 997 and "the largest that fits; the model allows 4096" in line
+    assert 9 * ((n + 3) * per_pos + per_slot) <= 9 * (1000 * 1000 + 5000) + 1 < 9 * ((n + 4) * per_pos + per_slot)
+    n, _ = sd.size_slots(per_pos, per_slot, 8, 3, 10 ** 9, "test", 4096, want=2048)
+    assert n == 2048
+    with pytest.raises(ConfigError, match=r"max_model_len=4096: one sequence needs .* the largest that fits one "
+                                          r"sequence is 97: lower --max-model-len or raise --gpu-memory-utilization"):
+        sd.size_slots(per_pos, per_slot, 8, 3, 2 * (100 * per_pos + per_slot), "test", 4096, want=4096)
+    with pytest.raises(ConfigError, match=r"--max-num-seqs 8 slots of max_model_len=100 need .*; 4 fit"):
+        sd.size_slots(per_pos, per_slot, 8, 3, 5 * (103 * per_pos + per_slot), "test", 4096, want=100)
+    with pytest.MonkeyPatch.context() as mp:  # CUDA's count, without a GPU: 0.9 x total - held, at most free
+        mp.setattr(torch.cuda, "mem_get_info", lambda device: (50 * sd.GiB, 100 * sd.GiB))
+        mp.setattr(torch.cuda, "memory_reserved", lambda device: 30 * sd.GiB)
+        assert sd.memory_budget(torch.device("cuda"), 0.9)[0] == 50 * sd.GiB
+        budget, basis = sd.memory_budget(torch.device("cuda"), 0.5)
+        assert budget == 20 * sd.GiB and "0.5 x 100.00 GiB GPU memory - 30.00 GiB held" in basis
+    llm = LLM(tiny, device="cpu", max_num_seqs=2)
+    assert llm.max_model_len == cfg.max_position_embeddings and "system memory available" in llm.memory_report
+    err = one_line_error([tiny, "--device", "cpu", "--max-model-len", "4k", "--gpu-memory-utilization", "1e-9"])
+    assert "max_model_len=4000: one sequence needs" in err
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """vLLM's --generation-config auto | vllm | FOLDER and --override-generation-config: what a request leaves
+    unset; repetition_penalty / min_p are refused unless neutral (not implemented yet)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 7,
+         "repetition_penalty": 1.0, "eos_token_id": [1, 2]}))
+    d = sd.generation_defaults(str(tmp_path))
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}
+    assert sd.generation_defaults(str(tmp_path), "vllm") == {}
+    assert sd.generation_defaults(TOY, str(tmp_path), '{"top_k": 0}') == dict(d, top_k=-1)
+    with pytest.raises(ConfigError, match="sets repetition_penalty=1.1, which specdec does not implement yet"):
+        sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 1.1})
+    with pytest.raises(ConfigError, match="top_p must be in"):
+        sd.generation_defaults(str(tmp_path), override='{"top_p": 0}')
+    with pytest.raises(ConfigError, match="no generation_config.json there"):
+        sd.generation_defaults(TOY, str(tmp_path / "nowhere"))
+    p = srvmod.sampling_params({}, None, None, 1024, d)  # a request that leaves them unset
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 7)
+    p = srvmod.sampling_params({"temperature": 0, "top_p": 1, "max_tokens": 50}, 50, None, 1024, d)
+    assert (p.temperature, p.top_p, p.max_tokens) == (0, 1, 7)  # max_new_tokens caps (vLLM)
+
+
+def test_speculative_config_infers_as_vllm(tmp_path, tiny):
+    """The method from a draft model's name or architecture, mtp from a Qwen3.5/3.6 model_type (here: the
+    target itself), num_speculative_tokens from n_predict; "auto" accepted where vLLM means the default."""
+    def draft(name, **cfg):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+    spec = lambda **kw: sd.SpeculativeConfig.from_json(kw, target=tiny)  # noqa: E731
+    assert spec(model=draft("my-dflash-b16", model_type="qwen3"), num_speculative_tokens=15).method == "dflash"
+    assert spec(model=draft("d1", model_type="qwen3", architectures=["Qwen3DSparkModel"], n_predict=7)).method \
+        == "dspark"
+    assert spec(model=str(tmp_path / "d1")).num_speculative_tokens == 7
+    with pytest.raises(ConfigError, match="num_speculative_tokens:9 must be divisible by n_predict=7"):
+        spec(model=str(tmp_path / "d1"), num_speculative_tokens=9)
+    with pytest.raises(ConfigError, match="'eagle3' is a vLLM method"):
+        spec(model=draft("Qwen3-8B_eagle3", model_type="llama"), num_speculative_tokens=3)
+    c = spec(model=tiny)  # the target's own checkpoint: its MTP layer, k = mtp_num_hidden_layers
+    assert (c.method, c.model, c.num_speculative_tokens) == ("mtp", None, 1)
+    with pytest.raises(ConfigError, match="specdec's mtp drafts with the target's own MTP head"):
+        spec(model=draft("other", model_type="qwen3_5", text_config={"mtp_num_hidden_layers": 1}))
+    assert spec(model=str(tmp_path / "other"), method="draft_model", num_speculative_tokens=2).method == \
+        "draft_model"  # an explicit method is kept
+    c = spec(method="mtp", num_speculative_tokens=2, kv_cache_dtype="auto", attention_backend="auto",
+             moe_backend="auto")
+    assert c.method == "mtp"
+    with pytest.raises(ConfigError, match="'kv_cache_dtype' is a vLLM option .*only None or 'auto'"):
+        spec(method="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8")
+
+
+def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
+    """Underscores as dashes, human-readable ints, the positional model; the flags of other issues parse and
+    refuse in one line; the help says that no remote code runs."""
+    assert sd.vllm_argv(["--max_model_len=2k", "--speculative_config", '{"a_b": 1}', "models/x_y"]) == \
+        ["--max-model-len=2k", "--speculative-config", '{"a_b": 1}', "models/x_y"]
+    assert [sd.human_int(v) for v in ("4096", "32k", "32K", "1.5k", "1M")] == [4096, 32000, 32768, 1500, 1048576]
+    assert sd.max_len_arg("auto") == sd.max_len_arg("-1") == "auto"
+    with pytest.raises(SystemExit):
+        srvmod.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--served-model-name", "--gpu-memory-utilization", "--reasoning-parser", "--tool-call-parser",
+                 "--enable-auto-tool-choice", "--chat-template", "--default-chat-template-kwargs",
+                 "--generation-config", "--override-generation-config", "--enable-log-requests",
+                 "--tensor-parallel-size", "--quantization", "--trust-remote-code", "MODEL"):
+        assert flag in help_text
+    assert "never runs code from a checkpoint" in help_text
+    with pytest.raises(SystemExit):  # argparse's usage line and its error
+        srvmod.main([tiny, "--max-model-len", "lots"])
+    assert "argument --max-model-len: invalid integer 'lots' (e.g. 4096, 32k, 32K)" in capsys.readouterr().err
+    for args, msg in [(["-tp", "8"], "tensor_parallel_size=8 (--tensor-parallel-size): tensor parallelism is not "
+                                     "supported yet"),
+                      (["--quantization", "fp8"], "quantization='fp8' (--quantization) is not supported yet"),
+                      (["--reasoning_parser", "deepseek_r1"], "--reasoning-parser 'deepseek_r1' is not supported"),
+                      (["--tool-call-parser", "llama3_json"], "--tool-call-parser 'llama3_json' is not supported"),
+                      (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+                      (["--default-chat-template-kwargs", "{no"], "--default-chat-template-kwargs is not valid JSON"),
+                      (["--default-chat-template-kwargs", '{"tools": []}'], "may not set tools"),
+                      (["--max-model-len", "0"], "max_model_len must be a positive integer"),
+                      (["--chat-template", "/no/such.jinja"], "no such file"),
+                      (["--generation-config", "/nowhere"], "no generation_config.json there"),
+                      (["--override-generation-config", '{"repetition_penalty": 1.2}'], "does not implement yet")]:
+        assert msg in one_line_error([tiny, "--device", "cpu", *args])
+
+
+def one_line_error(argv):
+    """server.main(argv) in this process: it must fail with exactly one line on stderr (returned)."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert srvmod.main([*argv, "--port", "1"]) == 1
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err.getvalue(), lines
+    return lines[0]
+
+
+# ==============================================================================================
+# Qwen3.6 recipes through the server (issue 23): the recipe's command line, scripted answers
+# ==============================================================================================
+
+# A model that answers as scripted: a prompt holding a key gets that answer's tokens (then <|im_end|>), three
+# tokens a step with the MTP config below (so a tag may arrive in the middle of a step); other prompts, the model's
+SCRIPT = """
+import weakref, specdec
+ANSWERS = %r
+TOK, STATE = [], weakref.WeakKeyDictionary()
+init, prefill, read = specdec.Engine.__init__, specdec.ModelRunner.prefill, specdec.ModelRunner.read
+
+def _init(self, model, tokenizer, *a, **kw):
+    TOK.append(tokenizer)
+    init(self, model, tokenizer, *a, **kw)
+
+def take(req, n):
+    if req not in STATE:
+        prompt = TOK[0].decode(req.prompt_ids)
+        key = next((k for k in ANSWERS if k in prompt), None)
+        STATE[req] = [None if key is None else TOK[0].encode(ANSWERS[key]) + [TOK[0].eos_token_id], 0]
+    ids, i = STATE[req]
+    if ids is None:
+        return None
+    STATE[req][1] = i + n
+    return (ids[i:] + ids[-1:] * n)[:n]
+
+def _prefill(self, req, *piece):
+    out = prefill(self, req, *piece)  # None until the prompt's last piece (chunked prefill)
+    return out and ((take(req, 1) or [out[0]])[0], out[1])
+
+def _read(p):
+    rows = []
+    for req, row in zip(p.reqs, read(p)):
+        k = len(row) - 3  # a speculative step's row: k + 1 tokens, then accepted and drafted counts
+        toks = take(req, k + 1)
+        rows.append(row if toks is None else toks + [k, k])
+    return rows
+
+specdec.Engine.__init__, specdec.ModelRunner.prefill = _init, _prefill
+specdec.ModelRunner.read = staticmethod(_read)
+"""
+ANSWERS = {
+    "CASE-TOOLS": QWEN_ANSWER,
+    "CASE-TEXT": "Some thinking\n</think>\n\nThe answer is 42.",
+    "CASE-FORCED": "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+    "CASE-REQUIRED": "run_code>\n<parameter=code>\nx = 1\n</parameter>\n</function>\n</tool_call>",
+    "CASE-BROKEN": "x</think>\n\n<tool_call>\n<function=bad name>\n</function></tool_call>",
+}
+MTP2 = '{"method":"mtp","num_speculative_tokens":2}'
+
+
+@pytest.fixture(scope="module")
+def srv_scripted(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("logs")), "--reasoning-parser", "qwen3",
+               "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--speculative-config", MTP2,
+               "--served-model-name", "tiny", "qwen", "--default-chat-template-kwargs", '{"preserve_thinking": true}',
+               "--enable-log-requests", prelude=SCRIPT % (ANSWERS,))
+    yield s
+    s.stop()
+
+
+def chat_both_ways(client, **kw):
+    """A chat answered whole and streamed: (the whole message, its finish_reason, the streamed chunks summed)."""
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    got = {"reasoning": "", "content": "", "calls": [], "finish": [], "ids": {c.id for c in chunks}}
+    for c in chunks[:-1]:
+        d = c.choices[0].delta
+        got["reasoning"] += getattr(d, "reasoning_content", None) or ""
+        got["content"] += d.content or ""
+        for t in d.tool_calls or []:
+            if t.index == len(got["calls"]):
+                got["calls"].append([t.function.name, ""])
+            got["calls"][t.index][1] += t.function.arguments or ""
+        got["finish"].append(c.choices[0].finish_reason)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0 and len(got["ids"]) == 1
+    assert [f for f in got["finish"] if f] == [whole.finish_reason]
+    return whole.message, whole.finish_reason, got
+
+
+def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
+    """--reasoning-parser qwen3 --tool-call-parser qwen3_coder, with three tokens a step: whole and streamed
+    (name first, then the arguments), tool history, tool messages and the developer role in the request."""
+    import openai
+    client = openai.OpenAI(base_url=srv_scripted.url + "/v1", api_key="unused")
+    history = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather? CASE-TOOLS"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c0", "content": "cold"}, {"role": "user", "content": "CASE-TOOLS"}]
+    msg, finish, got = chat_both_ways(client, model="qwen", messages=history, tools=TOOLS, max_tokens=1000)
+    want = [(c[0], c[1]) for c in PARSER_CASES[0][5]]
+    assert finish == "tool_calls" and [(c.function.name, c.function.arguments) for c in msg.tool_calls] == want
+    assert msg.reasoning_content == msg.reasoning == PARSER_CASES[0][3] and msg.content == "\n\nI will check.\n\n"
+    assert (got["reasoning"], got["content"], [tuple(c) for c in got["calls"]]) == \
+        (msg.reasoning_content, msg.content, want)
+    text = [{"role": "user", "content": "CASE-TEXT"}]
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=text, max_tokens=100)
+    assert (msg.reasoning_content, msg.content, finish) == ("Some thinking\n", "\n\nThe answer is 42.", "stop")
+    assert (got["reasoning"], got["content"]) == ("Some thinking\n", "\n\nThe answer is 42.")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg, _, got = chat_both_ways(client, model="tiny", messages=text, max_tokens=100, extra_body=off)
+    assert msg.reasoning_content is None and msg.content == got["content"] == ANSWERS["CASE-TEXT"]
+    msg, finish, _ = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-BROKEN"}],
+                                    tools=TOOLS, max_tokens=100)
+    assert not msg.tool_calls and finish == "stop" and "<function=bad name>" in msg.content
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-FORCED"}],
+                                      tools=TOOLS, max_tokens=100,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Rome"}')]
+    assert got["calls"] == [["get_weather", '{"city": "Rome"}']] and finish == "stop"  # vLLM: named calls "stop"
+    msg, finish, got = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-REQUIRED"}],
+                                      tools=TOOLS, max_tokens=100, tool_choice="required")
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("run_code", '{"code": "x = 1"}')]
+    assert got["calls"] == [["run_code", '{"code": "x = 1"}']] and finish == "tool_calls" and not msg.content
+    assert [m.id for m in client.models.list().data] == ["tiny", "qwen"]  # every --served-model-name
+    n_prompt = lambda **kw: srv_scripted.post("/tokenize", {"model": "tiny", "messages": text, **kw})[1]["count"]
+    assert n_prompt(tools=TOOLS) > n_prompt() > 0
+    log = open(srv_scripted.log).read()  # --enable-log-requests; --default-chat-template-kwargs preserve_thinking
+    assert "Received request chatcmpl-" in log and "assistant\\n<think>\\n\\n</think>\\n\\n<tool_call>" in log
+    assert "reasoning parser: qwen3; tool-call parser: qwen3_coder (auto tool choice)" in log
+
+
+def test_tool_request_errors(srv, srv_scripted):
+    """vLLM's refusals, as 400s that name the field."""
+    body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 2}
+    for server, fields, param, fragment in [
+            (srv, {}, "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
+            (srv, {"tool_choice": "required"}, "tool_choice", "needs --tool-call-parser"),
+            (srv_scripted, {"tools": None, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+            (srv_scripted, {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+             "does not match any of the specified `tools`"),
+            (srv_scripted, {"tool_choice": "sometimes"}, "tool_choice", "Invalid value for `tool_choice`"),
+            (srv_scripted, {"tools": [{"type": "function"}]}, "tools", "'tools' must be a list"),
+            (srv_scripted, {"messages": [{"role": "robot", "content": "x"}]}, "messages", "'role' must be one of"),
+            (srv_scripted, {"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+                {"function": {"name": "f", "arguments": "{not json"}}]}, *CHAT]}, "messages", "not valid JSON"),
+            (srv_scripted, {"chat_template": "{{ 1 }}"}, "chat_template", "untrusted chat template")]:
+        status, r = server.post("/v1/chat/completions", {**body, **fields})
+        check_error(status, r, 400, param, fragment)
+    assert srv.post("/v1/chat/completions", {**body, "tool_choice": "none"})[0] == 200
+
+
+def test_the_recipe_command_line(tmp_path):
+    """The acceptance recipe, as typed: `python server.py models/toy --served-model-name toy --max-model-len 2048
+    --gpu-memory-utilization 0.9 --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser qwen3_coder
+    --speculative-config ...`; the official client's tool and streaming calls come back well formed; the
+    endpoints scripts use; vLLM's metrics and its periodic SpecDecoding line."""
+    import openai
+    cmd = ["models/toy", "--served-model-name", "toy", "--max-model-len", "2048", "--gpu-memory-utilization", "0.9",
+           "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+           "--speculative-config", MTP2]
+    s = Server(None, str(tmp_path), command=cmd, env={"VLLM_LOG_STATS_INTERVAL": "0.2"})
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+        kw = dict(model="toy", messages=[{"role": "user", "content": "def fib(n):"}], tools=TOOLS, temperature=0,
+                  max_completion_tokens=24)
+        before = s.metrics()
+        r = client.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert r.object == "chat.completion" and c.message.role == "assistant" and r.usage.completion_tokens <= 24
+        assert c.finish_reason in ("stop", "length", "tool_calls") and isinstance(c.message.tool_calls, list)
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens > 0
+        summed = "".join((getattr(ch.choices[0].delta, "reasoning_content", None) or "") +
+                         (ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
+        assert summed == (c.message.reasoning_content or "") + (c.message.content or "")
+        after = wait_idle(s)
+        d = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
+        for name in ("request_queue_time", "request_prefill_time", "request_decode_time", "request_inference_time"):
+            assert d(f"vllm:{name}_seconds_count") == 2 and metric(after, f"vllm:{name}_seconds_bucket", le="7680.0")
+        assert metric(after, "vllm:kv_cache_usage_perc") == 0  # idle: no slot in use
+        assert json.loads(s.request("GET", "/version")[2])["version"]
+        assert s.request("GET", "/ping")[0] == s.request("POST", "/ping")[0] == 200
+        ids = s.post("/tokenize", {"model": "toy", "prompt": "def fib(n):", "return_token_strs": True})[1]
+        assert ids["count"] == len(ids["tokens"]) == len(ids["token_strs"]) > 0 and ids["max_model_len"] == 2048
+        assert s.post("/detokenize", {"model": "toy", "tokens": ids["tokens"]})[1] == {"prompt": "def fib(n):"}
+        check_error(*s.post("/detokenize", {"tokens": [10 ** 9]}), 400, "tokens", "out of range")
+        time.sleep(0.5)
+    finally:
+        s.stop()
+    log = open(s.log).read()
+    assert "max_model_len 2048 (--max-model-len)" in log and "of system memory available" in log
+    assert re.search(r"SpecDecoding metrics: Mean acceptance length: [\d.]+, Accepted throughput: [\d.]+ tokens/s, "
+                     r"Drafted throughput: [\d.]+ tokens/s, Accepted: \d+ tokens, Drafted: \d+ tokens, Per-position "
+                     r"acceptance rate: [\d.]+, [\d.]+, Avg Draft acceptance rate: [\d.]+%", log), log
+
+
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="write a tiny random Qwen3.6 checkpoint (published layout)")
@@ -3485,3 +5419,103 @@ if __name__ == "__main__":
     ap.add_argument("--moe", action="store_true")
     a = ap.parse_args()
     print(write_tiny_checkpoint(a.dir, moe=a.moe))
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU fast path (kernels.CPU_FAST): what runs on a CPU, against the references it replaces
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
+                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512)])
+def test_cpu_linear_row_invariant(N, Kin):
+    """The CPU linear (one batched call, every row its own (1, in) @ (in, out) product): a row alone == the
+    row in steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones; F.linear's
+    GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32."""
+    g = torch.Generator().manual_seed(N + Kin)
+    w, x = torch.randn(N, Kin, generator=g), torch.randn(48, Kin, generator=g)
+    alone = torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)])
+    for M in (2, 3, 4, 5, 8, 13, 16, 40):
+        for s in (0, 3, 8 - (M % 8)):
+            assert torch.equal(K._linear_cpu(x[s:s + M], w), alone[s:s + M]), (M, s)
+    assert torch.equal(K._linear_cpu(x[:6].view(2, 3, Kin), w).view(6, N), alone[:6])     # [B, T, in]
+    assert torch.allclose(alone, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    w2 = w.clone()
+    K._linear_cpu(x[:1], w2)
+    w2.mul_(2)                                                                    # written in place: a fresh w^T
+    assert torch.equal(K._linear_cpu(x[:1], w2), K._linear_cpu(x[:1], w2.clone()))
+
+
+def test_cpu_gdn_and_conv_fast_equal_reference():
+    """The CPU fast GDN recurrence and causal conv against the references (fp32: outputs within 1e-5, states
+    within 1e-5, conv windows exact), and batch / T invariance bit for bit: a token alone (T = 1, B = 1) ==
+    token 0 of a T = 4 verify == its row in a batch of 3; a verify (n_keep 0) writes nothing; a commit
+    (outputs=False) leaves the states the full step would."""
+    g = torch.Generator().manual_seed(5)
+    B, T, Hk, Hv, dk, dv, S, C, W = 3, 4, 2, 4, 16, 12, 5, 40, 3
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale
+    y = r(B, T, 2 * Hk * dk + Hv * dv)
+    q, k, v = (t.reshape(B, T, h, -1) for t, h in zip(y.split([Hk * dk, Hk * dk, Hv * dv], -1), (Hk, Hk, Hv)))
+    a, b = r(B, T, Hv, scale=4), r(B, T, Hv, scale=2)
+    A_log, dt_bias = r(Hv, scale=0.5), r(Hv)
+    pool, slots = r(S, Hv, dk, dv, scale=0.3), torch.tensor([3, 1, 4])
+    for n_keep in (None, torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])):
+        p1, p2 = pool.clone(), pool.clone()
+        o = K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, n_keep, True)
+        o_ref = K.gdn_recurrent_ref(q, k, v, *K.gdn_gates(a, b, A_log, dt_bias), p2, slots, n_keep)
+        assert rel(o, o_ref) <= 1e-5 and rel(p1, p2) <= 1e-5, n_keep
+        if n_keep is not None:
+            p3 = pool.clone()
+            assert K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p3, slots, n_keep, False) is None
+            assert torch.equal(p3, p1)
+            assert torch.equal(p1[slots[n_keep == 0]], pool[slots[n_keep == 0]])
+    p1, p2, zeros, keep = pool.clone(), pool.clone(), torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, zeros, True)       # a verify, then its commit:
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, keep, False)       # from the verify's states
+    K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p2, slots, keep, False)       # replayed
+    assert torch.equal(p1, p2) and p1._specdec_verify is None
+    outs = {}
+    for name, rows, t in (("alone", [1], 1), ("verify", [1], T), ("batch", [0, 1, 2], 1)):
+        p = pool.clone()
+        o = K._gdn_recurrent_cpu(q[rows, :t], k[rows, :t], v[rows, :t], a[rows, :t], b[rows, :t], A_log,
+                                 dt_bias, p, slots[rows], torch.zeros(len(rows), dtype=torch.long), True)
+        outs[name] = o[rows.index(1), 0]
+    assert torch.equal(outs["verify"], outs["alone"]) and torch.equal(outs["batch"], outs["alone"])
+    x, wc, cpool = r(B, T, C + 4)[..., 2:2 + C], r(C, W + 1, scale=0.5), r(S, C, W)
+    for n_keep in (None, torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])):
+        c1, c2 = cpool.clone(), cpool.clone()
+        yc = K._causal_conv_cpu(x, c1, slots, wc, n_keep)
+        assert torch.equal(yc, K.causal_conv_ref(x, c2, slots, wc, n_keep)) and torch.equal(c1, c2)
+
+
+def test_cpu_norms_fast():
+    """The CPU fast norms (torch's fused F.rms_norm) against the references (fp32, within 2e-6), and a row's
+    bits whatever the number of rows (1 .. 70)."""
+    g = torch.Generator().manual_seed(3)
+    for D in (64, 256):
+        x, r, z = (torch.randn(70, D, generator=g) * 2 for _ in range(3))
+        w = torch.randn(D, generator=g) * 0.1
+        assert (K.rms_norm(x, w, 1e-6) - K.rms_norm_ref(x, w, 1e-6)).abs().max() <= 2e-6
+        y, h = K.add_rms_norm(x, r, w, 1e-6)
+        y_ref, h_ref = K.add_rms_norm_ref(x, r, w, 1e-6)
+        assert torch.equal(h, h_ref) and (y - y_ref).abs().max() <= 2e-6
+        assert (K.gated_rms_norm(x, z, w, 1e-6) - K.gated_rms_norm_ref(x, z, w, 1e-6)).abs().max() <= 2e-6
+        for fn in (lambda i, j: K.rms_norm(x[i:j], w, 1e-6),
+                   lambda i, j: K.gated_rms_norm(x[i:j], z[i:j], w, 1e-6)):
+            alone = torch.cat([fn(i, i + 1) for i in range(70)])
+            assert all(torch.equal(fn(0, M), alone[:M]) for M in range(2, 71))
+
+
+def test_cpu_attention_fast_equals_reference():
+    """The CPU fast attention (a KV head's query heads as one product's rows, each query over its own keys)
+    against the reference (fp32, within 1e-5), and a query's bits alone == as token 2 of a T = 4 verify ==
+    as a row of a batch of 3."""
+    g = torch.Generator().manual_seed(9)
+    B, T, nh, nkv, d, S, Lc = 3, 4, 4, 2, 16, 5, 40
+    q = torch.randn(B, T, nh, d, generator=g)
+    kc, vc = torch.randn(S, Lc, nkv, d, generator=g), torch.randn(S, Lc, nkv, d, generator=g)
+    slots, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 20])
+    o = K._attention_cpu(q, kc, vc, slots, pos)
+    assert rel(o, K.attention_ref(q, kc, vc, slots, pos, 24)) <= 1e-5
+    alone = K._attention_cpu(q[1:2, 2:3], kc, vc, slots[1:2], pos[1:2] + 2)[0, 0]
+    batch = K._attention_cpu(q[:, 2:3], kc, vc, slots, pos + 2)[1, 0]
+    assert torch.equal(o[1, 2], alone) and torch.equal(batch, alone)

@@ -4,7 +4,9 @@
 #   bash tools/gpu_check.sh            (in the repository root on the GPU machine; logs and GPU_VERIFIED under $OUT)
 # 1. the first-run snippet: MTP on the shipped model, bf16, CUDA graphs (64 tokens);
 # 2. every `gpu` test in test_specdec.py and every kernel test, compiled for the GPU (pytest -k "gpu or kernel");
-# 3. the losslessness sweep (tools/lossless_sweep.py): every method == speculation off on the shipped model.
+# 3. the losslessness sweep (tools/lossless_sweep.py): every method == speculation off on the shipped model;
+# 4. losslessness at the real shapes (tools/invariance_check.py): random bf16 27B / 35B-A3B weights, speculation off
+#    batched and every model-free / random-drafter method alone and batched == speculation off alone.
 # On success it writes GPU_VERIFIED: date, GPU, versions, the summary lines, sha256 of kernels.py and specdec.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
@@ -39,10 +41,16 @@ timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py > "$OUT/sweep.log"
 grep -v '^{' "$OUT/sweep.log" | tail -20
 sweep=$(grep '^lossless sweep:' "$OUT/sweep.log")
 
+echo "== 4. real-shape invariance check"
+timeout ${INVARIANCE_TIMEOUT:-240} python3 tools/invariance_check.py > "$OUT/invariance.log" 2>&1 || ok=0
+grep -v '^{' "$OUT/invariance.log" | tail -20
+inv=$(grep '^invariance check:' "$OUT/invariance.log")
+
 secs=$(( $(date +%s) - t0 ))
-summary="gpu_check: ${snippet:-snippet failed}; tests: ${tests:-none}; ${sweep:-sweep failed}; ${secs} s"
+summary="gpu_check: ${snippet:-snippet failed}; tests: ${tests:-none}; ${sweep:-sweep failed}; \
+${inv:-invariance check failed}; ${secs} s"
 echo "$summary"
-if [ $ok = 1 ] && [ -n "$sweep" ]; then
+if [ $ok = 1 ] && [ -n "$sweep" ] && [ -n "$inv" ]; then
   { echo "GPU-verified $(date -u +%Y-%m-%dT%H:%MZ) on $gpu ($versions)"
     echo "$summary"
     echo "$hashes"; } > GPU_VERIFIED

@@ -117,21 +117,17 @@ def main():
     print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "
           f"{bench.gemm_floor(ws, 1):.2f} ms; fused weights as the engine runs them "
           f"{bench.gemm_floor(step_weights(model), 1):.2f} ms", flush=True)
-    eng = sd.Engine(model, None, None, 8, a.ctx + 64, torch.bfloat16, torch.device("cuda"))
-    runner = sd.GraphRunner(eng)
+    runner = sd.ModelRunner(model, None, 8, a.ctx + 64, torch.bfloat16, torch.device("cuda"))
     with torch.inference_mode():
         for s in a.steps:
             B, T = map(int, s.split("x"))
-            g = runner.capture(B, T, "verify" if T > 1 else "decode")
-            g.pos.fill_(a.ctx)
-            g.slots.copy_(torch.arange(B))
-
-            ms = bench.replay_ms(lambda: (g.graph.replay(), g.commit.replay() if g.commit is not None else None))
+            g = bench.target_graph(runner, B, T, a.ctx)
+            ms = bench.replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
             print(f"step B={B} T={T}: {ms:.3f} ms (graph replay)", flush=True)
         for s in a.kernels:
             B, T = map(int, s.split("x"))
             ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
-            ctx = sd.Ctx(eng.state, torch.arange(B, device="cuda"), torch.full((B,), a.ctx, device="cuda"),
+            ctx = sd.Ctx(runner.state, torch.arange(B, device="cuda"), torch.full((B,), a.ctx, device="cuda"),
                          a.ctx + T, "verify" if T > 1 else "decode")
 
             def fwd():

@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows]      (default: the first four)
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rowsbm]      (default: the first four)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
@@ -178,6 +178,46 @@ def rows(Ms=(1, 16, 128), copies=8):
     print("ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
 
 
+rows_bm_of = K._rows_bm
+
+
+def rows_bm(Ms=(1, 8, 16, 40, 64, 128, 136), copies=8):
+    """The row-invariant linear with row tiles of 16, 32, 64 and 128 rows (kernels._rows_bm; ROWS_CONFIG's tiles
+    otherwise), at M rows, against cuBLAS; whether the tiles give the same bits, and whether a row alone equals the
+    same row inside steps of 40 and 136 rows, bit for bit."""
+    for model, shapes in ROWS_SHAPES.items():
+        for (N, Kd) in shapes:
+            n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
+            ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+            xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
+            print(f"== {model} {N}x{Kd} {K._rows_config(N, Kd, xs.device)}: us at M = {list(Ms)}")
+            print("  cuBLAS   " + " ".join(f"{graph_time(lambda: [F.linear(xs[:M], w) for w in ws]) / n:7.1f}"
+                                          for M in Ms))
+            outs = {}
+            for bm in (16, 32, 64, 128):
+                K._rows_bm = lambda M, bm=bm: bm
+                try:
+                    outs[bm] = K._gemv_launch(xs, ws[0], "rows")
+                except Exception as e:  # noqa  (128 rows x the lm_head's tiles: out of shared memory)
+                    outs[bm] = None
+                    print(f"  BM {bm}: {type(e).__name__}")
+            print("  the same bits with row tiles of 16 / 32 / 64 / 128 (M = 136): "
+                  + " ".join(str(outs[bm] is not None and torch.equal(outs[16], outs[bm])) for bm in (32, 64, 128)))
+            for bm in (16, 32, 64, 128):
+                K._rows_bm = lambda M, bm=bm: bm
+                try:
+                    ts = [graph_time(lambda: [K._gemv_launch(xs[:M], w, "rows") for w in ws]) / n for M in Ms]
+                    alone = K._gemv_launch(xs[:1], ws[0], "rows")
+                    inv = all(torch.equal(K._gemv_launch(xs[:M], ws[0], "rows")[r:r + 1], K._gemv_launch(
+                        xs[r:r + 1], ws[0], "rows")) for M in (40, 136) for r in (0, M - 1))
+                    inv = inv and torch.equal(K._gemv_launch(xs[:136], ws[0], "rows")[:1], alone)
+                    print(f"  BM {bm:3d}   " + " ".join(f"{t:7.1f}" for t in ts) + f"   invariant {inv}")
+                except Exception as e:  # noqa
+                    print(f"  BM {bm:3d}   {type(e).__name__}: {str(e)[:200]}")
+            K._rows_bm = rows_bm_of
+            del ws
+
+
 def markov(B=1, Kq=16, V=248320, R=256):
     print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
     U = torch.randn(B, Kq, V, device=dev)
@@ -207,6 +247,8 @@ def main():
     parts = sys.argv[1:] or ["moe", "gdn", "gemv", "markov"]
     if "rows" in parts:
         rows()
+    if "rowsbm" in parts:
+        rows_bm()
     torch.manual_seed(0)
     if "moe" in parts:
         moe(1)

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench  # noqa: E402
 import kernels as K  # noqa: E402
 import specdec as sd  # noqa: E402
-from train_toy import read, split, stdlib_files  # noqa: E402
+from corpus import read, split, stdlib_files  # noqa: E402
 
 BLOCK, TAPS, RANK, GAMMA = 8, [1, 3, 5], 64, 4.0
 
@@ -61,12 +62,7 @@ def init_weights(cfg, method, seed):
     r = lambda *s: torch.randn(*s, generator=g) * 0.02
     w = {"fc.weight": r(H, len(TAPS) * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
     for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(nh * hd, H), p + "self_attn.k_proj.weight": r(nkv * hd, H),
-                  p + "self_attn.v_proj.weight": r(nkv * hd, H), p + "self_attn.o_proj.weight": r(H, nh * hd),
-                  p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
-                  p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
-                  p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H)})
+        w.update(bench.random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r, torch.ones))
     if method == "dspark":
         w.update({"markov_head.markov_w1.weight": r(V, RANK), "markov_head.markov_w2.weight": torch.zeros(V, RANK),
                   "confidence_head.proj.weight": r(1, H + RANK), "confidence_head.proj.bias": torch.zeros(1)})
@@ -91,7 +87,7 @@ def build(path, method, device):
         shapes = {n: tuple(st.get_slice(n).get_shape()) for n in st.keys()}
     with torch.device("meta"):
         net = sd.BlockDrafter(c, shapes)
-    net = sd.load_weights(net, {n: f for n in shapes}, torch.float32, device, path)
+    net = sd.load_weights(net, sd.checkpoint_sources({n: f for n in shapes}), torch.float32, device, path)
     for p in net.parameters():
         p.requires_grad_(True)
     return net.train(), c

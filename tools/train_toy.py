@@ -16,13 +16,11 @@ The engine's own modules are trained (through its inference forward with a fresh
 reference kernels), so what ships is exactly what runs.
 """
 import argparse
-import hashlib
 import json
 import math
 import os
 import shlex
 import sys
-import sysconfig
 import time
 
 import torch
@@ -33,6 +31,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import kernels as K  # noqa: E402
 import specdec as sd  # noqa: E402
+from corpus import read, split, stdlib_files  # noqa: E402
 from make_tokenizer import make_tiny_tokenizer  # noqa: E402
 
 TARGET = dict(hidden_size=256, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=4,
@@ -41,30 +40,6 @@ TARGET = dict(hidden_size=256, num_hidden_layers=8, intermediate_size=1024, num_
 DRAFT = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=384, num_attention_heads=2,
              num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
              linear_key_head_dim=64, linear_value_head_dim=64, mtp_num_hidden_layers=0)
-
-
-def stdlib_files():
-    root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for d, _, files in os.walk(root):
-        if "site-packages" in d or "dist-packages" in d:
-            continue
-        out += [os.path.join(d, f) for f in files if f.endswith(".py")]
-    return root, sorted(out)
-
-
-def split(files, root):
-    """Deterministic: a file is held out when the hash of its path relative to the stdlib is < 2%."""
-    held = lambda f: int(hashlib.sha256(os.path.relpath(f, root).encode()).hexdigest(), 16) % 100 < 2
-    return [f for f in files if not held(f)], [f for f in files if held(f)]
-
-
-def read(f):
-    try:
-        with open(f, encoding="utf-8") as fh:
-            return fh.read()
-    except (UnicodeDecodeError, OSError):
-        return None
 
 
 def text_config(shape, vocab, eos):
@@ -96,11 +71,7 @@ def init_model(cfg, device, seed):
                 p.normal_(0, 0.2)
             else:
                 p.normal_(0, 0.02)
-    for mod in model.modules():
-        if isinstance(mod, sd.Attention):
-            rd = cfg.rotary_dim
-            mod.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, device=device).float() / rd)
-    return model
+    return sd.init_rope(model, device)
 
 
 def forward_loss(model, ids, mtp_weight=0.0):

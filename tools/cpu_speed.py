@@ -1,0 +1,127 @@
+"""The README's first command for every speculative method, in one process: tok/s on this machine (the CPU).
+
+    python tools/cpu_speed.py [--rounds 3] [--max-tokens 64] [--concurrency 4]
+
+Each method decodes "def fib(n):" greedily (as `python specdec.py --prompt "def fib(n):" --max-tokens 64
+[--speculative-config ...]` does, on the shipped toy model), its rate measured as the CLI measures it: tokens
+after the first over the time after the first. The methods take turns over --rounds rounds (so a burst of load
+from elsewhere hits all of them) and each keeps its median. Then --concurrency requests at once (four prompts,
+64 tokens each; output tokens over wall time), speculation off against MTP k=3. With --serve N: `bench.py serve`
+(--num-prompts N, --max-concurrency --concurrency, --gen-len 64) against `server.py` on the toy model, started
+once without speculation and once with MTP k=3 (output token throughput). Prints the load average, a markdown
+table with the ratios to speculation off, then one JSON line.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import specdec as sd  # noqa: E402
+
+M = os.path.join(ROOT, "models")
+METHODS = {
+    "off": None,
+    "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
+    "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
+    "dflash": {"method": "dflash", "model": os.path.join(M, "toy-dflash"), "num_speculative_tokens": 7},
+    "dspark": {"method": "dspark", "model": os.path.join(M, "toy-dspark"), "num_speculative_tokens": 8},
+    "draft_model k=4": {"method": "draft_model", "model": os.path.join(M, "toy-draft"), "num_speculative_tokens": 4},
+    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+}
+PROMPTS = ["def fib(n):", "import os\n\n\ndef walk(path):", "class Stack:\n    def __init__(self):",
+           "def parse_args(argv):"]
+
+
+def one(llm, prompt, n):
+    """The CLI's rate: (tokens - 1) / (time after the first token); and the tokens."""
+    eng = llm.engine
+    req = eng.add_request(llm.tokenizer.encode(prompt), sd.SamplingParams(temperature=0.0, max_tokens=n))
+    while not req.finished:
+        eng.step()
+    t1 = time.perf_counter()
+    return (len(req.output_ids) - 1) / (t1 - req.first_token_time), list(req.output_ids)
+
+
+def many(llm, n):
+    t0 = time.perf_counter()
+    outs = llm.generate(PROMPTS, sd.SamplingParams(temperature=0.0, max_tokens=n))
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def serve(spec, n, concurrency):
+    """bench.py serve's output token throughput against a fresh server.py (spec: None or a JSON string)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, os.path.join(ROOT, "server.py"), "--port", str(port), "--device", "cpu",
+           "--max-num-seqs", str(concurrency)] + (["--speculative-config", spec] if spec else [])
+    srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url",
+                              f"http://127.0.0.1:{port}", "--num-prompts", str(n), "--max-concurrency",
+                              str(concurrency), "--gen-len", "64"], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["output_throughput"]
+    finally:
+        srv.terminate()
+        srv.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--serve", type=int, default=0, help="bench.py serve with this many prompts (0: skip)")
+    a = ap.parse_args()
+    load0 = os.getloadavg()
+    llms = {k: sd.LLM(model=os.path.join(M, "toy"), speculative_config=v, device="cpu",
+                      max_num_seqs=a.concurrency) for k, v in METHODS.items()}
+    for llm in llms.values():
+        one(llm, PROMPTS[0], 8)  # warm-up
+    rates, toks = {k: [] for k in llms}, {}
+    for _ in range(a.rounds):
+        for k, llm in llms.items():
+            r, toks[k] = one(llm, PROMPTS[0], a.max_tokens)
+            rates[k].append(r)
+    conc = {k: [] for k in ("off", "mtp k=3")}
+    for _ in range(a.rounds):
+        for k in conc:
+            conc[k].append(many(llms[k], a.max_tokens))
+    served = {}
+    if a.serve:
+        served = {"off": serve(None, a.serve, a.concurrency),
+                  "mtp k=3": serve(json.dumps(METHODS["mtp k=3"]), a.serve, a.concurrency)}
+    load1 = os.getloadavg()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    cmed = {k: statistics.median(v) for k, v in conc.items()}
+    print(f"load average (1, 5, 15 min) before: {load0}, after: {load1}; {os.cpu_count()} CPUs")
+    print("| method | tok/s (median of %d) | vs off | tokens == off |" % a.rounds)
+    print("|---|---|---|---|")
+    for k in llms:
+        print(f"| {k} | {med[k]:.1f} | {med[k] / med['off']:.2f}x | {toks[k] == toks['off']} |")
+    print(f"| concurrency {a.concurrency} off | {cmed['off']:.1f} | | |")
+    print(f"| concurrency {a.concurrency} mtp k=3 | {cmed['mtp k=3']:.1f} | {cmed['mtp k=3'] / cmed['off']:.2f}x | |")
+    if served:
+        print(f"| bench.py serve, concurrency {a.concurrency}, off | {served['off']:.1f} | | |")
+        print(f"| bench.py serve, concurrency {a.concurrency}, mtp k=3 | {served['mtp k=3']:.1f} | "
+              f"{served['mtp k=3'] / served['off']:.2f}x | |")
+    print(json.dumps({"serve_output_tok_s": served, "load_before": load0, "load_after": load1, "tok_s": med, "rounds": rates,
+                      "concurrency": a.concurrency, "concurrent_tok_s": cmed,
+                      "same_tokens": {k: toks[k] == toks["off"] for k in llms}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -68,6 +68,31 @@ def random_model(name, dtype, device, seed=0):
     return sd.fuse_projections(sd.init_rope(model, device).eval()), cfg
 
 
+def make_cyclic(model, period=64, seed=0):
+    """Make a random-weight model continue cyclic text, as a real model continues repeated text: the vocabulary
+    split into cycles of `period` ids, every mixer's and MLP's output projection scaled by 1e-4 (the final hidden
+    state is then the normed embedding of the last token, nearly), and the lm_head row of each id's successor in
+    its cycle tilted toward that hidden state (its logit ~ sqrt(hidden_size), the others' ~ 1). Greedy text then
+    walks the cycle of the prompt's last token: prompt lookup finds drafts as on real text, and a rejected draft
+    is followed by the cycle's next id. Speed is unchanged (dense GEMMs do not depend on values). Returns the
+    cycles [V // period, period]."""
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    cyc = torch.randperm(V, generator=g)[:V // period * period].view(-1, period)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                p.mul_(1e-4)
+        dev = model.embed_tokens.weight.device
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        assert model.lm_head is not None, "a cyclic model needs its own lm_head"
+        src, dst = cyc.flatten().to(dev), cyc.roll(-1, 1).flatten().to(dev)
+        h = model.embed_tokens.weight[src].float()
+        head[dst] += (h / h.norm(dim=-1, keepdim=True)).to(head.dtype)
+    model.cycles = cyc
+    return cyc
+
+
 def random_qwen3_layer(prefix, H, nh, nkv, hd, I, rand, norm=lambda n: torch.ones(n, dtype=torch.bfloat16)):
     """One Qwen3 decoder layer's tensors (specdec's table) under `prefix`: rand(*shape) for the matrices, norm(n)
     for the norm weights (default ones)."""
@@ -266,6 +291,11 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     V = model.cfg.vocab_size
 
     def prompt():
+        cyc = getattr(model, "cycles", None)
+        if cyc is not None:  # a model made cyclic: one of its cycles from a random id, repeated
+            i, j = torch.randint(0, cyc.numel(), (2,), generator=g).tolist()
+            c = cyc[i % cyc.shape[0]].roll(j % cyc.shape[1])
+            return c.repeat(prompt_len // c.numel() + 1)[:prompt_len].tolist()
         if spec is not None and spec.method == "ngram":
             return torch.randint(0, V, (64,), generator=g).repeat(prompt_len // 64 + 1)[:prompt_len].tolist()
         return torch.randint(0, V, (prompt_len,), generator=g).tolist()
@@ -631,6 +661,19 @@ def verify_costs(model, Ts, device, dtype):
     return out
 
 
+def ngram_cost(hist_len, device, B=8, k=4):
+    """ms of device time of one ngram propose over B slots with hist_len-token histories (the lookup of the
+    default window, 2..5 tokens, on a random text of 64 token ids), captured in a CUDA graph as the engine runs
+    it."""
+    spec = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                                           "prompt_lookup_max": 5})
+    io = sd.ProposerIO(None, None, B, hist_len + 1, torch.bfloat16, device, h2d=None, call=None)
+    ngram = sd.NgramProposer(spec, io)
+    ngram.hist[:, :hist_len] = torch.randint(0, 64, (B + 1, hist_len), device=device)
+    slots, pos = torch.arange(B, device=device), torch.full((B,), hist_len - 1, device=device)
+    return graph_ms(lambda: ngram._propose(0, slots, pos))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
@@ -661,6 +704,10 @@ def main(argv=None):
                     "same shapes (random weights, batch 1, first prompt length), after our rows")
     ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
                     help="also time one target step over each of these token counts (batch 1), vs T = 1")
+    ap.add_argument("--cyclic", action="store_true", help="with --random-weights: make the model continue the "
+                    "cyclic text of its prompts (make_cyclic), so that ngram finds drafts as on real text")
+    ap.add_argument("--ngram-cost", type=int, default=None, metavar="HIST_LEN",
+                    help="also time one ngram lookup at batch 8 over HIST_LEN-token histories (device time)")
     ap.add_argument("--stall", type=int, default=None, metavar="LONG_LEN",
                     help="instead of the rows: --batch streams decode while a LONG_LEN-token prompt arrives; "
                     "their inter-token latency before and during its prefill, its TTFT (one row per budget)")
@@ -682,6 +729,8 @@ def main(argv=None):
     specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
     if a.random_weights or not a.model:
         model, cfg = random_model(a.random_weights or "tiny", dtype, device)
+        if a.cyclic:
+            make_cyclic(model)
         label = a.random_weights or "tiny"
     else:
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
@@ -723,6 +772,9 @@ def main(argv=None):
                 rows.append(r)
     costs = verify_costs(model, sorted(set([1] + a.verify_cost)), device, dtype) \
         if a.verify_cost and device.type == "cuda" else None
+    if a.ngram_cost and device.type == "cuda":
+        ms = ngram_cost(a.ngram_cost, device)
+        print(f"# ngram lookup, batch 8, {a.ngram_cost}-token histories: {1e3 * ms:.1f} us of device time per step")
     hf = None
     if a.hf_baseline:
         del model, ws

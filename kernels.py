@@ -482,7 +482,7 @@ def linear(x, w, residual=None):
             return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
-    elif _cpu_fast(x) and w.dim() == 2:
+    elif _cpu_fast(x) and w.dim() == 2 and w.shape[0] % 16 == 0:
         y = _linear_cpu(x, w)
     else:
         rows = x.reshape(-1, x.shape[-1])
@@ -504,7 +504,9 @@ def _linear_cpu(x, w):
     2-3 and >= 4 rows differently, hence the reference's loop. With w^T contiguous a row is an axpy over the
     inputs that streams w^T once, 2-2.5x faster than the GEMV over w's rows (lm_head 8256 x 256: 212 vs 525
     us); a batched 4-row GEMM would read the weights once but MKL's small-M packing makes it slower still
-    (lm_head, 4 rows: 2099 us vs 800 for four such rows)."""
+    (lm_head, 4 rows: 2099 us vs 800 for four such rows). Only for out a multiple of 16: with out = 70 or
+    250 the batched call rounds every other row differently (measured on the same CPU; out = 24, 64, 100,
+    128, 256, 1024, 8256 did not), so such widths take the reference's loop."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
     y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
@@ -1689,3 +1691,71 @@ def markov_greedy(U, e0, w1, w2):
         _markov_pick_kernel[(B,)](pv, pi, w1, e, d, NB, R, j, d.stride(0), BNB=min(4096, _p2(NB)), BR=BR,
                                   num_warps=4)
     return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt lookup (method ngram), on the device
+# ----------------------------------------------------------------------------------------------
+
+def ngram_lookup_ref(hist, slots, last, room, k, lo, hi):
+    """vLLM's prompt lookup for a batch of rows, in whole-tensor ops. hist [S, W] long: each slot's tokens
+    at positions 0..last (beyond: anything); slots, last, room [B] long: the row's slot, the position of its
+    last token, how many drafts may follow it. For every earlier end position e < last, m[e] = how many tokens
+    ending at e equal the tokens ending at last (up to hi); the longest match n = max(m) wins if n >= lo, at
+    its earliest e; the drafts are the up to k tokens after e (never past last). Returns drafts [B, k] long,
+    -1 = none."""
+    h = hist[slots]                                                           # [B, W]
+    B, W = h.shape
+    e = torch.arange(W, device=h.device)
+    hp = F.pad(h, (hi - 1, 0), value=-1)                                      # hp[:, p] = h[:, p - (hi - 1)]
+    run = e[None] < last[:, None]                                             # earlier end positions only
+    m = torch.zeros(B, W, dtype=torch.int32, device=h.device)
+    for i in range(hi):                                                       # h[e - i] == h[last - i] ...
+        tok = h.gather(1, (last - i).clamp(min=0)[:, None])
+        run = run & (hp[:, hi - 1 - i:hi - 1 - i + W] == tok)     # (e < last and e - i >= 0: last > i)
+        m += run                                                              # ... for every i so far
+    n = m.max(1).values                                                       # [B] the longest match
+    first = torch.where(m >= n[:, None], e[None], W).min(1).values            # [B] its earliest end
+    idx = first[:, None] + 1 + torch.arange(k, device=h.device)               # [B, k] the tokens after it
+    ok = (n >= lo)[:, None] & (idx <= last[:, None]) & (idx - first[:, None] <= room[:, None])
+    return torch.where(ok, h.gather(1, idx.clamp(max=W - 1)), -1)
+
+
+@_jit
+def _ngram_kernel(p_hist, p_slots, p_last, p_room, p_out, W, s_h, K: tl.constexpr, LO: tl.constexpr,
+                  HI: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr):
+    b = tl.program_id(0)
+    row = p_hist + tl.load(p_slots + b) * s_h
+    last = tl.load(p_last + b)
+    best_n = tl.full([], 0, tl.int32)
+    best_e = tl.full([], 0, tl.int64)
+    for e0 in range(0, last, BW):  # blocks in order: a later block wins only with a strictly longer match
+        o_e = e0 + tl.arange(0, BW)
+        m = tl.zeros([BW], tl.int32)
+        for i in tl.static_range(HI):  # m[e] == i: h[e - j] == h[last - j] for every j < i
+            tok = tl.load(row + tl.maximum(last - i, 0))
+            ok = (m == i) & (o_e < last) & (o_e >= i)        # (so last > i: h[last - i] exists)
+            x = tl.load(row + o_e - i, mask=ok, other=-1)
+            m += (ok & (x == tok)).to(tl.int32)
+        c_n = tl.max(m, 0)
+        c_e = tl.min(tl.where(m == c_n, o_e, W), 0)
+        best_e = tl.where(c_n > best_n, c_e, best_e)
+        best_n = tl.maximum(best_n, c_n)
+    o_k = tl.arange(0, BK)
+    idx = best_e + 1 + o_k
+    n_d = tl.where(best_n >= LO, tl.minimum(tl.load(p_room + b), K), 0)          # how many drafts at most
+    ok = (o_k < n_d) & (idx <= last)
+    d = tl.load(row + idx, mask=ok, other=-1)
+    tl.store(p_out + b * K + o_k, tl.where(ok, d, -1), mask=o_k < K)
+
+
+def ngram_lookup(hist, slots, last, room, k, lo, hi):
+    """ngram_lookup_ref on the GPU: one program per row, over its history up to its own last position (so the
+    cost follows the history's length, not the buffer's), with no host sync (it runs inside a CUDA graph)."""
+    if not _fast(hist):
+        return ngram_lookup_ref(hist, slots, last, room, k, lo, hi)
+    assert hist.dtype == slots.dtype == last.dtype == room.dtype == torch.long and hist.stride(1) == 1
+    out = _empty((slots.shape[0], k), torch.long, hist.device)
+    _ngram_kernel[(slots.shape[0],)](hist, slots, last, room, out, hist.shape[1], hist.stride(0), K=k, LO=lo,
+                                     HI=hi, BW=1024, BK=_p2(k), num_warps=4)
+    return out

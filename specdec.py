@@ -25,7 +25,7 @@ One file, read top to bottom; a banner opens each section:
     API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
 
 Each speculative method is one proposer class (PROPOSERS):
-    ngram        NgramProposer         prompt lookup on the host
+    ngram        NgramProposer         prompt lookup on the device
     mtp          MTPProposer           the checkpoint's MTP layer, chained k times
     dflash       DFlashProposer        a block drafter over the target's hidden-state taps
     dspark       DSparkProposer        a block drafter plus a Markov head
@@ -560,7 +560,7 @@ def fuse_projections(model):
     for m in model.modules():  # parents before children: a MoE's shared expert is fused with its router
         if isinstance(m, GatedDeltaNet):
             fuse(m, "in_proj", [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-        elif isinstance(m, Attention):
+        elif isinstance(m, Attention) or (isinstance(m, Qwen3Attention) and m.q_proj.bias is None):
             fuse(m, "qkv", [m.q_proj, m.k_proj, m.v_proj])
         elif isinstance(m, MoE):
             se = m.shared_expert
@@ -891,9 +891,9 @@ class ProposerIO:
 
 
 def ngram_lookup(ctx, k, lo, hi):
-    """vLLM's prompt lookup: the longest suffix n-gram of ctx (lo <= n <= hi) that occurred earlier, its
-    earliest occurrence, and up to k tokens that followed it. Vectorised with numpy: it runs on the host every
-    step, over prompt + output (the tests hold a plain reference)."""
+    """vLLM's prompt lookup on the host (what kernels.ngram_lookup computes on the device): the longest suffix
+    n-gram of ctx (lo <= n <= hi) that occurred earlier, its earliest occurrence, and up to k tokens that
+    followed it. Vectorised with numpy (the tests hold a plain-loop reference)."""
     a = np.asarray(ctx, dtype=np.int64)
     N = len(a)
     for n in range(min(hi, N - 1), lo - 1, -1):
@@ -905,7 +905,9 @@ def ngram_lookup(ctx, k, lo, hi):
 
 
 class NgramProposer:
-    """method ngram: prompt lookup over each request's tokens, on the host."""
+    """method ngram: prompt lookup over each request's tokens, on the device (kernels.ngram_lookup). Each
+    slot's tokens are kept in hist: the prompt at prefill, each step's accepted tokens at commit. Nothing is
+    read from the host, so ngram steps run asynchronously and, on the GPU, as captured graphs."""
     taps = ()
 
     def __init__(self, spec, io):
@@ -913,20 +915,31 @@ class NgramProposer:
         self.k = spec.num_speculative_tokens
         self.lo = spec.prompt_lookup_min
         self.hi = spec.prompt_lookup_max
+        W = io.max_model_len + self.k + 1     # a step writes its k+1 tokens after positions < max_model_len
+        self.hist = torch.zeros(io.num_slots + 1, W, dtype=torch.long, device=io.device)   # [slots + 1, W]
 
     def prefill(self, req, hidden, taps, ids, pos):
-        pass
+        # ids [1, T]: the next token of each position of the chunk, i.e. the tokens at pos+1..pos+T
+        if pos == 0:
+            self.hist[req.slot, 0] = req.prompt_ids[0]
+        self.hist[req.slot, pos + 1:pos + 1 + ids.shape[1]] = ids[0]
+
+    def _propose(self, kv_len, slots, pos):
+        room = self.io.max_model_len - 1 - pos                          # drafts may end at max_model_len
+        return K.ngram_lookup(self.hist, slots, pos, room, self.k, self.lo, self.hi), None
 
     def propose(self, batch):
-        drafts = torch.full((len(batch.reqs), self.k), -1, dtype=torch.long)
-        for b, r in enumerate(batch.reqs):
-            room = self.io.max_model_len - len(r.tokens)
-            d = ngram_lookup(r.tokens, min(self.k, room), self.lo, self.hi) if room > 0 else []
-            drafts[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return self.io.h2d(drafts), None
+        return self.io.call("ngram-propose", self._propose, 0, dict(slots=batch.slots, pos=batch.pos))
+
+    def _commit(self, kv_len, slots, pos, tokens):
+        # the step's tokens (the accepted drafts and the next one; -1 after them) at pos+1..; what follows the
+        # emitted ones is overwritten by later steps before a lookup can read it (it reads positions <= last)
+        at = pos[:, None] + 1 + torch.arange(tokens.shape[1], device=pos.device)         # [B, k+1]
+        self.hist[slots[:, None], at] = tokens
+        return ()
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
-        pass
+        self.io.call("ngram-commit", self._commit, 0, dict(slots=batch.slots, pos=batch.pos, tokens=tokens))
 
 
 def draft_noise(io, reqs, k):
@@ -1194,8 +1207,16 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
-        q = self.write_kv(x, ctx, self.q_proj(x).view(B, T, self.nh, self.hd))
         k_cache, v_cache = ctx.state.kv[self.layer_id]
+        if hasattr(self, "qkv"):  # fused after loading (no bias): one GEMM, views of its output
+            kv_dim = self.nkv * self.hd
+            q, k, v = K.linear(x, self.qkv).split([self.nh * self.hd, kv_dim, kv_dim], -1)
+            q = K.attention_prep(q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd),
+                                 v.view(B, T, self.nkv, self.hd), self.q_norm.weight, self.k_norm.weight,
+                                 self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos,
+                                 plain=True)
+        else:
+            q = self.write_kv(x, ctx, self.q_proj(x).view(B, T, self.nh, self.hd))
         o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
         return self.o_proj(o.reshape(B, T, -1))                                     # [B, T, H]
 
@@ -1210,7 +1231,7 @@ class Qwen3Layer(nn.Module):
 
     def forward(self, x, ctx):
         x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)                 # x + mlp(..)
 
 
 def qwen3_layer_tensors(H, nh, nkv, hd, I):
@@ -1528,7 +1549,7 @@ def load_draft_lm(path, io, max_len):
     with torch.device("meta"):
         model = Qwen3LM(c)
     sources = checkpoint_sources(tensors, lambda n: n[len("model."):] if n.startswith("model.") else n)
-    model = load_weights(model, sources, io.dtype, io.device, f"draft_model {path}")
+    model = fuse_projections(load_weights(model, sources, io.dtype, io.device, f"draft_model {path}"))
     return model, KVCache(c, *args)
 
 
@@ -1871,10 +1892,9 @@ class ModelRunner:
         self.next_pos = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
         # Asynchronous steps (default with CUDA graphs): step n+1 is launched before step n's tokens are
         # read back, so the host's work (stop checks, detokenising, the next launch) overlaps the device's.
-        # A request's stop is then seen one step late: the extra step's tokens are dropped. Ngram drafts
-        # from the host's tokens, so it runs synchronously; so does a speculative config with enforce_eager
-        # (its eager drafter reads them).
-        host_drafts = spec is not None and (spec.method == "ngram" or spec.enforce_eager)
+        # A request's stop is then seen one step late: the extra step's tokens are dropped. A speculative
+        # config with enforce_eager runs synchronously (its eager drafter reads the host's positions).
+        host_drafts = spec is not None and spec.enforce_eager
         default_async = self.graphs is not None
         self.async_steps = (default_async if async_steps is None else async_steps) and not host_drafts
         # the target's steps: fn(kv_len, ids, pos, slots) -> (hidden, logits, *taps), and the one after it

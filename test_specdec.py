@@ -695,25 +695,76 @@ def test_proposer_without_an_engine(tiny):
                     else:
                         assert torch.allclose(q[row, j], (logits / 0.7).softmax(-1), atol=1e-5)
                     hidden, nxt = torch.cat([hidden, u[:, -1:]], 1), nxt + [int(drafts[row, j])]
-    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
-                                                  prompt_lookup_max=2), io)
-    reqs = [types.SimpleNamespace(tokens=[1, 2, 3, 1, 2]), types.SimpleNamespace(tokens=[5, 6, 7])]
-    d, q = ngram.propose(sd.Batch(reqs, torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([2, 7]), True))
+    ngram = ngram_with_history(io, 3, 1, 2, [[1, 2, 3, 1, 2], [5, 6, 7]])
+    d, q = ngram.propose(sd.Batch([None] * 2, torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([2, 7]), True))
     assert d.tolist() == [[3, 1, 2], [-1, -1, -1]] and q is None
+
+
+def ngram_with_history(io, k, lo, hi, histories):
+    """An NgramProposer whose slot i has seen histories[i]: a prompt of all but its last token, prefilled, whose
+    first sampled token is the last (as ModelRunner.prefill hands them over)."""
+    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo,
+                                                  prompt_lookup_max=hi), io)
+    for slot, toks in enumerate(histories):
+        req = types.SimpleNamespace(slot=slot, prompt_ids=toks[:-1])
+        ngram.prefill(req, None, (), torch.tensor([toks[1:]], device=io.device), 0)
+    return ngram
+
+
+def eager_io(num_slots, max_model_len, device="cpu"):
+    """A ProposerIO with no target: eager calls, plain device copies."""
+    device = torch.device(device)
+    return sd.ProposerIO(None, None, num_slots=num_slots, max_model_len=max_model_len, dtype=torch.float32,
+                         device=device, h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype, device=device),
+                         call=lambda name, fn, kv_len, inputs: fn(kv_len, **inputs))
 
 
 def test_ngram_drafts_stop_at_max_model_len():
     """NgramProposer drafts at most max_model_len - len(tokens) tokens (vLLM: no draft beyond the model's length):
     k = 3, max_model_len 12, a repeating context: 4 short of it 3 drafts, 3 short 3, 2 short 2, 1 short 1, none at
     the length."""
-    io = sd.ProposerIO(None, None, num_slots=5, max_model_len=12, dtype=torch.float32, device=torch.device("cpu"),
-                       h2d=lambda data, dtype=None: torch.as_tensor(data, dtype=dtype), call=None)
-    ngram = sd.NgramProposer(sd.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
-                                                  prompt_lookup_max=2), io)
-    reqs = [types.SimpleNamespace(tokens=([1, 2, 3, 4] * 3)[:n]) for n in (8, 9, 10, 11, 12)]
-    zeros = torch.zeros(5, dtype=torch.long)
-    d, q = ngram.propose(sd.Batch(reqs, torch.arange(5), zeros, zeros, True))
+    lengths = (8, 9, 10, 11, 12)
+    ngram = ngram_with_history(eager_io(5, 12), 3, 1, 2, [([1, 2, 3, 4] * 3)[:n] for n in lengths])
+    d, q = ngram.propose(sd.Batch([None] * 5, torch.arange(5), torch.tensor(lengths) - 1, torch.zeros(5), True))
     assert d.tolist() == [[1, 2, 3], [2, 3, 4], [3, 4, -1], [4, -1, -1], [-1, -1, -1]] and q is None
+
+
+def check_ngram_device_equals_host(device, rounds, B, lengths, seed=0):
+    """ngram on the device == ngram_lookup (the host reference) for B slots with random histories (small
+    vocabularies and repeats, so that matches of every length occur), after a prefill and then after random steps
+    committed as the engine commits them (the step's tokens, -1 after the emitted ones)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda hi, n=(): torch.randint(0, hi, n, generator=g)
+    for _ in range(rounds):
+        k, lo = int(rnd(6)) + 1, int(rnd(3)) + 1
+        hi = lo + int(rnd(4))
+        L = max(lengths) + 40
+        hists = []
+        for _ in range(B):
+            V, n = int(rnd(6)) + 2, lengths[int(rnd(len(lengths)))]
+            h = rnd(V, (n,)).tolist()
+            if int(rnd(3)) == 0:                                           # a periodic text
+                h = (h[:int(rnd(8)) + 1] * n)[:n]
+            hists.append(h)
+        ngram = ngram_with_history(eager_io(B, L, device), k, lo, hi, hists)
+        for step in range(3):
+            pos = torch.tensor([len(h) - 1 for h in hists], device=device)
+            d, _ = ngram.propose(sd.Batch([None] * B, torch.arange(B, device=device), pos, pos, True))
+            for b, h in enumerate(hists):
+                want = sd.ngram_lookup(h, min(k, L - len(h)), lo, hi) if L > len(h) else []
+                assert d[b].tolist() == want + [-1] * (k - len(want)), (h, k, lo, hi)
+            n_acc = rnd(k + 1, (B,))                                         # a step: n accepted + one more token
+            tokens = torch.full((B, k + 1), -1)
+            for b, h in enumerate(hists):
+                new = [h[i % len(h)] if int(rnd(2)) else int(rnd(6)) for i in range(int(n_acc[b]) + 1)]
+                tokens[b, :len(new)] = torch.tensor(new)
+                h += new
+            ngram.commit(sd.Batch([None] * B, torch.arange(B, device=device), pos, pos, True), None, (), None,
+                         n_acc.to(device), tokens.to(device))
+
+
+def test_ngram_device_equals_host():
+    check_ngram_device_equals_host("cpu", rounds=60, B=4, lengths=(2, 3, 5, 17, 60))
 
 
 def test_rollback_equals_token_by_token(tiny):
@@ -1207,7 +1258,7 @@ SPEC_ERRORS = [  # (config, the whole message): the user-facing text, vLLM's own
      "dspark_draft_topk must be an integer >= 1, got 2.5"),
     ({"method": "mtp", "num_speculative_tokens": 2, "enforce_eager": "yes"}, "enforce_eager must be true or false, got 'yes'"),
     ({"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}, "speculative config key "
-     "'disable_padded_drafter_batch' is a vLLM option specdec does not support (only its default False is accepted)"),
+     "'disable_padded_drafter_batch' is a vLLM option specdec does not support (only False is accepted)"),
     ({"model": "my.pkg.Proposer", "num_speculative_tokens": 2}, f"speculative method 'custom_class' {VLLM_ONLY}"),
     ("{not json", "speculative config is not valid JSON: " + json_error("{not json")),
     ("[1, 2]", "speculative config must be a JSON object, got list"),
@@ -2219,6 +2270,11 @@ def test_gpu_graphs_equal_eager(cfg, tiny_spec):
         llm = LLM(model=tiny_spec, device="cuda", dtype="float32", speculative_config=cfg, enforce_eager=eager)
         outs.append([o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, sp)])
     assert outs[0] == outs[1]
+
+
+@cuda
+def test_gpu_ngram_device_equals_host():
+    check_ngram_device_equals_host("cuda", rounds=20, B=8, lengths=(2, 4, 33, 700, 8192))
 
 
 @cuda
@@ -5519,3 +5575,31 @@ def test_cpu_attention_fast_equals_reference():
     alone = K._attention_cpu(q[1:2, 2:3], kc, vc, slots[1:2], pos[1:2] + 2)[0, 0]
     batch = K._attention_cpu(q[:, 2:3], kc, vc, slots, pos + 2)[1, 0]
     assert torch.equal(o[1, 2], alone) and torch.equal(batch, alone)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k,lo,hi", [(4, 2, 5), (3, 1, 1), (6, 1, 4)])
+def test_kernel_ngram_lookup(k, lo, hi):
+    """The ngram kernel == its reference == the host lookup (specdec.ngram_lookup) on random histories: small
+    vocabularies and periodic texts (matches of every length), rows of 2..3000 tokens in a buffer of 3100 (blocks
+    of 1024 positions: the longest match in a later block wins, a tie keeps the earlier one), room 0..k+1, and a
+    padding row (last 0)."""
+    g = torch.Generator().manual_seed(k * 100 + hi)
+    S, W = 9, 3100
+    hist = torch.randint(0, 3, (S, W), generator=g)
+    lengths = [2, 3, 9, 700, 1025, 2049, 3000, 1500]
+    for s, n in enumerate(lengths):
+        if s % 2:
+            per = int(torch.randint(1, 9, (1,), generator=g))
+            hist[s, :n] = hist[s, :per].repeat(n // per + 1)[:n]
+    slots = torch.tensor([3, 0, 1, 2, 4, 5, 6, 7, 8])
+    last = torch.tensor([lengths[s] - 1 if s < len(lengths) else 0 for s in slots.tolist()])
+    room = torch.randint(0, k + 2, (len(slots),), generator=g)
+    args = [t.to(DEV) for t in (hist, slots, last, room)]
+    out = fast(K.ngram_lookup, *args, k, lo, hi).cpu()
+    ref = K.ngram_lookup_ref(hist, slots, last, room, k, lo, hi)
+    assert out.tolist() == ref.tolist()
+    for b, s in enumerate(slots.tolist()):
+        n = int(last[b]) + 1
+        want = sd.ngram_lookup(hist[s, :n].tolist(), min(k, int(room[b])), lo, hi) if n > 1 else []
+        assert ref[b].tolist() == want + [-1] * (k - len(want)), (b, s)

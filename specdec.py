@@ -1886,6 +1886,12 @@ class ModelRunner:
         self.prefill_chunk = 2048
         self.graphs = GraphRunner(self.state) if device.type == "cuda" and not enforce_eager else None
         self.eager_drafts = spec is not None and bool(spec.enforce_eager)  # vLLM's override, for the draft
+        # With graphs, greedy speculative steps run as one captured graph each (_one_graph) when nothing in
+        # them comes from the host; `inside` is set while such a step is captured (its pieces run eagerly).
+        self.whole_steps = (spec is not None and not self.eager_drafts
+                            and spec.draft_sample_method == "greedy"
+                            and spec.rejection_sample_method != "synthetic")
+        self.inside = False
         # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their
         # inputs from here and write them back, so launching a step needs nothing from the host.
         self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
@@ -1927,7 +1933,8 @@ class ModelRunner:
     def call(self, name, fn, kv_len, inputs):
         """A drafter's step fn(kv_len, **inputs) -> tuple of tensors: its CUDA graph, or eagerly without
         graphs (or when the speculative config says enforce_eager) and when no bucket fits."""
-        g = None if self.graphs is None or self.eager_drafts else self.graphs.run(name, fn, inputs)
+        eager = self.graphs is None or self.eager_drafts or self.inside
+        g = None if eager else self.graphs.run(name, fn, inputs)
         if g is None:
             return fn(kv_len, **inputs)
         B = next(iter(inputs.values())).shape[0]
@@ -1952,7 +1959,7 @@ class ModelRunner:
         Returns hidden [B, T, H], logits [B, T, V], taps, and commit(n_keep) (after a verify)."""
         fn, then = self.steps[mode]
         inputs = dict(ids=ids, pos=batch.pos, slots=batch.slots)
-        g = None if self.graphs is None else self.graphs.run(mode, fn, inputs, then)
+        g = None if self.graphs is None or self.inside else self.graphs.run(mode, fn, inputs, then)
         if g is None:
             h, logits, *taps = fn(batch.kv_len(ids.shape[1], self.state.max_len), **inputs)
             return h, logits, taps, lambda n_keep: then(n_keep=n_keep, **inputs)
@@ -1993,7 +2000,11 @@ class ModelRunner:
     def launch(self, reqs):
         """Queue one decode or speculative step over reqs on the device; returns it as a pending step."""
         batch = self.batch(reqs)
-        return self._spec_step(batch) if self.proposer is not None else self._decode_step(batch)
+        if self.proposer is None:
+            return self._decode_step(batch)
+        whole = self.graphs is not None and self.whole_steps and self._greedy_only(reqs)
+        out = self._one_graph(batch) if whole else None
+        return self._pending(reqs, *(out or self._spec_step(batch)))
 
     def _decode_step(self, batch):
         h, logits, taps, _ = self._target(batch, batch.last[:, None], "decode")
@@ -2002,18 +2013,41 @@ class ModelRunner:
         return self._pending(batch.reqs, toks[:, None], logits)
 
     def _spec_step(self, batch):
-        """One speculative step, as DESIGN.md tells it: propose, verify, accept, commit, advance."""
+        """One speculative step, as DESIGN.md tells it: propose, verify, accept, commit, advance. Returns the
+        rows for the host, [tokens (k+1), n accepted, n drafted] each, and the verify's logits."""
         drafts, q = self.proposer.propose(batch)                          # [B, k], [B, k, V] or None
         ids = torch.cat([batch.last[:, None], drafts.clamp(min=0)], 1)    # [B, k+1]: last, d1..dk
         h, logits, taps, commit = self._target(batch, ids, "verify")      # [B, k+1, H], [B, k+1, V]
         tokens, n = self.accept(batch.reqs, logits, drafts, q)            # [B, k+1], [B] drafts accepted
         commit(n + 1)                                                     # GDN states after last, d1..dn
         self.proposer.commit(batch, h, taps, ids, n, tokens)
-        rows = torch.arange(len(batch.reqs), device=self.device)
+        rows = torch.arange(ids.shape[0], device=self.device)
         self._advance(batch.slots, tokens[rows, n], batch.pos + n + 1)    # next: the (n+1)-th token
         n_drafted = (drafts >= 0).sum(1, keepdim=True)                    # [B, 1]
-        out = torch.cat([tokens, n[:, None], n_drafted], 1)               # [B, k+3] for the host
-        return self._pending(batch.reqs, out, logits)
+        return torch.cat([tokens, n[:, None], n_drafted], 1), logits      # [B, k+3] for the host
+
+    # -- a speculative step as one CUDA graph ------------------------------------------------------
+    @staticmethod
+    def _greedy_only(reqs):
+        """Nothing in a step over these requests comes from the host (no sampling uniforms, no logprobs)."""
+        return all(r.params.greedy and r.logprobs is None for r in reqs)
+
+    def _whole_step(self, kv_len, slots):
+        """_spec_step over the rows in slots, a function of device tensors only: every input comes from the
+        slots' next token and position (the padding rows' dummy slot: position 0)."""
+        pos = self.next_pos[slots] * (slots != self.state.dummy_slot)
+        return self._spec_step(Batch(None, slots, pos, self.next_ids[slots], host_knows_pos=False))
+
+    def _one_graph(self, batch):
+        """A greedy speculative step as one CUDA graph, _whole_step captured with its pieces (proposer,
+        target, commits) inside it rather than as graphs of their own: one launch instead of ~6 graphs and
+        ~50 kernels from the host, which is what a small model's step costs. None when no bucket fits."""
+        self.inside = True  # the pieces run eagerly inside this capture
+        try:
+            g = self.graphs.run("spec-step", self._whole_step, dict(slots=batch.slots))
+        finally:
+            self.inside = False
+        return None if g is None else tuple(o[:batch.slots.shape[0]] for o in g.out)
 
     # -- sampling --------------------------------------------------------------------------------
     def _sample(self, logits, reqs):
@@ -2038,7 +2072,11 @@ class ModelRunner:
         return u_acc, u_smp
 
     def _rejection_sample(self, reqs, logits, drafts, q):
-        """rejection_sample with each request's sampling parameters."""
+        """rejection_sample with each request's sampling parameters (reqs None: a whole-step graph, every row
+        greedy)."""
+        if reqs is None:
+            z = logits.new_zeros(logits.shape[0])
+            return rejection_sample(logits, drafts, q, z, z.long(), z + 1, None, None, all_greedy=True)
         u_acc, u_smp = self._uniforms(reqs)
         f = lambda name, dtype: self.h2d([getattr(r.params, name) for r in reqs], dtype)
         return rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),

@@ -4073,9 +4073,64 @@ def test_graph_inputs_outlive_capture(cfg, ckpts, monkeypatch):
     runner = llm.engine.runner
     runner.graphs = sd.GraphRunner(runner.state)
     llm.generate(SPEC_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(runner.graphs.graphs) >= (1 if cfg is None else 3)  # decode (and verify, drafter) captures ran
+    llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=0))
+    names = {key[0] for key in runner.graphs.graphs}
+    # decode; with speculation, greedy steps captured whole and the sampled one by pieces (verify, drafter)
+    assert names == {"decode"} if cfg is None else ({"spec-step", "verify"} <= names and len(names) >= 3)
     assert rec.outside, "nothing was recorded"
     assert rec.freed() == [], "captured graphs read tensors freed after their capture"
+
+
+class EagerGraphs(sd.GraphRunner):
+    """GraphRunner for the CPU whose 'graphs' re-run their function on the static inputs at each replay and copy the
+    results into the outputs the capture made: the engine's graph paths (buckets, padding rows on the dummy slot,
+    static inputs and outputs, a step captured whole) run for real without CUDA."""
+    def __init__(self, state):
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < state.dummy_slot] + [state.dummy_slot]
+        self.dummy_slot, self.kv_len, self.graphs, self.pool = state.dummy_slot, state.max_len, {}, None
+
+    def capture(self, key, Bp, fn, inputs, then=None):
+        g = types.SimpleNamespace(then=None, n_keep=torch.zeros(Bp, dtype=torch.long))
+        g.static = {n: torch.full((Bp, *t.shape[1:]), self.pad(n), dtype=t.dtype) for n, t in inputs.items()}
+        g.out = fn(self.kv_len, **g.static)                      # the 'capture': on the padding inputs
+
+        def replay():
+            for o, new in zip(g.out, fn(self.kv_len, **g.static)):
+                if o is not None:
+                    o.copy_(new)
+        g.graph = types.SimpleNamespace(replay=replay)
+        if then is not None:
+            then(n_keep=g.n_keep, **g.static)
+            g.then = types.SimpleNamespace(replay=lambda: then(n_keep=g.n_keep, **g.static))
+        self.graphs[key] = g
+        return g
+
+
+@pytest.mark.parametrize("cfg", [{"method": "mtp", "num_speculative_tokens": 3},
+                                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                                 "dflash", "dspark", "draft_hybrid", "draft_qwen3"],
+                         ids=lambda c: c if isinstance(c, str) else c["method"])
+def test_one_graph_steps_equal_plain(cfg, ckpts, reference):
+    """Greedy speculative steps as one graph each (ModelRunner._one_graph: _whole_step with every piece inside,
+    padding rows on the dummy slot at position 0), run through EagerGraphs: the same tokens as speculation off, alone
+    and in a batch of 5 (bucket 8: 3 padding rows), with multi-token acceptance; a sampled request beside them takes
+    the step by pieces (its uniforms come from the host)."""
+    spec = {**CONFIGS[cfg][1], "model": ckpts[CONFIGS[cfg][0]]} if isinstance(cfg, str) else cfg
+    llm = LLM(model=ckpts["target"], device="cpu", speculative_config=spec)
+    runner = llm.engine.runner
+    runner.graphs = EagerGraphs(runner.state)
+    assert [llm.generate(SPEC_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids] == reference[:1]
+    assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)] == reference
+    names = {key[:2] for key in runner.graphs.graphs}
+    assert {n for n, _ in names} == {"spec-step"} and {("spec-step", 1), ("spec-step", 8)} <= names  # no pieces
+    k, s = spec["num_speculative_tokens"], llm.get_metrics()
+    if cfg == "dflash":  # its mask slots all draft the bigram after the anchor: d1 only (as in the test above)
+        assert s.mean_acceptance_length >= 1.5 and s.accepted_per_pos[0] > 0
+    else:
+        assert_multi_token(s, k, 1 + 0.5 * k)
+    out = llm.generate(SPEC_PROMPTS[:2], [GREEDY, SamplingParams(temperature=0.8, max_tokens=8, seed=1)])
+    assert out[0].outputs[0].token_ids == reference[0]
+    assert ("verify", 2) in {key[:2] for key in runner.graphs.graphs}             # by pieces: the sampled row
 
 
 def test_warmup_leaves_no_trace(tiny_spec):

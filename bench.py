@@ -329,6 +329,7 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     draft_ms = None
     if spec is not None:  # the drafter's time per step, in a separate short run: timing it syncs the device
         timed = eng.runner.proposer = TimedProposer(eng.runner.proposer, device)
+        eng.runner.whole_steps = False  # steps by pieces: a step captured whole has no propose() to time
         for _ in range(B):
             eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(32, gen_len), ignore_eos=True))
         while eng.has_work():

@@ -998,7 +998,7 @@ def chat_finish(finish, chat, spec):
 
 
 class LogprobFormat:
-    """The engine's per-token {token_id: logprob} (top-N first, then the chosen token) in OpenAI's shapes:
+    """The engine's per-token {token_id: Logprob} (top-N first, then the chosen token) in OpenAI's shapes:
     completions {tokens, token_logprobs, top_logprobs, text_offset}, chat {content: [{token, logprob, bytes,
     top_logprobs}]}. Called once per stream chunk (text_offset keeps counting) or once for a whole answer."""
 
@@ -1008,7 +1008,7 @@ class LogprobFormat:
     def __call__(self, ids, lps):
         if self.n_top is None:
             return None
-        text, lp = lambda t: self.tok.decode([t]), lambda v: max(v, -9999.0)  # -inf is not JSON
+        text, lp = lambda t: self.tok.decode([t]), lambda v: max(v.logprob, -9999.0)  # -inf is not JSON
         if self.chat:
             entry = lambda t, v: {"token": text(t), "logprob": lp(v), "bytes": list(self.tok.token_bytes(t))}
             top = lambda d: [entry(i, v) for i, v in list(d.items())[:self.n_top]]

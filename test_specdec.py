@@ -471,10 +471,10 @@ def test_greedy_spec_equals_plain(cfg, tiny_spec, spec_off):
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
-            assert abs(a[t] - b[t]) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
+            assert abs(a[t].logprob - b[t].logprob) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
             assert set(a) == set(b)
     k = cfg["num_speculative_tokens"]
-    assert_multi_token(llm.get_metrics(), k, 1 + 0.5 * k)  # measured: ngram 3.70, 4.45; mtp 1.91, 2.71, 4.05
+    assert_multi_token(llm.engine.stats, k, 1 + 0.5 * k)  # measured: ngram 3.70, 4.45; mtp 1.91, 2.71, 4.05
 
 
 class OracleProposer:
@@ -514,7 +514,7 @@ def test_verify_commit_with_oracle_drafts(tiny_spec, spec_off):
     outs = llm.generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
 
 
@@ -571,7 +571,7 @@ def test_accepted_draft_of_id_0_is_verified_as_0(tiny_spec):
     outs = spec.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in outs] == [truth[p[0]] for p in prompts]
     assert any(bool((d == 0).any()) for d in drafted)
-    s = spec.get_metrics()
+    s = spec.engine.stats
     assert s.num_accepted_tokens == s.num_draft_tokens == sum(int((d >= 0).sum()) for d in drafted) > 0
 
 
@@ -647,7 +647,7 @@ def test_mtp_chain_and_target_attention_reads_are_bounded(tiny_spec, asynchronou
     llm = LLM(model=tiny_spec, device="cpu", async_scheduling=asynchronous,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     out = llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 12 for o in out) and llm.get_metrics().num_accepted_tokens > 0
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out) and llm.engine.stats.num_accepted_tokens > 0
     assert {1, 4} <= set(seen)                                                     # decode-sized and verify calls
 
 
@@ -962,7 +962,7 @@ def test_sampled_distribution_same_with_speculation(tiny_spec):
         llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
         outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
     assert all(len(t) == 4 for o in outs for t in o)
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.accepted_per_pos[1] >= 50 and s.num_accepted_tokens < s.num_draft_tokens  # bonus tokens, rejections
     for group in (0, 1):
         a, b = outs[0][group::2], outs[1][group::2]
@@ -1010,7 +1010,7 @@ def test_sampled_ngram_with_padding_rows(tiny_spec):
     assert all(min(t) >= 0 and len(t) == 3 for o in outs for t in o)
     padded = [bool(((d < 0).all(1)).any() and (d >= 0).any(1).any()) for d, _ in verified]
     assert sum(padded) >= 20                                                     # verifies mixing both kinds of row
-    assert spec.get_metrics().num_accepted_tokens > 0
+    assert spec.engine.stats.num_accepted_tokens > 0
     for group in (0, 1):
         for pos in range(3):
             a, b = ([t[pos] for t in o[group::2]] for o in outs)
@@ -1055,7 +1055,7 @@ def test_gguf_mtp_greedy_lossless_and_refusals(tiny_spec, tmp_path):
     ref = LLM(model=f, device="cpu").generate(["a b c a b"], sp)[0].outputs[0].token_ids
     spec = LLM(model=f, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert spec.generate(["a b c a b"], sp)[0].outputs[0].token_ids == ref
-    assert_multi_token(spec.get_metrics(), 2, 2.0)                                # the GGUF's MTP block drafts
+    assert_multi_token(spec.engine.stats, 2, 2.0)                                # the GGUF's MTP block drafts
     nomtp = gguf_from_checkpoint(tiny_spec, str(tmp_path / "nomtp.gguf"), "F32", with_mtp=False)
     with pytest.raises(ConfigError, match="no MTP block"):
         LLM(model=nomtp, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
@@ -1380,7 +1380,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
             assert len(req.logprobs) == len(req.output_ids)
             for d, lp, t in zip(req.logprobs, lps, req.output_ids):
                 top = set(lp.topk(params.logprobs).indices.tolist()) | {t}             # logprobs=0: the token's only
-                assert set(d) == top and all(abs(d[x] - float(lp[x])) < 1e-5 for x in top)
+                assert set(d) == top and all(abs(d[x].logprob - float(lp[x])) < 1e-5 for x in top)
         e.slots[0] = None
 
 
@@ -1429,7 +1429,7 @@ def test_stops_inside_speculative_steps(tiny_spec, spec_off):
         a, b = plain.generate([SPEC_PROMPTS[0]], p)[0].outputs[0], spec.generate([SPEC_PROMPTS[0]], p)[0].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
     assert b.finish_reason == "stop" and b.stop_reason == stop_str and stop_str not in b.text
-    assert spec.get_metrics().mean_acceptance_length >= 2.0                   # the stops met multi-token runs
+    assert spec.engine.stats.mean_acceptance_length >= 2.0                   # the stops met multi-token runs
 
 
 def oracle_stop_cases(tok, prompts, outs, k):
@@ -1491,7 +1491,7 @@ def test_stops_inside_accepted_runs(tiny_spec, spec_off):
         assert len(a[0]) == i + 1 and a[2] == ("length" if kind == "max_tokens" else "stop"), key
         reason = {"stop_id": args.get("stop_token_ids", [None])[0], "stop_string": args.get("stop", [None])[0]}
         assert a[3] == reason.get(kind), key
-    s = spec.get_metrics()
+    s = spec.engine.stats
     assert s.num_accepted_tokens == s.num_draft_tokens and s.accepted_per_pos[k - 1] > 0   # every draft accepted
 
 
@@ -2227,7 +2227,7 @@ def test_gpu_bf16_spec_equals_plain(tiny_spec):
     ref = [o.outputs[0].token_ids for o in LLM(model=tiny_spec, device="cuda").generate(SPEC_PROMPTS[:1], sp)]
     llm = LLM(model=tiny_spec, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:1], sp)] == ref
-    assert llm.get_metrics().mean_acceptance_length >= 1.5                     # multi-token steps
+    assert llm.engine.stats.mean_acceptance_length >= 1.5                     # multi-token steps
 
 
 # ==============================================================================================
@@ -3866,7 +3866,7 @@ def runs(ckpts):
         if name not in cache:
             llm = make_llm(ckpts, name)
             one = llm.generate(SPEC_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
-            before = sd.SpecStats(**vars(llm.get_metrics()))
+            before = sd.SpecStats(**vars(llm.engine.stats))
             before.accepted_per_pos = list(before.accepted_per_pos)
             five = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)] if name in MIXED else None
             cache[name] = llm, one, five, before
@@ -3883,7 +3883,7 @@ def test_drafters_greedy_spec_equals_plain(name, runs, reference):
     llm, one, five, _ = runs(name)
     assert one == reference[0]                                  # batch 1
     assert five in (None, reference)                            # a mixed batch of 5 prompts of different lengths
-    s, k = llm.get_metrics(), CONFIGS[name][1]["num_speculative_tokens"]
+    s, k = llm.engine.stats, CONFIGS[name][1]["num_speculative_tokens"]
     # measured (batch 1 + batch 5 where run): dflash 1.80, dspark 4.32, draft_hybrid 2.30, draft_qwen3 3.22
     if name == "draft_self":  # the target as its own draft: every draft is accepted (tests the draft's rollback)
         assert s.num_drafts > 0 and s.num_accepted_tokens == s.num_draft_tokens
@@ -3948,7 +3948,7 @@ def test_gpu_async_graphs_equal_eager(cfg, ckpts):
                                             dict(device="cuda", dtype="float32")])
     assert [r[:4] for r in graphs] == [r[:4] for r in eager]
     for a, b in zip(graphs[5][4], eager[5][4]):  # logprobs: same tokens, values to fp32 kernel noise
-        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-4 for t in a)
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
 
 
 class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -4032,11 +4032,11 @@ def test_warmup_leaves_no_trace(tiny_spec):
     ref = fresh.generate(SPEC_PROMPTS[:2], sp)
     llm = LLM(model=tiny_spec, device="cpu", max_num_seqs=3, speculative_config=spec)
     llm.warmup(force=True)
-    assert llm.get_metrics().num_drafts == 0 and not llm.engine.has_work()
+    assert llm.engine.stats.num_drafts == 0 and not llm.engine.has_work()
     out = llm.generate(SPEC_PROMPTS[:2], sp)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.request_id for o in out] == [o.request_id for o in ref]
-    assert vars(llm.get_metrics()) == vars(fresh.get_metrics()) and fresh.get_metrics().num_accepted_tokens > 0
+    assert vars(llm.engine.stats) == vars(fresh.engine.stats) and fresh.engine.stats.num_accepted_tokens > 0
 
 
 def test_dspark_layouts_load_to_the_same_drafter(runs):
@@ -4062,14 +4062,14 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
     assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
-    s = llm.get_metrics()  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 tokens a step)
+    s = llm.engine.stats  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 tokens a step)
     assert s.mean_acceptance_length >= 1.3 and s.accepted_per_pos[0] > 0
     # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
     metrics = []
     for topk in (None, 1024, 3):
         llm = make_llm(ckpts, "dspark", dspark_draft_topk=topk)
         assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
-        metrics.append(vars(llm.get_metrics()))
+        metrics.append(vars(llm.engine.stats))
     assert metrics[0] == metrics[1]
     assert_multi_token(llm_stats(metrics[0]), 4, 3.0)                            # measured 3.86
     # top-3 of the base logits (each slot: the bigram after the anchor) holds d1's pick only: measured 2.0
@@ -4115,7 +4115,7 @@ def test_probabilistic_drafts_follow_their_q(name, ckpts):
         got, m2, m3 = qj.gather(1, dj[:, None])[:, 0], qj.pow(2).sum(1), qj.pow(3).sum(1)
         z = float((got - m2).sum() / (m3 - m2 ** 2).sum().sqrt())
         assert abs(z) < 4.9, (j, z)
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.num_accepted_tokens >= (0.9 if name == "draft_self" else 0.2) * s.num_draft_tokens, vars(s)
 
 

@@ -427,6 +427,104 @@ def test_greedy_matches_transformers_generate(moe, tiny, tiny_moe):
     assert out.token_ids == ref
 
 
+def test_prompt_logprobs_equal_a_whole_forward(tiny):
+    """prompt_logprobs against an independent reference: transformers' forward over the whole prompt in one pass,
+    log_softmax. Chunked prefill (pieces of 280 tokens, their logits taken 256 rows at a time) and an MTP drafter
+    must not change them; position 0 has none
+    (None), each position holds the prompt token (its rank: tokens at least as likely) and the 3 most likely
+    (ranks 1..3); -1 gives the whole vocabulary. A request without prompt_logprobs in the same batch gets None and
+    the same tokens as alone."""
+    ids = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf_model(tiny)(torch.tensor([ids])).logits[0].double().log_softmax(-1)    # [300, V]
+    llm = LLM(tiny, device="cpu", max_num_batched_tokens=280, speculative_config={"method": "mtp",
+                                                                                   "num_speculative_tokens": 2})
+    tok = llm.get_tokenizer()
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    asks = dataclasses.replace(plain, prompt_logprobs=3)
+    out, other = llm.generate([ids, ids[:12]], [asks, plain], use_tqdm=False)
+    assert other.prompt_logprobs is None and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    assert out.outputs[0].token_ids == llm.generate(ids, plain, use_tqdm=False)[0].outputs[0].token_ids
+    for i, d in enumerate(out.prompt_logprobs[1:], 1):
+        lp, t = ref[i - 1], ids[i]                                                     # row i-1 predicts token i
+        top = lp.topk(3)
+        assert list(d)[:3] == top.indices.tolist() and set(d) == set(top.indices.tolist()) | {t}
+        assert all(abs(d[x].logprob - float(lp[x])) < 1e-4 for x in d)
+        assert d[t].rank == int((lp >= lp[t]).sum()) and [d[x].rank for x in list(d)[:3]] == [1, 2, 3]
+        assert all(d[x].decoded_token == tok.decode([x]) for x in d)
+    whole = llm.generate(ids[:5], dataclasses.replace(plain, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert [len(d) for d in whole.prompt_logprobs[1:]] == [1024] * 4
+    assert all(abs(d[x].logprob - float(ref[i, x])) < 1e-4 for i, d in enumerate(whole.prompt_logprobs[1:])
+               for x in range(0, 1024, 97))
+
+
+def test_truncate_prompt_tokens(tiny):
+    """truncate_prompt_tokens keeps the prompt's last N tokens (-1: max_model_len of them), as vLLM: the output
+    equals generating from those tokens alone; vLLM's messages for bad values and for N > max_model_len."""
+    llm = LLM(tiny, device="cpu", max_model_len=64)
+    ids = torch.randint(0, 1024, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    cut, alone = llm.generate([ids, ids[-8:]], [dataclasses.replace(sp, truncate_prompt_tokens=8), sp],
+                              use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-8:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = llm.generate("a b c d e f g", dataclasses.replace(sp, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert text.prompt_token_ids == llm.tokenizer.encode("a b c d e f g")[-3:]
+    assert llm.generate(ids, dataclasses.replace(sp, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0].prompt_token_ids == ids  # 40 <= max_model_len: all kept
+    with pytest.raises(ConfigError, match=re.escape("truncate_prompt_tokens value (65) is greater than "
+                                                    "max_model_len (64). Please, select a smaller truncation")):
+        llm.generate(ids, dataclasses.replace(sp, truncate_prompt_tokens=65), use_tqdm=False)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ConfigError, match=re.escape(f"truncate_prompt_tokens must be an integer >= 1 or -1, "
+                                                        f"got {bad}")):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ConfigError, match=re.escape("prompt_logprobs must be non-negative or -1, got -2.")):
+        SamplingParams(prompt_logprobs=-2)
+
+
+def test_offline_api_as_vllm(tiny_spec, capsys):
+    """The everyday vLLM snippets: LLM(model, **engine_args) (an unknown argument a TypeError), generate with a
+    progress bar (use_tqdm, on by default), Logprob objects, chat with chat_template_kwargs, get_tokenizer(), and
+    get_metrics() as vLLM's metric objects under vLLM's names, the per-position acceptance a Vector."""
+    with pytest.raises(TypeError, match="no_such_engine_arg"):
+        LLM(tiny_spec, device="cpu", no_such_engine_arg=1)
+    llm = LLM(tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    capsys.readouterr()
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    outs = llm.generate(["def fib(n):", "hello"], sp)
+    bar = capsys.readouterr().err
+    assert "Processed prompts" in bar and "2/2" in bar and "est. speed input" in bar
+    llm.generate("hello", sp, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    tok = llm.get_tokenizer()
+    o = outs[0].outputs[0]
+    assert tok.decode(o.token_ids) == o.text and outs[0].prompt_token_ids == tok.encode("def fib(n):")
+    for i, t in enumerate(o.token_ids):
+        lp = o.logprobs[i][t]
+        assert isinstance(lp, sd.Logprob) and lp.logprob <= 0 and lp.rank >= 1 and lp.decoded_token == tok.decode([t])
+        assert [v.rank for v in list(o.logprobs[i].values())[:2]] == [1, 2]
+    assert o.cumulative_logprob == pytest.approx(sum(o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)))
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), chat_template_kwargs={"enable_thinking": False})
+    assert chat[0].prompt_token_ids == tok.encode(sd.apply_chat_template(msgs, True, False))
+    assert chat[0].prompt_token_ids != tok.encode(sd.apply_chat_template(msgs, True, True))
+    metrics = llm.get_metrics()
+    assert {type(m).__name__ for m in metrics} == {"Counter", "Vector", "Gauge", "Histogram"}
+    by = {(m.name, m.labels.get("finished_reason")): m for m in metrics}
+    st = llm.engine.stats
+    assert by["vllm:spec_decode_num_drafts", None].value == st.num_drafts > 0
+    assert by["vllm:spec_decode_num_draft_tokens", None].value == st.num_draft_tokens
+    assert by["vllm:spec_decode_num_accepted_tokens", None].value == st.num_accepted_tokens > 0
+    per_pos = by["vllm:spec_decode_num_accepted_tokens_per_pos", None]
+    assert isinstance(per_pos, sd.Vector) and len(per_pos.values) == 2 and per_pos.values == st.accepted_per_pos
+    assert sum(per_pos.values) == st.num_accepted_tokens
+    assert by["vllm:generation_tokens", None].value == 12 * 3 + 4
+    assert by["vllm:prompt_tokens", None].value == sum(len(r.prompt_token_ids) for r in outs + chat) + len(tok.encode("hello"))
+    assert by["vllm:request_success", "length"].value == 4 and by["vllm:num_requests_running", None].value == 0
+    ttft = by["vllm:time_to_first_token_seconds", None]
+    assert ttft.count == ttft.buckets["+Inf"] == 4 and per_pos.labels == {"model_name": tiny_spec, "engine": "0"}
+
+
 # ==============================================================================================
 # Speculative decoding: lossless, rollback, rejection sampler, configs
 # ==============================================================================================

@@ -428,25 +428,25 @@ def test_greedy_matches_transformers_generate(moe, tiny, tiny_moe):
 
 
 def test_prompt_logprobs_equal_a_whole_forward(tiny):
-    """prompt_logprobs against an independent reference: transformers' forward over the whole prompt in one pass,
-    log_softmax. Chunked prefill (pieces of 280 tokens, their logits taken 256 rows at a time) and an MTP drafter
-    must not change them; position 0 has none
-    (None), each position holds the prompt token (its rank: tokens at least as likely) and the 3 most likely
-    (ranks 1..3); -1 gives the whole vocabulary. A request without prompt_logprobs in the same batch gets None and
-    the same tokens as alone."""
+    """prompt_logprobs against an independent reference: transformers' forward over the whole prompt in one
+    pass, log_softmax. Chunked prefill (280-token pieces, their logits taken 256 rows at a time) and an MTP
+    drafter must not change them; position 0 has none (None), each position holds the prompt token (its rank:
+    tokens at least as likely) and the 3 most likely (ranks 1..3); -1 gives the whole vocabulary. A request
+    without prompt_logprobs in the same batch gets None and the same tokens as alone."""
     ids = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         ref = hf_model(tiny)(torch.tensor([ids])).logits[0].double().log_softmax(-1)    # [300, V]
-    llm = LLM(tiny, device="cpu", max_num_batched_tokens=280, speculative_config={"method": "mtp",
-                                                                                   "num_speculative_tokens": 2})
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(tiny, device="cpu", max_num_batched_tokens=280, speculative_config=mtp)
     tok = llm.get_tokenizer()
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     asks = dataclasses.replace(plain, prompt_logprobs=3)
     out, other = llm.generate([ids, ids[:12]], [asks, plain], use_tqdm=False)
-    assert other.prompt_logprobs is None and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    assert other.prompt_logprobs is None and len(out.prompt_logprobs) == len(ids)
+    assert out.prompt_logprobs[0] is None
     assert out.outputs[0].token_ids == llm.generate(ids, plain, use_tqdm=False)[0].outputs[0].token_ids
     for i, d in enumerate(out.prompt_logprobs[1:], 1):
-        lp, t = ref[i - 1], ids[i]                                                     # row i-1 predicts token i
+        lp, t = ref[i - 1], ids[i]                                            # row i-1 predicts token i
         top = lp.topk(3)
         assert list(d)[:3] == top.indices.tolist() and set(d) == set(top.indices.tolist()) | {t}
         assert all(abs(d[x].logprob - float(lp[x])) < 1e-4 for x in d)
@@ -459,8 +459,8 @@ def test_prompt_logprobs_equal_a_whole_forward(tiny):
 
 
 def test_truncate_prompt_tokens(tiny):
-    """truncate_prompt_tokens keeps the prompt's last N tokens (-1: max_model_len of them), as vLLM: the output
-    equals generating from those tokens alone; vLLM's messages for bad values and for N > max_model_len."""
+    """truncate_prompt_tokens keeps the prompt's last N tokens (-1: max_model_len of them), as vLLM: the
+    output equals generating from those tokens alone; vLLM's messages for bad values and N > max_model_len."""
     llm = LLM(tiny, device="cpu", max_model_len=64)
     ids = torch.randint(0, 1024, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -471,21 +471,22 @@ def test_truncate_prompt_tokens(tiny):
     assert text.prompt_token_ids == llm.tokenizer.encode("a b c d e f g")[-3:]
     assert llm.generate(ids, dataclasses.replace(sp, truncate_prompt_tokens=-1),
                         use_tqdm=False)[0].prompt_token_ids == ids  # 40 <= max_model_len: all kept
-    with pytest.raises(ConfigError, match=re.escape("truncate_prompt_tokens value (65) is greater than "
-                                                    "max_model_len (64). Please, select a smaller truncation")):
+    too_many = "truncate_prompt_tokens value (65) is greater than max_model_len (64). Please, select a"
+    with pytest.raises(ConfigError, match=re.escape(too_many)):
         llm.generate(ids, dataclasses.replace(sp, truncate_prompt_tokens=65), use_tqdm=False)
     for bad in (0, -2, 1.5):
-        with pytest.raises(ConfigError, match=re.escape(f"truncate_prompt_tokens must be an integer >= 1 or -1, "
-                                                        f"got {bad}")):
+        msg = f"truncate_prompt_tokens must be an integer >= 1 or -1, got {bad}"
+        with pytest.raises(ConfigError, match=re.escape(msg)):
             SamplingParams(truncate_prompt_tokens=bad)
     with pytest.raises(ConfigError, match=re.escape("prompt_logprobs must be non-negative or -1, got -2.")):
         SamplingParams(prompt_logprobs=-2)
 
 
 def test_offline_api_as_vllm(tiny_spec, capsys):
-    """The everyday vLLM snippets: LLM(model, **engine_args) (an unknown argument a TypeError), generate with a
-    progress bar (use_tqdm, on by default), Logprob objects, chat with chat_template_kwargs, get_tokenizer(), and
-    get_metrics() as vLLM's metric objects under vLLM's names, the per-position acceptance a Vector."""
+    """The everyday vLLM snippets: LLM(model, **engine_args) (an unknown argument a TypeError), generate with
+    a progress bar (use_tqdm, on by default), Logprob objects, chat with chat_template_kwargs,
+    get_tokenizer(), and get_metrics() as vLLM's metric objects under vLLM's names, the per-position
+    acceptance a Vector."""
     with pytest.raises(TypeError, match="no_such_engine_arg"):
         LLM(tiny_spec, device="cpu", no_such_engine_arg=1)
     llm = LLM(tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
@@ -501,11 +502,14 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
     assert tok.decode(o.token_ids) == o.text and outs[0].prompt_token_ids == tok.encode("def fib(n):")
     for i, t in enumerate(o.token_ids):
         lp = o.logprobs[i][t]
-        assert isinstance(lp, sd.Logprob) and lp.logprob <= 0 and lp.rank >= 1 and lp.decoded_token == tok.decode([t])
+        assert isinstance(lp, sd.Logprob) and lp.logprob <= 0 and lp.rank >= 1
+        assert lp.decoded_token == tok.decode([t])
         assert [v.rank for v in list(o.logprobs[i].values())[:2]] == [1, 2]
-    assert o.cumulative_logprob == pytest.approx(sum(o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)))
+    cum = sum(o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids))
+    assert o.cumulative_logprob == pytest.approx(cum)
     msgs = [{"role": "user", "content": "hi"}]
-    chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), chat_template_kwargs={"enable_thinking": False})
+    chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4),
+                    chat_template_kwargs={"enable_thinking": False})
     assert chat[0].prompt_token_ids == tok.encode(sd.apply_chat_template(msgs, True, False))
     assert chat[0].prompt_token_ids != tok.encode(sd.apply_chat_template(msgs, True, True))
     metrics = llm.get_metrics()
@@ -516,13 +520,17 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
     assert by["vllm:spec_decode_num_draft_tokens", None].value == st.num_draft_tokens
     assert by["vllm:spec_decode_num_accepted_tokens", None].value == st.num_accepted_tokens > 0
     per_pos = by["vllm:spec_decode_num_accepted_tokens_per_pos", None]
-    assert isinstance(per_pos, sd.Vector) and len(per_pos.values) == 2 and per_pos.values == st.accepted_per_pos
+    assert isinstance(per_pos, sd.Vector) and per_pos.values == st.accepted_per_pos
+    assert len(per_pos.values) == 2
     assert sum(per_pos.values) == st.num_accepted_tokens
     assert by["vllm:generation_tokens", None].value == 12 * 3 + 4
-    assert by["vllm:prompt_tokens", None].value == sum(len(r.prompt_token_ids) for r in outs + chat) + len(tok.encode("hello"))
-    assert by["vllm:request_success", "length"].value == 4 and by["vllm:num_requests_running", None].value == 0
+    n_prompt = sum(len(r.prompt_token_ids) for r in outs + chat) + len(tok.encode("hello"))
+    assert by["vllm:prompt_tokens", None].value == n_prompt
+    assert by["vllm:request_success", "length"].value == 4
+    assert by["vllm:num_requests_running", None].value == by["vllm:num_requests_waiting", None].value == 0
     ttft = by["vllm:time_to_first_token_seconds", None]
-    assert ttft.count == ttft.buckets["+Inf"] == 4 and per_pos.labels == {"model_name": tiny_spec, "engine": "0"}
+    assert ttft.count == ttft.buckets["+Inf"] == 4
+    assert per_pos.labels == {"model_name": tiny_spec, "engine": "0"}
 
 
 # ==============================================================================================
@@ -569,7 +577,7 @@ def test_greedy_spec_equals_plain(cfg, tiny_spec, spec_off):
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
-            assert abs(a[t].logprob - b[t].logprob) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
+            assert abs(a[t].logprob - b[t].logprob) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, .linear)
             assert set(a) == set(b)
     k = cfg["num_speculative_tokens"]
     assert_multi_token(llm.engine.stats, k, 1 + 0.5 * k)  # measured: ngram 3.70, 4.45; mtp 1.91, 2.71, 4.05
@@ -2548,6 +2556,59 @@ def test_openai_client_chat(srv):
     assert no_gen["usage"]["prompt_tokens"] < full.usage.prompt_tokens
 
 
+def test_prompt_fields_through_the_server(srv):
+    """prompt_logprobs on both endpoints (completions: in the choice; chat: beside the choices), echo with
+    logprobs (the prompt's tokens lead the logprobs, the first with none; streamed too),
+    truncate_prompt_tokens on both, and vLLM's messages for bad values. The prompt logprobs equal the offline
+    API's on the same model."""
+    ids = [10, 20, 30, 40, 50, 60]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0}
+    status, r = srv.post("/v1/completions", dict(body, prompt_logprobs=2))
+    plps = r["choices"][0]["prompt_logprobs"]
+    assert status == 200 and plps[0] is None and len(plps) == len(ids)
+    llm = LLM(srv_model(srv), device="cpu")
+    ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), use_tqdm=False)[0]
+    for got, want in zip(plps[1:], ref.prompt_logprobs[1:]):
+        assert list(got) == [str(t) for t in want] and all(
+            abs(got[str(t)]["logprob"] - v.logprob) < 1e-4 and got[str(t)]["rank"] == v.rank and
+            got[str(t)]["decoded_token"] == v.decoded_token for t, v in want.items())
+    status, e = srv.post("/v1/completions", dict(body, echo=True, logprobs=1))
+    lp = e["choices"][0]["logprobs"]
+    tok = llm.get_tokenizer()
+    assert lp["tokens"][:6] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and len(lp["tokens"]) == 9
+    assert e["choices"][0]["prompt_logprobs"][0] is None
+    assert all(abs(lp["token_logprobs"][i] - ref.prompt_logprobs[i][t].logprob) < 1e-4
+               for i, t in enumerate(ids[1:], 1))
+    assert e["choices"][0]["text"].startswith(tok.decode(ids))
+    assert lp["text_offset"][6] == len(tok.decode(ids))
+    status, _, data = srv.request("POST", "/v1/completions", dict(body, echo=True, logprobs=1, stream=True))
+    chunks = [c["choices"][0]["logprobs"] for c in sse_events(data)]
+    assert status == 200 and sum((c["token_logprobs"] for c in chunks), []) == lp["token_logprobs"]
+    status, c = srv.post("/v1/completions", dict(body, truncate_prompt_tokens=2, echo=True))
+    assert c["usage"]["prompt_tokens"] == 2 and c["choices"][0]["text"].startswith(tok.decode(ids[-2:]))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, whole = srv.post("/v1/chat/completions", chat)
+    status, cut = srv.post("/v1/chat/completions", dict(chat, truncate_prompt_tokens=4, prompt_logprobs=0))
+    assert status == 200 and whole["usage"]["prompt_tokens"] > 4 and cut["usage"]["prompt_tokens"] == 4
+    assert len(cut["prompt_logprobs"]) == 4 and all(len(d) == 1 for d in cut["prompt_logprobs"][1:])
+    chat_body = dict(chat, stream=True, prompt_logprobs=1)
+    for path, bad, param, fragment in [
+            ("/v1/completions", dict(body, prompt_logprobs=1, stream=True), "prompt_logprobs",
+             "`prompt_logprobs` are not available when `stream=True`."),
+            ("/v1/chat/completions", chat_body, "prompt_logprobs", "are not available when `stream=True`."),
+            ("/v1/completions", dict(body, prompt_logprobs=-2), "prompt_logprobs",
+             "`prompt_logprobs` must be a positive value or -1."),
+            ("/v1/completions", dict(body, prompt_logprobs=21), "prompt_logprobs",
+             "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+            ("/v1/completions", dict(body, prompt_logprobs="2"), "prompt_logprobs", "must be an integer"),
+            ("/v1/completions", dict(body, truncate_prompt_tokens=0), "truncate_prompt_tokens",
+             "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+            ("/v1/chat/completions", dict(chat, truncate_prompt_tokens=5000), "truncate_prompt_tokens",
+             "truncate_prompt_tokens value (5000) is greater than max_model_len (4096)")]:
+        check_error(*srv.post(path, bad), 400, param, fragment)
+
+
 def test_sse_framing_and_stop_strings(srv):
     body = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     full = srv.post("/v1/completions", body)[1]["choices"][0]["text"]
@@ -4160,7 +4221,7 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
     assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
-    s = llm.engine.stats  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 tokens a step)
+    s = llm.engine.stats  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 a step)
     assert s.mean_acceptance_length >= 1.3 and s.accepted_per_pos[0] > 0
     # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
     metrics = []

@@ -51,8 +51,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from specdec import (BYTE_OF_CHAR, ChatTemplate, ConfigError, SamplingParams, SpecStats, add_engine_args,
-                     llm_from_args, truncate_prompt, vllm_argv)
+from specdec import (BYTE_OF_CHAR, REQUEST_BUCKETS, TTFT_BUCKETS, ChatTemplate, ConfigError, SamplingParams,
+                     SpecStats, add_engine_args, llm_from_args, truncate_prompt, vllm_argv)
 
 VERSION = "0.1.0"  # GET /version
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -689,10 +689,7 @@ TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_second
 E2E, QUEUE = "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"
 PREFILL, DECODE = "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"
 INFERENCE = "vllm:request_inference_time_seconds"
-REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0]
-BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+BUCKETS = {TTFT: TTFT_BUCKETS,  # vLLM's (TTFT's and the request latencies' as LLM.get_metrics has them)
            ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0],
            E2E: REQUEST_BUCKETS, QUEUE: REQUEST_BUCKETS, PREFILL: REQUEST_BUCKETS, DECODE: REQUEST_BUCKETS,

@@ -3371,15 +3371,17 @@ def generation_defaults(model, generation_config="auto", override=None):
 # -- The offline API ------------------------------------------------------------------------------
 
 class LLM:
-    """vLLM's offline API: LLM(model, **engine_args), then generate / chat. The engine arguments have vLLM's
-    names; tensor_parallel_size and quantization are accepted at their neutral values only (not yet
-    implemented), trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code)."""
+    """vLLM's offline API: LLM(model, **engine_args), then generate / chat (RequestOutputs with Logprob
+    objects), get_tokenizer, get_metrics (vLLM's metric objects). The engine arguments have vLLM's names (an
+    unknown one is a TypeError, as in vLLM); tensor_parallel_size and quantization are accepted at their
+    neutral values only (not yet implemented), trust_remote_code is accepted and changes nothing (specdec runs
+    no checkpoint code)."""
 
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
                  max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
                  generation_config="auto", override_generation_config=None,
-                 tensor_parallel_size=1, quantization=None, trust_remote_code=False):
+                 tensor_parallel_size=1, quantization=None, trust_remote_code=False, max_logprobs=20):
         if tensor_parallel_size not in (None, 1):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
                               "parallelism is not supported yet; specdec runs the model on one device")
@@ -3426,6 +3428,7 @@ class LLM:
                              seed, enforce_eager, async_scheduling, max_num_batched_tokens,
                              enable_chunked_prefill)
         self.done = []  # (prompt tokens, output tokens, finish reason, TTFT, E2E) of each finished request
+        self.max_logprobs = max_logprobs  # the most logprobs / prompt_logprobs a request may ask for; -1: any
 
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):
@@ -3452,16 +3455,23 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
+        for sp in params:
+            self._check_logprobs(sp)
         reqs = []
-        for p, sp in zip(prompts, params):
-            text, ids = self.encode_prompt(p)
-            reqs.append((text, self.engine.add_request(ids, sp)))
+        try:
+            for p, sp in zip(prompts, params):
+                text, ids = self.encode_prompt(p)
+                reqs.append((text, self.engine.add_request(ids, sp)))
+        except Exception:  # one prompt refused (too long, ...): none of the batch stays queued
+            for _, r in reqs:
+                self.engine.abort(r)
+            raise
         bar = self._progress(use_tqdm, len(reqs))
         t0 = time.perf_counter()
         while any(not r.finished for _, r in reqs):
             self.engine.step()
-            if bar is not None:
-                done = [r for _, r in reqs if r.finished]
+            done = [r for _, r in reqs if r.finished]
+            if bar is not None and len(done) > bar.n:
                 dt = max(time.perf_counter() - t0, 1e-9)
                 n_in = sum(len(r.prompt_ids) for r in done)
                 n_out = sum(len(r.output_ids) for r in done)
@@ -3473,6 +3483,14 @@ class LLM:
         self.done += [(len(r.prompt_ids), len(r.output_ids), r.finish_reason,
                        r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time) for _, r in reqs]
         return [self._output(text, r) for text, r in reqs]
+
+    def _check_logprobs(self, sp):
+        """vLLM's cap (max_logprobs) on the logprobs a request asks for; -1 means the whole vocabulary."""
+        for kind, n in (("sample", sp.logprobs), ("prompt", sp.prompt_logprobs)):
+            n = self.cfg.vocab_size if n == -1 else n
+            if n is not None and self.max_logprobs != -1 and n > self.max_logprobs:
+                raise ValueError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
 
     @staticmethod
     def _progress(use_tqdm, total):

@@ -437,7 +437,7 @@ def test_prompt_logprobs_equal_a_whole_forward(tiny):
     with torch.no_grad():
         ref = hf_model(tiny)(torch.tensor([ids])).logits[0].double().log_softmax(-1)    # [300, V]
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
-    llm = LLM(tiny, device="cpu", max_num_batched_tokens=280, speculative_config=mtp)
+    llm = LLM(tiny, device="cpu", max_num_batched_tokens=280, speculative_config=mtp, max_logprobs=-1)
     tok = llm.get_tokenizer()
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     asks = dataclasses.replace(plain, prompt_logprobs=3)
@@ -473,7 +473,8 @@ def test_truncate_prompt_tokens(tiny):
                         use_tqdm=False)[0].prompt_token_ids == ids  # 40 <= max_model_len: all kept
     too_many = "truncate_prompt_tokens value (65) is greater than max_model_len (64). Please, select a"
     with pytest.raises(ConfigError, match=re.escape(too_many)):
-        llm.generate(ids, dataclasses.replace(sp, truncate_prompt_tokens=65), use_tqdm=False)
+        llm.generate([ids, ids], [sp, dataclasses.replace(sp, truncate_prompt_tokens=65)], use_tqdm=False)
+    assert not llm.engine.has_work()  # the refused batch left nothing queued
     for bad in (0, -2, 1.5):
         msg = f"truncate_prompt_tokens must be an integer >= 1 or -1, got {bad}"
         with pytest.raises(ConfigError, match=re.escape(msg)):
@@ -497,6 +498,9 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
     assert "Processed prompts" in bar and "2/2" in bar and "est. speed input" in bar
     llm.generate("hello", sp, use_tqdm=False)
     assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match=re.escape("Requested prompt logprobs of 1024, which is greater than "
+                                                   "max allowed: 20")):  # -1: the vocabulary, over max_logprobs
+        llm.generate("hello", SamplingParams(prompt_logprobs=-1))
     tok = llm.get_tokenizer()
     o = outs[0].outputs[0]
     assert tok.decode(o.token_ids) == o.text and outs[0].prompt_token_ids == tok.encode("def fib(n):")

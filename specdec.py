@@ -22,7 +22,7 @@ One file, read top to bottom; a banner opens each section:
     Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
                         local Hugging Face cache (resolve_model); slot memory (size_slots);
                         generation_defaults
-    API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
+    API, CLI            LLM (generate, chat, get_metrics; vLLM's engine-argument names and outputs), main
 
 Each speculative method is one proposer class (PROPOSERS):
     ngram        NgramProposer         prompt lookup on the host
@@ -2336,6 +2336,7 @@ _TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
 
 class Tokenizer:
     chat_template = None  # a GGUF file's template text (tokenizer.chat_template); directories: ChatTemplate
+    template = None  # the ChatTemplate apply_chat_template renders (LLM sets the checkpoint's)
 
     def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
                  special=None, nfc=True, ignore_merges=False):
@@ -2450,9 +2451,10 @@ class Tokenizer:
         return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
                    special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
 
-    def encode(self, text, allow_special=True):
+    def encode(self, text, allow_special=True, add_special_tokens=True):
         """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
-        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
+        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True). add_special_tokens:
+        transformers' argument, accepted; Qwen's tokenizer adds no BOS/EOS either way."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         allowed = self._nonspecial | self._special if allow_special else self._nonspecial
@@ -2468,8 +2470,17 @@ class Tokenizer:
         skip = self._special_id_set if skip_special else ()
         return b"".join(self.token_bytes(i) for i in ids if i not in skip)
 
-    def decode(self, ids, skip_special=False):
-        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+    def decode(self, ids, skip_special=False, skip_special_tokens=None):  # the latter: transformers' name
+        skip = skip_special if skip_special_tokens is None else skip_special_tokens
+        return self.decode_bytes(ids, skip).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, conversation, tools=None, add_generation_prompt=False, tokenize=True,
+                            **kwargs):
+        """transformers' apply_chat_template, which vLLM users call on llm.get_tokenizer(): the chat through
+        the checkpoint's template (LLM sets `template`; else the built-in one), kwargs to the template
+        (enable_thinking=False, ...). -> the prompt's ids, or its text with tokenize=False."""
+        text = (self.template or ChatTemplate()).render(conversation, tools, add_generation_prompt, **kwargs)
+        return self.encode(text) if tokenize else text
 
     def id_of(self, token):
         """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
@@ -3424,6 +3435,7 @@ class LLM:
         self.max_model_len = max_len
         self.spec = spec
         self.chat_template = ChatTemplate.from_checkpoint(model, self.tokenizer)
+        self.tokenizer.template = self.chat_template  # get_tokenizer().apply_chat_template renders with it
         self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
                              seed, enforce_eager, async_scheduling, max_num_batched_tokens,
                              enable_chunked_prefill)

@@ -498,8 +498,8 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
     assert "Processed prompts" in bar and "2/2" in bar and "est. speed input" in bar
     llm.generate("hello", sp, use_tqdm=False)
     assert capsys.readouterr().err == ""
-    with pytest.raises(ValueError, match=re.escape("Requested prompt logprobs of 1024, which is greater than "
-                                                   "max allowed: 20")):  # -1: the vocabulary, over max_logprobs
+    over = "Requested prompt logprobs of 1024, which is greater than max allowed: 20"  # -1: all 1024
+    with pytest.raises(ValueError, match=re.escape(over)):
         llm.generate("hello", SamplingParams(prompt_logprobs=-1))
     tok = llm.get_tokenizer()
     o = outs[0].outputs[0]
@@ -516,6 +516,11 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
                     chat_template_kwargs={"enable_thinking": False})
     assert chat[0].prompt_token_ids == tok.encode(sd.apply_chat_template(msgs, True, False))
     assert chat[0].prompt_token_ids != tok.encode(sd.apply_chat_template(msgs, True, True))
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False)  # as transformers
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert ids == chat[0].prompt_token_ids and text == sd.apply_chat_template(msgs, True, False)
+    plain = text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert tok.decode(ids, skip_special_tokens=True) == plain != text
     metrics = llm.get_metrics()
     assert {type(m).__name__ for m in metrics} == {"Counter", "Vector", "Gauge", "Histogram"}
     by = {(m.name, m.labels.get("finished_reason")): m for m in metrics}

@@ -51,8 +51,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from specdec import (BYTE_OF_CHAR, ChatTemplate, ConfigError, SamplingParams, SpecStats, add_engine_args,
-                     llm_from_args, vllm_argv)
+from specdec import (BYTE_OF_CHAR, REQUEST_BUCKETS, TTFT_BUCKETS, ChatTemplate, ConfigError, SamplingParams,
+                     SpecStats, add_engine_args, llm_from_args, truncate_prompt, vllm_argv)
 
 VERSION = "0.1.0"  # GET /version
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -152,9 +152,10 @@ def max_tokens_field(body, name, default):
     return checked(body, name, "integer", default, (lambda v: v >= 1, "must be at least 1"))
 
 
-def logprobs_count(body, name, vocab):
-    """`logprobs` (completions) or `top_logprobs` (chat) as vLLM reads it: -1 asks for the whole vocabulary,
-    and no more than --max-logprobs (and the vocabulary) may be asked for."""
+def logprobs_count(body, name, vocab, kind="sample"):
+    """`logprobs` (completions), `top_logprobs` (chat) or `prompt_logprobs` (kind "prompt") as vLLM reads
+    it: -1 asks for the whole vocabulary, and no more than --max-logprobs (and the vocabulary) may be asked
+    for."""
     v = get(body, name, "integer")
     if v is None:
         return None
@@ -162,7 +163,7 @@ def logprobs_count(body, name, vocab):
         raise bad(f"`{name}` must be a positive value or -1.", name)
     n, most = vocab if v == -1 else v, min(MAX_LOGPROBS, vocab)
     if n > most:
-        raise bad(f"Requested sample logprobs of {short(n)}, which is greater than max allowed: {most}", name)
+        raise bad(f"Requested {kind} logprobs of {short(n)}, which is greater than max allowed: {most}", name)
     return n
 
 
@@ -225,11 +226,34 @@ def parse_completion(app, body):
         raise bad("'prompt' is required" if prompt is None else
                   "'prompt' must be a string or a list of token ids", "prompt")
     logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
-    if echo and logprobs is not None:
-        raise bad("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    echo = (tok.decode(ids) if prompt is None else prompt) if echo else ""
     max_tokens = max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
-    return ids, echo, sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling), None
+    params = sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling)
+    whole = ids
+    ids, params = prompt_fields(app, body, ids, params, logprobs if echo else None)
+    echo = (prompt if prompt is not None and ids == whole else tok.decode(ids)) if echo else ""
+    return ids, echo, params, None
+
+
+def prompt_fields(app, body, ids, params, implied=None):
+    """The fields about the prompt, on both endpoints as vLLM reads them: `truncate_prompt_tokens` (keep the
+    prompt's last N tokens; -1: max_model_len of them) and `prompt_logprobs` (each prompt token's logprob and
+    the N most likely; not when streaming). `implied`: what echo with logprobs asks for the prompt (vLLM's
+    completions). -> (the prompt's ids, params with both)."""
+    n = get(body, "truncate_prompt_tokens", "integer")
+    if n is not None:
+        if n == 0 or n < -1:
+            raise bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {short(n)}",
+                      "truncate_prompt_tokens")
+        try:
+            ids = truncate_prompt(ids, n, app.llm.max_model_len)
+        except ConfigError as e:
+            raise bad(str(e), "truncate_prompt_tokens") from None
+    want = get(body, "prompt_logprobs", "integer")
+    if want is not None and (want > 0 or want == -1) and get(body, "stream", "boolean", False):
+        raise bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    want = logprobs_count(body, "prompt_logprobs", app.vocab, "prompt")
+    return ids, dataclasses.replace(params, prompt_logprobs=implied if want is None else want,
+                                    truncate_prompt_tokens=n)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -345,7 +369,8 @@ def parse_chat(app, body):
     top = logprobs_count(body, "top_logprobs", app.vocab)
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, app.vocab, app.llm.default_sampling)
-    return app.tokenizer.encode(prompt + prefix), "", params, spec
+    ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt + prefix), params)
+    return ids, "", params, spec
 
 
 # ==============================================================================================
@@ -664,10 +689,7 @@ TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_second
 E2E, QUEUE = "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"
 PREFILL, DECODE = "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"
 INFERENCE = "vllm:request_inference_time_seconds"
-REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0]
-BUCKETS = {TTFT: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+BUCKETS = {TTFT: TTFT_BUCKETS,  # vLLM's (TTFT's and the request latencies' as LLM.get_metrics has them)
            ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0],
            E2E: REQUEST_BUCKETS, QUEUE: REQUEST_BUCKETS, PREFILL: REQUEST_BUCKETS, DECODE: REQUEST_BUCKETS,
@@ -997,8 +1019,15 @@ def chat_finish(finish, chat, spec):
     return "tool_calls" if finish == "stop" and called else finish
 
 
+def prompt_logprobs_json(lps):
+    """A request's prompt logprobs as vLLM sends them: None for the first token, then {token id: {logprob,
+    rank, decoded_token}} per token (-inf as -9999.0: JSON has no infinity)."""
+    entry = lambda v: {"logprob": max(v.logprob, -9999.0), "rank": v.rank, "decoded_token": v.decoded_token}
+    return [None if d is None else {str(t): entry(v) for t, v in d.items()} for d in lps]
+
+
 class LogprobFormat:
-    """The engine's per-token {token_id: logprob} (top-N first, then the chosen token) in OpenAI's shapes:
+    """The engine's per-token {token_id: Logprob} (top-N first, then the chosen token) in OpenAI's shapes:
     completions {tokens, token_logprobs, top_logprobs, text_offset}, chat {content: [{token, logprob, bytes,
     top_logprobs}]}. Called once per stream chunk (text_offset keeps counting) or once for a whole answer."""
 
@@ -1008,13 +1037,16 @@ class LogprobFormat:
     def __call__(self, ids, lps):
         if self.n_top is None:
             return None
-        text, lp = lambda t: self.tok.decode([t]), lambda v: max(v, -9999.0)  # -inf is not JSON
+        text, lp = lambda t: self.tok.decode([t]), lambda v: max(v.logprob, -9999.0)  # -inf is not JSON
         if self.chat:
             entry = lambda t, v: {"token": text(t), "logprob": lp(v), "bytes": list(self.tok.token_bytes(t))}
             top = lambda d: [entry(i, v) for i, v in list(d.items())[:self.n_top]]
             return {"content": [dict(entry(t, d[t]), top_logprobs=top(d)) for t, d in zip(ids, lps)]}
-        out = {"tokens": [text(t) for t in ids], "token_logprobs": [lp(d[t]) for t, d in zip(ids, lps)],
-               "top_logprobs": [{text(i): lp(v) for i, v in d.items()} for d in lps], "text_offset": []}
+        # an echoed prompt's first token has no logprob (None), as in vLLM
+        out = {"tokens": [text(t) for t in ids],
+               "token_logprobs": [None if d is None else lp(d[t]) for t, d in zip(ids, lps)],
+               "top_logprobs": [None if d is None else {text(i): lp(v) for i, v in d.items()} for d in lps],
+               "text_offset": []}
         for s in out["tokens"]:
             out["text_offset"].append(self.offset)
             self.offset += len(s)
@@ -1252,19 +1284,26 @@ class Handler(BaseHTTPRequestHandler):
         job = Job(ids, params)
         app.loop.submit(job)
         fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
+        # completions' echo with logprobs: the prompt's tokens lead the logprobs (vLLM)
+        with_prompt = not chat and get(body, "echo", "boolean", False) and params.logprobs is not None
         try:
             if stream:
-                self.stream(job, head, spec, fmt, opts or {}, echo)
+                self.stream(job, head, spec, fmt, opts or {}, echo, with_prompt)
                 return
             ids, lps = [], []
             for text, new_ids, new_lps, n, finish, stop in self.updates(job):
                 ids, lps = ids + new_ids, lps + (new_lps or [])
+            plps = job.req.prompt_logprobs  # set before the request's first update
+            if with_prompt:
+                ids, lps = job.prompt_ids + ids, plps + lps
+            extra = {} if plps is None else {"prompt_logprobs": prompt_logprobs_json(plps)}
             if chat:
                 out = ChatStream(spec.start, spec.parser, spec.prefix)
                 out.feed(text, final=True)
                 answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
+                head = dict(head, **extra)  # vLLM: chat's prompt_logprobs beside its choices
             else:
-                answer = {"text": echo + text}
+                answer = {"text": echo + text, **extra}  # completions': in the choice
             self.send(200, dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop)],
                                 usage=usage(len(job.prompt_ids), n)))
         except BaseException:  # the client left, or a failure: free the slot now
@@ -1316,7 +1355,7 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def stream(self, job, head, spec, fmt, opts, echo):
+    def stream(self, job, head, spec, fmt, opts, echo, with_prompt=False):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -1331,8 +1370,12 @@ class Handler(BaseHTTPRequestHandler):
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
         chat = None if spec is None else ChatStream(spec.start, spec.parser, spec.prefix)
         sent, n_prompt, first, ids, lps = 0, len(job.prompt_ids), True, [], []
+        if with_prompt:  # echo with logprobs: the prompt's tokens go first
+            ids = list(job.prompt_ids)
         for text, new_ids, new_lps, n, finish, stop in self.updates(job):
             end = len(text) if finish else max(sent, len(text) - hold)
+            if with_prompt and first:
+                lps = list(job.req.prompt_logprobs)
             ids, lps = ids + new_ids, lps + (new_lps or [])  # tokens not sent yet (with their logprobs)
             extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
             if first and chat is not None:  # vLLM sends the chat role with the first output, not before

@@ -22,7 +22,7 @@ One file, read top to bottom; a banner opens each section:
     Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
                         local Hugging Face cache (resolve_model); slot memory (size_slots);
                         generation_defaults
-    API, CLI            LLM (generate, chat; vLLM's engine-argument names), main
+    API, CLI            LLM (generate, chat, get_metrics; vLLM's engine-argument names and outputs), main
 
 Each speculative method is one proposer class (PROPOSERS):
     ngram        NgramProposer         prompt lookup on the device
@@ -237,6 +237,10 @@ SAMPLING_CHECKS = [
     ("top_k", lambda v: not (v == 0 or v < -1), "top_k must be -1 (disable) or at least 1, got {v}"),
     ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}"),
     ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}"),
+    ("prompt_logprobs", lambda v: v is None or (isinstance(v, int) and v >= -1),
+     "prompt_logprobs must be non-negative or -1, got {v}."),
+    ("truncate_prompt_tokens", lambda v: v is None or (isinstance(v, int) and (v >= 1 or v == -1)),
+     "truncate_prompt_tokens must be an integer >= 1 or -1, got {v}"),
 ]
 
 
@@ -252,6 +256,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int = None
     logprobs: int = None
+    prompt_logprobs: int = None         # per prompt token: its logprob and the N most likely (-1: all)
+    truncate_prompt_tokens: int = None  # keep only the prompt's last N tokens (-1: max_model_len)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -1761,6 +1767,42 @@ class SpecStats:
                 f"Avg Draft acceptance rate: {100 * self.draft_acceptance_rate:.1f}%")
 
 
+@dataclass
+class Logprob:
+    """A token's log-probability, as vLLM's: with its rank in the distribution (1: the most likely) and its
+    text alone. Outputs hold one {token id: Logprob} per position."""
+    logprob: float
+    rank: int = None
+    decoded_token: str = None
+
+
+def logprob_rows(logits, toks, n_top):
+    """vLLM's logprobs of rows of logits [T, V] (the model's own distribution, before any sampling
+    parameter) -> per row, (token, logprob, rank) for the n_top most likely tokens (-1: all; ranks 1..n_top),
+    then for the row's token toks[t] unless among them: its rank counts the tokens at least as likely."""
+    lp = logits.float().log_softmax(-1)                                  # [T, V]
+    chosen = lp.gather(1, torch.as_tensor(toks, device=lp.device)[:, None])  # [T, 1]
+    ranks = (lp >= chosen).sum(1)                                        # [T]
+    n = lp.shape[1] if n_top == -1 else n_top
+    top = lp.topk(n, dim=1)                                              # [T, n]
+    rows = []
+    for t, ids, vals, v, r in zip(toks, top.indices.tolist(), top.values.tolist(), chosen[:, 0].tolist(),
+                                  ranks.tolist()):
+        rows.append(list(zip(ids, vals, range(1, n + 1))) + ([] if t in ids else [(t, v, r)]))
+    return rows
+
+
+def truncate_prompt(ids, n, max_model_len):
+    """vLLM's truncate_prompt_tokens: the prompt's last n tokens (-1: max_model_len of them)."""
+    if n is None:
+        return list(ids)
+    n = max_model_len if n == -1 else n
+    if n > max_model_len:
+        raise ConfigError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len "
+                          f"({max_model_len}). Please, select a smaller truncation size.")
+    return list(ids)[-n:]
+
+
 class Request:
     """One sequence: its tokens, sampling parameters, output so far, slot and stop state."""
     def __init__(self, rid, prompt_ids, params, tokenizer, seed):
@@ -1771,6 +1813,8 @@ class Request:
         self.text = ""
         self.tokens = list(prompt_ids)  # prompt + output, kept up to date by Engine._emit (read every step)
         self.logprobs = [] if params.logprobs is not None else None
+        self.prompt_rows = [] if params.prompt_logprobs is not None else None  # logprob_rows, as prefilled
+        self.prompt_logprobs = None  # then, once prefilled: None (position 0), {token id: Logprob} per token
         self.finish_reason = None
         self.stop_reason = None
         self.slot = None
@@ -1985,6 +2029,8 @@ class ModelRunner:
                 T = chunk.shape[1]
                 pos = self.h2d([s])
                 h, taps = self._hidden(chunk, Ctx(self.state, slots, pos, s + T, "prefill"))
+                if req.prompt_rows is not None:
+                    self._prompt_logprobs(req, h[0], s)
                 if s + T == n:
                     logits = self.model.logits(h[:, -1])                              # [1, V]
                     tok = self._sample(logits, [req])
@@ -1996,6 +2042,16 @@ class ModelRunner:
         self.next_ids[req.slot] = tok[0]
         self.next_pos[req.slot] = n
         return int(tok[0]), logits
+
+    def _prompt_logprobs(self, req, h, s):
+        """The logprobs of the prompt tokens that the rows h [T, H] of a piece from position s predict (the
+        last prompt position predicts the first output token: none), onto req.prompt_rows. Only a request
+        that asks pays for it: the lm_head over its prompt, 256 rows at a time (the logits [256, V])."""
+        ids = req.prompt_ids[s + 1:s + 1 + h.shape[0]]
+        for a in range(0, len(ids), 256):
+            piece = ids[a:a + 256]
+            logits = self.model.logits(h[a:a + len(piece)])                  # [rows, V]
+            req.prompt_rows += logprob_rows(logits, piece, req.params.prompt_logprobs)
 
     def launch(self, reqs):
         """Queue one decode or speculative step over reqs on the device; returns it as a pending step."""
@@ -2151,6 +2207,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len)
         n = len(prompt_ids)
         if params.max_tokens is None and n >= self.max_model_len:
             raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -2233,6 +2290,9 @@ class Engine:
             if out is None:
                 continue
             self.prefilling.popleft()
+            if req.prompt_rows is not None:
+                req.prompt_logprobs = [None] + self.logprob_dicts(req.prompt_rows)
+                req.prompt_rows = None
             self._emit(req, [out[0]], out[1])
             touched.append(req)
         return touched
@@ -2261,22 +2321,25 @@ class Engine:
         return live
 
     # -- output --------------------------------------------------------------------------------
+    def logprob_dicts(self, rows):
+        """logprob_rows as vLLM gives them: {token id: Logprob} per row, with each token's text."""
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        return [{t: Logprob(v, r, text(t)) for t, v, r in row} for row in rows]
+
     def _emit(self, req, toks, logits):
         """Append tokens one by one, stopping exactly where plain decoding would stop. logits [n, V]."""
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         emitted = 0
+        lps = None if req.logprobs is None else self.logprob_dicts(logprob_rows(logits[:len(toks)], toks,
+                                                                                  p.logprobs))
         for i, t in enumerate(toks):
             req.output_ids.append(t)
             req.tokens.append(t)
             emitted += 1
             if req.logprobs is not None:
-                lp = logits[i].float().log_softmax(-1)
-                top = lp.topk(p.logprobs) if p.logprobs else None
-                d = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
-                d[t] = float(lp[t])
-                req.logprobs.append(d)
+                req.logprobs.append(lps[i])
             if req.detok is not None and not (t in self.stop_ids or t in self.special_ids):
                 old = len(req.text)
                 req.text += req.detok.add([t])
@@ -2331,6 +2394,7 @@ _TO_LATIN1 = {cp: BYTE_OF_CHAR.get(chr(cp), 0x100) for cp in range(0x144)}
 
 class Tokenizer:
     chat_template = None  # a GGUF file's template text (tokenizer.chat_template); directories: ChatTemplate
+    template = None  # the ChatTemplate apply_chat_template renders (LLM sets the checkpoint's)
 
     def __init__(self, vocab, merges=None, added_tokens=None, pattern=QWEN_PATTERN, eos_token=None,
                  special=None, nfc=True, ignore_merges=False):
@@ -2445,9 +2509,10 @@ class Tokenizer:
         return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
                    special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
 
-    def encode(self, text, allow_special=True):
+    def encode(self, text, allow_special=True, add_special_tokens=True):
         """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
-        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True)."""
+        non-special ones, e.g. <think>, as HF does with encode_special_tokens=True). add_special_tokens:
+        transformers' argument, accepted; Qwen's tokenizer adds no BOS/EOS either way."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         allowed = self._nonspecial | self._special if allow_special else self._nonspecial
@@ -2463,8 +2528,17 @@ class Tokenizer:
         skip = self._special_id_set if skip_special else ()
         return b"".join(self.token_bytes(i) for i in ids if i not in skip)
 
-    def decode(self, ids, skip_special=False):
-        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+    def decode(self, ids, skip_special=False, skip_special_tokens=None):  # the latter: transformers' name
+        skip = skip_special if skip_special_tokens is None else skip_special_tokens
+        return self.decode_bytes(ids, skip).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, conversation, tools=None, add_generation_prompt=False, tokenize=True,
+                            **kwargs):
+        """transformers' apply_chat_template, which vLLM users call on llm.get_tokenizer(): the chat through
+        the checkpoint's template (LLM sets `template`; else the built-in one), kwargs to the template
+        (enable_thinking=False, ...). -> the prompt's ids, or its text with tokenize=False."""
+        text = (self.template or ChatTemplate()).render(conversation, tools, add_generation_prompt, **kwargs)
+        return self.encode(text) if tokenize else text
 
     def id_of(self, token):
         """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
@@ -3141,9 +3215,52 @@ class RequestOutput:
     request_id: str
     prompt: str
     prompt_token_ids: list
+    prompt_logprobs: list  # with SamplingParams.prompt_logprobs: None, then {token id: Logprob} per token
     outputs: list
     finished: bool = True
     metrics: dict = None
+
+
+# -- get_metrics(): vLLM's metric objects (vllm/v1/metrics/reader.py), under vLLM's Prometheus names -----
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Vector(Metric):  # vllm:spec_decode_num_accepted_tokens_per_pos: one counter per draft position
+    values: list
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    count: int
+    sum: float
+    buckets: dict  # upper bound (a string, "+Inf" last) -> observations up to it
+
+
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]  # vLLM's, for request latencies (seconds)
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # vLLM's, for the time to first token
+
+
+def histogram(name, labels, bounds, values):
+    """A Histogram of values over the buckets bounds (cumulative counts, as Prometheus keeps them)."""
+    buckets = {repr(float(b)): sum(v <= b for v in values) for b in bounds}
+    return Histogram(name, labels, len(values), float(sum(values)), {**buckets, "+Inf": len(values)})
 
 
 def resolve_device_dtype(device, dtype):
@@ -3323,15 +3440,17 @@ def generation_defaults(model, generation_config="auto", override=None):
 # -- The offline API ------------------------------------------------------------------------------
 
 class LLM:
-    """vLLM's offline API: LLM(model, **engine_args), then generate / chat. The engine arguments have vLLM's
-    names; tensor_parallel_size and quantization are accepted at their neutral values only (not yet
-    implemented), trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code)."""
+    """vLLM's offline API: LLM(model, **engine_args), then generate / chat (RequestOutputs with Logprob
+    objects), get_tokenizer, get_metrics (vLLM's metric objects). The engine arguments have vLLM's names (an
+    unknown one is a TypeError, as in vLLM); tensor_parallel_size and quantization are accepted at their
+    neutral values only (not yet implemented), trust_remote_code is accepted and changes nothing (specdec runs
+    no checkpoint code)."""
 
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
                  max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
                  generation_config="auto", override_generation_config=None,
-                 tensor_parallel_size=1, quantization=None, trust_remote_code=False):
+                 tensor_parallel_size=1, quantization=None, trust_remote_code=False, max_logprobs=20):
         if tensor_parallel_size not in (None, 1):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
                               "parallelism is not supported yet; specdec runs the model on one device")
@@ -3342,7 +3461,8 @@ class LLM:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-        model = resolve_model(model or default_model_path())
+        name = model or default_model_path()
+        model = resolve_model(name)
         spec = SpeculativeConfig.from_json(speculative_config, target=model)
         if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
             raise ConfigError("method 'dspark' is refused for a GGUF target: its hidden-state taps come from "
@@ -3369,12 +3489,16 @@ class LLM:
         if spec is not None and spec.method in ("dflash", "dspark", "draft_model"):
             self.memory_report += " (the drafter's own cache comes on top)"
         self.model_path = model
+        self.model_name = name  # as given: vLLM's model_name label in get_metrics()
         self.max_model_len = max_len
         self.spec = spec
         self.chat_template = ChatTemplate.from_checkpoint(model, self.tokenizer)
+        self.tokenizer.template = self.chat_template  # get_tokenizer().apply_chat_template renders with it
         self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
                              seed, enforce_eager, async_scheduling, max_num_batched_tokens,
                              enable_chunked_prefill)
+        self.done = []  # (prompt tokens, output tokens, finish reason, TTFT, E2E) of each finished request
+        self.max_logprobs = max_logprobs  # the most logprobs / prompt_logprobs a request may ask for; -1: any
 
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):
@@ -3390,24 +3514,72 @@ class LLM:
         """SamplingParams with the model's generation-config defaults (what generate uses without any)."""
         return SamplingParams(**self.default_sampling)
 
-    def generate(self, prompts, sampling_params=None):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        """Complete prompts (a string, a prompt's token ids, {"prompt"} / {"prompt_token_ids"}, or a list of
+        them) with one SamplingParams or one per prompt (default: the generation config's), batched by the
+        engine. use_tqdm: a progress bar over the requests, as vLLM's (or a tqdm-like class to make it)."""
         one_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)  # a prompt's ids
-        single = isinstance(prompts, str) or one_ids
+        single = isinstance(prompts, (str, dict)) or one_ids
         prompts = [prompts] if single else list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("The lengths of prompts and sampling_params must be the same.")
+        for sp in params:
+            self._check_logprobs(sp)
         reqs = []
-        for p, sp in zip(prompts, params):
-            text, ids = self.encode_prompt(p)
-            reqs.append((text, self.engine.add_request(ids, sp)))
+        try:
+            for p, sp in zip(prompts, params):
+                text, ids = self.encode_prompt(p)
+                reqs.append((text, self.engine.add_request(ids, sp)))
+        except Exception:  # one prompt refused (too long, ...): none of the batch stays queued
+            for _, r in reqs:
+                self.engine.abort(r)
+            raise
+        bar = self._progress(use_tqdm, len(reqs))
+        t0 = time.perf_counter()
         while any(not r.finished for _, r in reqs):
             self.engine.step()
+            done = [r for _, r in reqs if r.finished]
+            if bar is not None and len(done) > bar.n:
+                dt = max(time.perf_counter() - t0, 1e-9)
+                n_in = sum(len(r.prompt_ids) for r in done)
+                n_out = sum(len(r.output_ids) for r in done)
+                bar.set_postfix_str(f"est. speed input: {n_in / dt:.2f} toks/s, output: {n_out / dt:.2f} "
+                                    "toks/s", refresh=False)
+                bar.update(len(done) - bar.n)
+        if bar is not None:
+            bar.close()
+        self.done += [(len(r.prompt_ids), len(r.output_ids), r.finish_reason,
+                       r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time) for _, r in reqs]
         return [self._output(text, r) for text, r in reqs]
 
-    def chat(self, messages, sampling_params=None, *, chat_template=None, add_generation_prompt=True,
-             tools=None, chat_template_kwargs=None, enable_thinking=None):
+    def _check_logprobs(self, sp):
+        """vLLM's cap (max_logprobs) on the logprobs a request asks for; -1 means the whole vocabulary."""
+        for kind, n in (("sample", sp.logprobs), ("prompt", sp.prompt_logprobs)):
+            n = self.cfg.vocab_size if n == -1 else n
+            if n is not None and self.max_logprobs != -1 and n > self.max_logprobs:
+                raise ValueError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
+
+    @staticmethod
+    def _progress(use_tqdm, total):
+        if not use_tqdm:
+            return None
+        if callable(use_tqdm):  # vLLM: a tqdm class (or a function making a bar) may be given
+            make = use_tqdm
+        else:
+            from tqdm import tqdm as make
+        return make(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+    def chat(self, messages, sampling_params=None, use_tqdm=True, *, chat_template=None,
+             add_generation_prompt=True, continue_final_message=False, tools=None, chat_template_kwargs=None,
+             enable_thinking=None):
         """One conversation (a list of messages) or several, through the model's chat template (or the
         `chat_template` given: a path or the template text), as vLLM's LLM.chat."""
+        if continue_final_message:
+            raise ConfigError("continue_final_message is not supported yet (the chat template renders whole "
+                              "messages)")
         template = self.chat_template
         if chat_template is not None:
             template = ChatTemplate.from_arg(chat_template, template.special_tokens)
@@ -3416,19 +3588,45 @@ class LLM:
             kwargs["enable_thinking"] = enable_thinking
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [template.render(m, tools, add_generation_prompt, **kwargs) for m in convs]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _output(self, text, r):
-        cum = sum(d[t] for d, t in zip(r.logprobs, r.output_ids)) if r.logprobs is not None else None
+        cum = None
+        if r.logprobs is not None:
+            cum = sum(d[t].logprob for d, t in zip(r.logprobs, r.output_ids))
         s = r.spec
         metrics = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                    "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_pos": list(s.accepted_per_pos),
                    "mean_acceptance_length": s.mean_acceptance_length} if self.spec else None
         out = CompletionOutput(0, r.text, list(r.output_ids), cum, r.logprobs, r.finish_reason, r.stop_reason)
-        return RequestOutput(r.id, text, r.prompt_ids, [out], True, metrics)
+        return RequestOutput(r.id, text, r.prompt_ids, r.prompt_logprobs, [out], True, metrics)
 
     def get_metrics(self):
-        return self.engine.stats
+        """vLLM's LLM.get_metrics(): a list of Counter / Vector / Gauge / Histogram under vLLM's names (the
+        Prometheus names less _total): the engine's queue, the tokens and requests that generate() finished,
+        their time to first token and end-to-end latency, and with a speculative config the spec-decode
+        counters, accepted tokens per draft position a Vector. The raw counters: engine.stats (SpecStats)."""
+        labels = {"model_name": self.model_name, "engine": "0"}
+        e = self.engine
+        out = [Gauge("vllm:num_requests_running", dict(labels), sum(r is not None for r in e.slots)),
+               Gauge("vllm:num_requests_waiting", dict(labels), len(e.waiting)),
+               Counter("vllm:prompt_tokens", dict(labels), sum(d[0] for d in self.done)),
+               Counter("vllm:generation_tokens", dict(labels), sum(d[1] for d in self.done))]
+        for reason in ("stop", "length", "abort", "error"):
+            n = sum(d[2] == reason for d in self.done)
+            out.append(Counter("vllm:request_success", dict(labels, finished_reason=reason), n))
+        out.append(histogram("vllm:time_to_first_token_seconds", dict(labels), TTFT_BUCKETS,
+                             [d[3] for d in self.done]))
+        out.append(histogram("vllm:e2e_request_latency_seconds", dict(labels), REQUEST_BUCKETS,
+                             [d[4] for d in self.done]))
+        if self.spec is not None:  # as vLLM: only with a speculative config
+            st = e.stats
+            for what in ("drafts", "draft_tokens", "accepted_tokens"):
+                out.append(Counter(f"vllm:spec_decode_num_{what}", dict(labels), getattr(st, f"num_{what}")))
+            k = self.spec.num_speculative_tokens
+            per_pos = list(st.accepted_per_pos) + [0] * (k - len(st.accepted_per_pos))
+            out.append(Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels), per_pos))
+        return out
 
     def warmup(self, force=False):
         """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM

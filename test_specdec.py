@@ -427,6 +427,121 @@ def test_greedy_matches_transformers_generate(moe, tiny, tiny_moe):
     assert out.token_ids == ref
 
 
+def test_prompt_logprobs_equal_a_whole_forward(tiny):
+    """prompt_logprobs against an independent reference: transformers' forward over the whole prompt in one
+    pass, log_softmax. Chunked prefill (280-token pieces, their logits taken 256 rows at a time) and an MTP
+    drafter must not change them; position 0 has none (None), each position holds the prompt token (its rank:
+    tokens at least as likely) and the 3 most likely (ranks 1..3); -1 gives the whole vocabulary. A request
+    without prompt_logprobs in the same batch gets None and the same tokens as alone."""
+    ids = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf_model(tiny)(torch.tensor([ids])).logits[0].double().log_softmax(-1)    # [300, V]
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(tiny, device="cpu", max_num_batched_tokens=280, speculative_config=mtp, max_logprobs=-1)
+    tok = llm.get_tokenizer()
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    asks = dataclasses.replace(plain, prompt_logprobs=3)
+    out, other = llm.generate([ids, ids[:12]], [asks, plain], use_tqdm=False)
+    assert other.prompt_logprobs is None and len(out.prompt_logprobs) == len(ids)
+    assert out.prompt_logprobs[0] is None
+    assert out.outputs[0].token_ids == llm.generate(ids, plain, use_tqdm=False)[0].outputs[0].token_ids
+    for i, d in enumerate(out.prompt_logprobs[1:], 1):
+        lp, t = ref[i - 1], ids[i]                                            # row i-1 predicts token i
+        top = lp.topk(3)
+        assert list(d)[:3] == top.indices.tolist() and set(d) == set(top.indices.tolist()) | {t}
+        assert all(abs(d[x].logprob - float(lp[x])) < 1e-4 for x in d)
+        assert d[t].rank == int((lp >= lp[t]).sum()) and [d[x].rank for x in list(d)[:3]] == [1, 2, 3]
+        assert all(d[x].decoded_token == tok.decode([x]) for x in d)
+    whole = llm.generate(ids[:5], dataclasses.replace(plain, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert [len(d) for d in whole.prompt_logprobs[1:]] == [1024] * 4
+    assert all(abs(d[x].logprob - float(ref[i, x])) < 1e-4 for i, d in enumerate(whole.prompt_logprobs[1:])
+               for x in range(0, 1024, 97))
+
+
+def test_truncate_prompt_tokens(tiny):
+    """truncate_prompt_tokens keeps the prompt's last N tokens (-1: max_model_len of them), as vLLM: the
+    output equals generating from those tokens alone; vLLM's messages for bad values and N > max_model_len."""
+    llm = LLM(tiny, device="cpu", max_model_len=64)
+    ids = torch.randint(0, 1024, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    cut, alone = llm.generate([ids, ids[-8:]], [dataclasses.replace(sp, truncate_prompt_tokens=8), sp],
+                              use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-8:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = llm.generate("a b c d e f g", dataclasses.replace(sp, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert text.prompt_token_ids == llm.tokenizer.encode("a b c d e f g")[-3:]
+    assert llm.generate(ids, dataclasses.replace(sp, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0].prompt_token_ids == ids  # 40 <= max_model_len: all kept
+    too_many = "truncate_prompt_tokens value (65) is greater than max_model_len (64). Please, select a"
+    with pytest.raises(ConfigError, match=re.escape(too_many)):
+        llm.generate([ids, ids], [sp, dataclasses.replace(sp, truncate_prompt_tokens=65)], use_tqdm=False)
+    assert not llm.engine.has_work()  # the refused batch left nothing queued
+    for bad in (0, -2, 1.5):
+        msg = f"truncate_prompt_tokens must be an integer >= 1 or -1, got {bad}"
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ConfigError, match=re.escape("prompt_logprobs must be non-negative or -1, got -2.")):
+        SamplingParams(prompt_logprobs=-2)
+
+
+def test_offline_api_as_vllm(tiny_spec, capsys):
+    """The everyday vLLM snippets: LLM(model, **engine_args) (an unknown argument a TypeError), generate with
+    a progress bar (use_tqdm, on by default), Logprob objects, chat with chat_template_kwargs,
+    get_tokenizer(), and get_metrics() as vLLM's metric objects under vLLM's names, the per-position
+    acceptance a Vector."""
+    with pytest.raises(TypeError, match="no_such_engine_arg"):
+        LLM(tiny_spec, device="cpu", no_such_engine_arg=1)
+    llm = LLM(tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    capsys.readouterr()
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    outs = llm.generate(["def fib(n):", "hello"], sp)
+    bar = capsys.readouterr().err
+    assert "Processed prompts" in bar and "2/2" in bar and "est. speed input" in bar
+    llm.generate("hello", sp, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    over = "Requested prompt logprobs of 1024, which is greater than max allowed: 20"  # -1: all 1024
+    with pytest.raises(ValueError, match=re.escape(over)):
+        llm.generate("hello", SamplingParams(prompt_logprobs=-1))
+    tok = llm.get_tokenizer()
+    o = outs[0].outputs[0]
+    assert tok.decode(o.token_ids) == o.text and outs[0].prompt_token_ids == tok.encode("def fib(n):")
+    for i, t in enumerate(o.token_ids):
+        lp = o.logprobs[i][t]
+        assert isinstance(lp, sd.Logprob) and lp.logprob <= 0 and lp.rank >= 1
+        assert lp.decoded_token == tok.decode([t])
+        assert [v.rank for v in list(o.logprobs[i].values())[:2]] == [1, 2]
+    cum = sum(o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids))
+    assert o.cumulative_logprob == pytest.approx(cum)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4),
+                    chat_template_kwargs={"enable_thinking": False})
+    assert chat[0].prompt_token_ids == tok.encode(sd.apply_chat_template(msgs, True, False))
+    assert chat[0].prompt_token_ids != tok.encode(sd.apply_chat_template(msgs, True, True))
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False)  # as transformers
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert ids == chat[0].prompt_token_ids and text == sd.apply_chat_template(msgs, True, False)
+    plain = text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert tok.decode(ids, skip_special_tokens=True) == plain != text
+    metrics = llm.get_metrics()
+    assert {type(m).__name__ for m in metrics} == {"Counter", "Vector", "Gauge", "Histogram"}
+    by = {(m.name, m.labels.get("finished_reason")): m for m in metrics}
+    st = llm.engine.stats
+    assert by["vllm:spec_decode_num_drafts", None].value == st.num_drafts > 0
+    assert by["vllm:spec_decode_num_draft_tokens", None].value == st.num_draft_tokens
+    assert by["vllm:spec_decode_num_accepted_tokens", None].value == st.num_accepted_tokens > 0
+    per_pos = by["vllm:spec_decode_num_accepted_tokens_per_pos", None]
+    assert isinstance(per_pos, sd.Vector) and per_pos.values == st.accepted_per_pos
+    assert len(per_pos.values) == 2
+    assert sum(per_pos.values) == st.num_accepted_tokens
+    assert by["vllm:generation_tokens", None].value == 12 * 3 + 4
+    n_prompt = sum(len(r.prompt_token_ids) for r in outs + chat) + len(tok.encode("hello"))
+    assert by["vllm:prompt_tokens", None].value == n_prompt
+    assert by["vllm:request_success", "length"].value == 4
+    assert by["vllm:num_requests_running", None].value == by["vllm:num_requests_waiting", None].value == 0
+    ttft = by["vllm:time_to_first_token_seconds", None]
+    assert ttft.count == ttft.buckets["+Inf"] == 4
+    assert per_pos.labels == {"model_name": tiny_spec, "engine": "0"}
+
+
 # ==============================================================================================
 # Speculative decoding: lossless, rollback, rejection sampler, configs
 # ==============================================================================================
@@ -471,10 +586,10 @@ def test_greedy_spec_equals_plain(cfg, tiny_spec, spec_off):
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, r.outputs[0].token_ids):
-            assert abs(a[t] - b[t]) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, kernels.linear)
+            assert abs(a[t].logprob - b[t].logprob) <= 1e-5  # measured worst 5.5e-6 (kernels.exact, .linear)
             assert set(a) == set(b)
     k = cfg["num_speculative_tokens"]
-    assert_multi_token(llm.get_metrics(), k, 1 + 0.5 * k)  # measured: ngram 3.70, 4.45; mtp 1.91, 2.71, 4.05
+    assert_multi_token(llm.engine.stats, k, 1 + 0.5 * k)  # measured: ngram 3.70, 4.45; mtp 1.91, 2.71, 4.05
 
 
 class OracleProposer:
@@ -514,7 +629,7 @@ def test_verify_commit_with_oracle_drafts(tiny_spec, spec_off):
     outs = llm.generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.accepted_per_pos[3] > 0 and s.num_accepted_tokens < s.num_draft_tokens  # full and partial acceptance
 
 
@@ -571,7 +686,7 @@ def test_accepted_draft_of_id_0_is_verified_as_0(tiny_spec):
     outs = spec.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in outs] == [truth[p[0]] for p in prompts]
     assert any(bool((d == 0).any()) for d in drafted)
-    s = spec.get_metrics()
+    s = spec.engine.stats
     assert s.num_accepted_tokens == s.num_draft_tokens == sum(int((d >= 0).sum()) for d in drafted) > 0
 
 
@@ -647,7 +762,7 @@ def test_mtp_chain_and_target_attention_reads_are_bounded(tiny_spec, asynchronou
     llm = LLM(model=tiny_spec, device="cpu", async_scheduling=asynchronous,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     out = llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 12 for o in out) and llm.get_metrics().num_accepted_tokens > 0
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out) and llm.engine.stats.num_accepted_tokens > 0
     assert {1, 4} <= set(seen)                                                     # decode-sized and verify calls
 
 
@@ -1013,7 +1128,7 @@ def test_sampled_distribution_same_with_speculation(tiny_spec):
         llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
         outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
     assert all(len(t) == 4 for o in outs for t in o)
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.accepted_per_pos[1] >= 50 and s.num_accepted_tokens < s.num_draft_tokens  # bonus tokens, rejections
     for group in (0, 1):
         a, b = outs[0][group::2], outs[1][group::2]
@@ -1061,7 +1176,7 @@ def test_sampled_ngram_with_padding_rows(tiny_spec):
     assert all(min(t) >= 0 and len(t) == 3 for o in outs for t in o)
     padded = [bool(((d < 0).all(1)).any() and (d >= 0).any(1).any()) for d, _ in verified]
     assert sum(padded) >= 20                                                     # verifies mixing both kinds of row
-    assert spec.get_metrics().num_accepted_tokens > 0
+    assert spec.engine.stats.num_accepted_tokens > 0
     for group in (0, 1):
         for pos in range(3):
             a, b = ([t[pos] for t in o[group::2]] for o in outs)
@@ -1106,7 +1221,7 @@ def test_gguf_mtp_greedy_lossless_and_refusals(tiny_spec, tmp_path):
     ref = LLM(model=f, device="cpu").generate(["a b c a b"], sp)[0].outputs[0].token_ids
     spec = LLM(model=f, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert spec.generate(["a b c a b"], sp)[0].outputs[0].token_ids == ref
-    assert_multi_token(spec.get_metrics(), 2, 2.0)                                # the GGUF's MTP block drafts
+    assert_multi_token(spec.engine.stats, 2, 2.0)                                # the GGUF's MTP block drafts
     nomtp = gguf_from_checkpoint(tiny_spec, str(tmp_path / "nomtp.gguf"), "F32", with_mtp=False)
     with pytest.raises(ConfigError, match="no MTP block"):
         LLM(model=nomtp, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
@@ -1431,7 +1546,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
             assert len(req.logprobs) == len(req.output_ids)
             for d, lp, t in zip(req.logprobs, lps, req.output_ids):
                 top = set(lp.topk(params.logprobs).indices.tolist()) | {t}             # logprobs=0: the token's only
-                assert set(d) == top and all(abs(d[x] - float(lp[x])) < 1e-5 for x in top)
+                assert set(d) == top and all(abs(d[x].logprob - float(lp[x])) < 1e-5 for x in top)
         e.slots[0] = None
 
 
@@ -1480,7 +1595,7 @@ def test_stops_inside_speculative_steps(tiny_spec, spec_off):
         a, b = plain.generate([SPEC_PROMPTS[0]], p)[0].outputs[0], spec.generate([SPEC_PROMPTS[0]], p)[0].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
     assert b.finish_reason == "stop" and b.stop_reason == stop_str and stop_str not in b.text
-    assert spec.get_metrics().mean_acceptance_length >= 2.0                   # the stops met multi-token runs
+    assert spec.engine.stats.mean_acceptance_length >= 2.0                   # the stops met multi-token runs
 
 
 def oracle_stop_cases(tok, prompts, outs, k):
@@ -1542,7 +1657,7 @@ def test_stops_inside_accepted_runs(tiny_spec, spec_off):
         assert len(a[0]) == i + 1 and a[2] == ("length" if kind == "max_tokens" else "stop"), key
         reason = {"stop_id": args.get("stop_token_ids", [None])[0], "stop_string": args.get("stop", [None])[0]}
         assert a[3] == reason.get(kind), key
-    s = spec.get_metrics()
+    s = spec.engine.stats
     assert s.num_accepted_tokens == s.num_draft_tokens and s.accepted_per_pos[k - 1] > 0   # every draft accepted
 
 
@@ -2283,7 +2398,7 @@ def test_gpu_bf16_spec_equals_plain(tiny_spec):
     ref = [o.outputs[0].token_ids for o in LLM(model=tiny_spec, device="cuda").generate(SPEC_PROMPTS[:1], sp)]
     llm = LLM(model=tiny_spec, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:1], sp)] == ref
-    assert llm.get_metrics().mean_acceptance_length >= 1.5                     # multi-token steps
+    assert llm.engine.stats.mean_acceptance_length >= 1.5                     # multi-token steps
 
 
 # ==============================================================================================
@@ -2504,6 +2619,59 @@ def test_openai_client_chat(srv):
     no_gen = srv.post("/v1/chat/completions", dict(kw["extra_body"], messages=kw["messages"], max_tokens=2,
                                                    add_generation_prompt=False))[1]
     assert no_gen["usage"]["prompt_tokens"] < full.usage.prompt_tokens
+
+
+def test_prompt_fields_through_the_server(srv):
+    """prompt_logprobs on both endpoints (completions: in the choice; chat: beside the choices), echo with
+    logprobs (the prompt's tokens lead the logprobs, the first with none; streamed too),
+    truncate_prompt_tokens on both, and vLLM's messages for bad values. The prompt logprobs equal the offline
+    API's on the same model."""
+    ids = [10, 20, 30, 40, 50, 60]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0}
+    status, r = srv.post("/v1/completions", dict(body, prompt_logprobs=2))
+    plps = r["choices"][0]["prompt_logprobs"]
+    assert status == 200 and plps[0] is None and len(plps) == len(ids)
+    llm = LLM(srv_model(srv), device="cpu")
+    ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), use_tqdm=False)[0]
+    for got, want in zip(plps[1:], ref.prompt_logprobs[1:]):
+        assert list(got) == [str(t) for t in want] and all(
+            abs(got[str(t)]["logprob"] - v.logprob) < 1e-4 and got[str(t)]["rank"] == v.rank and
+            got[str(t)]["decoded_token"] == v.decoded_token for t, v in want.items())
+    status, e = srv.post("/v1/completions", dict(body, echo=True, logprobs=1))
+    lp = e["choices"][0]["logprobs"]
+    tok = llm.get_tokenizer()
+    assert lp["tokens"][:6] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and len(lp["tokens"]) == 9
+    assert e["choices"][0]["prompt_logprobs"][0] is None
+    assert all(abs(lp["token_logprobs"][i] - ref.prompt_logprobs[i][t].logprob) < 1e-4
+               for i, t in enumerate(ids[1:], 1))
+    assert e["choices"][0]["text"].startswith(tok.decode(ids))
+    assert lp["text_offset"][6] == len(tok.decode(ids))
+    status, _, data = srv.request("POST", "/v1/completions", dict(body, echo=True, logprobs=1, stream=True))
+    chunks = [c["choices"][0]["logprobs"] for c in sse_events(data)]
+    assert status == 200 and sum((c["token_logprobs"] for c in chunks), []) == lp["token_logprobs"]
+    status, c = srv.post("/v1/completions", dict(body, truncate_prompt_tokens=2, echo=True))
+    assert c["usage"]["prompt_tokens"] == 2 and c["choices"][0]["text"].startswith(tok.decode(ids[-2:]))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, whole = srv.post("/v1/chat/completions", chat)
+    status, cut = srv.post("/v1/chat/completions", dict(chat, truncate_prompt_tokens=4, prompt_logprobs=0))
+    assert status == 200 and whole["usage"]["prompt_tokens"] > 4 and cut["usage"]["prompt_tokens"] == 4
+    assert len(cut["prompt_logprobs"]) == 4 and all(len(d) == 1 for d in cut["prompt_logprobs"][1:])
+    chat_body = dict(chat, stream=True, prompt_logprobs=1)
+    for path, bad, param, fragment in [
+            ("/v1/completions", dict(body, prompt_logprobs=1, stream=True), "prompt_logprobs",
+             "`prompt_logprobs` are not available when `stream=True`."),
+            ("/v1/chat/completions", chat_body, "prompt_logprobs", "are not available when `stream=True`."),
+            ("/v1/completions", dict(body, prompt_logprobs=-2), "prompt_logprobs",
+             "`prompt_logprobs` must be a positive value or -1."),
+            ("/v1/completions", dict(body, prompt_logprobs=21), "prompt_logprobs",
+             "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+            ("/v1/completions", dict(body, prompt_logprobs="2"), "prompt_logprobs", "must be an integer"),
+            ("/v1/completions", dict(body, truncate_prompt_tokens=0), "truncate_prompt_tokens",
+             "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+            ("/v1/chat/completions", dict(chat, truncate_prompt_tokens=5000), "truncate_prompt_tokens",
+             "truncate_prompt_tokens value (5000) is greater than max_model_len (4096)")]:
+        check_error(*srv.post(path, bad), 400, param, fragment)
 
 
 def test_sse_framing_and_stop_strings(srv):
@@ -3922,7 +4090,7 @@ def runs(ckpts):
         if name not in cache:
             llm = make_llm(ckpts, name)
             one = llm.generate(SPEC_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
-            before = sd.SpecStats(**vars(llm.get_metrics()))
+            before = sd.SpecStats(**vars(llm.engine.stats))
             before.accepted_per_pos = list(before.accepted_per_pos)
             five = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)] if name in MIXED else None
             cache[name] = llm, one, five, before
@@ -3939,7 +4107,7 @@ def test_drafters_greedy_spec_equals_plain(name, runs, reference):
     llm, one, five, _ = runs(name)
     assert one == reference[0]                                  # batch 1
     assert five in (None, reference)                            # a mixed batch of 5 prompts of different lengths
-    s, k = llm.get_metrics(), CONFIGS[name][1]["num_speculative_tokens"]
+    s, k = llm.engine.stats, CONFIGS[name][1]["num_speculative_tokens"]
     # measured (batch 1 + batch 5 where run): dflash 1.80, dspark 4.32, draft_hybrid 2.30, draft_qwen3 3.22
     if name == "draft_self":  # the target as its own draft: every draft is accepted (tests the draft's rollback)
         assert s.num_drafts > 0 and s.num_accepted_tokens == s.num_draft_tokens
@@ -4004,7 +4172,7 @@ def test_gpu_async_graphs_equal_eager(cfg, ckpts):
                                             dict(device="cuda", dtype="float32")])
     assert [r[:4] for r in graphs] == [r[:4] for r in eager]
     for a, b in zip(graphs[5][4], eager[5][4]):  # logprobs: same tokens, values to fp32 kernel noise
-        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-4 for t in a)
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
 
 
 class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -4143,11 +4311,11 @@ def test_warmup_leaves_no_trace(tiny_spec):
     ref = fresh.generate(SPEC_PROMPTS[:2], sp)
     llm = LLM(model=tiny_spec, device="cpu", max_num_seqs=3, speculative_config=spec)
     llm.warmup(force=True)
-    assert llm.get_metrics().num_drafts == 0 and not llm.engine.has_work()
+    assert llm.engine.stats.num_drafts == 0 and not llm.engine.has_work()
     out = llm.generate(SPEC_PROMPTS[:2], sp)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.request_id for o in out] == [o.request_id for o in ref]
-    assert vars(llm.get_metrics()) == vars(fresh.get_metrics()) and fresh.get_metrics().num_accepted_tokens > 0
+    assert vars(llm.engine.stats) == vars(fresh.engine.stats) and fresh.engine.stats.num_accepted_tokens > 0
 
 
 def test_dspark_layouts_load_to_the_same_drafter(runs):
@@ -4173,14 +4341,14 @@ def test_reduced_vocab_dflash_and_dspark_topk(ckpts, reference):
         "method": "dflash", "model": ckpts["dflash_small_vocab"], "num_speculative_tokens": 3})
     assert llm.engine.runner.proposer.net.d2t is not None
     assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
-    s = llm.get_metrics()  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 tokens a step)
+    s = llm.engine.stats  # d1 right when the bigram's pick is in the draft vocab (measured 1.53 a step)
     assert s.mean_acceptance_length >= 1.3 and s.accepted_per_pos[0] > 0
     # top-k = the whole vocab changes nothing; a small top-k still verifies losslessly
     metrics = []
     for topk in (None, 1024, 3):
         llm = make_llm(ckpts, "dspark", dspark_draft_topk=topk)
         assert llm.generate(SPEC_PROMPTS[:1], sp)[0].outputs[0].token_ids == ref
-        metrics.append(vars(llm.get_metrics()))
+        metrics.append(vars(llm.engine.stats))
     assert metrics[0] == metrics[1]
     assert_multi_token(llm_stats(metrics[0]), 4, 3.0)                            # measured 3.86
     # top-3 of the base logits (each slot: the bigram after the anchor) holds d1's pick only: measured 2.0
@@ -4226,7 +4394,7 @@ def test_probabilistic_drafts_follow_their_q(name, ckpts):
         got, m2, m3 = qj.gather(1, dj[:, None])[:, 0], qj.pow(2).sum(1), qj.pow(3).sum(1)
         z = float((got - m2).sum() / (m3 - m2 ** 2).sum().sqrt())
         assert abs(z) < 4.9, (j, z)
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.num_accepted_tokens >= (0.9 if name == "draft_self" else 0.2) * s.num_draft_tokens, vars(s)
 
 

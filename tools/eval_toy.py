@@ -62,7 +62,7 @@ def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods):
             continue
         t = time.perf_counter()
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        s = llm.get_metrics()
+        s = llm.engine.stats
         rows[name] = dict(mean_acceptance_length=s.mean_acceptance_length, draft_acceptance_rate=s.draft_acceptance_rate,
                           per_position=[a / max(s.num_drafts, 1) for a in s.accepted_per_pos],
                           equal_to_off=outs == ref, seconds=time.perf_counter() - t)

@@ -25,7 +25,7 @@ llm = LLM(model="models/toy", speculative_config={"method": "mtp", "num_speculat
 out = llm.generate(["def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"],
                    SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0].outputs[0]
 print(repr(out.text))
-print(f"snippet: {len(out.token_ids)} tokens; {llm.get_metrics().summary()}")
+print(f"snippet: {len(out.token_ids)} tokens; {llm.engine.stats.summary()}")
 assert len(out.token_ids) == 64
 PY
 snippet=$(grep -o '^snippet: [0-9]* tokens; SpecDecoding metrics: Mean acceptance length: [0-9.]*' "$OUT/snippet.log")

@@ -129,7 +129,7 @@ def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
                 if not same:
                     first = next((j for j, (x, y) in enumerate(zip(a[0], b[0])) if x != y), min(len(a[0]), len(b[0])))
                     diffs.setdefault(part, []).append((i, first))
-        m = llm.get_metrics()
+        m = llm.engine.stats
         ndiff = sum(len(v) for v in diffs.values())
         rows[name] = dict(sequences=seqs, tokens=toks, differing=ndiff, diffs=diffs, seconds=time.perf_counter() - t0,
                           mean_acceptance_length=m.mean_acceptance_length if cfg else None)

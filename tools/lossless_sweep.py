@@ -7,7 +7,9 @@ For each method (speculation off too), against speculation off with each prompt 
 - the prompts each alone, and the prompts as batches of 8;
 - prompts of 1 .. 10 tokens (1, 2, k, k+1, k+2 for every k here: a prompt of 1+k tokens is no verify step), alone;
 - a batch of 8 where requests stop mid-step (stop strings, a stop token id, max_tokens) beside requests that go on,
-  and one request aborted while the others continue (its output must be a prefix of speculation off's).
+  and one request aborted while the others continue (its output must be a prefix of speculation off's);
+- vLLM's logits processors: 8 requests with penalties, min_tokens, logit_bias, bad words (a batch of 8), and 4
+  constrained to a JSON schema (their outputs parse), each == speculation off alone with the same parameters.
 Prompts: code windows of held-out stdlib files (as tools/eval_toy.py takes them), short code openings, and random
 token ids (ngram finds no draft there at first, so ngram steps with and without drafts share a batch).
 Prints one line per method, then the summary line ("lossless sweep: ..."), then one JSON line. Exit status 1 on
@@ -92,6 +94,23 @@ def stop_case(ref_full, prompts, gen):
     return prompts[:8], params
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"},
+                                          "ok": {"type": "boolean"}}, "required": ["name", "size", "ok"]}
+
+
+def processor_case(prompts, gen, vocab):
+    """8 requests with vLLM's logits processors (issue 24): penalties (Qwen's presence_penalty 1.5 among them),
+    min_tokens, a logit_bias, bad words; and 4 requests constrained to a JSON schema (xgrammar). Each position of a
+    verify step must see its own history, so speculation on == off."""
+    pen = [sd.SamplingParams(temperature=0, max_tokens=gen // 2, ignore_eos=i % 2 == 0, min_tokens=gen // 8,
+                             presence_penalty=1.5 if i % 4 < 2 else 0.0, frequency_penalty=0.4 * (i % 3),
+                             repetition_penalty=(1.0, 1.15, 1.3)[i % 3], logit_bias={(37 * i) % vocab: -3.0},
+                             bad_words=["import"] if i == 5 else None)
+           for i in range(8)]
+    js = [sd.SamplingParams(temperature=0, max_tokens=96, structured_outputs={"json": SCHEMA})] * 4
+    return prompts[:8] + prompts[8:12], pen + js
+
+
 def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
     base = sd.LLM(model=os.path.join(MODELS, "toy"), device=device, dtype=dtype)
     tok, vocab = base.tokenizer, base.cfg.vocab_size
@@ -104,6 +123,9 @@ def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
     ref_edges = run(base, edges, short, 1)
     s_prompts, s_params = stop_case(ref, prompts, gen)
     ref_stops = run(base, s_prompts, s_params, 1)
+    p_prompts, p_params = processor_case(prompts, gen, vocab)
+    ref_proc = run(base, p_prompts, p_params, 1)
+    assert all(isinstance(json.loads(r[1]), dict) for r in ref_proc[8:] if r[2] == "stop"), "JSON does not parse"
     assert [r[2] for r in ref_stops[:5]] == ["stop"] * 3 + ["length"] * 2, "the stop case does not stop mid-run"
     no_draft = [sum(not sd.ngram_lookup(p, 4, 2, 5) for p in prompts[s:s + 8]) for s in range(0, len(prompts), 8)]
     log(f"reference (speculation off, each alone): {len(prompts)} prompts x {gen} tokens, {len(edges)} edge prompts, "
@@ -115,8 +137,9 @@ def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
         t0 = time.perf_counter()
         llm = sd.LLM(model=os.path.join(MODELS, "toy"), device=device, dtype=dtype, speculative_config=cfg)
         got = {"alone": run(llm, prompts, full, 1), "batch8": run(llm, prompts, full, 8),
-               "edges": run(llm, edges, short, 1), "stops+abort": run(llm, s_prompts, s_params, 8, abort=(7, gen // 4))}
-        want = {"alone": ref, "batch8": ref, "edges": ref_edges, "stops+abort": ref_stops}
+               "edges": run(llm, edges, short, 1), "stops+abort": run(llm, s_prompts, s_params, 8, abort=(7, gen // 4)),
+               "processors": run(llm, p_prompts, p_params, 8)}
+        want = {"alone": ref, "batch8": ref, "edges": ref_edges, "stops+abort": ref_stops, "processors": ref_proc}
         diffs, seqs, toks = {}, 0, 0
         for part in got:
             for i, (a, b) in enumerate(zip(got[part], want[part])):

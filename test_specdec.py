@@ -1278,7 +1278,7 @@ def test_request_errors(tiny):
     with pytest.raises(ConfigError, match="prompt is empty"):
         llm.generate([[]], SamplingParams())
     for bad, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
-                     (dict(top_k=0), "top_k")):
+                     (dict(top_k=-2), "top_k must be 0 \\(disable\\), or at least 1, got -2")):
         with pytest.raises(ConfigError, match=msg):
             SamplingParams(**bad)
 
@@ -5128,16 +5128,19 @@ def test_memory_arithmetic_sizes_the_slots(tiny):
 
 def test_generation_config_gives_the_sampling_defaults(tmp_path):
     """vLLM's --generation-config auto | vllm | FOLDER and --override-generation-config: what a request leaves
-    unset; repetition_penalty / min_p are refused unless neutral (not implemented yet)."""
+    unset, repetition_penalty and min_p included (vLLM's get_diff_sampling_param keys)."""
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 7,
          "repetition_penalty": 1.0, "eos_token_id": [1, 2]}))
     d = sd.generation_defaults(str(tmp_path))
-    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7, "repetition_penalty": 1.0}
     assert sd.generation_defaults(str(tmp_path), "vllm") == {}
     assert sd.generation_defaults(TOY, str(tmp_path), '{"top_k": 0}') == dict(d, top_k=-1)
-    with pytest.raises(ConfigError, match="sets repetition_penalty=1.1, which specdec does not implement yet"):
-        sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 1.1})
+    got = sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 1.1, "min_p": 0.05})
+    assert (got["repetition_penalty"], got["min_p"]) == (1.1, 0.05)
+    assert sd.SamplingParams(**got).repetition_penalty == 1.1  # the offline API's defaults (get_default_...)
+    with pytest.raises(ConfigError, match="repetition_penalty must be greater than zero"):
+        sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 0})
     with pytest.raises(ConfigError, match="top_p must be in"):
         sd.generation_defaults(str(tmp_path), override='{"top_p": 0}')
     with pytest.raises(ConfigError, match="no generation_config.json there"):

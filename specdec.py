@@ -319,7 +319,7 @@ class SamplingParams:
             if bad:
                 raise ConfigError(f"logit_bias contains key(s) that cannot be converted to integer token "
                                   f"IDs: {bad!r}")
-            self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+            self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.check()

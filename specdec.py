@@ -1846,7 +1846,7 @@ class Grammar:
     def __init__(self, compiled, k):
         import xgrammar as xgr
         self.xgr = xgr
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max(k, 1))
+        self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
 
     def masks(self, drafts, V):
         """drafts: a list (host) of k ids (-1 padding) -> (bitmask [k+1, ceil(V / 32)] int32, how many of the

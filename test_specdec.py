@@ -928,6 +928,134 @@ def test_rejection_sampler_mixed_greedy_and_sampled_rows():
         assert int(n_g[i]) == want and tok_g[i, :want + 1].tolist() == am[b, :want + 1].tolist()
 
 
+# ==============================================================================================
+# Logits processors (issue 24): each against a reference written out by hand, per verify position
+# ==============================================================================================
+
+def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
+    """One position's logits after vLLM's processors, token by token in plain Python (history: the tokens
+    emitted before this position, i.e. the output so far and the drafts before it). logits: a list of V floats."""
+    V, inf = len(logits), float("inf")
+    x = [float(v) for v in logits]
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    if p.allowed_token_ids is not None:
+        x = [v if t in p.allowed_token_ids else -inf for t, v in enumerate(x)]
+    if len(history) < p.min_tokens:
+        x = [-inf if t in stop_ids or t in p.stop_token_ids else v for t, v in enumerate(x)]
+    for t in range(V):
+        c = history.count(t)
+        if t in prompt or c:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
+    for w in bad_words:
+        if len(w) == 1 or (len(history) >= len(w) - 1 and history[len(history) - len(w) + 1:] == w[:-1]):
+            x[w[-1]] = -inf
+    return x
+
+
+def test_logits_processors_per_position_match_hand_reference():
+    """process_logits on a verify step (k = 3, V = 10) against processed_reference at every position, with the
+    history = output + d1..di: repetition (prompt + output), frequency and presence penalties (output only),
+    logit_bias, allowed_token_ids, min_tokens masking EOS and stop ids by position, and bad words of one and of
+    two tokens (the two-token word is completed by a draft in one row). A -1 draft counts as nothing."""
+    g = torch.Generator().manual_seed(3)
+    V, k = 10, 3
+    SP = SamplingParams
+    rows = [  # (params, prompt, output, drafts, bad words' ids)
+        (SP(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.9), [1, 2], [3, 3, 4], [3, 5, 1], []),
+        (SP(logit_bias={7: 2.5, 0: -3.0}, min_tokens=5, stop_token_ids=[8]), [4], [1, 2], [9, 7, 2], []),
+        (SP(allowed_token_ids=[2, 3, 5, 9], presence_penalty=-0.5), [5], [], [2, -1, -1], []),
+        (SP(bad_words=["x"], repetition_penalty=0.8), [6], [2, 6], [4, 5, 6], [[6], [4, 5]]),
+        (SP(temperature=0), [0], [1], [2, 3, 4], []),  # no processor: unchanged
+    ]
+    stop_ids = [9]
+    logits = torch.randn(len(rows), k + 1, V, generator=g) * 3
+    reqs = [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw)
+            for p, pr, out, d, bw in rows]
+    drafts = torch.tensor([d for _, _, _, d, _ in rows])
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    got = sd.process_logits(logits, drafts, reqs, stop_ids, h2d)
+    for b, (p, prompt, out, d, bw) in enumerate(rows):
+        for i in range(k + 1):
+            history = out + [t for t in d[:i] if t >= 0]
+            want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
+            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6, msg=f"row {b} pos {i}")
+    inf = float("-inf")
+    assert [bool(got[3, i, 5] == inf) for i in range(k + 1)] == [False, True, False, False]  # d1 = 4, then 5: bad
+    assert [bool(got[1, i, 8] == inf) for i in range(k + 1)] == [True, True, True, False]  # output 2 + i < 5
+    assert torch.equal(got[4], logits[4])
+
+
+def test_min_p_and_top_k_zero_filters():
+    """target_probs' min_p drops the tokens below min_p x the top probability (after temperature), then top-k and
+    top-p apply (vLLM's order); top_k 0 keeps every token, as -1 does."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 12, generator=g) * 2
+    temp = torch.tensor([1.0, 0.7, 1.3, 1.0])
+    min_p = torch.tensor([0.0, 0.1, 0.3, 0.05])
+    top_k = torch.tensor([0, 0, 5, 0])
+    got = sd.target_probs(logits, temp, top_k, torch.ones(4), None, min_p)
+    for b in range(4):
+        p = (logits[b].double() / temp[b]).softmax(-1)
+        keep = [t for t in range(12) if p[t] >= min_p[b] * p.max()]
+        if top_k[b] > 0:
+            keep = sorted(keep, key=lambda t: -p[t])[:int(top_k[b])]
+        want = torch.zeros(12, dtype=torch.float64)
+        want[keep] = p[keep] / p[keep].sum()
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)
+    off = sd.target_probs(logits, temp, torch.zeros(4, dtype=torch.long), torch.ones(4))
+    torch.testing.assert_close(off, sd.target_probs(logits, temp, torch.full((4,), -1), torch.ones(4)))
+
+
+def processed_law(logits, prompt, history, p, stop_ids):
+    """The law a token must follow at a position with this history: processed_reference, then temperature and
+    min_p (drop below min_p x the top probability), renormalised. logits [V] -> [V] float64."""
+    x = torch.tensor(processed_reference(logits.tolist(), prompt, history, p, stop_ids, []), dtype=torch.float64)
+    law = (x / p.temperature).softmax(-1)
+    law[law < p.min_p * law.max()] = 0
+    return law / law.sum()
+
+
+@pytest.mark.parametrize("drafting", ["one_hot", "full_q"])
+def test_rejection_sampler_distribution_with_processors(drafting):
+    """Lossless sampling with logits processors (repetition, frequency and presence penalties, logit_bias, min_p):
+    process_logits then rejection_sample, k = 2. The law at position j depends on the drafts before it (they are
+    in the penalties' history), so the check is per draft prefix: over the rows whose step reaches j with drafts
+    d1..dj, the token emitted at j follows processed_law(output + d1..dj) - position 0 once, position 1 per d1,
+    position 2 (the bonus) per (d1, d2) seen in more than 2000 such rows. Chi-square at false-alarm rate 1e-6
+    each (at most 1 + 8 + 64 checks: a correct sampler fails with probability < 1e-4)."""
+    g = torch.Generator().manual_seed(11)
+    V, k, N = 8, 2, 240_000
+    likely = torch.tensor([3, 5, 3])                                              # output [3, 0, 3] repeats 3
+    logits = torch.randn(k + 1, V, generator=g) + 2.0 * F.one_hot(likely, V)
+    q_logits = torch.randn(k, V, generator=g) + 2.0 * F.one_hot(likely[:k], V)
+    q_law = q_logits.softmax(-1)
+    drafts = torch.stack([torch.multinomial(q_law[j], N, replacement=True, generator=g) for j in range(k)], 1)
+    draft_probs = q_law.expand(N, k, V) if drafting == "full_q" else None
+    p = SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.7,
+                       min_p=0.05, logit_bias={5: 1.5, 2: -1.0})
+    prompt, out, stop_ids = [1, 2], [3, 0, 3], [7]
+    row = types.SimpleNamespace(params=p, prompt_ids=prompt, output_ids=out, bad_words_ids=[])
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    x = sd.process_logits(logits.expand(N, k + 1, V), drafts, [row] * N, stop_ids, h2d)
+    temp, top_k, top_p = torch.full((N,), p.temperature), torch.zeros(N, dtype=torch.long), torch.ones(N)
+    tok, n = sd.rejection_sample(x, drafts, draft_probs, temp, top_k, top_p, torch.rand(N, k, generator=g),
+                                 torch.rand(N, k + 1, generator=g), min_p=torch.full((N,), p.min_p))
+    checks = 0
+    for j in range(k + 1):
+        prefixes = {tuple(d) for d in drafts[:, :j].tolist()}
+        for prefix in prefixes:
+            reach = (n >= j) & (drafts[:, :j] == torch.tensor(prefix, dtype=torch.long)).all(1)
+            if int(reach.sum()) <= 2000:
+                continue
+            law = processed_law(logits[j], prompt, out + list(prefix), p, stop_ids)
+            counts = torch.bincount(tok[reach, j], minlength=V)
+            assert goodness_of_fit(counts, law) > 1e-6, (j, prefix, counts.tolist(), law.tolist())
+            checks += 1
+    assert checks >= 5, checks  # position 0, at least 2 values of d1 and 2 prefixes at the bonus
+
+
 def two_sample_pvalue(xs, ys, min_count=10):
     """Chi-square p-value that two equally large samples of hashable outcomes come from one law; outcomes seen fewer
     than min_count times in both together are pooled into one cell. Statistic sum (a - b)^2 / (a + b)."""
@@ -1015,6 +1143,74 @@ def test_sampled_ngram_with_padding_rows(tiny_spec):
         for pos in range(3):
             a, b = ([t[pos] for t in o[group::2]] for o in outs)
             assert two_sample_pvalue(a, b) > SAMPLED_ALPHA, (group, pos)
+
+
+# -- Logits processors end to end: lossless with every method, n and best_of (issue 24) --------------------
+
+JSON_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]},
+                                                "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                         "maxItems": 3}},
+               "required": ["ok", "kind", "tags"], "additionalProperties": False}
+
+
+def check_schema(text):
+    """The text is one JSON object that JSON_SCHEMA accepts (its rules written out)."""
+    obj = json.loads(text)
+    assert set(obj) == {"ok", "kind", "tags"} and isinstance(obj["ok"], bool), obj
+    assert obj["kind"] in ("a", "bb", "ccc") and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"x", "y"}, obj
+
+
+def processed_params(eos):
+    """A batch mixing rows with and without processors, greedy (one per PROCESSED_PROMPTS). Rows 0 and 3 have
+    negative penalties, so the output repeats tokens inside a verify window (a penalty that missed the drafts
+    before its position would change the argmax there: measured with mtp and draft_model). Row 1 biases EOS up
+    so much that it is the argmax everywhere: min_tokens alone holds it back until output token 24."""
+    return [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=-1.5,
+                           frequency_penalty=-0.5),
+            SamplingParams(temperature=0, max_tokens=30, min_tokens=24, logit_bias={eos: 60.0, 5: -50.0}),
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={10: 2.0},
+                           bad_words=["import"], repetition_penalty=0.7),
+            SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": JSON_SCHEMA,
+                                                                             "disable_any_whitespace": True})]
+
+
+PROCESSED_PROMPTS = SPEC_PROMPTS[:4] + ['{"ok":true,"kind":"bb","tags":["x"]}\n{"ok":false,"kind":"a","tags":[]}\n']
+
+
+@pytest.fixture(scope="module")
+def processed_off(tiny_spec):
+    llm = LLM(model=tiny_spec, device="cpu")
+    params = processed_params(llm.tokenizer.eos_token_id)
+    return params, [o.outputs[0] for o in llm.generate(PROCESSED_PROMPTS, params)]
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
+def test_greedy_spec_equals_plain_with_processors(method, tiny_spec, processed_off):
+    """Greedy speculation (k = 3) equals speculation off with penalties, min_tokens, logit_bias, bad words and a
+    JSON-schema constraint, in one batch with a plain row: every processor sees at verify position i the output
+    followed by d1..di, and the grammar masks each position and rejects the drafts it forbids. draft_model: the
+    target as its own draft. The constrained output is a JSON object its schema accepts, ended by EOS."""
+    cfg = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "draft_model":
+        cfg["model"] = tiny_spec
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg)
+    params, ref = processed_off
+    res = llm.generate(PROCESSED_PROMPTS, params)
+    outs = [o.outputs[0] for o in res]
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids, (i, o.text, r.text)
+    assert len(outs[1].token_ids) == 25 and outs[1].finish_reason == "stop"  # 24 held back, then EOS
+    assert outs[4].finish_reason == "stop", outs[4].text
+    check_schema(outs[4].text)
+    s = llm.get_metrics()
+    assert s.num_accepted_tokens >= 20, s.summary()  # drafts were accepted inside processed steps
+    model_drafts = res[:2] if method != "ngram" else []  # (ngram finds nothing to look up in rows 0 and 1)
+    assert all(r.metrics["num_accepted_tokens"] > 0 for r in model_drafts + [res[3]])  # processed rows accept
+    if method == "ngram":  # its drafts come from the JSON in the prompt: some pass the grammar and are accepted
+        assert res[4].metrics["num_accepted_tokens"] > 0
 
 
 # ==============================================================================================

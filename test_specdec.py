@@ -1213,6 +1213,60 @@ def test_greedy_spec_equals_plain_with_processors(method, tiny_spec, processed_o
         assert res[4].metrics["num_accepted_tokens"] > 0
 
 
+def test_sampled_distribution_with_processors_same_with_speculation(tiny_spec):
+    """Sampling with processors (presence, frequency and repetition penalties, min_p, logit_bias, top_k 20) keeps
+    its law under MTP k = 2: each of the first 4 tokens, and the pair of the 2nd and 3rd, follow the same law with
+    and without speculation (two-sample chi-square over 300 seeds per prompt, SAMPLED_ALPHA per check). Negative
+    penalties on one prompt (repeats: drafts accepted with the bonus); a strong frequency penalty on the other
+    ([1, 1, 1], where 1 follows itself). This checks the engine's wiring end to end (a verify that skipped the
+    processors fails it); the law per draft prefix is test_rejection_sampler_distribution_with_processors'."""
+    prompts = ["a b c a b c a b", [1, 1, 1]] * 300
+    kw = [dict(presence_penalty=-0.5, frequency_penalty=-0.3, repetition_penalty=0.9, min_p=0.02),
+          dict(presence_penalty=0.3, frequency_penalty=1.5, repetition_penalty=1.2, min_p=0.05,
+               logit_bias={2: 1.0, 7: -2.0}, top_k=20)]
+    ps = [SamplingParams(temperature=1.0, max_tokens=4, seed=i // 2, ignore_eos=True, **kw[i % 2])
+          for i in range(len(prompts))]
+    outs = []
+    for cfg in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
+        outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
+    assert all(len(t) == 4 for o in outs for t in o)
+    s = llm.get_metrics()
+    assert s.accepted_per_pos[1] >= 30 and s.num_accepted_tokens < s.num_draft_tokens  # bonus tokens, rejections
+    for group in (0, 1):
+        a, b = outs[0][group::2], outs[1][group::2]
+        for pos in range(4):
+            assert two_sample_pvalue([t[pos] for t in a], [t[pos] for t in b]) > SAMPLED_ALPHA, (group, pos)
+        assert two_sample_pvalue([t[1:3] for t in a], [t[1:3] for t in b]) > SAMPLED_ALPHA, group
+
+
+def test_n_samples_and_best_of(tiny_spec):
+    """n = 4 gives 4 outputs (index 0..3) whose seeded results are reproducible and are the requests seeded
+    seed + i; best_of = 4, n = 2 gives the 2 of those 4 with the highest cumulative logprob (the sum of each
+    emitted token's logprob, which logprobs=0 reports), best first. With MTP k = 2 (one engine throughout: the
+    seeded tokens are reproducible on it). Greedy n > 1 and best_of < n are refused, as in vLLM."""
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate("a b c a b", sp)[0]
+    again = llm.generate("a b c a b", sp)[0]
+    assert len(first.outputs) == 4 and [o.index for o in first.outputs] == [0, 1, 2, 3]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1  # independent samples, not one copied
+    single = [llm.generate("a b c a b", dataclasses.replace(sp, n=1, seed=7 + i))[0].outputs[0] for i in range(4)]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in single]
+    scored = [llm.generate("a b c a b", dataclasses.replace(sp, n=1, seed=7 + i, logprobs=0))[0].outputs[0]
+              for i in range(4)]
+    cums = [sum(d[t] for d, t in zip(o.logprobs, o.token_ids)) for o in scored]
+    best = llm.generate("a b c a b", dataclasses.replace(sp, n=2, best_of=4))[0].outputs
+    order = sorted(range(4), key=lambda i: -cums[i])[:2]
+    assert [o.token_ids for o in best] == [scored[i].token_ids for i in order]
+    assert [o.cumulative_logprob for o in best] == pytest.approx([cums[i] for i in order], abs=1e-4)
+    with pytest.raises(ConfigError, match="n must be 1 when using greedy sampling, got 4"):
+        SamplingParams(n=4, temperature=0)
+    with pytest.raises(ConfigError, match="best_of must be greater than or equal to n"):
+        SamplingParams(n=4, best_of=2)
+
+
 # ==============================================================================================
 # GGUF targets
 # ==============================================================================================

@@ -934,7 +934,7 @@ def test_rejection_sampler_mixed_greedy_and_sampled_rows():
 
 def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
     """One position's logits after vLLM's processors, token by token in plain Python (history: the tokens
-    emitted before this position, i.e. the output so far and the drafts before it). logits: a list of V floats."""
+    emitted before this position, i.e. the output so far and the drafts before it). logits: V floats."""
     V, inf = len(logits), float("inf")
     x = [float(v) for v in logits]
     for t, b in (p.logit_bias or {}).items():
@@ -955,15 +955,17 @@ def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
 
 
 def test_logits_processors_per_position_match_hand_reference():
-    """process_logits on a verify step (k = 3, V = 10) against processed_reference at every position, with the
-    history = output + d1..di: repetition (prompt + output), frequency and presence penalties (output only),
-    logit_bias, allowed_token_ids, min_tokens masking EOS and stop ids by position, and bad words of one and of
-    two tokens (the two-token word is completed by a draft in one row). A -1 draft counts as nothing."""
+    """process_logits on a verify step (k = 3, V = 10) against processed_reference at every position, with
+    the history = output + d1..di: repetition (prompt + output), frequency and presence penalties (output
+    only), logit_bias, allowed_token_ids, min_tokens masking EOS and stop ids by position, and bad words of
+    one and of two tokens (the two-token word is completed by a draft in one row). A -1 draft counts as
+    nothing."""
     g = torch.Generator().manual_seed(3)
     V, k = 10, 3
     SP = SamplingParams
     rows = [  # (params, prompt, output, drafts, bad words' ids)
-        (SP(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.9), [1, 2], [3, 3, 4], [3, 5, 1], []),
+        (SP(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.9), [1, 2], [3, 3, 4],
+         [3, 5, 1], []),
         (SP(logit_bias={7: 2.5, 0: -3.0}, min_tokens=5, stop_token_ids=[8]), [4], [1, 2], [9, 7, 2], []),
         (SP(allowed_token_ids=[2, 3, 5, 9], presence_penalty=-0.5), [5], [], [2, -1, -1], []),
         (SP(bad_words=["x"], repetition_penalty=0.8), [6], [2, 6], [4, 5, 6], [[6], [4, 5]]),
@@ -980,16 +982,17 @@ def test_logits_processors_per_position_match_hand_reference():
         for i in range(k + 1):
             history = out + [t for t in d[:i] if t >= 0]
             want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
-            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6, msg=f"row {b} pos {i}")
+            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6,
+                                       msg=f"row {b} pos {i}")
     inf = float("-inf")
-    assert [bool(got[3, i, 5] == inf) for i in range(k + 1)] == [False, True, False, False]  # d1 = 4, then 5: bad
+    assert [bool(got[3, i, 5] == inf) for i in range(k + 1)] == [False, True, False, False]  # d1 = 4: bad 5
     assert [bool(got[1, i, 8] == inf) for i in range(k + 1)] == [True, True, True, False]  # output 2 + i < 5
     assert torch.equal(got[4], logits[4])
 
 
 def test_min_p_and_top_k_zero_filters():
-    """target_probs' min_p drops the tokens below min_p x the top probability (after temperature), then top-k and
-    top-p apply (vLLM's order); top_k 0 keeps every token, as -1 does."""
+    """target_probs' min_p drops the tokens below min_p x the top probability (after temperature), then top-k
+    and top-p apply (vLLM's order); top_k 0 keeps every token, as -1 does."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(4, 12, generator=g) * 2
     temp = torch.tensor([1.0, 0.7, 1.3, 1.0])
@@ -1011,7 +1014,8 @@ def test_min_p_and_top_k_zero_filters():
 def processed_law(logits, prompt, history, p, stop_ids):
     """The law a token must follow at a position with this history: processed_reference, then temperature and
     min_p (drop below min_p x the top probability), renormalised. logits [V] -> [V] float64."""
-    x = torch.tensor(processed_reference(logits.tolist(), prompt, history, p, stop_ids, []), dtype=torch.float64)
+    x = torch.tensor(processed_reference(logits.tolist(), prompt, history, p, stop_ids, []),
+                     dtype=torch.float64)
     law = (x / p.temperature).softmax(-1)
     law[law < p.min_p * law.max()] = 0
     return law / law.sum()
@@ -1019,12 +1023,13 @@ def processed_law(logits, prompt, history, p, stop_ids):
 
 @pytest.mark.parametrize("drafting", ["one_hot", "full_q"])
 def test_rejection_sampler_distribution_with_processors(drafting):
-    """Lossless sampling with logits processors (repetition, frequency and presence penalties, logit_bias, min_p):
-    process_logits then rejection_sample, k = 2. The law at position j depends on the drafts before it (they are
-    in the penalties' history), so the check is per draft prefix: over the rows whose step reaches j with drafts
-    d1..dj, the token emitted at j follows processed_law(output + d1..dj) - position 0 once, position 1 per d1,
-    position 2 (the bonus) per (d1, d2) seen in more than 2000 such rows. Chi-square at false-alarm rate 1e-6
-    each (at most 1 + 8 + 64 checks: a correct sampler fails with probability < 1e-4)."""
+    """Lossless sampling with logits processors (repetition, frequency and presence penalties, logit_bias,
+    min_p): process_logits then rejection_sample, k = 2. The law at position j depends on the drafts before it
+    (they are in the penalties' history), so the check is per draft prefix: over the rows whose step reaches j
+    with drafts d1..dj, the token emitted at j follows processed_law(output + d1..dj) - position 0 once,
+    position 1 per d1, position 2 (the bonus) per (d1, d2) seen in more than 2000 such rows. Chi-square at
+    false-alarm rate 1e-6 each (at most 1 + 8 + 64 checks: a correct sampler fails with probability
+    < 1e-4)."""
     g = torch.Generator().manual_seed(11)
     V, k, N = 8, 2, 240_000
     likely = torch.tensor([3, 5, 3])                                              # output [3, 0, 3] repeats 3
@@ -1147,10 +1152,9 @@ def test_sampled_ngram_with_padding_rows(tiny_spec):
 
 # -- Logits processors end to end: lossless with every method, n and best_of (issue 24) --------------------
 
-JSON_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]},
-                                                "tags": {"type": "array", "items": {"enum": ["x", "y"]},
-                                                         "maxItems": 3}},
-               "required": ["ok", "kind", "tags"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "object", "required": ["ok", "kind", "tags"], "additionalProperties": False,
+               "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]},
+                              "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}}
 
 
 def check_schema(text):
@@ -1175,7 +1179,8 @@ def processed_params(eos):
                                                                              "disable_any_whitespace": True})]
 
 
-PROCESSED_PROMPTS = SPEC_PROMPTS[:4] + ['{"ok":true,"kind":"bb","tags":["x"]}\n{"ok":false,"kind":"a","tags":[]}\n']
+PROCESSED_PROMPTS = SPEC_PROMPTS[:4] + ['{"ok":true,"kind":"bb","tags":["x"]}\n{"ok":false,"kind":"a",'
+                                       '"tags":[]}\n']
 
 
 @pytest.fixture(scope="module")
@@ -1187,10 +1192,11 @@ def processed_off(tiny_spec):
 
 @pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
 def test_greedy_spec_equals_plain_with_processors(method, tiny_spec, processed_off):
-    """Greedy speculation (k = 3) equals speculation off with penalties, min_tokens, logit_bias, bad words and a
-    JSON-schema constraint, in one batch with a plain row: every processor sees at verify position i the output
-    followed by d1..di, and the grammar masks each position and rejects the drafts it forbids. draft_model: the
-    target as its own draft. The constrained output is a JSON object its schema accepts, ended by EOS."""
+    """Greedy speculation (k = 3) equals speculation off with penalties, min_tokens, logit_bias, bad words and
+    a JSON-schema constraint, in one batch with a plain row: every processor sees at verify position i the
+    output followed by d1..di, and the grammar masks each position and rejects the drafts it forbids.
+    draft_model: the target as its own draft. The constrained output is a JSON object its schema accepts,
+    ended by EOS."""
     cfg = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
         cfg.update(prompt_lookup_min=1, prompt_lookup_max=3)
@@ -1209,17 +1215,18 @@ def test_greedy_spec_equals_plain_with_processors(method, tiny_spec, processed_o
     assert s.num_accepted_tokens >= 20, s.summary()  # drafts were accepted inside processed steps
     model_drafts = res[:2] if method != "ngram" else []  # (ngram finds nothing to look up in rows 0 and 1)
     assert all(r.metrics["num_accepted_tokens"] > 0 for r in model_drafts + [res[3]])  # processed rows accept
-    if method == "ngram":  # its drafts come from the JSON in the prompt: some pass the grammar and are accepted
+    if method == "ngram":  # its drafts come from the JSON in the prompt: some pass the grammar, accepted
         assert res[4].metrics["num_accepted_tokens"] > 0
 
 
 def test_sampled_distribution_with_processors_same_with_speculation(tiny_spec):
-    """Sampling with processors (presence, frequency and repetition penalties, min_p, logit_bias, top_k 20) keeps
-    its law under MTP k = 2: each of the first 4 tokens, and the pair of the 2nd and 3rd, follow the same law with
-    and without speculation (two-sample chi-square over 300 seeds per prompt, SAMPLED_ALPHA per check). Negative
-    penalties on one prompt (repeats: drafts accepted with the bonus); a strong frequency penalty on the other
-    ([1, 1, 1], where 1 follows itself). This checks the engine's wiring end to end (a verify that skipped the
-    processors fails it); the law per draft prefix is test_rejection_sampler_distribution_with_processors'."""
+    """Sampling with processors (presence, frequency and repetition penalties, min_p, logit_bias, top_k 20)
+    keeps its law under MTP k = 2: each of the first 4 tokens, and the pair of the 2nd and 3rd, follow the
+    same law with and without speculation (two-sample chi-square over 300 seeds per prompt, SAMPLED_ALPHA per
+    check). Negative penalties on one prompt (repeats: drafts accepted with the bonus); a strong frequency
+    penalty on the other ([1, 1, 1], where 1 follows itself). This checks the engine's wiring end to end (a
+    verify that skipped the processors fails it); the law per draft prefix is
+    test_rejection_sampler_distribution_with_processors'."""
     prompts = ["a b c a b c a b", [1, 1, 1]] * 300
     kw = [dict(presence_penalty=-0.5, frequency_penalty=-0.3, repetition_penalty=0.9, min_p=0.02),
           dict(presence_penalty=0.3, frequency_penalty=1.5, repetition_penalty=1.2, min_p=0.05,
@@ -1232,7 +1239,7 @@ def test_sampled_distribution_with_processors_same_with_speculation(tiny_spec):
         outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
     assert all(len(t) == 4 for o in outs for t in o)
     s = llm.get_metrics()
-    assert s.accepted_per_pos[1] >= 30 and s.num_accepted_tokens < s.num_draft_tokens  # bonus tokens, rejections
+    assert s.accepted_per_pos[1] >= 30 and s.num_accepted_tokens < s.num_draft_tokens  # bonuses, rejections
     for group in (0, 1):
         a, b = outs[0][group::2], outs[1][group::2]
         for pos in range(4):
@@ -1245,17 +1252,18 @@ def test_n_samples_and_best_of(tiny_spec):
     seed + i; best_of = 4, n = 2 gives the 2 of those 4 with the highest cumulative logprob (the sum of each
     emitted token's logprob, which logprobs=0 reports), best first. With MTP k = 2 (one engine throughout: the
     seeded tokens are reproducible on it). Greedy n > 1 and best_of < n are refused, as in vLLM."""
-    llm = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config=mtp)
     sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     first = llm.generate("a b c a b", sp)[0]
     again = llm.generate("a b c a b", sp)[0]
     assert len(first.outputs) == 4 and [o.index for o in first.outputs] == [0, 1, 2, 3]
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1  # independent samples, not one copied
-    single = [llm.generate("a b c a b", dataclasses.replace(sp, n=1, seed=7 + i))[0].outputs[0] for i in range(4)]
+    one = lambda **kw: llm.generate("a b c a b", dataclasses.replace(sp, n=1, **kw))[0].outputs[0]
+    single = [one(seed=7 + i) for i in range(4)]
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in single]
-    scored = [llm.generate("a b c a b", dataclasses.replace(sp, n=1, seed=7 + i, logprobs=0))[0].outputs[0]
-              for i in range(4)]
+    scored = [one(seed=7 + i, logprobs=0) for i in range(4)]
     cums = [sum(d[t] for d, t in zip(o.logprobs, o.token_ids)) for o in scored]
     best = llm.generate("a b c a b", dataclasses.replace(sp, n=2, best_of=4))[0].outputs
     order = sorted(range(4), key=lambda i: -cums[i])[:2]
@@ -2648,6 +2656,67 @@ def test_health_and_models(srv, tiny_model):
     assert card["root"] == tiny_model and card["parent"] is None and card["max_model_len"] == 4096
 
 
+def test_sampling_fields_on_both_endpoints(srv_spec, tiny_model):
+    """Issue 24's fields through both endpoints (ngram speculation on): the whole set is accepted; a greedy
+    logit_bias of +100 on one token makes the answer that token repeated; allowed_token_ids keeps the answer
+    inside them; a JSON schema (structured_outputs, guided_json, response_format json_schema) gives text that
+    parses against it; n = 3 gives 3 choices, seeded and reproducible, streamed with their indexes too;
+    best_of keeps n of them."""
+    tok = sd.Tokenizer.from_dir(tiny_model)
+    x, y = tok.encode("x")[0], tok.encode("y")[0]
+
+    def answer(path, out, i=0):
+        c = out["choices"][i]
+        return c["text"] if path == "/v1/completions" else c["message"]["content"]
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb"]}},
+              "required": ["ok", "kind"], "additionalProperties": False}
+    endpoints = (("/v1/completions", {"prompt": "hello"}), ("/v1/chat/completions", {"messages": CHAT}))
+    for path, base in endpoints:
+        every = dict(base, max_tokens=6, temperature=0.8, seed=3, presence_penalty=1.5, frequency_penalty=0.5,
+                     repetition_penalty=1.1, min_p=0.05, top_k=0, min_tokens=2, logit_bias={"5": 2},
+                     bad_words=["the"], include_stop_str_in_output=True, skip_special_tokens=False,
+                     spaces_between_special_tokens=False, ignore_eos=True,
+                     allowed_token_ids=list(range(1000)))
+        status, out = srv_spec.post(path, every)
+        assert status == 200 and out["usage"]["completion_tokens"] == 6, out
+        status, out = srv_spec.post(path, dict(base, max_tokens=5, temperature=0, logit_bias={str(x): 100},
+                                               ignore_eos=True))
+        assert status == 200 and answer(path, out) == "x" * 5, out
+        status, out = srv_spec.post(path, dict(base, max_tokens=8, temperature=1.0, seed=1, ignore_eos=True,
+                                               allowed_token_ids=[x, y]))
+        assert status == 200 and set(answer(path, out)) <= {"x", "y"} and len(answer(path, out)) == 8, out
+        strict = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+        status, out = srv_spec.post(path, dict(base, max_tokens=40, temperature=0, **strict))
+        text = answer(path, out)
+        assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
+        obj = json.loads(text)
+        assert set(obj) == {"ok", "kind"} and isinstance(obj["ok"], bool) and obj["kind"] in ("a", "bb"), text
+        texts = []  # the three spellings of one schema (whitespace allowed: the random model likes it) agree
+        named = {"name": "s", "schema": schema}
+        for constraint in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
+                           {"response_format": {"type": "json_schema", "json_schema": named}}):
+            status, out = srv_spec.post(path, dict(base, max_tokens=12, temperature=0, **constraint))
+            assert status == 200, out
+            texts.append(answer(path, out))
+        assert texts[0].startswith("{") and texts[0] == texts[1] == texts[2], texts
+        body = dict(base, max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+        status, out = srv_spec.post(path, body)
+        assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert out["usage"]["completion_tokens"] == 18
+        assert srv_spec.post(path, body)[1]["choices"] == out["choices"]
+        status, best = srv_spec.post(path, dict(body, n=1, best_of=3))
+        assert status == 200 and len(best["choices"]) == 1
+        assert answer(path, best) in [answer(path, out, i) for i in range(3)]
+        raw = srv_spec.request("POST", path, dict(body, stream=True))[2]
+        chunks = [c for e in sse_events(raw) for c in e["choices"]]
+        for i in range(3):
+            mine = [c for c in chunks if c["index"] == i]
+            got = "".join(c["text"] if "text" in c else c["delta"].get("content") or "" for c in mine)
+            assert got == answer(path, out, i), (i, got)
+
+
+
 def test_openai_client_completions(srv):
     import openai
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
@@ -3010,7 +3079,8 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
     ("top_logprobs 0 alone (vLLM)", "/v1/chat/completions", {"top_logprobs": 0}, 200, None, None),
     ("n 0", "/v1/completions", {"n": 0}, 400, "n", "n must be at least 1, got 0."),
     ("n beyond int64", "/v1/completions", {"n": BIG}, 400, "n", "n must be at most 16384"),
-    ("n 2 greedy", "/v1/completions", {"n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling"),
+    ("n 2 greedy", "/v1/completions", {"n": 2, "temperature": 0}, 400, "n",
+     "n must be 1 when using greedy sampling"),
     ("n 2", "/v1/chat/completions", {"n": 2}, 200, None, None),
     ("best_of below n", "/v1/completions", {"n": 3, "best_of": 2}, 400, "best_of",
      "best_of must be greater than or equal to n"),
@@ -3018,11 +3088,12 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
     ("logit_bias key not an id", "/v1/completions", {"logit_bias": {"x": 1}}, 400, "logit_bias",
      "cannot be converted to integer token IDs"),
     ("logit_bias huge", "/v1/completions", {"logit_bias": {"5": BIG}}, 200, None, None),  # clamped to 100
-    ("allowed_token_ids out of vocab", "/v1/completions", {"allowed_token_ids": [BIG]}, 400, "allowed_token_ids",
-     "out-of-vocab"),
+    ("allowed_token_ids out of vocab", "/v1/completions", {"allowed_token_ids": [BIG]}, 400,
+     "allowed_token_ids", "out-of-vocab"),
     ("allowed_token_ids empty", "/v1/completions", {"allowed_token_ids": []}, 400, "allowed_token_ids",
      "allowed_token_ids is not None and empty!"),
-    ("bad_words empty word", "/v1/completions", {"bad_words": [""]}, 400, "bad_words", "cannot contain an empty"),
+    ("bad_words empty word", "/v1/completions", {"bad_words": [""]}, 400, "bad_words",
+     "cannot contain an empty"),
     ("bad_words", "/v1/chat/completions", {"bad_words": ["the"]}, 200, None, None),
     ("min_tokens over max_tokens", "/v1/completions", {"min_tokens": 3}, 400, "min_tokens",
      "min_tokens must be less than or equal to max_tokens=2, got 3."),

@@ -1275,6 +1275,29 @@ def test_n_samples_and_best_of(tiny_spec):
         SamplingParams(n=4, best_of=2)
 
 
+def test_min_tokens_stop_strings_and_special_tokens(tiny_spec):
+    """The text side of the new fields, with the answer forced by logit_bias (greedy): a stop string is not
+    looked for before min_tokens tokens (vLLM), and then cuts the text at its first occurrence in the new
+    text's window, keeping it with include_stop_str_in_output; skip_special_tokens=False keeps an added
+    special token's text, which the default drops; min_tokens holds back an EOS that logit_bias makes the
+    argmax."""
+    llm = LLM(model=tiny_spec, device="cpu")
+    tok = llm.tokenizer
+    x, im_start, eos = tok.encode("x")[0], tok.id_of("<|im_start|>"), tok.eos_token_id
+    forced = lambda t, **kw: llm.generate("hello", SamplingParams(temperature=0, logit_bias={t: 100.0}, **kw))[0]
+    o = forced(x, max_tokens=10, stop=["xx"]).outputs[0]
+    assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == ([x, x], "", "stop", "xx")
+    o = forced(x, max_tokens=10, stop=["xx"], min_tokens=5).outputs[0]
+    assert (len(o.token_ids), o.text, o.finish_reason) == (6, "xxxx", "stop")
+    o = forced(x, max_tokens=10, stop=["xx"], min_tokens=5, include_stop_str_in_output=True).outputs[0]
+    assert (len(o.token_ids), o.text) == (6, "xxxxxx")
+    assert forced(im_start, max_tokens=3).outputs[0].text == ""
+    assert forced(im_start, max_tokens=3, skip_special_tokens=False).outputs[0].text == "<|im_start|>" * 3
+    o = forced(eos, max_tokens=10, min_tokens=3).outputs[0]
+    assert len(o.token_ids) == 4 and eos not in o.token_ids[:3] and o.token_ids[3] == eos
+    assert o.finish_reason == "stop"
+
+
 # ==============================================================================================
 # GGUF targets
 # ==============================================================================================
@@ -5493,8 +5516,29 @@ def test_generation_config_gives_the_sampling_defaults(tmp_path):
         sd.generation_defaults(TOY, str(tmp_path / "nowhere"))
     p = srvmod.sampling_params({}, None, None, 1024, d)  # a request that leaves them unset
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 7)
+    p = srvmod.sampling_params({"min_p": 0.2}, None, None, 1024, got)  # the server's defaults: vLLM's too
+    assert (p.repetition_penalty, p.min_p) == (1.1, 0.2)
     p = srvmod.sampling_params({"temperature": 0, "top_p": 1, "max_tokens": 50}, 50, None, 1024, d)
     assert (p.temperature, p.top_p, p.max_tokens) == (0, 1, 7)  # max_new_tokens caps (vLLM)
+
+
+def test_generation_config_penalty_defaults_reach_requests(tiny_spec, tmp_path):
+    """Issue 23's last point: a checkpoint whose generation_config.json sets repetition_penalty and min_p starts
+    (it was refused while the sampler lacked them) and a request that leaves them unset gets them, as vLLM's
+    --generation-config auto does; a request's own value wins."""
+    import shutil
+    path = shutil.copytree(tiny_spec, tmp_path / "ckpt")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(temperature=0.0, repetition_penalty=0.5, min_p=0.1, max_new_tokens=16)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(model=str(path), device="cpu")
+    d = llm.get_default_sampling_params()
+    assert (d.repetition_penalty, d.temperature, d.max_tokens) == (0.5, 0.0, 16)
+    prompt = "a b c a b c a b"
+    auto = llm.generate(prompt)[0].outputs[0].token_ids
+    explicit = llm.generate(prompt, SamplingParams(temperature=0, repetition_penalty=0.5, max_tokens=16))
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))
+    assert auto == explicit[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
 
 
 def test_speculative_config_infers_as_vllm(tmp_path, tiny):

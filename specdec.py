@@ -232,14 +232,13 @@ class ModelConfig:
 
 
 # What SamplingParams.check accepts: (field, accepted(value), message: {v} the value); vLLM's messages
-FINITE = lambda v: math.isfinite(v)  # noqa: E731
 SAMPLING_CHECKS = [
     ("n", lambda v: isinstance(v, int) and v >= 1, "n must be at least 1, got {v}."),
     ("presence_penalty", lambda v: -2 <= v <= 2, "presence_penalty must be in [-2, 2], got {v}."),
     ("frequency_penalty", lambda v: -2 <= v <= 2, "frequency_penalty must be in [-2, 2], got {v}."),
-    ("repetition_penalty", FINITE, "repetition_penalty must be a finite number, got {v}."),
+    ("repetition_penalty", math.isfinite, "repetition_penalty must be a finite number, got {v}."),
     ("repetition_penalty", lambda v: v > 0, "repetition_penalty must be greater than zero, got {v}."),
-    ("temperature", FINITE, "temperature must be a finite number, got {v}."),
+    ("temperature", math.isfinite, "temperature must be a finite number, got {v}."),
     ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}."),
     ("temperature", lambda v: v <= 2, "temperature must be in [0, 2], got {v}."),
     ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}."),
@@ -347,17 +346,19 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
-    def processed(self):
-        """Whether a logits processor applies (else the plain sampler runs, at no extra cost)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
-                    or self.bad_words or self.structured_outputs is not None)
+    def penalized(self):
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def needs_history(self):
         """Whether the processors read the output so far (then the host must know it: synchronous steps)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.min_tokens or self.bad_words or self.structured_outputs is not None)
+        grammar = self.structured_outputs is not None
+        return self.penalized or bool(self.min_tokens or self.bad_words) or grammar
+
+    @property
+    def processed(self):
+        """Whether a logits processor applies (else the plain sampler runs, at no extra cost)."""
+        return self.needs_history or bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 def _is_int_like(t):
@@ -1712,21 +1713,17 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashPropose
 # ids, min_tokens, then the penalties, then bad words and the grammar's mask; temperature, min_p, top-k and
 # top-p come after, in target_probs.
 
-def token_counts(rows, V, device, h2d, field):
-    """[B, V] float on the device: how often each token occurs in each row's `field` (a list of ids), built
-    there from the ids (only the ids cross over, not B x V numbers)."""
-    b = [i for i, r in enumerate(rows) for _ in getattr(r, field)]
-    t = [t for r in rows for t in getattr(r, field)]
-    out = torch.zeros(len(rows), V, device=device)
+def per_row(ids, V, device, h2d, values=None):
+    """[B, V] float on the device from per-row lists of token ids: how often each id occurs in its row's list
+    (values None), or the sum of its values (values: per row a list beside its ids). Built there from the ids,
+    so only they cross over, not B x V numbers."""
+    b = [i for i, row in enumerate(ids) for _ in row]
+    t = [t for row in ids for t in row]
+    out = torch.zeros(len(ids), V, device=device)
     if t:
-        out.index_put_((h2d(b, torch.long), h2d(t, torch.long)), torch.ones(len(t), device=device),
-                       accumulate=True)
+        v = [1.0] * len(t) if values is None else [x for row in values for x in row]
+        out.index_put_((h2d(b, torch.long), h2d(t, torch.long)), h2d(v, torch.float32), accumulate=True)
     return out
-
-
-def row_values(rows, device, h2d, get, dtype=torch.float32):
-    """[B] on the device: get(params) of each row."""
-    return h2d([get(r.params) for r in rows], dtype)
 
 
 def banned_tokens(row, drafts, T):
@@ -1752,36 +1749,28 @@ def process_logits(logits, drafts, rows, stop_ids, h2d, masks=None):
     dev = logits.device
     x = logits.float().clone()
     ps = [r.params for r in rows]
+    each = lambda name: h2d([getattr(p, name) for p in ps], torch.float32)[:, None, None]  # noqa: E731
     if any(p.logit_bias for p in ps):
-        b = [i for i, p in enumerate(ps) for _ in (p.logit_bias or {})]
-        t = [t for p in ps for t in (p.logit_bias or {})]
-        v = [v for p in ps for v in (p.logit_bias or {}).values()]
-        bias = torch.zeros(B, V, device=dev)
-        bias[h2d(b, torch.long), h2d(t, torch.long)] = h2d(v, torch.float32)
-        x += bias[:, None]
+        biases = [p.logit_bias or {} for p in ps]
+        x += per_row([list(b) for b in biases], V, dev, h2d, [list(b.values()) for b in biases])[:, None]
     if any(p.allowed_token_ids is not None for p in ps):
-        allow = torch.ones(B, V, dtype=torch.bool, device=dev)
-        for i, p in enumerate(ps):
-            if p.allowed_token_ids is not None:
-                allow[i] = False
-                allow[i, h2d(p.allowed_token_ids, torch.long)] = True
-        x.masked_fill_(~allow[:, None], float("-inf"))
+        allowed = per_row([p.allowed_token_ids or [] for p in ps], V, dev, h2d) > 0                # [B, V]
+        anything = h2d([p.allowed_token_ids is None for p in ps], torch.bool)[:, None]           # [B, 1]
+        x.masked_fill_(~(allowed | anything)[:, None], float("-inf"))
     if any(p.min_tokens for p in ps):  # position i emits output token number len(output) + i
         need = h2d([p.min_tokens - len(r.output_ids) for p, r in zip(ps, rows)], torch.long)      # [B]
         early = torch.arange(T, device=dev)[None] < need[:, None]                                  # [B, T]
-        stops = [sorted(set(stop_ids) | set(p.stop_token_ids)) if p.min_tokens else [] for p in ps]
-        stop_mask = token_counts([types.SimpleNamespace(s=s) for s in stops], V, dev, h2d, "s") > 0
-        x.masked_fill_(early[..., None] & stop_mask[:, None], float("-inf"))
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in ps):
-        counts = token_counts(rows, V, dev, h2d, "output_ids")[:, None].expand(B, T, V)        # [B, T, V]
+        stops = per_row([sorted({*stop_ids, *p.stop_token_ids}) for p in ps], V, dev, h2d) > 0   # [B, V]
+        x.masked_fill_(early[..., None] & stops[:, None], float("-inf"))
+    if any(p.penalized for p in ps):
+        counts = per_row([r.output_ids for r in rows], V, dev, h2d)[:, None].expand(B, T, V)   # [B, T, V]
         if T > 1:  # position i also counts d1..di
             d = F.one_hot(drafts.clamp(min=0), V).float() * (drafts >= 0)[..., None]           # [B, T-1, V]
             counts = counts + F.pad(d.cumsum(1), (0, 0, 1, 0))
-        seen = (token_counts(rows, V, dev, h2d, "prompt_ids") > 0)[:, None] | (counts > 0)     # [B, T, V]
-        rep = row_values(rows, dev, h2d, lambda p: p.repetition_penalty)[:, None, None]
+        seen = (per_row([r.prompt_ids for r in rows], V, dev, h2d) > 0)[:, None] | (counts > 0)  # [B, T, V]
+        rep = each("repetition_penalty")
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x -= row_values(rows, dev, h2d, lambda p: p.frequency_penalty)[:, None, None] * counts
-        x -= row_values(rows, dev, h2d, lambda p: p.presence_penalty)[:, None, None] * (counts > 0)
+        x -= each("frequency_penalty") * counts + each("presence_penalty") * (counts > 0)
     if any(r.bad_words_ids for r in rows):
         d = drafts.tolist() if drafts is not None else [[]] * B  # (waits for the drafts: bad words only)
         hits = [(b, i, t) for b, r in enumerate(rows) for i, t in banned_tokens(r, d[b], T)]
@@ -1843,7 +1832,7 @@ class Grammar:
     """A request's grammar in force: an xgrammar matcher over the output so far (Engine._emit advances it). A
     step's masks come from walking it through the step's drafts and back (rollback): position i's mask is the
     grammar's after d1..di; the first draft it refuses ends the drafts (rejected, as vLLM does)."""
-    def __init__(self, compiled, k):
+    def __init__(self, compiled):
         import xgrammar as xgr
         self.xgr = xgr
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
@@ -1990,6 +1979,14 @@ class SpecStats:
         for i in range(n_acc):
             self.accepted_per_pos[i] += 1
 
+    def absorb(self, other):
+        """Add another's counts (a prompt's n samples report together)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        pairs = itertools.zip_longest(self.accepted_per_pos, other.accepted_per_pos, fillvalue=0)
+        self.accepted_per_pos = [a + b for a, b in pairs]
+
     @property
     def mean_acceptance_length(self):
         return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
@@ -2020,7 +2017,7 @@ class Request:
         self.text = ""
         self.tokens = list(prompt_ids)  # prompt + output, kept up to date by Engine._emit (read every step)
         self.logprobs = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0 if params.logprobs is not None or params.best_of else None
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None  # (best_of sets it too)
         self.bad_words_ids = []  # each bad word's token ids (Engine.add_request)
         self.grammar = None      # its structured-output Grammar, if it asks for one
         self.finish_reason = None
@@ -2457,7 +2454,7 @@ class Engine:
                 raise ConfigError("structured_outputs need the xgrammar package (pip install xgrammar)") \
                     from None
             self.grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.stop_ids)
-        return Grammar(compile_grammar(self.grammars, so), self.runner.k)
+        return Grammar(compile_grammar(self.grammars, so))
 
     def abort(self, req):
         """Cancel a request (e.g. its client went away): its slot frees at once."""
@@ -3738,11 +3735,7 @@ class LLM:
         if self.spec:
             s = SpecStats()
             for r in reqs:
-                s.num_drafts += r.spec.num_drafts
-                s.num_draft_tokens += r.spec.num_draft_tokens
-                s.num_accepted_tokens += r.spec.num_accepted_tokens
-                pairs = itertools.zip_longest(s.accepted_per_pos, r.spec.accepted_per_pos, fillvalue=0)
-                s.accepted_per_pos = [a + b for a, b in pairs]
+                s.absorb(r.spec)
             metrics = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                        "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_pos": s.accepted_per_pos,
                        "mean_acceptance_length": s.mean_acceptance_length}

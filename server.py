@@ -52,10 +52,11 @@ from urllib.parse import urlsplit
 import torch
 
 from specdec import (BYTE_OF_CHAR, REQUEST_BUCKETS, TTFT_BUCKETS, ChatTemplate, ConfigError, SamplingParams,
-                     SpecStats, add_engine_args, llm_from_args, truncate_prompt, vllm_argv)
+                     SpecStats, StructuredOutputsParams, add_engine_args, llm_from_args, truncate_prompt, vllm_argv)
 
 VERSION = "0.1.0"  # GET /version
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 16384      # vLLM's VLLM_MAX_N_SEQUENCES: the most samples a request may ask for (n, best_of)
 MAX_BODY = 1 << 26  # bytes of one request body
 INT64 = 1 << 63  # seeds are signed 64-bit, as in vLLM's protocol
 BYTE_CHARS = {b: c for c, b in BYTE_OF_CHAR.items()}  # a byte -> its character in byte-level BPE vocabularies
@@ -134,18 +135,50 @@ def parse_json(raw):
 
 
 # OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (others: ignored)
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
-               "min_tokens": 0, "best_of": 1, "logit_bias": {}, "suffix": "",
-               "include_stop_str_in_output": False, "skip_special_tokens": True,
-               "continue_final_message": False, "response_format": {"type": "text"}, "prompt_embeds": None}
-# ... the numeric ones after vLLM's own range checks (so an out-of-range value gets vLLM's message)
+UNSUPPORTED = {"suffix": "", "continue_final_message": False, "prompt_embeds": None}
+# The sampling fields' JSON types and vLLM's range checks (before SamplingParams, so that a value JSON allows
+# and Python would choke on - an integer of 400 digits - gets vLLM's message)
 PENALTY = (lambda v: -2 <= v <= 2, "must be in [-2, 2]")
-UNSUPPORTED_RANGES = {
+AT_MOST_N = (lambda v: v <= MAX_N, f"must be at most {MAX_N}")
+RANGES = {
     "presence_penalty": ("number", PENALTY), "frequency_penalty": ("number", PENALTY),
     "repetition_penalty": ("number", FINITE, (lambda v: v > 0, "must be greater than zero")),
     "min_p": ("number", (lambda v: 0 <= v <= 1, "must be in [0, 1]")),
     "min_tokens": ("integer", (lambda v: v >= 0, "must be greater than or equal to 0")),
-    "best_of": ("integer", (lambda v: v >= 1, "must be at least 1"))}
+    "best_of": ("integer", (lambda v: v >= 1, "must be at least 1"), AT_MOST_N),
+    "n": ("integer", (lambda v: v >= 1, "must be at least 1"), AT_MOST_N)}
+FLAGS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "ignore_eos")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # vLLM's older spelling of structured_outputs
+
+
+def structured_outputs(body):
+    """The request's structured-output constraint (SamplingParams.structured_outputs as a dict) or None:
+    `structured_outputs`, the older `guided_*` fields, or OpenAI's response_format (json_object,
+    json_schema)."""
+    so = get(body, "structured_outputs", "object")
+    given = {kind: body[name] for name, kind in GUIDED.items() if body.get(name) is not None}
+    fmt = get(body, "response_format", "object")
+    kind = None if fmt is None else fmt.get("type")
+    if kind not in (None, "text", "json_object", "json_schema"):
+        raise bad(f"response_format type {short(kind)} is not supported (text, json_object, json_schema)",
+                  "response_format")
+    if kind == "json_object":
+        given["json_object"] = True
+    if kind == "json_schema":
+        schema = fmt.get("json_schema")
+        if not (isinstance(schema, dict) and isinstance(schema.get("schema", {}), dict)):
+            raise bad("response_format json_schema must be {\"name\": ..., \"schema\": {...}}",
+                      "response_format")
+        given["json"] = schema.get("schema", {})
+    if so is not None and given:
+        raise bad("give structured_outputs, or the guided_* fields / response_format, not both",
+                  "structured_outputs")
+    so = so if so is not None else (given or None)
+    try:
+        return None if so is None else StructuredOutputsParams(**so)
+    except (ConfigError, TypeError) as e:  # not one constraint, or a key it does not have
+        raise bad(f"structured_outputs: {e}", "structured_outputs") from None
 
 
 def max_tokens_field(body, name, default):
@@ -167,26 +200,36 @@ def logprobs_count(body, name, vocab, kind="sample"):
     return n
 
 
+def id_list(body, name, kind="integer"):
+    """body[name]: a list of token ids (kind integer) or of strings (kind string), or None."""
+    v = body.get(name)
+    test = JSON_TYPES["integer"] if kind == "integer" else (lambda x: isinstance(x, str))
+    if v is not None and not (isinstance(v, list) and all(test(x) for x in v)):
+        raise bad(f"'{name}' must be a list of {'integers' if kind == 'integer' else 'strings'}", name)
+    return v
+
+
 def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     """The sampling fields, each bounded as vLLM bounds it (sampling_params.py and the OpenAI protocol), so
     nothing out of range reaches the engine: a bad value is a 400 here, never a failure inside a step. A
     field left unset gets the model's generation-config default (`defaults`), else vLLM's."""
-    for name, (kind, *rules) in UNSUPPORTED_RANGES.items():
-        checked(body, name, kind, None, *rules)
     for name, ok in UNSUPPORTED.items():
         if body.get(name) not in (None, ok):
             raise bad(f"'{name}' is not supported by this server (only {json.dumps(ok)} is accepted)", name)
-    if checked(body, "n", "integer", 1, (lambda v: v >= 1, "must be at least 1")) != 1:
-        raise bad("only n=1 is supported", "n")
+    fields = {name: checked(body, name, kind, None, *rules) for name, (kind, *rules) in RANGES.items()}
+    fields = {name: v for name, v in fields.items() if v is not None}
+    for name in ("repetition_penalty", "min_p"):  # the generation config's, when the request has none
+        if name not in fields and name in defaults:
+            fields[name] = defaults[name]
     temperature = checked(body, "temperature", "number", defaults.get("temperature", 1.0), FINITE,
                           (lambda v: v >= 0, "must be non-negative"), (lambda v: v <= 2, "must be in [0, 2]"))
     top_p = checked(body, "top_p", "number", defaults.get("top_p", 1.0),
                     (lambda v: 0 < v <= 1, "must be in (0, 1]"))
-    top_k = checked(body, "top_k", "integer", defaults.get("top_k", -1),
+    top_k = checked(body, "top_k", "integer", defaults.get("top_k", 0),
                     (lambda v: v >= -1, "must be 0 (disable), or at least 1"))
     if "max_tokens" in defaults:  # the generation config's max_new_tokens caps every request (vLLM)
         max_tokens = min(max_tokens or math.inf, defaults["max_tokens"])
-    top_k = -1 if top_k == 0 or top_k >= vocab else top_k  # 0 and any k >= the vocabulary keep every token
+    top_k = 0 if top_k >= vocab else top_k  # any k >= the vocabulary keeps every token
     seed = get(body, "seed", "integer")
     if seed is not None and not -INT64 <= seed < INT64:  # vLLM: a pydantic bound, with pydantic's message
         raise bad(f"seed: Input should be less than or equal to {INT64 - 1}" if seed > 0 else
@@ -194,18 +237,25 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("'stop' must be a string or a list of strings", "stop")
-    ids = body.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(JSON_TYPES["integer"](t) for t in ids)):
-        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    if ids and not all(0 <= t < vocab for t in ids):
-        wrong = short([t for t in ids if not 0 <= t < vocab])
-        raise bad(f"token_id(s) {wrong} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
-                  f"{vocab}", "stop_token_ids")
+    ids = id_list(body, "stop_token_ids")
+    for name, given in (("stop_token_ids", ids), ("allowed_token_ids", id_list(body, "allowed_token_ids"))):
+        if given and not all(0 <= t < vocab for t in given):
+            wrong = short([t for t in given if not 0 <= t < vocab])
+            raise bad(f"token_id(s) {wrong} in {name} contain out-of-vocab token ids. Vocabulary size: "
+                      f"{vocab}", name)
+    bias = get(body, "logit_bias", "object")
+    if bias is not None and not all(JSON_TYPES["number"](v) and abs(v) < math.inf for v in bias.values()):
+        raise bad("'logit_bias' must map token ids to finite numbers", "logit_bias")
+    for name in FLAGS:
+        if body.get(name) is not None:
+            fields[name] = get(body, name, "boolean")
     try:
         return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
                               stop=[s for s in stop or [] if s], stop_token_ids=ids, logprobs=logprobs,
-                              ignore_eos=get(body, "ignore_eos", "boolean", False),
-                              seed=None if seed == -1 else seed)  # vLLM: seed -1 means none
+                              seed=None if seed == -1 else seed,  # vLLM: seed -1 means none
+                              logit_bias=bias, allowed_token_ids=body.get("allowed_token_ids"),
+                              bad_words=id_list(body, "bad_words", "string"),
+                              structured_outputs=structured_outputs(body), **fields)
     except ConfigError as e:  # "temperature must be ...": the first word names the field
         raise bad(str(e), str(e).split()[0]) from None
 
@@ -827,6 +877,7 @@ class Job:
         self.prompt_ids, self.params, self.t_arrival = prompt_ids, params, time.perf_counter()
         self.events = queue.Queue()  # engine thread -> handler: ("accepted" | "update" | "error", payload)
         self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
+        self.ranked = False  # one of best_of samples: its cumulative logprob is counted
         self.t_scheduled = self.t_first = None  # (engine thread) its first step began, its first token came
 
 
@@ -946,6 +997,8 @@ class EngineLoop:
             err = bad(str(e)) if isinstance(e, ConfigError) else \
                 ApiError(500, f"the engine refused this request: {type(e).__name__}: {e}")
             return job.events.put(("error", err))
+        if job.ranked:  # best_of ranks the samples by their cumulative logprob
+            job.req.cumulative_logprob = 0.0
         job.req.on_update = lambda req, n_new: self._on_update(job, req, n_new)
         self.live.add(job)
         job.events.put(("accepted", None))
@@ -989,9 +1042,9 @@ def usage(n_prompt, n_out):
             "prompt_tokens_details": None}
 
 
-def choice(body, logprobs, finish_reason, stop_reason):
+def choice(body, logprobs, finish_reason, stop_reason, index=0):
     """One choice: `body` is {"text"} (completions), {"message"} or {"delta"} (chat)."""
-    return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason,
+    return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
@@ -1270,10 +1323,16 @@ class Handler(BaseHTTPRequestHandler):
         self.generate(app, body, *parse_chat(app, body))
 
     def generate(self, app, body, ids, echo, params, spec):
-        """Run one request (spec: its ChatSpec, None for a completion) and answer, whole or streamed."""
+        """Run one request (spec: its ChatSpec, None for a completion) and answer, whole or streamed. n > 1
+        (or best_of) runs that many samples as jobs of their own (choices 0..n-1; best_of keeps the n of
+        highest cumulative logprob)."""
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
         if opts is not None and not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
+        m = params.best_of or params.n
+        if stream and m > params.n:
+            raise bad("best_of > n is not supported with stream=true (the best are known only at the end)",
+                      "best_of")
         chat = spec is not None
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": kind,
@@ -1281,33 +1340,50 @@ class Handler(BaseHTTPRequestHandler):
         if app.log_requests:
             print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
                   f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
-        job = Job(ids, params)
-        app.loop.submit(job)
-        fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
+        seed = lambda i: None if params.seed is None else params.seed + i  # noqa: E731  (as LLM.add_samples)
+        jobs = [Job(ids, params if m == 1 else dataclasses.replace(params, n=1, best_of=None, seed=seed(i)))
+                for i in range(m)]
+        for job in jobs:
+            job.ranked = m > params.n
+        submitted = []
         # completions' echo with logprobs: the prompt's tokens lead the logprobs (vLLM)
         with_prompt = not chat and get(body, "echo", "boolean", False) and params.logprobs is not None
         try:
+            for job in jobs:
+                app.loop.submit(job)
+                submitted.append(job)
             if stream:
-                self.stream(job, head, spec, fmt, opts or {}, echo, with_prompt)
+                self.stream(jobs, head, spec, opts or {}, echo, app.tokenizer, with_prompt)
                 return
-            ids, lps = [], []
-            for text, new_ids, new_lps, n, finish, stop in self.updates(job):
-                ids, lps = ids + new_ids, lps + (new_lps or [])
-            plps = job.req.prompt_logprobs  # set before the request's first update
-            if with_prompt:
-                ids, lps = job.prompt_ids + ids, plps + lps
+            answers = []
+            for job in jobs:
+                ids, lps = [], []
+                for text, new_ids, new_lps, n, finish, stop in self.updates(job):
+                    ids, lps = ids + new_ids, lps + (new_lps or [])
+                answers.append((job, text, ids, lps, n, finish, stop))
+            if m > params.n:
+                answers = sorted(answers, key=lambda a: -a[0].req.cumulative_logprob)[:params.n]
+            plps = jobs[0].req.prompt_logprobs  # set before the request's first update
             extra = {} if plps is None else {"prompt_logprobs": prompt_logprobs_json(plps)}
+            choices = []
+            for i, (job, text, ids, lps, n, finish, stop) in enumerate(answers):
+                if with_prompt:
+                    ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
+                if chat:
+                    out = ChatStream(spec.start, spec.parser, spec.prefix)
+                    out.feed(text, final=True)
+                    answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
+                else:
+                    answer = {"text": echo + text, **extra}  # completions': in the choice
+                fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
+                choices.append(choice(answer, fmt(ids, lps), finish, stop, i))
             if chat:
-                out = ChatStream(spec.start, spec.parser, spec.prefix)
-                out.feed(text, final=True)
-                answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
                 head = dict(head, **extra)  # vLLM: chat's prompt_logprobs beside its choices
-            else:
-                answer = {"text": echo + text, **extra}  # completions': in the choice
-            self.send(200, dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop)],
-                                usage=usage(len(job.prompt_ids), n)))
-        except BaseException:  # the client left, or a failure: free the slot now
-            app.loop.abort(job)
+            n_out = sum(a[4] for a in answers)
+            self.send(200, dict(head, choices=choices, usage=usage(len(jobs[0].prompt_ids), n_out)))
+        except BaseException:  # the client left, or a failure: free the slots now
+            for job in submitted:
+                app.loop.abort(job)
             raise
 
     def updates(self, job):
@@ -1355,7 +1431,9 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def stream(self, job, head, spec, fmt, opts, echo, with_prompt=False):
+    def stream(self, jobs, head, spec, opts, echo, tok, with_prompt=False):
+        """The answer as server-sent events; with n > 1 the choices one after the other (each chunk names its
+        index), while the engine runs them all."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -1367,9 +1445,19 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.streaming = True
         with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+        n_prompt, n_done = len(jobs[0].prompt_ids), 0
+        for index, job in enumerate(jobs):
+            n_done += self.stream_choice(job, index, head, spec, echo, tok, (with_usage, continuous), n_done,
+                                         with_prompt)
+        self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n_done)) if with_usage else None)
+
+    def stream_choice(self, job, index, head, spec, echo, tok, usage_opts, n_before, with_prompt=False):
+        """One choice's chunks; returns its number of tokens."""
+        with_usage, continuous = usage_opts
+        fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
         chat = None if spec is None else ChatStream(spec.start, spec.parser, spec.prefix)
-        sent, n_prompt, first, ids, lps = 0, len(job.prompt_ids), True, [], []
+        sent, n_prompt, first, ids, lps, n = 0, len(job.prompt_ids), True, [], [], 0
         if with_prompt:  # echo with logprobs: the prompt's tokens go first
             ids = list(job.prompt_ids)
         for text, new_ids, new_lps, n, finish, stop in self.updates(job):
@@ -1377,10 +1465,10 @@ class Handler(BaseHTTPRequestHandler):
             if with_prompt and first:
                 lps = list(job.req.prompt_logprobs)
             ids, lps = ids + new_ids, lps + (new_lps or [])  # tokens not sent yet (with their logprobs)
-            extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
+            extra = {"usage": usage(n_prompt, n_before + n) if continuous else None} if with_usage else {}
             if first and chat is not None:  # vLLM sends the chat role with the first output, not before
                 role = {"delta": {"role": "assistant", "content": ""}}
-                self.sse(dict(head, choices=[choice(role, None, None, None)], **extra))
+                self.sse(dict(head, choices=[choice(role, None, None, None, index)], **extra))
             if chat is None:
                 answer = {"text": (echo if first else "") + text[sent:end]}
             else:
@@ -1391,9 +1479,9 @@ class Handler(BaseHTTPRequestHandler):
                     continue
                 answer = {"delta": delta or {"content": ""}}
             sent, first = max(sent, end), False
-            self.sse(dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop)], **extra))
+            self.sse(dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop, index)], **extra))
             ids, lps = [], []
-        self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n)) if with_usage else None)
+        return n
 
     def sse(self, obj):
         self.chunk(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")

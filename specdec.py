@@ -42,6 +42,7 @@ import codecs
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -230,32 +231,83 @@ class ModelConfig:
         return cfg
 
 
-# What SamplingParams.check accepts: (field, accepted(value), message: {v} the value)
+# What SamplingParams.check accepts: (field, accepted(value), message: {v} the value); vLLM's messages
 SAMPLING_CHECKS = [
-    ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}"),
-    ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}"),
-    ("top_k", lambda v: not (v == 0 or v < -1), "top_k must be -1 (disable) or at least 1, got {v}"),
-    ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}"),
-    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}"),
+    ("n", lambda v: isinstance(v, int) and v >= 1, "n must be at least 1, got {v}."),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "presence_penalty must be in [-2, 2], got {v}."),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "frequency_penalty must be in [-2, 2], got {v}."),
+    ("repetition_penalty", math.isfinite, "repetition_penalty must be a finite number, got {v}."),
+    ("repetition_penalty", lambda v: v > 0, "repetition_penalty must be greater than zero, got {v}."),
+    ("temperature", math.isfinite, "temperature must be a finite number, got {v}."),
+    ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}."),
+    ("temperature", lambda v: v <= 2, "temperature must be in [0, 2], got {v}."),
+    ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}."),
+    ("top_k", lambda v: isinstance(v, int), "top_k must be an integer, got {v!r}"),
+    ("top_k", lambda v: v >= -1, "top_k must be 0 (disable), or at least 1, got {v}."),
+    ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1], got {v}."),
+    ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}."),
+    ("min_tokens", lambda v: v >= 0, "min_tokens must be greater than or equal to 0, got {v}."),
+    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}."),
     ("prompt_logprobs", lambda v: v is None or (isinstance(v, int) and v >= -1),
      "prompt_logprobs must be non-negative or -1, got {v}."),
     ("truncate_prompt_tokens", lambda v: v is None or (isinstance(v, int) and (v >= 1 or v == -1)),
      "truncate_prompt_tokens must be an integer >= 1 or -1, got {v}"),
+    ("stop", lambda v: all(v), "stop cannot contain an empty string."),
+    ("stop_token_ids", lambda v: all(isinstance(t, int) for t in v),
+     "stop_token_ids must contain only integers, got {v}."),
+    ("bad_words", lambda v: all(v), "bad_words cannot contain an empty string. Got bad_words={v}"),
+    ("allowed_token_ids", lambda v: v is None or len(v) > 0, "allowed_token_ids is not None and empty!"),
 ]
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured_outputs: exactly one constraint (a JSON schema, a regex, a choice among strings, an
+    EBNF grammar, or any JSON object), compiled by xgrammar when a request carries it (Grammar)."""
+    json: object = None                 # a JSON schema: a dict or its JSON text
+    regex: str = None
+    choice: list = None
+    grammar: str = None                 # EBNF (GBNF), as xgrammar reads it
+    json_object: bool = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            what = "multiple are" if given else "none are"
+            raise ConfigError(f"You {'can only' if given else 'must'} use one kind of structured outputs "
+                              f"constraint but {what} specified: {dataclasses.asdict(self)}")
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling, as vLLM's SamplingParams (the subset specdec implements)."""
-    temperature: float = 1.0
+    """Per-request sampling, as vLLM's SamplingParams: its fields, defaults and messages. The logits
+    processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, structured_outputs) run
+    in process_logits at every position of a step, so speculation keeps them lossless."""
+    n: int = 1                          # outputs per prompt (independent samples)
+    best_of: int = None                 # sample this many, return the n with the highest cumulative logprob
+    presence_penalty: float = 0.0       # - penalty if the token occurs in the output so far
+    frequency_penalty: float = 0.0      # - penalty x its count in the output so far
+    repetition_penalty: float = 1.0     # divides a positive logit (multiplies a negative) of a token seen in
+    temperature: float = 1.0            # the prompt or the output
     top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0                  # drop tokens below min_p x the top token's probability
+    seed: int = None
     stop: list = None
     stop_token_ids: list = None
+    bad_words: list = None              # words whose last token is masked when the output would complete them
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    seed: int = None
+    max_tokens: int = 16
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked before this many output tokens
     logprobs: int = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted; byte-level BPE decodes without adding spaces
+    logit_bias: dict = None             # {token id: bias}, added to the logits (bias clamped to [-100, 100])
+    allowed_token_ids: list = None      # only these may be sampled
+    structured_outputs: StructuredOutputsParams = None
     prompt_logprobs: int = None         # per prompt token: its logprob and the N most likely (-1: all)
     truncate_prompt_tokens: int = None  # keep only the prompt's last N tokens (-1: max_model_len)
 
@@ -263,18 +315,64 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        self.bad_words = list(dict.fromkeys(self.bad_words or []))
+        if self.seed == -1:
+            self.seed = None
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not _is_int_like(t)]
+            if bad:
+                raise ConfigError(f"logit_bias contains key(s) that cannot be converted to integer token "
+                                  f"IDs: {bad!r}")
+            self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.check()
+        if self.greedy:  # vLLM: greedy ignores the filters
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def check(self):
         for name, accepted, message in SAMPLING_CHECKS:
             v = getattr(self, name)
             if not accepted(v):
                 raise ConfigError(message.format(v=v))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got "
+                              f"{self.min_tokens}.")
+        if self.best_of is not None and not (isinstance(self.best_of, int) and self.best_of >= self.n):
+            raise ConfigError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                              f"best_of={self.best_of}.")
+        if self.greedy and self.n > 1:
+            raise ConfigError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        if self.greedy and (self.best_of or 1) > 1:
+            raise ConfigError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
 
     @property
     def greedy(self):
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self):
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def needs_history(self):
+        """Whether the processors read the output so far (then the host must know it: synchronous steps)."""
+        grammar = self.structured_outputs is not None
+        return self.penalized or bool(self.min_tokens or self.bad_words) or grammar
+
+    @property
+    def processed(self):
+        """Whether a logits processor applies (else the plain sampler runs, at no extra cost)."""
+        return self.needs_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+
+def _is_int_like(t):
+    try:
+        int(t)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 # ==============================================================================================
@@ -1634,13 +1732,171 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashPropose
 # Verification & sampling
 # ==============================================================================================
 
-def target_probs(logits, temperature, top_k, top_p, filtered=None):
-    """The target distribution p that sampling and verification draw from: temperature, then top-k, then
-    top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N] tensors (temperature
-    0 rows get 1: they are only ever argmax'ed). Returns probs [N, V] fp32. `filtered` (optional, known on
-    the host): whether any row has top-k or top-p; None reads it from the device."""
+# -- Logits processors: vLLM's per-request logit edits, at every position of a step ------------------
+# A verify step scores k+1 positions at once; position i must see exactly what plain decoding would have
+# seen there: the output so far followed by the drafts d1..di (those are the tokens emitted before it if
+# it is reached at all). So each processor runs per position with that history, and greedy speculation
+# equals plain decoding, sampled speculation keeps p. Order (vLLM's MRV2 sampler): logit bias, allowed
+# ids, min_tokens, then the penalties, then bad words and the grammar's mask; temperature, min_p, top-k and
+# top-p come after, in target_probs.
+
+def per_row(ids, V, device, h2d, values=None):
+    """[B, V] float on the device from per-row lists of token ids: how often each id occurs in its row's list
+    (values None), or the sum of its values (values: per row a list beside its ids). Built there from the ids,
+    so only they cross over, not B x V numbers."""
+    b = [i for i, row in enumerate(ids) for _ in row]
+    t = [t for row in ids for t in row]
+    out = torch.zeros(len(ids), V, device=device)
+    if t:
+        v = [1.0] * len(t) if values is None else [x for row in values for x in row]
+        out.index_put_((h2d(b, torch.long), h2d(t, torch.long)), h2d(v, torch.float32), accumulate=True)
+    return out
+
+
+def banned_tokens(row, drafts, T):
+    """(position, token) pairs a row may not emit in a step of T positions: the last token of a bad word whose
+    other tokens end the history there (a one-token bad word: always). drafts: the row's drafts (host)."""
+    out = []
+    for i in range(T):
+        history = row.output_ids + drafts[:i]
+        for w in row.bad_words_ids:
+            if len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1]:
+                out.append((i, w[-1]))
+    return out
+
+
+def process_logits(logits, drafts, rows, stop_ids, h2d, masks=None):
+    """vLLM's logits processors, per position of a step. logits [B, T, V] (T = k+1 in a verify, 1 in a
+    decode); drafts [B, T-1] long (-1 = padding) or None; rows: per row an object with .params
+    (SamplingParams), .prompt_ids, .output_ids (the output before this step), .bad_words_ids (each bad word's
+    token ids); stop_ids: the model's EOS ids (min_tokens masks them and the row's stop_token_ids);
+    masks: [B, T, V] bool, the grammar's allowed tokens (None: no grammar). Returns new logits [B, T, V]
+    fp32. Position i's history is the output followed by d1..di."""
+    B, T, V = logits.shape
+    dev = logits.device
+    x = logits.float().clone()
+    ps = [r.params for r in rows]
+    each = lambda name: h2d([getattr(p, name) for p in ps], torch.float32)[:, None, None]  # noqa: E731
+    if any(p.logit_bias for p in ps):
+        biases = [p.logit_bias or {} for p in ps]
+        x += per_row([list(b) for b in biases], V, dev, h2d, [list(b.values()) for b in biases])[:, None]
+    if any(p.allowed_token_ids is not None for p in ps):
+        allowed = per_row([p.allowed_token_ids or [] for p in ps], V, dev, h2d) > 0                # [B, V]
+        anything = h2d([p.allowed_token_ids is None for p in ps], torch.bool)[:, None]           # [B, 1]
+        x.masked_fill_(~(allowed | anything)[:, None], float("-inf"))
+    if any(p.min_tokens for p in ps):  # position i emits output token number len(output) + i
+        need = h2d([p.min_tokens - len(r.output_ids) for p, r in zip(ps, rows)], torch.long)      # [B]
+        early = torch.arange(T, device=dev)[None] < need[:, None]                                  # [B, T]
+        stops = per_row([sorted({*stop_ids, *p.stop_token_ids}) for p in ps], V, dev, h2d) > 0   # [B, V]
+        x.masked_fill_(early[..., None] & stops[:, None], float("-inf"))
+    if any(p.penalized for p in ps):
+        counts = per_row([r.output_ids for r in rows], V, dev, h2d)[:, None].expand(B, T, V)   # [B, T, V]
+        if T > 1:  # position i also counts d1..di
+            d = F.one_hot(drafts.clamp(min=0), V).float() * (drafts >= 0)[..., None]           # [B, T-1, V]
+            counts = counts + F.pad(d.cumsum(1), (0, 0, 1, 0))
+        seen = (per_row([r.prompt_ids for r in rows], V, dev, h2d) > 0)[:, None] | (counts > 0)  # [B, T, V]
+        rep = each("repetition_penalty")
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x -= each("frequency_penalty") * counts + each("presence_penalty") * (counts > 0)
+    if any(r.bad_words_ids for r in rows):
+        d = drafts.tolist() if drafts is not None else [[]] * B  # (waits for the drafts: bad words only)
+        hits = [(b, i, t) for b, r in enumerate(rows) for i, t in banned_tokens(r, d[b], T)]
+        if hits:
+            b, i, t = zip(*hits)
+            x[h2d(list(b), torch.long), h2d(list(i), torch.long), h2d(list(t), torch.long)] = float("-inf")
+    if masks is not None:
+        x.masked_fill_(~masks, float("-inf"))
+    return x
+
+
+# -- Structured outputs: xgrammar (vLLM's default backend), imported only when a request asks for it ----
+
+def grammar_compiler(tokenizer, V, stop_ids):
+    """An xgrammar compiler for our tokenizer: each id's bytes; added tokens (<|im_end|>, <think>) and ids
+    past the tokenizer get none, so a grammar never spells text with them, and only stop_ids may end it."""
+    import xgrammar as xgr
+    added = set(tokenizer.special_ids.values())
+    vocab = [b"" if i in added else tokenizer.token_bytes(i) for i in range(V)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=V, stop_token_ids=sorted(stop_ids))
+    return xgr.GrammarCompiler(info)
+
+
+def ebnf_literal(s):
+    return json.dumps(s, ensure_ascii=False)  # "..." with \" \\ \n escaped: an EBNF string literal
+
+
+def compile_grammar(compiler, so):
+    """StructuredOutputsParams -> xgrammar's compiled grammar, or a ConfigError that names the problem."""
+    try:
+        if so.json is not None:
+            schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+            return compiler.compile_json_schema(schema, any_whitespace=not so.disable_any_whitespace)
+        if so.json_object is not None:
+            return compiler.compile_builtin_json_grammar()
+        if so.regex is not None:
+            return compiler.compile_regex(so.regex)
+        if so.choice is not None:
+            if not so.choice or not all(isinstance(c, str) for c in so.choice):
+                raise ConfigError("structured_outputs choice must be a non-empty list of strings")
+            return compiler.compile_grammar("root ::= " + " | ".join(ebnf_literal(c) for c in so.choice))
+        return compiler.compile_grammar(so.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        kind = next(k for k in STRUCTURED_KINDS if getattr(so, k) is not None)
+        why = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(\S+\) is false: )?", "", str(e).strip())
+        raise ConfigError(f"the structured_outputs {kind} cannot be compiled: {why}") from None
+
+
+def unpack_bitmask(bitmask, V):
+    """xgrammar's token bitmask [N, ceil(V / 32)] int32 (bit j of word w: token 32w + j allowed) -> [N, V]
+    bool, on the bitmask's device."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[..., None] >> bits) & 1).bool().flatten(-2)[..., :V]
+
+
+class Grammar:
+    """A request's grammar in force: an xgrammar matcher over the output so far (Engine._emit advances it). A
+    step's masks come from walking it through the step's drafts and back (rollback): position i's mask is the
+    grammar's after d1..di; the first draft it refuses ends the drafts (rejected, as vLLM does)."""
+    def __init__(self, compiled):
+        import xgrammar as xgr
+        self.xgr = xgr
+        self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
+
+    def masks(self, drafts, V):
+        """drafts: a list (host) of k ids (-1 padding) -> (bitmask [k+1, ceil(V / 32)] int32, how many of the
+        drafts the grammar allows). Positions past the end of the grammar allow everything."""
+        m = self.matcher
+        bitmask = self.xgr.allocate_token_bitmask(len(drafts) + 1, V)          # all allowed
+        if not m.is_terminated():
+            m.fill_next_token_bitmask(bitmask, 0)
+        n = 0
+        for d in drafts:
+            if d < 0 or m.is_terminated() or not m.accept_token(d):
+                break
+            n += 1
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(bitmask, n)
+        m.rollback(n)
+        return bitmask, n
+
+    def accept(self, token):
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token)
+
+
+def target_probs(logits, temperature, top_k, top_p, filtered=None, min_p=None):
+    """The target distribution p that sampling and verification draw from: temperature, then min_p, then
+    top-k, then top-p, then softmax (vLLM's order). logits [N, V] fp32; temperature/top_k/top_p [N] tensors
+    (temperature 0 rows get 1: they are only ever argmax'ed); top_k <= 0 keeps every token; min_p [N] or None
+    (none). Returns probs [N, V] fp32. `filtered` (optional, known on the host): whether any row has top-k or
+    top-p; None reads it from the device."""
     t = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
     x = logits / t[:, None]
+    if min_p is not None:  # a token below min_p x the top token's probability is dropped
+        p = x.softmax(-1)
+        x = x.masked_fill(p < min_p[:, None] * p.max(-1, keepdim=True).values, float("-inf"))
     if filtered is None:
         filtered = bool((top_k > 0).any()) or bool((top_p < 1).any())
     if filtered:
@@ -1664,7 +1920,7 @@ def sample_from(probs, u):
 
 
 def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample,
-                     all_greedy=None, filtered=None):
+                     all_greedy=None, filtered=None, min_p=None):
     """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
 
     logits [B, k+1, V] fp32 target logits at [last token, d1..dk]; drafts [B, k] long (-1 = padding,
@@ -1675,7 +1931,8 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     norm(max(0, p_i - q_i)); when all k are accepted a bonus token is drawn from p_{k+1}.
     Returns tokens [B, k+1] (-1 after the emitted ones) and num_accepted [B] (bonus excluded).
     `all_greedy` (optional, known on the host) skips the target distribution when every row is greedy;
-    `filtered` is passed to target_probs.
+    `filtered` and `min_p` [B] (None: none) are passed to target_probs. The logits processors, if any, have
+    already run on `logits` (process_logits): p is the processed distribution, q is the drafter's.
     """
     B, k1, V = logits.shape
     k = k1 - 1
@@ -1690,7 +1947,9 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
         tokens[rows, n] = argmax[rows, n]
         return tokens, n
     rep = lambda t: t.repeat_interleave(k1)
-    p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p), filtered).view(B, k1, V)
+    mp = None if min_p is None else rep(min_p)
+    p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p), filtered, mp)
+    p = p.view(B, k1, V)
     argmax = logits.argmax(-1)                                                       # [B, k+1]
     d = drafts.clamp(min=0)
     p_d = p[:, :k].gather(-1, d[..., None])[..., 0]                                  # [B, k]
@@ -1746,6 +2005,14 @@ class SpecStats:
         self.accepted_per_pos += [0] * (n_draft - len(self.accepted_per_pos))
         for i in range(n_acc):
             self.accepted_per_pos[i] += 1
+
+    def absorb(self, other):
+        """Add another's counts (a prompt's n samples report together)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        pairs = itertools.zip_longest(self.accepted_per_pos, other.accepted_per_pos, fillvalue=0)
+        self.accepted_per_pos = [a + b for a, b in pairs]
 
     @property
     def mean_acceptance_length(self):
@@ -1815,6 +2082,9 @@ class Request:
         self.logprobs = [] if params.logprobs is not None else None
         self.prompt_rows = [] if params.prompt_logprobs is not None else None  # logprob_rows, as prefilled
         self.prompt_logprobs = None  # then, once prefilled: None (position 0), {token id: Logprob} per token
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None  # (best_of sets it too)
+        self.bad_words_ids = []  # each bad word's token ids (Engine.add_request)
+        self.grammar = None      # its structured-output Grammar, if it asks for one
         self.finish_reason = None
         self.stop_reason = None
         self.slot = None
@@ -1830,6 +2100,11 @@ class Request:
     @property
     def finished(self):
         return self.finish_reason is not None
+
+    @property
+    def reads_logits(self):
+        """Whether emitting reads the step's logits (logprobs): then its steps are synchronous."""
+        return self.cumulative_logprob is not None
 
 
 def h2d(device, data, dtype=None):
@@ -1961,6 +2236,7 @@ class ModelRunner:
             else:
                 self.accept = self._rejection_sample
         self.taps = tuple(getattr(self.proposer, "taps", ()))  # target layers the proposer reads (DFlash)
+        self.stop_ids = ()  # the model's EOS ids, which min_tokens masks (the Engine sets them)
 
     # -- inputs ------------------------------------------------------------------------------
     def batch(self, reqs):
@@ -2085,8 +2361,9 @@ class ModelRunner:
     # -- a speculative step as one CUDA graph ------------------------------------------------------
     @staticmethod
     def _greedy_only(reqs):
-        """Nothing in a step over these requests comes from the host (no sampling uniforms, no logprobs)."""
-        return all(r.params.greedy and r.logprobs is None for r in reqs)
+        """Nothing in a step over these requests comes from the host: no sampling uniforms, no logits
+        processors (their tables and masks are the host's), no logprobs."""
+        return all(r.params.greedy and not r.params.processed and not r.reads_logits for r in reqs)
 
     def _whole_step(self, kv_len, slots):
         """_spec_step over the rows in slots, a function of device tensors only: every input comes from the
@@ -2106,14 +2383,38 @@ class ModelRunner:
         return None if g is None else tuple(o[:batch.slots.shape[0]] for o in g.out)
 
     # -- sampling --------------------------------------------------------------------------------
+    def _process(self, reqs, logits, drafts=None):
+        """The requests' logits processors over logits [B, T, V] (process_logits), drafts [B, T-1] or None.
+        A request with a grammar gets its masks from walking the drafts (on the host: one wait per step);
+        the drafts it refuses become -1 (rejected). Returns (logits [B, T, V] fp32, drafts)."""
+        B, T, V = logits.shape
+        masks = None
+        if any(r.grammar is not None for r in reqs):
+            d = drafts.tolist() if drafts is not None else [[] for _ in reqs]
+            bitmask = torch.full((B, T, (V + 31) // 32), -1, dtype=torch.int32)          # all allowed
+            for b, r in enumerate(reqs):
+                if r.grammar is not None:
+                    bitmask[b], n = r.grammar.masks(d[b], V)
+                    d[b][n:] = [-1] * (len(d[b]) - n)
+            masks = unpack_bitmask(self.h2d(bitmask), V)                                 # [B, T, V]
+            drafts = self.h2d(d, torch.long) if drafts is not None else None
+        return process_logits(logits, drafts, reqs, self.stop_ids, self.h2d, masks), drafts
+
+    def _min_p(self, reqs):
+        return self.h2d([r.params.min_p for r in reqs], torch.float32) if any(r.params.min_p for r in reqs) \
+            else None
+
     def _sample(self, logits, reqs):
         """Sample one token per row of logits [B, V] with each request's own generator."""
+        if any(r.params.processed for r in reqs):  # decided on the host: plain requests pay nothing
+            logits = self._process(reqs, logits[:, None])[0][:, 0]
         if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
             return logits.argmax(-1)
         f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
         greedy = f("greedy")
         temperature = f("temperature").float()
-        p = target_probs(logits, temperature, f("top_k"), f("top_p").float(), self._filtered(reqs))
+        p = target_probs(logits, temperature, f("top_k"), f("top_p").float(), self._filtered(reqs),
+                         self._min_p(reqs))
         u = self.h2d(torch.stack([torch.rand((), generator=r.gen) for r in reqs]))
         return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
 
@@ -2128,16 +2429,19 @@ class ModelRunner:
         return u_acc, u_smp
 
     def _rejection_sample(self, reqs, logits, drafts, q):
-        """rejection_sample with each request's sampling parameters (reqs None: a whole-step graph, every row
-        greedy)."""
+        """rejection_sample with each request's sampling parameters, on the processed logits (reqs None: a
+        whole-step graph, every row greedy and without processors)."""
         if reqs is None:
             z = logits.new_zeros(logits.shape[0])
             return rejection_sample(logits, drafts, q, z, z.long(), z + 1, None, None, all_greedy=True)
         u_acc, u_smp = self._uniforms(reqs)
+        if any(r.params.processed for r in reqs):
+            logits, drafts = self._process(reqs, logits, drafts)
         f = lambda name, dtype: self.h2d([getattr(r.params, name) for r in reqs], dtype)
         return rejection_sample(logits, drafts, q, f("temperature", torch.float32), f("top_k", torch.long),
                                 f("top_p", torch.float32), u_acc, u_smp,
-                                all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs))
+                                all_greedy=all(r.params.greedy for r in reqs), filtered=self._filtered(reqs),
+                                min_p=self._min_p(reqs))
 
     def _synthetic_sample(self, reqs, logits, drafts, q):
         """synthetic_sample with the configured rates (the uniforms are drawn as for rejection_sample)."""
@@ -2192,6 +2496,8 @@ class Engine:
         self.seed = seed
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
+        self.runner.stop_ids = sorted(self.stop_ids)
+        self.grammars = None  # the xgrammar compiler, made when a request first asks for structured outputs
         self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # not in text
         self.slots = [None] * max_num_seqs
         self.waiting = deque()
@@ -2219,11 +2525,52 @@ class Engine:
                               f"you requested {n + m} tokens ({n} in the messages, {m} in the completion). "
                               f"Please reduce the length of the messages or completion.")
         params = dataclasses.replace(params, max_tokens=m)
+        self.check_token_ids(params)
+        bad_words = [self.bad_word_ids(w) for w in params.bad_words]
+        grammar = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         self.num_requests += 1
         req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
                       self.seed + self.num_requests)
+        req.bad_words_ids = [ids for ids_list in bad_words for ids in ids_list]
+        req.grammar = grammar
         self.waiting.append(req)
         return req
+
+    def check_token_ids(self, p):
+        """The request's token ids inside the vocabulary, with vLLM's messages."""
+        V = self.vocab_size
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias or {})):
+            wrong = [t for t in ids if not 0 <= t < V]
+            if wrong:
+                raise ConfigError(f"token_id(s) {wrong} in {name} contain out-of-vocab token ids. Vocabulary "
+                                  f"size: {V}")
+        if p.allowed_token_ids is not None and not all(
+                isinstance(t, int) and 0 <= t < V for t in p.allowed_token_ids):
+            raise ConfigError("allowed_token_ids contains out-of-vocab token id!")
+
+    def bad_word_ids(self, word):
+        """A bad word's token sequences, as vLLM tokenizes it: the word (left-stripped), and with a leading
+        space when that spells it with other tokens of the same count (so it is banned mid-text too)."""
+        if self.tokenizer is None:
+            raise ConfigError("bad_words need a tokenizer")
+        plain = self.tokenizer.encode(word.lstrip(), allow_special=False)
+        if not plain:
+            raise ConfigError("bad_words entries must tokenize to at least one token.")
+        spaced = self.tokenizer.encode(" " + word.lstrip(), allow_special=False)
+        return [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+
+    def grammar(self, so):
+        """A request's Grammar: its constraint compiled by xgrammar (ConfigError when it cannot be)."""
+        if self.tokenizer is None:
+            raise ConfigError("Structured outputs requires a tokenizer")
+        if self.grammars is None:
+            try:
+                import xgrammar  # noqa: F401
+            except ImportError:
+                raise ConfigError("structured_outputs need the xgrammar package (pip install xgrammar)") \
+                    from None
+            self.grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.stop_ids)
+        return Grammar(compile_grammar(self.grammars, so))
 
     def abort(self, req):
         """Cancel a request (e.g. its client went away): its slot frees at once."""
@@ -2257,10 +2604,15 @@ class Engine:
                    if r is not None and r not in self.prefilling and not self._ends_in_flight(r)]
         touched = self._prefill(self.max_num_batched_tokens - len(running) * (self.runner.k + 1))
         done = self.pending
+        if done is not None and any(r.params.needs_history for r in running):
+            touched += self._finish(done)  # the processors read the output so far: the host must have it
+            done = self.pending = None
+            running = [r for r in running if not r.finished]
         self.pending = self.runner.launch(running) if running else None  # launched before `done` is read
         if done is not None:
             touched += self._finish(done)
-        stay_async = self.runner.async_steps and all(r.logprobs is None for r in running)  # logprobs: sync
+        stay_async = self.runner.async_steps and not any(r.reads_logits or r.params.needs_history
+                                                         for r in running)  # they read the host's view
         if self.pending is not None and not stay_async:
             done = self.pending  # synchronous: read this step back now
             self.pending = None
@@ -2338,15 +2690,20 @@ class Engine:
             req.output_ids.append(t)
             req.tokens.append(t)
             emitted += 1
+            if req.grammar is not None:
+                req.grammar.accept(t)
+            if req.reads_logits:
+                req.cumulative_logprob += float(logits[i].float().log_softmax(-1)[t])
             if req.logprobs is not None:
                 req.logprobs.append(lps[i])
-            if req.detok is not None and not (t in self.stop_ids or t in self.special_ids):
+            special = t in self.special_ids and p.skip_special_tokens
+            if req.detok is not None and not (t in self.stop_ids or special):
                 old = len(req.text)
                 req.text += req.detok.add([t])
-                for s in p.stop:
+                for s in p.stop if len(req.output_ids) > p.min_tokens else ():  # vLLM: not before min_tokens
                     j = req.text.find(s, max(0, old - len(s) + 1))
                     if j >= 0:
-                        req.text = req.text[:j]
+                        req.text = req.text[:j + len(s) if p.include_stop_str_in_output else j]
                         req.finish_reason = "stop"
                         req.stop_reason = s
                         break
@@ -3388,7 +3745,6 @@ def size_slots(per_pos, per_slot, num_seqs, extra, budget, basis, limit, want=No
 # -- Sampling defaults: the model's generation_config.json (vLLM's --generation-config) -------------
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")  # vLLM's
-NOT_IMPLEMENTED = {"repetition_penalty": 1.0, "min_p": 0.0}  # accepted only at these values, for now
 
 
 def _json_arg(value, what):
@@ -3406,7 +3762,8 @@ def _json_arg(value, what):
 def generation_defaults(model, generation_config="auto", override=None):
     """What a request that leaves them unset gets, as vLLM's --generation-config: "auto" reads the model's
     generation_config.json, "vllm" none, a folder that folder's; --override-generation-config's JSON goes on
-    top. -> {temperature, top_p, top_k, max_tokens (its max_new_tokens)} as given there."""
+    top. -> {temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (its max_new_tokens)} as given
+    there."""
     cfg, where = {}, "vLLM's defaults"
     if generation_config != "vllm":
         auto = generation_config in (None, "auto")
@@ -3421,11 +3778,6 @@ def generation_defaults(model, generation_config="auto", override=None):
                               "(give a folder that has one, 'auto' for the model's, or 'vllm' for none)")
     cfg.update(_json_arg(override, "--override-generation-config"))
     out = {k: cfg[k] for k in GENERATION_KEYS if cfg.get(k) is not None}
-    for key, neutral in NOT_IMPLEMENTED.items():
-        if out.pop(key, neutral) != neutral:
-            raise ConfigError(f"the generation config ({where} and overrides) sets {key}={cfg[key]}, which "
-                              "specdec does not implement yet; start with --generation-config vllm, or "
-                              f"--override-generation-config '{{\"{key}\": {neutral}}}'")
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     if out.get("top_k") == 0:
@@ -3531,28 +3883,43 @@ class LLM:
         try:
             for p, sp in zip(prompts, params):
                 text, ids = self.encode_prompt(p)
-                reqs.append((text, self.engine.add_request(ids, sp)))
+                reqs.append((text, sp, self.add_samples(ids, sp)))
         except Exception:  # one prompt refused (too long, ...): none of the batch stays queued
-            for _, r in reqs:
-                self.engine.abort(r)
+            for _, _, rs in reqs:
+                for r in rs:
+                    self.engine.abort(r)
             raise
         bar = self._progress(use_tqdm, len(reqs))
         t0 = time.perf_counter()
-        while any(not r.finished for _, r in reqs):
+        while any(not r.finished for _, _, rs in reqs for r in rs):
             self.engine.step()
-            done = [r for _, r in reqs if r.finished]
+            done = [rs for _, _, rs in reqs if all(r.finished for r in rs)]
             if bar is not None and len(done) > bar.n:
                 dt = max(time.perf_counter() - t0, 1e-9)
-                n_in = sum(len(r.prompt_ids) for r in done)
-                n_out = sum(len(r.output_ids) for r in done)
+                n_in = sum(len(rs[0].prompt_ids) for rs in done)
+                n_out = sum(len(r.output_ids) for rs in done for r in rs)
                 bar.set_postfix_str(f"est. speed input: {n_in / dt:.2f} toks/s, output: {n_out / dt:.2f} "
                                     "toks/s", refresh=False)
                 bar.update(len(done) - bar.n)
         if bar is not None:
             bar.close()
         self.done += [(len(r.prompt_ids), len(r.output_ids), r.finish_reason,
-                       r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time) for _, r in reqs]
-        return [self._output(text, r) for text, r in reqs]
+                       r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time)
+                      for _, _, rs in reqs for r in rs]
+        return [self._output(text, sp, rs) for text, sp, rs in reqs]
+
+    def add_samples(self, ids, sp):
+        """A prompt's requests: best_of (default n) independent samples, the i-th seeded seed + i when a seed
+        is given (as vLLM seeds its n children). Each is prefilled on its own (the prompt's state is not
+        shared between them yet)."""
+        n = sp.best_of or sp.n
+        seed = lambda i: None if sp.seed is None else sp.seed + i  # noqa: E731
+        child = lambda i: dataclasses.replace(sp, n=1, best_of=None, seed=seed(i))  # noqa: E731
+        reqs = [self.engine.add_request(ids, sp if n == 1 else child(i)) for i in range(n)]
+        if sp.best_of and sp.best_of > sp.n:  # the cumulative logprob ranks them (Request.cumulative_logprob)
+            for r in reqs:
+                r.cumulative_logprob = 0.0
+        return reqs
 
     def _check_logprobs(self, sp):
         """vLLM's cap (max_logprobs) on the logprobs a request asks for; -1 means the whole vocabulary."""
@@ -3590,16 +3957,22 @@ class LLM:
         prompts = [template.render(m, tools, add_generation_prompt, **kwargs) for m in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _output(self, text, r):
-        cum = None
-        if r.logprobs is not None:
-            cum = sum(d[t].logprob for d, t in zip(r.logprobs, r.output_ids))
-        s = r.spec
-        metrics = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
-                   "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_pos": list(s.accepted_per_pos),
-                   "mean_acceptance_length": s.mean_acceptance_length} if self.spec else None
-        out = CompletionOutput(0, r.text, list(r.output_ids), cum, r.logprobs, r.finish_reason, r.stop_reason)
-        return RequestOutput(r.id, text, r.prompt_ids, r.prompt_logprobs, [out], True, metrics)
+    def _output(self, text, sp, reqs):
+        """A prompt's RequestOutput: its samples in order, or with best_of the n of highest cumulative logprob
+        (vLLM's ranking), best first."""
+        if sp.best_of and sp.best_of > sp.n:
+            reqs = sorted(reqs, key=lambda r: -r.cumulative_logprob)[:sp.n]
+        outs = [CompletionOutput(i, r.text, list(r.output_ids), r.cumulative_logprob, r.logprobs,
+                                 r.finish_reason, r.stop_reason) for i, r in enumerate(reqs)]
+        metrics = None
+        if self.spec:
+            s = SpecStats()
+            for r in reqs:
+                s.absorb(r.spec)
+            metrics = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                       "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_pos": s.accepted_per_pos,
+                       "mean_acceptance_length": s.mean_acceptance_length}
+        return RequestOutput(reqs[0].id, text, reqs[0].prompt_ids, reqs[0].prompt_logprobs, outs, True, metrics)
 
     def get_metrics(self):
         """vLLM's LLM.get_metrics(): a list of Counter / Vector / Gauge / Histogram under vLLM's names (the

@@ -1094,6 +1094,139 @@ def test_rejection_sampler_mixed_greedy_and_sampled_rows():
         assert int(n_g[i]) == want and tok_g[i, :want + 1].tolist() == am[b, :want + 1].tolist()
 
 
+# ==============================================================================================
+# Logits processors (issue 24): each against a reference written out by hand, per verify position
+# ==============================================================================================
+
+def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
+    """One position's logits after vLLM's processors, token by token in plain Python (history: the tokens
+    emitted before this position, i.e. the output so far and the drafts before it). logits: V floats."""
+    V, inf = len(logits), float("inf")
+    x = [float(v) for v in logits]
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    if p.allowed_token_ids is not None:
+        x = [v if t in p.allowed_token_ids else -inf for t, v in enumerate(x)]
+    if len(history) < p.min_tokens:
+        x = [-inf if t in stop_ids or t in p.stop_token_ids else v for t, v in enumerate(x)]
+    for t in range(V):
+        c = history.count(t)
+        if t in prompt or c:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
+    for w in bad_words:
+        if len(w) == 1 or (len(history) >= len(w) - 1 and history[len(history) - len(w) + 1:] == w[:-1]):
+            x[w[-1]] = -inf
+    return x
+
+
+def test_logits_processors_per_position_match_hand_reference():
+    """process_logits on a verify step (k = 3, V = 10) against processed_reference at every position, with
+    the history = output + d1..di: repetition (prompt + output), frequency and presence penalties (output
+    only), logit_bias, allowed_token_ids, min_tokens masking EOS and stop ids by position, and bad words of
+    one and of two tokens (the two-token word is completed by a draft in one row). A -1 draft counts as
+    nothing."""
+    g = torch.Generator().manual_seed(3)
+    V, k = 10, 3
+    SP = SamplingParams
+    rows = [  # (params, prompt, output, drafts, bad words' ids)
+        (SP(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.9), [1, 2], [3, 3, 4],
+         [3, 5, 1], []),
+        (SP(logit_bias={7: 2.5, 0: -3.0}, min_tokens=5, stop_token_ids=[8]), [4], [1, 2], [9, 7, 2], []),
+        (SP(allowed_token_ids=[2, 3, 5, 9], presence_penalty=-0.5), [5], [], [2, -1, -1], []),
+        (SP(bad_words=["x"], repetition_penalty=0.8), [6], [2, 6], [4, 5, 6], [[6], [4, 5]]),
+        (SP(temperature=0), [0], [1], [2, 3, 4], []),  # no processor: unchanged
+    ]
+    stop_ids = [9]
+    logits = torch.randn(len(rows), k + 1, V, generator=g) * 3
+    reqs = [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw)
+            for p, pr, out, d, bw in rows]
+    drafts = torch.tensor([d for _, _, _, d, _ in rows])
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    got = sd.process_logits(logits, drafts, reqs, stop_ids, h2d)
+    for b, (p, prompt, out, d, bw) in enumerate(rows):
+        for i in range(k + 1):
+            history = out + [t for t in d[:i] if t >= 0]
+            want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
+            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6,
+                                       msg=f"row {b} pos {i}")
+    inf = float("-inf")
+    assert [bool(got[3, i, 5] == inf) for i in range(k + 1)] == [False, True, False, False]  # d1 = 4: bad 5
+    assert [bool(got[1, i, 8] == inf) for i in range(k + 1)] == [True, True, True, False]  # output 2 + i < 5
+    assert torch.equal(got[4], logits[4])
+
+
+def test_min_p_and_top_k_zero_filters():
+    """target_probs' min_p drops the tokens below min_p x the top probability (after temperature), then top-k
+    and top-p apply (vLLM's order); top_k 0 keeps every token, as -1 does."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 12, generator=g) * 2
+    temp = torch.tensor([1.0, 0.7, 1.3, 1.0])
+    min_p = torch.tensor([0.0, 0.1, 0.3, 0.05])
+    top_k = torch.tensor([0, 0, 5, 0])
+    got = sd.target_probs(logits, temp, top_k, torch.ones(4), None, min_p)
+    for b in range(4):
+        p = (logits[b].double() / temp[b]).softmax(-1)
+        keep = [t for t in range(12) if p[t] >= min_p[b] * p.max()]
+        if top_k[b] > 0:
+            keep = sorted(keep, key=lambda t: -p[t])[:int(top_k[b])]
+        want = torch.zeros(12, dtype=torch.float64)
+        want[keep] = p[keep] / p[keep].sum()
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)
+    off = sd.target_probs(logits, temp, torch.zeros(4, dtype=torch.long), torch.ones(4))
+    torch.testing.assert_close(off, sd.target_probs(logits, temp, torch.full((4,), -1), torch.ones(4)))
+
+
+def processed_law(logits, prompt, history, p, stop_ids):
+    """The law a token must follow at a position with this history: processed_reference, then temperature and
+    min_p (drop below min_p x the top probability), renormalised. logits [V] -> [V] float64."""
+    x = torch.tensor(processed_reference(logits.tolist(), prompt, history, p, stop_ids, []),
+                     dtype=torch.float64)
+    law = (x / p.temperature).softmax(-1)
+    law[law < p.min_p * law.max()] = 0
+    return law / law.sum()
+
+
+@pytest.mark.parametrize("drafting", ["one_hot", "full_q"])
+def test_rejection_sampler_distribution_with_processors(drafting):
+    """Lossless sampling with logits processors (repetition, frequency and presence penalties, logit_bias,
+    min_p): process_logits then rejection_sample, k = 2. The law at position j depends on the drafts before it
+    (they are in the penalties' history), so the check is per draft prefix: over the rows whose step reaches j
+    with drafts d1..dj, the token emitted at j follows processed_law(output + d1..dj) - position 0 once,
+    position 1 per d1, position 2 (the bonus) per (d1, d2) seen in more than 2000 such rows. Chi-square at
+    false-alarm rate 1e-6 each (at most 1 + 8 + 64 checks: a correct sampler fails with probability
+    < 1e-4)."""
+    g = torch.Generator().manual_seed(11)
+    V, k, N = 8, 2, 240_000
+    likely = torch.tensor([3, 5, 3])                                              # output [3, 0, 3] repeats 3
+    logits = torch.randn(k + 1, V, generator=g) + 2.0 * F.one_hot(likely, V)
+    q_logits = torch.randn(k, V, generator=g) + 2.0 * F.one_hot(likely[:k], V)
+    q_law = q_logits.softmax(-1)
+    drafts = torch.stack([torch.multinomial(q_law[j], N, replacement=True, generator=g) for j in range(k)], 1)
+    draft_probs = q_law.expand(N, k, V) if drafting == "full_q" else None
+    p = SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.7,
+                       min_p=0.05, logit_bias={5: 1.5, 2: -1.0})
+    prompt, out, stop_ids = [1, 2], [3, 0, 3], [7]
+    row = types.SimpleNamespace(params=p, prompt_ids=prompt, output_ids=out, bad_words_ids=[])
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    x = sd.process_logits(logits.expand(N, k + 1, V), drafts, [row] * N, stop_ids, h2d)
+    temp, top_k, top_p = torch.full((N,), p.temperature), torch.zeros(N, dtype=torch.long), torch.ones(N)
+    tok, n = sd.rejection_sample(x, drafts, draft_probs, temp, top_k, top_p, torch.rand(N, k, generator=g),
+                                 torch.rand(N, k + 1, generator=g), min_p=torch.full((N,), p.min_p))
+    checks = 0
+    for j in range(k + 1):
+        prefixes = {tuple(d) for d in drafts[:, :j].tolist()}
+        for prefix in prefixes:
+            reach = (n >= j) & (drafts[:, :j] == torch.tensor(prefix, dtype=torch.long)).all(1)
+            if int(reach.sum()) <= 2000:
+                continue
+            law = processed_law(logits[j], prompt, out + list(prefix), p, stop_ids)
+            counts = torch.bincount(tok[reach, j], minlength=V)
+            assert goodness_of_fit(counts, law) > 1e-6, (j, prefix, counts.tolist(), law.tolist())
+            checks += 1
+    assert checks >= 5, checks  # position 0, at least 2 values of d1 and 2 prefixes at the bonus
+
+
 def two_sample_pvalue(xs, ys, min_count=10):
     """Chi-square p-value that two equally large samples of hashable outcomes come from one law; outcomes seen fewer
     than min_count times in both together are pooled into one cell. Statistic sum (a - b)^2 / (a + b)."""
@@ -1181,6 +1314,154 @@ def test_sampled_ngram_with_padding_rows(tiny_spec):
         for pos in range(3):
             a, b = ([t[pos] for t in o[group::2]] for o in outs)
             assert two_sample_pvalue(a, b) > SAMPLED_ALPHA, (group, pos)
+
+
+# -- Logits processors end to end: lossless with every method, n and best_of (issue 24) --------------------
+
+JSON_SCHEMA = {"type": "object", "required": ["ok", "kind", "tags"], "additionalProperties": False,
+               "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]},
+                              "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}}
+
+
+def check_schema(text):
+    """The text is one JSON object that JSON_SCHEMA accepts (its rules written out)."""
+    obj = json.loads(text)
+    assert set(obj) == {"ok", "kind", "tags"} and isinstance(obj["ok"], bool), obj
+    assert obj["kind"] in ("a", "bb", "ccc") and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"x", "y"}, obj
+
+
+def processed_params(eos):
+    """A batch mixing rows with and without processors, greedy (one per PROCESSED_PROMPTS). Rows 0 and 3 have
+    negative penalties, so the output repeats tokens inside a verify window (a penalty that missed the drafts
+    before its position would change the argmax there: measured with mtp and draft_model). Row 1 biases EOS up
+    so much that it is the argmax everywhere: min_tokens alone holds it back until output token 24."""
+    return [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=-1.5,
+                           frequency_penalty=-0.5),
+            SamplingParams(temperature=0, max_tokens=30, min_tokens=24, logit_bias={eos: 60.0, 5: -50.0}),
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={10: 2.0},
+                           bad_words=["import"], repetition_penalty=0.7),
+            SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": JSON_SCHEMA,
+                                                                             "disable_any_whitespace": True})]
+
+
+PROCESSED_PROMPTS = SPEC_PROMPTS[:4] + ['{"ok":true,"kind":"bb","tags":["x"]}\n{"ok":false,"kind":"a",'
+                                       '"tags":[]}\n']
+
+
+@pytest.fixture(scope="module")
+def processed_off(tiny_spec):
+    llm = LLM(model=tiny_spec, device="cpu")
+    params = processed_params(llm.tokenizer.eos_token_id)
+    return params, [o.outputs[0] for o in llm.generate(PROCESSED_PROMPTS, params)]
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
+def test_greedy_spec_equals_plain_with_processors(method, tiny_spec, processed_off):
+    """Greedy speculation (k = 3) equals speculation off with penalties, min_tokens, logit_bias, bad words and
+    a JSON-schema constraint, in one batch with a plain row: every processor sees at verify position i the
+    output followed by d1..di, and the grammar masks each position and rejects the drafts it forbids.
+    draft_model: the target as its own draft. The constrained output is a JSON object its schema accepts,
+    ended by EOS."""
+    cfg = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "draft_model":
+        cfg["model"] = tiny_spec
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg)
+    params, ref = processed_off
+    res = llm.generate(PROCESSED_PROMPTS, params)
+    outs = [o.outputs[0] for o in res]
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids, (i, o.text, r.text)
+    assert len(outs[1].token_ids) == 25 and outs[1].finish_reason == "stop"  # 24 held back, then EOS
+    assert outs[4].finish_reason == "stop", outs[4].text
+    check_schema(outs[4].text)
+    s = llm.get_metrics()
+    assert s.num_accepted_tokens >= 20, s.summary()  # drafts were accepted inside processed steps
+    model_drafts = res[:2] if method != "ngram" else []  # (ngram finds nothing to look up in rows 0 and 1)
+    assert all(r.metrics["num_accepted_tokens"] > 0 for r in model_drafts + [res[3]])  # processed rows accept
+    if method == "ngram":  # its drafts come from the JSON in the prompt: some pass the grammar, accepted
+        assert res[4].metrics["num_accepted_tokens"] > 0
+
+
+def test_sampled_distribution_with_processors_same_with_speculation(tiny_spec):
+    """Sampling with processors (presence, frequency and repetition penalties, min_p, logit_bias, top_k 20)
+    keeps its law under MTP k = 2: each of the first 4 tokens, and the pair of the 2nd and 3rd, follow the
+    same law with and without speculation (two-sample chi-square over 300 seeds per prompt, SAMPLED_ALPHA per
+    check). Negative penalties on one prompt (repeats: drafts accepted with the bonus); a strong frequency
+    penalty on the other ([1, 1, 1], where 1 follows itself). This checks the engine's wiring end to end (a
+    verify that skipped the processors fails it); the law per draft prefix is
+    test_rejection_sampler_distribution_with_processors'."""
+    prompts = ["a b c a b c a b", [1, 1, 1]] * 300
+    kw = [dict(presence_penalty=-0.5, frequency_penalty=-0.3, repetition_penalty=0.9, min_p=0.02),
+          dict(presence_penalty=0.3, frequency_penalty=1.5, repetition_penalty=1.2, min_p=0.05,
+               logit_bias={2: 1.0, 7: -2.0}, top_k=20)]
+    ps = [SamplingParams(temperature=1.0, max_tokens=4, seed=i // 2, ignore_eos=True, **kw[i % 2])
+          for i in range(len(prompts))]
+    outs = []
+    for cfg in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
+        outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
+    assert all(len(t) == 4 for o in outs for t in o)
+    s = llm.get_metrics()
+    assert s.accepted_per_pos[1] >= 30 and s.num_accepted_tokens < s.num_draft_tokens  # bonuses, rejections
+    for group in (0, 1):
+        a, b = outs[0][group::2], outs[1][group::2]
+        for pos in range(4):
+            assert two_sample_pvalue([t[pos] for t in a], [t[pos] for t in b]) > SAMPLED_ALPHA, (group, pos)
+        assert two_sample_pvalue([t[1:3] for t in a], [t[1:3] for t in b]) > SAMPLED_ALPHA, group
+
+
+def test_n_samples_and_best_of(tiny_spec):
+    """n = 4 gives 4 outputs (index 0..3) whose seeded results are reproducible and are the requests seeded
+    seed + i; best_of = 4, n = 2 gives the 2 of those 4 with the highest cumulative logprob (the sum of each
+    emitted token's logprob, which logprobs=0 reports), best first. With MTP k = 2 (one engine throughout: the
+    seeded tokens are reproducible on it). Greedy n > 1 and best_of < n are refused, as in vLLM."""
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config=mtp)
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate("a b c a b", sp)[0]
+    again = llm.generate("a b c a b", sp)[0]
+    assert len(first.outputs) == 4 and [o.index for o in first.outputs] == [0, 1, 2, 3]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1  # independent samples, not one copied
+    one = lambda **kw: llm.generate("a b c a b", dataclasses.replace(sp, n=1, **kw))[0].outputs[0]
+    single = [one(seed=7 + i) for i in range(4)]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in single]
+    scored = [one(seed=7 + i, logprobs=0) for i in range(4)]
+    cums = [sum(d[t] for d, t in zip(o.logprobs, o.token_ids)) for o in scored]
+    best = llm.generate("a b c a b", dataclasses.replace(sp, n=2, best_of=4))[0].outputs
+    order = sorted(range(4), key=lambda i: -cums[i])[:2]
+    assert [o.token_ids for o in best] == [scored[i].token_ids for i in order]
+    assert [o.cumulative_logprob for o in best] == pytest.approx([cums[i] for i in order], abs=1e-4)
+    with pytest.raises(ConfigError, match="n must be 1 when using greedy sampling, got 4"):
+        SamplingParams(n=4, temperature=0)
+    with pytest.raises(ConfigError, match="best_of must be greater than or equal to n"):
+        SamplingParams(n=4, best_of=2)
+
+
+def test_min_tokens_stop_strings_and_special_tokens(tiny_spec):
+    """The text side of the new fields, with the answer forced by logit_bias (greedy): a stop string is not
+    looked for before min_tokens tokens (vLLM), and then cuts the text at its first occurrence in the new
+    text's window, keeping it with include_stop_str_in_output; skip_special_tokens=False keeps an added
+    special token's text, which the default drops; min_tokens holds back an EOS that logit_bias makes the
+    argmax."""
+    llm = LLM(model=tiny_spec, device="cpu")
+    tok = llm.tokenizer
+    x, im_start, eos = tok.encode("x")[0], tok.id_of("<|im_start|>"), tok.eos_token_id
+    forced = lambda t, **kw: llm.generate("hello", SamplingParams(temperature=0, logit_bias={t: 100.0}, **kw))[0]
+    o = forced(x, max_tokens=10, stop=["xx"]).outputs[0]
+    assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == ([x, x], "", "stop", "xx")
+    o = forced(x, max_tokens=10, stop=["xx"], min_tokens=5).outputs[0]
+    assert (len(o.token_ids), o.text, o.finish_reason) == (6, "xxxx", "stop")
+    o = forced(x, max_tokens=10, stop=["xx"], min_tokens=5, include_stop_str_in_output=True).outputs[0]
+    assert (len(o.token_ids), o.text) == (6, "xxxxxx")
+    assert forced(im_start, max_tokens=3).outputs[0].text == ""
+    assert forced(im_start, max_tokens=3, skip_special_tokens=False).outputs[0].text == "<|im_start|>" * 3
+    o = forced(eos, max_tokens=10, min_tokens=3).outputs[0]
+    assert len(o.token_ids) == 4 and eos not in o.token_ids[:3] and o.token_ids[3] == eos
+    assert o.finish_reason == "stop"
 
 
 # ==============================================================================================
@@ -1444,7 +1725,7 @@ def test_request_errors(tiny):
     with pytest.raises(ConfigError, match="prompt is empty"):
         llm.generate([[]], SamplingParams())
     for bad, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
-                     (dict(top_k=0), "top_k")):
+                     (dict(top_k=-2), "top_k must be 0 \\(disable\\), or at least 1, got -2")):
         with pytest.raises(ConfigError, match=msg):
             SamplingParams(**bad)
 
@@ -2569,6 +2850,67 @@ def test_health_and_models(srv, tiny_model):
     assert card["root"] == tiny_model and card["parent"] is None and card["max_model_len"] == 4096
 
 
+def test_sampling_fields_on_both_endpoints(srv_spec, tiny_model):
+    """Issue 24's fields through both endpoints (ngram speculation on): the whole set is accepted; a greedy
+    logit_bias of +100 on one token makes the answer that token repeated; allowed_token_ids keeps the answer
+    inside them; a JSON schema (structured_outputs, guided_json, response_format json_schema) gives text that
+    parses against it; n = 3 gives 3 choices, seeded and reproducible, streamed with their indexes too;
+    best_of keeps n of them."""
+    tok = sd.Tokenizer.from_dir(tiny_model)
+    x, y = tok.encode("x")[0], tok.encode("y")[0]
+
+    def answer(path, out, i=0):
+        c = out["choices"][i]
+        return c["text"] if path == "/v1/completions" else c["message"]["content"]
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb"]}},
+              "required": ["ok", "kind"], "additionalProperties": False}
+    endpoints = (("/v1/completions", {"prompt": "hello"}), ("/v1/chat/completions", {"messages": CHAT}))
+    for path, base in endpoints:
+        every = dict(base, max_tokens=6, temperature=0.8, seed=3, presence_penalty=1.5, frequency_penalty=0.5,
+                     repetition_penalty=1.1, min_p=0.05, top_k=0, min_tokens=2, logit_bias={"5": 2},
+                     bad_words=["the"], include_stop_str_in_output=True, skip_special_tokens=False,
+                     spaces_between_special_tokens=False, ignore_eos=True,
+                     allowed_token_ids=list(range(1000)))
+        status, out = srv_spec.post(path, every)
+        assert status == 200 and out["usage"]["completion_tokens"] == 6, out
+        status, out = srv_spec.post(path, dict(base, max_tokens=5, temperature=0, logit_bias={str(x): 100},
+                                               ignore_eos=True))
+        assert status == 200 and answer(path, out) == "x" * 5, out
+        status, out = srv_spec.post(path, dict(base, max_tokens=8, temperature=1.0, seed=1, ignore_eos=True,
+                                               allowed_token_ids=[x, y]))
+        assert status == 200 and set(answer(path, out)) <= {"x", "y"} and len(answer(path, out)) == 8, out
+        strict = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+        status, out = srv_spec.post(path, dict(base, max_tokens=40, temperature=0, **strict))
+        text = answer(path, out)
+        assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
+        obj = json.loads(text)
+        assert set(obj) == {"ok", "kind"} and isinstance(obj["ok"], bool) and obj["kind"] in ("a", "bb"), text
+        texts = []  # the three spellings of one schema (whitespace allowed: the random model likes it) agree
+        named = {"name": "s", "schema": schema}
+        for constraint in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
+                           {"response_format": {"type": "json_schema", "json_schema": named}}):
+            status, out = srv_spec.post(path, dict(base, max_tokens=12, temperature=0, **constraint))
+            assert status == 200, out
+            texts.append(answer(path, out))
+        assert texts[0].startswith("{") and texts[0] == texts[1] == texts[2], texts
+        body = dict(base, max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+        status, out = srv_spec.post(path, body)
+        assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert out["usage"]["completion_tokens"] == 18
+        assert srv_spec.post(path, body)[1]["choices"] == out["choices"]
+        status, best = srv_spec.post(path, dict(body, n=1, best_of=3))
+        assert status == 200 and len(best["choices"]) == 1
+        assert answer(path, best) in [answer(path, out, i) for i in range(3)]
+        raw = srv_spec.request("POST", path, dict(body, stream=True))[2]
+        chunks = [c for e in sse_events(raw) for c in e["choices"]]
+        for i in range(3):
+            mine = [c for c in chunks if c["index"] == i]
+            got = "".join(c["text"] if "text" in c else c["delta"].get("content") or "" for c in mine)
+            assert got == answer(path, out, i), (i, got)
+
+
+
 def test_openai_client_completions(srv):
     import openai
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
@@ -2983,12 +3325,39 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
      "`top_logprobs` must be a positive value or -1."),
     ("top_logprobs 0 alone (vLLM)", "/v1/chat/completions", {"top_logprobs": 0}, 200, None, None),
     ("n 0", "/v1/completions", {"n": 0}, 400, "n", "n must be at least 1, got 0."),
-    ("n beyond int64", "/v1/completions", {"n": BIG}, 400, "n", "only n=1"),
+    ("n beyond int64", "/v1/completions", {"n": BIG}, 400, "n", "n must be at most 16384"),
+    ("n 2 greedy", "/v1/completions", {"n": 2, "temperature": 0}, 400, "n",
+     "n must be 1 when using greedy sampling"),
+    ("n 2", "/v1/chat/completions", {"n": 2}, 200, None, None),
+    ("best_of below n", "/v1/completions", {"n": 3, "best_of": 2}, 400, "best_of",
+     "best_of must be greater than or equal to n"),
+    ("logit_bias out of vocab", "/v1/completions", {"logit_bias": {str(BIG): 1}}, 400, None, "out-of-vocab"),
+    ("logit_bias key not an id", "/v1/completions", {"logit_bias": {"x": 1}}, 400, "logit_bias",
+     "cannot be converted to integer token IDs"),
+    ("logit_bias huge", "/v1/completions", {"logit_bias": {"5": BIG}}, 200, None, None),  # clamped to 100
+    ("allowed_token_ids out of vocab", "/v1/completions", {"allowed_token_ids": [BIG]}, 400,
+     "allowed_token_ids", "out-of-vocab"),
+    ("allowed_token_ids empty", "/v1/completions", {"allowed_token_ids": []}, 400, "allowed_token_ids",
+     "allowed_token_ids is not None and empty!"),
+    ("bad_words empty word", "/v1/completions", {"bad_words": [""]}, 400, "bad_words",
+     "cannot contain an empty"),
+    ("bad_words", "/v1/chat/completions", {"bad_words": ["the"]}, 200, None, None),
+    ("min_tokens over max_tokens", "/v1/completions", {"min_tokens": 3}, 400, "min_tokens",
+     "min_tokens must be less than or equal to max_tokens=2, got 3."),
+    ("regex that does not compile", "/v1/completions", {"structured_outputs": {"regex": "("}}, 400, None,
+     "the structured_outputs regex cannot be compiled: Regex parsing error"),
+    ("json schema that is not JSON", "/v1/chat/completions", {"guided_json": "{bad"}, 400, None,
+     "the structured_outputs json cannot be compiled"),
+    ("two constraints", "/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+     "structured_outputs", "only use one kind of structured outputs constraint"),
+    ("response_format json_object", "/v1/chat/completions", {"response_format": {"type": "json_object"}}, 200,
+     None, None),
+    ("response_format unknown", "/v1/chat/completions", {"response_format": {"type": "xml"}}, 400,
+     "response_format", "not supported"),
     ("presence_penalty inf", "/v1/completions", {"presence_penalty": 1e999}, 400, "presence_penalty",
      "presence_penalty must be in [-2, 2]"),
     ("frequency_penalty -3", "/v1/completions", {"frequency_penalty": -3}, 400, "frequency_penalty", "[-2, 2]"),
-    ("presence_penalty in range", "/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty",
-     "not supported"),
+    ("presence_penalty in range", "/v1/completions", {"presence_penalty": 0.5}, 200, None, None),
     ("presence_penalty 0", "/v1/completions", {"presence_penalty": 0}, 200, None, None),
     ("repetition_penalty inf", "/v1/completions", {"repetition_penalty": 1e999}, 400, "repetition_penalty",
      "finite number"),
@@ -5407,24 +5776,48 @@ def test_memory_arithmetic_sizes_the_slots(tiny):
 
 def test_generation_config_gives_the_sampling_defaults(tmp_path):
     """vLLM's --generation-config auto | vllm | FOLDER and --override-generation-config: what a request leaves
-    unset; repetition_penalty / min_p are refused unless neutral (not implemented yet)."""
+    unset, repetition_penalty and min_p included (vLLM's get_diff_sampling_param keys)."""
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 7,
          "repetition_penalty": 1.0, "eos_token_id": [1, 2]}))
     d = sd.generation_defaults(str(tmp_path))
-    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7, "repetition_penalty": 1.0}
     assert sd.generation_defaults(str(tmp_path), "vllm") == {}
     assert sd.generation_defaults(TOY, str(tmp_path), '{"top_k": 0}') == dict(d, top_k=-1)
-    with pytest.raises(ConfigError, match="sets repetition_penalty=1.1, which specdec does not implement yet"):
-        sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 1.1})
+    got = sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 1.1, "min_p": 0.05})
+    assert (got["repetition_penalty"], got["min_p"]) == (1.1, 0.05)
+    assert sd.SamplingParams(**got).repetition_penalty == 1.1  # the offline API's defaults (get_default_...)
+    with pytest.raises(ConfigError, match="repetition_penalty must be greater than zero"):
+        sd.generation_defaults(str(tmp_path), override={"repetition_penalty": 0})
     with pytest.raises(ConfigError, match="top_p must be in"):
         sd.generation_defaults(str(tmp_path), override='{"top_p": 0}')
     with pytest.raises(ConfigError, match="no generation_config.json there"):
         sd.generation_defaults(TOY, str(tmp_path / "nowhere"))
     p = srvmod.sampling_params({}, None, None, 1024, d)  # a request that leaves them unset
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 7)
+    p = srvmod.sampling_params({"min_p": 0.2}, None, None, 1024, got)  # the server's defaults: vLLM's too
+    assert (p.repetition_penalty, p.min_p) == (1.1, 0.2)
     p = srvmod.sampling_params({"temperature": 0, "top_p": 1, "max_tokens": 50}, 50, None, 1024, d)
     assert (p.temperature, p.top_p, p.max_tokens) == (0, 1, 7)  # max_new_tokens caps (vLLM)
+
+
+def test_generation_config_penalty_defaults_reach_requests(tiny_spec, tmp_path):
+    """Issue 23's last point: a checkpoint whose generation_config.json sets repetition_penalty and min_p starts
+    (it was refused while the sampler lacked them) and a request that leaves them unset gets them, as vLLM's
+    --generation-config auto does; a request's own value wins."""
+    import shutil
+    path = shutil.copytree(tiny_spec, tmp_path / "ckpt")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(temperature=0.0, repetition_penalty=0.5, min_p=0.1, max_new_tokens=16)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(model=str(path), device="cpu")
+    d = llm.get_default_sampling_params()
+    assert (d.repetition_penalty, d.temperature, d.max_tokens) == (0.5, 0.0, 16)
+    prompt = "a b c a b c a b"
+    auto = llm.generate(prompt)[0].outputs[0].token_ids
+    explicit = llm.generate(prompt, SamplingParams(temperature=0, repetition_penalty=0.5, max_tokens=16))
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))
+    assert auto == explicit[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
 
 
 def test_speculative_config_infers_as_vllm(tmp_path, tiny):

@@ -52,7 +52,8 @@ from urllib.parse import urlsplit
 import torch
 
 from specdec import (BYTE_OF_CHAR, REQUEST_BUCKETS, TTFT_BUCKETS, ChatTemplate, ConfigError, SamplingParams,
-                     SpecStats, StructuredOutputsParams, add_engine_args, llm_from_args, truncate_prompt, vllm_argv)
+                     SpecStats, StructuredOutputsParams, add_engine_args, llm_from_args, truncate_prompt,
+                     vllm_argv)
 
 VERSION = "0.1.0"  # GET /version
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs

@@ -8,14 +8,15 @@
     print(llm.generate(["hello"], SamplingParams(max_tokens=16))[0].outputs[0].text)
 
 One file, read top to bottom; a banner opens each section:
-    Configs             ModelConfig (a text_config; MODEL_CHECKS), SamplingParams
+    Configs             ModelConfig (a text_config; MODEL_CHECKS)
     Model               Qwen36 = embeddings, DecoderLayers (Attention or GatedDeltaNet, MLP or MoE), MTPHead;
                         pure functions of (tokens, Ctx), the state comes in through Ctx
     State               State: every slot's KV caches and GDN states, allocated once
     Speculative config  SpeculativeConfig: vLLM's JSON object, its rules in SPEC_CHECKS
     Proposers           the interface (Batch, ProposerIO); ngram and mtp
     Model drafters      dflash and dspark (BlockProposer, BlockDrafter, KVCache), draft_model (Qwen3LM)
-    Verification        rejection_sample (every method, lossless), synthetic_sample (benchmarks), sampling
+    Verification        SamplingParams; the logits processors (process_logits, Grammar); rejection_sample
+                        (every method, lossless), synthetic_sample (benchmarks), sampling
     Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
     Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
                         checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
@@ -229,150 +230,6 @@ class ModelConfig:
                 if e not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(e)
         return cfg
-
-
-# What SamplingParams.check accepts: (field, accepted(value), message: {v} the value); vLLM's messages
-SAMPLING_CHECKS = [
-    ("n", lambda v: isinstance(v, int) and v >= 1, "n must be at least 1, got {v}."),
-    ("presence_penalty", lambda v: -2 <= v <= 2, "presence_penalty must be in [-2, 2], got {v}."),
-    ("frequency_penalty", lambda v: -2 <= v <= 2, "frequency_penalty must be in [-2, 2], got {v}."),
-    ("repetition_penalty", math.isfinite, "repetition_penalty must be a finite number, got {v}."),
-    ("repetition_penalty", lambda v: v > 0, "repetition_penalty must be greater than zero, got {v}."),
-    ("temperature", math.isfinite, "temperature must be a finite number, got {v}."),
-    ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}."),
-    ("temperature", lambda v: v <= 2, "temperature must be in [0, 2], got {v}."),
-    ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}."),
-    ("top_k", lambda v: isinstance(v, int), "top_k must be an integer, got {v!r}"),
-    ("top_k", lambda v: v >= -1, "top_k must be 0 (disable), or at least 1, got {v}."),
-    ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1], got {v}."),
-    ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}."),
-    ("min_tokens", lambda v: v >= 0, "min_tokens must be greater than or equal to 0, got {v}."),
-    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}."),
-    ("prompt_logprobs", lambda v: v is None or (isinstance(v, int) and v >= -1),
-     "prompt_logprobs must be non-negative or -1, got {v}."),
-    ("truncate_prompt_tokens", lambda v: v is None or (isinstance(v, int) and (v >= 1 or v == -1)),
-     "truncate_prompt_tokens must be an integer >= 1 or -1, got {v}"),
-    ("stop", lambda v: all(v), "stop cannot contain an empty string."),
-    ("stop_token_ids", lambda v: all(isinstance(t, int) for t in v),
-     "stop_token_ids must contain only integers, got {v}."),
-    ("bad_words", lambda v: all(v), "bad_words cannot contain an empty string. Got bad_words={v}"),
-    ("allowed_token_ids", lambda v: v is None or len(v) > 0, "allowed_token_ids is not None and empty!"),
-]
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """vLLM's structured_outputs: exactly one constraint (a JSON schema, a regex, a choice among strings, an
-    EBNF grammar, or any JSON object), compiled by xgrammar when a request carries it (Grammar)."""
-    json: object = None                 # a JSON schema: a dict or its JSON text
-    regex: str = None
-    choice: list = None
-    grammar: str = None                 # EBNF (GBNF), as xgrammar reads it
-    json_object: bool = None
-    disable_any_whitespace: bool = False
-
-    def __post_init__(self):
-        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
-        if len(given) != 1:
-            what = "multiple are" if given else "none are"
-            raise ConfigError(f"You {'can only' if given else 'must'} use one kind of structured outputs "
-                              f"constraint but {what} specified: {dataclasses.asdict(self)}")
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling, as vLLM's SamplingParams: its fields, defaults and messages. The logits
-    processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, structured_outputs) run
-    in process_logits at every position of a step, so speculation keeps them lossless."""
-    n: int = 1                          # outputs per prompt (independent samples)
-    best_of: int = None                 # sample this many, return the n with the highest cumulative logprob
-    presence_penalty: float = 0.0       # - penalty if the token occurs in the output so far
-    frequency_penalty: float = 0.0      # - penalty x its count in the output so far
-    repetition_penalty: float = 1.0     # divides a positive logit (multiplies a negative) of a token seen in
-    temperature: float = 1.0            # the prompt or the output
-    top_p: float = 1.0
-    top_k: int = 0                      # 0 or -1: off
-    min_p: float = 0.0                  # drop tokens below min_p x the top token's probability
-    seed: int = None
-    stop: list = None
-    stop_token_ids: list = None
-    bad_words: list = None              # words whose last token is masked when the output would complete them
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    max_tokens: int = 16
-    min_tokens: int = 0                 # EOS and stop_token_ids are masked before this many output tokens
-    logprobs: int = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True  # accepted; byte-level BPE decodes without adding spaces
-    logit_bias: dict = None             # {token id: bias}, added to the logits (bias clamped to [-100, 100])
-    allowed_token_ids: list = None      # only these may be sampled
-    structured_outputs: StructuredOutputsParams = None
-    prompt_logprobs: int = None         # per prompt token: its logprob and the N most likely (-1: all)
-    truncate_prompt_tokens: int = None  # keep only the prompt's last N tokens (-1: max_model_len)
-
-    def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
-        self.bad_words = list(dict.fromkeys(self.bad_words or []))
-        if self.seed == -1:
-            self.seed = None
-        if self.logit_bias:
-            bad = [t for t in self.logit_bias if not _is_int_like(t)]
-            if bad:
-                raise ConfigError(f"logit_bias contains key(s) that cannot be converted to integer token "
-                                  f"IDs: {bad!r}")
-            self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        self.check()
-        if self.greedy:  # vLLM: greedy ignores the filters
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-
-    def check(self):
-        for name, accepted, message in SAMPLING_CHECKS:
-            v = getattr(self, name)
-            if not accepted(v):
-                raise ConfigError(message.format(v=v))
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ConfigError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got "
-                              f"{self.min_tokens}.")
-        if self.best_of is not None and not (isinstance(self.best_of, int) and self.best_of >= self.n):
-            raise ConfigError(f"best_of must be greater than or equal to n, got n={self.n} and "
-                              f"best_of={self.best_of}.")
-        if self.greedy and self.n > 1:
-            raise ConfigError(f"n must be 1 when using greedy sampling, got {self.n}.")
-        if self.greedy and (self.best_of or 1) > 1:
-            raise ConfigError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
-
-    @property
-    def greedy(self):
-        return self.temperature < 1e-5
-
-    @property
-    def penalized(self):
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-
-    @property
-    def needs_history(self):
-        """Whether the processors read the output so far (then the host must know it: synchronous steps)."""
-        grammar = self.structured_outputs is not None
-        return self.penalized or bool(self.min_tokens or self.bad_words) or grammar
-
-    @property
-    def processed(self):
-        """Whether a logits processor applies (else the plain sampler runs, at no extra cost)."""
-        return self.needs_history or bool(self.logit_bias) or self.allowed_token_ids is not None
-
-
-def _is_int_like(t):
-    try:
-        int(t)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 # ==============================================================================================
@@ -1731,6 +1588,152 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashPropose
 # ==============================================================================================
 # Verification & sampling
 # ==============================================================================================
+
+# -- Sampling parameters: vLLM's SamplingParams and its structured outputs ---------------------------
+
+# What SamplingParams.check accepts: (field, accepted(value), message: {v} the value); vLLM's messages
+SAMPLING_CHECKS = [
+    ("n", lambda v: isinstance(v, int) and v >= 1, "n must be at least 1, got {v}."),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "presence_penalty must be in [-2, 2], got {v}."),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "frequency_penalty must be in [-2, 2], got {v}."),
+    ("repetition_penalty", math.isfinite, "repetition_penalty must be a finite number, got {v}."),
+    ("repetition_penalty", lambda v: v > 0, "repetition_penalty must be greater than zero, got {v}."),
+    ("temperature", math.isfinite, "temperature must be a finite number, got {v}."),
+    ("temperature", lambda v: not v < 0, "temperature must be non-negative, got {v}."),
+    ("temperature", lambda v: v <= 2, "temperature must be in [0, 2], got {v}."),
+    ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1], got {v}."),
+    ("top_k", lambda v: isinstance(v, int), "top_k must be an integer, got {v!r}"),
+    ("top_k", lambda v: v >= -1, "top_k must be 0 (disable), or at least 1, got {v}."),
+    ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1], got {v}."),
+    ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}."),
+    ("min_tokens", lambda v: v >= 0, "min_tokens must be greater than or equal to 0, got {v}."),
+    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}."),
+    ("prompt_logprobs", lambda v: v is None or (isinstance(v, int) and v >= -1),
+     "prompt_logprobs must be non-negative or -1, got {v}."),
+    ("truncate_prompt_tokens", lambda v: v is None or (isinstance(v, int) and (v >= 1 or v == -1)),
+     "truncate_prompt_tokens must be an integer >= 1 or -1, got {v}"),
+    ("stop", lambda v: all(v), "stop cannot contain an empty string."),
+    ("stop_token_ids", lambda v: all(isinstance(t, int) for t in v),
+     "stop_token_ids must contain only integers, got {v}."),
+    ("bad_words", lambda v: all(v), "bad_words cannot contain an empty string. Got bad_words={v}"),
+    ("allowed_token_ids", lambda v: v is None or len(v) > 0, "allowed_token_ids is not None and empty!"),
+]
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured_outputs: exactly one constraint (a JSON schema, a regex, a choice among strings, an
+    EBNF grammar, or any JSON object), compiled by xgrammar when a request carries it (Grammar)."""
+    json: object = None                 # a JSON schema: a dict or its JSON text
+    regex: str = None
+    choice: list = None
+    grammar: str = None                 # EBNF (GBNF), as xgrammar reads it
+    json_object: bool = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            what = "multiple are" if given else "none are"
+            raise ConfigError(f"You {'can only' if given else 'must'} use one kind of structured outputs "
+                              f"constraint but {what} specified: {dataclasses.asdict(self)}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling, as vLLM's SamplingParams: its fields, defaults and messages. The logits
+    processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, structured_outputs) run
+    in process_logits at every position of a step, so speculation keeps them lossless."""
+    n: int = 1                          # outputs per prompt (independent samples)
+    best_of: int = None                 # sample this many, return the n with the highest cumulative logprob
+    presence_penalty: float = 0.0       # - penalty if the token occurs in the output so far
+    frequency_penalty: float = 0.0      # - penalty x its count in the output so far
+    repetition_penalty: float = 1.0     # divides a positive logit (multiplies a negative) of a token seen in
+    temperature: float = 1.0            # the prompt or the output
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0                  # drop tokens below min_p x the top token's probability
+    seed: int = None
+    stop: list = None
+    stop_token_ids: list = None
+    bad_words: list = None              # words whose last token is masked when the output would complete them
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked before this many output tokens
+    logprobs: int = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted; byte-level BPE decodes without adding spaces
+    logit_bias: dict = None             # {token id: bias}, added to the logits (bias clamped to [-100, 100])
+    allowed_token_ids: list = None      # only these may be sampled
+    structured_outputs: StructuredOutputsParams = None
+    prompt_logprobs: int = None         # per prompt token: its logprob and the N most likely (-1: all)
+    truncate_prompt_tokens: int = None  # keep only the prompt's last N tokens (-1: max_model_len)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        self.bad_words = list(dict.fromkeys(self.bad_words or []))
+        if self.seed == -1:
+            self.seed = None
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not _is_int_like(t)]
+            if bad:
+                raise ConfigError(f"logit_bias contains key(s) that cannot be converted to integer token "
+                                  f"IDs: {bad!r}")
+            self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self.check()
+        if self.greedy:  # vLLM: greedy ignores the filters
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def check(self):
+        for name, accepted, message in SAMPLING_CHECKS:
+            v = getattr(self, name)
+            if not accepted(v):
+                raise ConfigError(message.format(v=v))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got "
+                              f"{self.min_tokens}.")
+        if self.best_of is not None and not (isinstance(self.best_of, int) and self.best_of >= self.n):
+            raise ConfigError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                              f"best_of={self.best_of}.")
+        if self.greedy and self.n > 1:
+            raise ConfigError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        if self.greedy and (self.best_of or 1) > 1:
+            raise ConfigError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
+
+    @property
+    def greedy(self):
+        return self.temperature < 1e-5
+
+    @property
+    def penalized(self):
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def needs_history(self):
+        """Whether the processors read the output so far (then the host must know it: synchronous steps)."""
+        grammar = self.structured_outputs is not None
+        return self.penalized or bool(self.min_tokens or self.bad_words) or grammar
+
+    @property
+    def processed(self):
+        """Whether a logits processor applies (else the plain sampler runs, at no extra cost)."""
+        return self.needs_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+
+def _is_int_like(t):
+    try:
+        int(t)
+        return True
+    except (TypeError, ValueError):
+        return False
+
 
 # -- Logits processors: vLLM's per-request logit edits, at every position of a step ------------------
 # A verify step scores k+1 positions at once; position i must see exactly what plain decoding would have
@@ -3972,7 +3975,8 @@ class LLM:
             metrics = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                        "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_pos": s.accepted_per_pos,
                        "mean_acceptance_length": s.mean_acceptance_length}
-        return RequestOutput(reqs[0].id, text, reqs[0].prompt_ids, reqs[0].prompt_logprobs, outs, True, metrics)
+        first = reqs[0]
+        return RequestOutput(first.id, text, first.prompt_ids, first.prompt_logprobs, outs, True, metrics)
 
     def get_metrics(self):
         """vLLM's LLM.get_metrics(): a list of Counter / Vector / Gauge / Histogram under vLLM's names (the

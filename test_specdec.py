@@ -1377,7 +1377,7 @@ def test_greedy_spec_equals_plain_with_processors(method, tiny_spec, processed_o
     assert len(outs[1].token_ids) == 25 and outs[1].finish_reason == "stop"  # 24 held back, then EOS
     assert outs[4].finish_reason == "stop", outs[4].text
     check_schema(outs[4].text)
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.num_accepted_tokens >= 20, s.summary()  # drafts were accepted inside processed steps
     model_drafts = res[:2] if method != "ngram" else []  # (ngram finds nothing to look up in rows 0 and 1)
     assert all(r.metrics["num_accepted_tokens"] > 0 for r in model_drafts + [res[3]])  # processed rows accept
@@ -1404,7 +1404,7 @@ def test_sampled_distribution_with_processors_same_with_speculation(tiny_spec):
         llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
         outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
     assert all(len(t) == 4 for o in outs for t in o)
-    s = llm.get_metrics()
+    s = llm.engine.stats
     assert s.accepted_per_pos[1] >= 30 and s.num_accepted_tokens < s.num_draft_tokens  # bonuses, rejections
     for group in (0, 1):
         a, b = outs[0][group::2], outs[1][group::2]
@@ -5879,7 +5879,8 @@ def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
                       (["--max-model-len", "0"], "max_model_len must be a positive integer"),
                       (["--chat-template", "/no/such.jinja"], "no such file"),
                       (["--generation-config", "/nowhere"], "no generation_config.json there"),
-                      (["--override-generation-config", '{"repetition_penalty": 1.2}'], "does not implement yet")]:
+                      (["--override-generation-config", '{"repetition_penalty": 0}'],
+                       "repetition_penalty must be greater than zero, got 0.")]:
         assert msg in one_line_error([tiny, "--device", "cpu", *args])
 
 

@@ -51,8 +51,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from specdec import (BYTE_OF_CHAR, ChatTemplate, ConfigError, SamplingParams, SpecStats, StructuredOutputsParams,
-                     add_engine_args, llm_from_args, vllm_argv)
+from specdec import (BYTE_OF_CHAR, ChatTemplate, ConfigError, SamplingParams, SpecStats,
+                     StructuredOutputsParams, add_engine_args, llm_from_args, vllm_argv)
 
 VERSION = "0.1.0"  # GET /version
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -856,6 +856,7 @@ class Job:
         self.events = queue.Queue()  # engine thread -> handler: ("accepted" | "update" | "error", payload)
         self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
         self.ranked = False  # one of best_of samples: its cumulative logprob is counted
+        self.fork_of = None  # n > 1: the first sample's job, whose prefill this one copies
         self.t_scheduled = self.t_first = None  # (engine thread) its first step began, its first token came
 
 
@@ -965,7 +966,8 @@ class EngineLoop:
 
     def _add(self, job):
         try:
-            job.req = self.engine.add_request(job.prompt_ids, job.params)
+            parent = job.fork_of.req if job.fork_of is not None else None
+            job.req = self.engine.add_request(job.prompt_ids, job.params, fork_of=parent)
         except Exception as e:  # ConfigError: too long for the context, a token id out of range, no prompt
             if device_fault(e):
                 raise
@@ -1313,6 +1315,7 @@ class Handler(BaseHTTPRequestHandler):
                 for i in range(m)]
         for job in jobs:
             job.ranked = m > params.n
+            job.fork_of = jobs[0] if job is not jobs[0] else None
         submitted = []
         try:
             for job in jobs:

@@ -708,6 +708,16 @@ class State:
             t[slot].zero_()
 
 
+def copy_slot(state, src, dst, n):
+    """Slot dst becomes a copy of slot src after its first n positions (a State, or a drafter's KVCache):
+    K/V of positions 0..n-1 and the GDN states. How n > 1 samples of one prompt share its prefill."""
+    for k, v in state.kv.values():
+        k[dst, :n] = k[src, :n]
+        v[dst, :n] = v[src, :n]
+    for t in (*state.conv.values(), *state.rec.values()):
+        t[dst] = t[src]
+
+
 # ==============================================================================================
 # Speculative config: vLLM's --speculative-config JSON object
 # ==============================================================================================
@@ -958,6 +968,8 @@ def infer_from_draft(obj, target=None):
 #   propose(batch) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
 #   commit(batch, hidden, taps, ids, n_acc, tokens)   see the verified step over ids [B, k+1]; keep the
 #       accepted prefix
+#   fork(src, dst, n, token, hidden)   slot dst gets slot src's caches after its n-token prompt, but its own
+#       first token [1] (hidden [1, 1, H]: the target's last prompt position); n > 1 samples share a prefill
 #   taps: the target layers whose outputs it reads (DFlash/DSpark), [B, T, H] each, in its order; () if none
 
 @dataclass
@@ -1024,6 +1036,9 @@ class NgramProposer:
         return self.io.h2d(drafts), None
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
+        pass
+
+    def fork(self, src, dst, n, token, hidden):
         pass
 
 
@@ -1100,6 +1115,11 @@ class MTPProposer:
         nxt[rows, n_acc] = tokens[rows, n_acc]
         inputs = dict(slots=batch.slots, pos=batch.pos, nxt=nxt, hidden=hidden, n_acc=n_acc)
         self.io.call("mtp-commit", self._commit, batch.kv_len(ids.shape[1], self.io.state.max_len), inputs)
+
+    def fork(self, src, dst, n, token, hidden):
+        # the MTP KV came with the target's State; its last position holds (h_{n-1}, the first token): redo it
+        out = self._run(token[None], hidden, self.io.h2d([dst], torch.long), self.io.h2d([n - 1]), n)
+        self.hidden[dst] = out[0, -1]
 
 
 # ==============================================================================================
@@ -1507,6 +1527,9 @@ class BlockProposer:
         inputs = dict(slots=batch.slots, pos=batch.pos, feats=self._feats(taps))
         self.io.call(f"{self.method}-context", self._context, 0, inputs)
 
+    def fork(self, src, dst, n, token, hidden):
+        copy_slot(self.cache, src, dst, n)  # the prompt's context K/V (the first token is the next anchor)
+
     def propose(self, batch):
         inputs = dict(slots=batch.slots, pos=batch.pos, anchor=batch.last)          # the anchor, its position
         if not self.greedy:
@@ -1695,6 +1718,12 @@ class DraftModelProposer:
         self.new_ids[s] = tokens.clamp(min=0)
         self.new_n[s] = n_acc + 1
         self.start[s] = batch.pos + 1
+
+    def fork(self, src, dst, n, token, hidden):
+        copy_slot(self.state, src, dst, n)  # its caches over the prompt; the first propose eats the token
+        self.new_ids[dst, 0] = token[0]
+        self.new_n[dst] = 1
+        self.start[dst] = n
 
 
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashProposer, "dspark": DSparkProposer,
@@ -2020,6 +2049,8 @@ class Request:
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None  # (best_of sets it too)
         self.bad_words_ids = []  # each bad word's token ids (Engine.add_request)
         self.grammar = None      # its structured-output Grammar, if it asks for one
+        self.fork_of = None      # n > 1: the sibling whose prefill it copies (Engine._prefill)
+        self.prompt_end = None   # (logits [1, V], hidden [1, 1, H]) at its prompt's end, until forked
         self.finish_reason = None
         self.stop_reason = None
         self.slot = None
@@ -2237,6 +2268,7 @@ class ModelRunner:
                 if s + T == n:
                     logits = self.model.logits(h[:, -1])                              # [1, V]
                     tok = self._sample(logits, [req])
+                    req.prompt_end = (logits, h[:, -1:])  # what its forks need (Engine._prefill)
                 if self.proposer is not None:
                     nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
                     self.proposer.prefill(req, h, taps, self.h2d([nxt]), s)
@@ -2244,6 +2276,20 @@ class ModelRunner:
             return None
         self.next_ids[req.slot] = tok[0]
         self.next_pos[req.slot] = n
+        return int(tok[0]), logits
+
+    def fork(self, src, dst):
+        """dst has the prompt src has just prefilled: its slot becomes a copy of src's (the target's state and
+        the proposer's caches) instead of a second prefill, and it samples its own first token from the
+        prompt's logits with its own generator. Returns (token, logits) as prefill does."""
+        n = len(src.prompt_ids)
+        logits, hidden = src.prompt_end
+        copy_slot(self.state, src.slot, dst.slot, n)
+        tok = self._sample(logits, [dst])
+        if self.proposer is not None:
+            self.proposer.fork(src.slot, dst.slot, n, tok, hidden)
+        self.next_ids[dst.slot] = tok[0]
+        self.next_pos[dst.slot] = n
         return int(tok[0]), logits
 
     def launch(self, reqs):
@@ -2392,7 +2438,7 @@ class Engine:
         self.pending = None  # the launched step whose tokens the host has not read yet
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, params, rid=None):
+    def add_request(self, prompt_ids, params, rid=None, fork_of=None):
         if not prompt_ids:
             raise ConfigError("the prompt is empty: at least one prompt token is needed")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -2417,6 +2463,7 @@ class Engine:
                       self.seed + self.num_requests)
         req.bad_words_ids = [ids for ids_list in bad_words for ids in ids_list]
         req.grammar = grammar
+        req.fork_of = fork_of  # a request added before with the same prompt: copy its prefill
         self.waiting.append(req)
         return req
 
@@ -2511,6 +2558,7 @@ class Engine:
         first = True
         while self.prefilling:
             req = self.prefilling[0]
+            req.fork_of = None  # its parent went first and is gone without forking it: prefill it alone
             n = len(req.prompt_ids)
             end = min(n, req.prefilled + self.runner.prefill_chunk) if self.chunked else n
             if self.chunked and not first and end - req.prefilled > budget:
@@ -2526,8 +2574,15 @@ class Engine:
             if out is None:
                 continue
             self.prefilling.popleft()
-            self._emit(req, [out[0]], out[1])
-            touched.append(req)
+            forks = [f for f in self.prefilling if f.fork_of is req]  # its siblings with a slot: copies
+            outs = [out] + [self.runner.fork(req, f) for f in forks]  # (before req's emit may free its slot)
+            req.prompt_end = None
+            for r, o in zip([req, *forks], outs):
+                if r is not req:
+                    self.prefilling.remove(r)
+                    r.prefilled = len(r.prompt_ids)
+                self._emit(r, [o[0]], o[1])
+                touched.append(r)
         return touched
 
     def _ends_in_flight(self, r):
@@ -3699,12 +3754,14 @@ class LLM:
 
     def add_samples(self, ids, sp):
         """A prompt's requests: best_of (default n) independent samples, the i-th seeded seed + i when a seed
-        is given (as vLLM seeds its n children). Each is prefilled on its own (the prompt's state is not
-        shared between them yet)."""
+        is given (as vLLM seeds its n children). The first is prefilled; the others copy its slot (the
+        prompt's KV cache, GDN states and the proposer's caches) when they hold a slot by then."""
         n = sp.best_of or sp.n
         seed = lambda i: None if sp.seed is None else sp.seed + i  # noqa: E731
         child = lambda i: dataclasses.replace(sp, n=1, best_of=None, seed=seed(i))  # noqa: E731
-        reqs = [self.engine.add_request(ids, sp if n == 1 else child(i)) for i in range(n)]
+        reqs = []
+        for i in range(n):
+            reqs.append(self.engine.add_request(ids, sp if n == 1 else child(i), fork_of=(reqs or [None])[0]))
         if sp.best_of and sp.best_of > sp.n:  # the cumulative logprob ranks them (Request.cumulative_logprob)
             for r in reqs:
                 r.cumulative_logprob = 0.0

@@ -1298,6 +1298,35 @@ def test_min_tokens_stop_strings_and_special_tokens(tiny_spec):
     assert o.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model", "dflash"])
+def test_n_samples_share_the_prefill(method, tiny_spec, ckpts, monkeypatch):
+    """n = 4 prefills the prompt once: the others copy the slot (the target's KV and GDN states, the proposer's
+    caches; MTP redoes its last prompt position with each sample's own first token). Each sample equals the
+    request seeded seed + i prefilled alone, token for token, with sampled drafts accepted and rejected, so a
+    copy that missed any state would show. With max_num_seqs 2 only one sibling holds a slot when the prompt
+    is done: the others are prefilled alone, with the same result."""
+    target = ckpts["target"] if method == "dflash" else tiny_spec
+    cfg = {"method": method, "num_speculative_tokens": 3}
+    cfg.update({"ngram": dict(prompt_lookup_min=1, prompt_lookup_max=3), "draft_model": dict(model=target),
+                "dflash": dict(model=ckpts["dflash"])}.get(method, {}))
+    prompt = [1, 1, 1]  # 1 follows itself often (make_predictable): every method's drafts are accepted
+    sp = SamplingParams(n=4, temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)  # first tokens differ
+    for max_num_seqs, prefills_wanted in ((8, 1), (2, 3)):
+        llm = LLM(model=target, device="cpu", speculative_config=cfg, max_num_seqs=max_num_seqs)
+        alone = [llm.generate(prompt, dataclasses.replace(sp, n=1, seed=5 + i))[0].outputs[0].token_ids
+                 for i in range(4)]
+        prefills = []
+        real = sd.ModelRunner.prefill
+        monkeypatch.setattr(sd.ModelRunner, "prefill", lambda self, req, *a: prefills.append(req) or
+                            real(self, req, *a))
+        out = llm.generate(prompt, sp)[0]
+        monkeypatch.undo()
+        assert [o.token_ids for o in out.outputs] == alone, max_num_seqs
+        assert len({r.id for r in prefills}) == prefills_wanted
+        assert out.metrics["num_accepted_tokens"] > 0
+        assert len({o.token_ids[0] for o in out.outputs}) > 1  # so a fork that kept the first's token would show
+
+
 # ==============================================================================================
 # GGUF targets
 # ==============================================================================================
@@ -5600,7 +5629,8 @@ def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
                       (["--max-model-len", "0"], "max_model_len must be a positive integer"),
                       (["--chat-template", "/no/such.jinja"], "no such file"),
                       (["--generation-config", "/nowhere"], "no generation_config.json there"),
-                      (["--override-generation-config", '{"repetition_penalty": 1.2}'], "does not implement yet")]:
+                      (["--override-generation-config", '{"repetition_penalty": 0}'],
+                       "repetition_penalty must be greater than zero")]:
         assert msg in one_line_error([tiny, "--device", "cpu", *args])
 
 

@@ -237,11 +237,13 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("'stop' must be a string or a list of strings", "stop")
     ids = id_list(body, "stop_token_ids")
-    for name, given in (("stop_token_ids", ids), ("allowed_token_ids", id_list(body, "allowed_token_ids"))):
-        if given and not all(0 <= t < vocab for t in given):
-            wrong = short([t for t in given if not 0 <= t < vocab])
-            raise bad(f"token_id(s) {wrong} in {name} contain out-of-vocab token ids. Vocabulary size: "
-                      f"{vocab}", name)
+    if ids and not all(0 <= t < vocab for t in ids):
+        wrong = short([t for t in ids if not 0 <= t < vocab])
+        raise bad(f"token_id(s) {wrong} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+                  f"{vocab}", "stop_token_ids")
+    allowed = id_list(body, "allowed_token_ids")
+    if allowed and not all(0 <= t < vocab for t in allowed):
+        raise bad("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
     bias = get(body, "logit_bias", "object")
     if bias is not None and not all(JSON_TYPES["number"](v) and abs(v) < math.inf for v in bias.values()):
         raise bad("'logit_bias' must map token ids to finite numbers", "logit_bias")
@@ -252,7 +254,7 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
         return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
                               stop=[s for s in stop or [] if s], stop_token_ids=ids, logprobs=logprobs,
                               seed=None if seed == -1 else seed,  # vLLM: seed -1 means none
-                              logit_bias=bias, allowed_token_ids=body.get("allowed_token_ids"),
+                              logit_bias=bias, allowed_token_ids=allowed,
                               bad_words=id_list(body, "bad_words", "string"),
                               structured_outputs=structured_outputs(body), **fields)
     except ConfigError as e:  # "temperature must be ...": the first word names the field

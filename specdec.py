@@ -3942,7 +3942,9 @@ def main(argv=None):
         pick = lambda name, default: default if getattr(a, name) is None else getattr(a, name)  # noqa: E731
         params = SamplingParams(temperature=pick("temperature", given["temperature"]),
                                 top_p=pick("top_p", given.get("top_p", 1.0)),
-                                top_k=pick("top_k", given.get("top_k", -1)),
+                                top_k=pick("top_k", given.get("top_k", 0)),
+                                min_p=given.get("min_p", 0.0),
+                                repetition_penalty=given.get("repetition_penalty", 1.0),
                                 max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)

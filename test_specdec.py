@@ -2862,7 +2862,7 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": []}, 400, None, "empty"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "required"),
@@ -2877,7 +2877,7 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs",  # -1: the whole vocabulary, above 20
      "Requested sample logprobs of 1024, which is greater than max allowed: 20"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "stop"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
@@ -3141,7 +3141,7 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
      "cannot be converted to integer token IDs"),
     ("logit_bias huge", "/v1/completions", {"logit_bias": {"5": BIG}}, 200, None, None),  # clamped to 100
     ("allowed_token_ids out of vocab", "/v1/completions", {"allowed_token_ids": [BIG]}, 400,
-     "allowed_token_ids", "out-of-vocab"),
+     "allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!"),
     ("allowed_token_ids empty", "/v1/completions", {"allowed_token_ids": []}, 400, "allowed_token_ids",
      "allowed_token_ids is not None and empty!"),
     ("bad_words empty word", "/v1/completions", {"bad_words": [""]}, 400, "bad_words",

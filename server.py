@@ -1301,8 +1301,7 @@ class Handler(BaseHTTPRequestHandler):
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
         if opts is not None and not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
-        m = params.best_of or params.n
-        if stream and m > params.n:
+        if stream and params.ranked:
             raise bad("best_of > n is not supported with stream=true (the best are known only at the end)",
                       "best_of")
         chat = spec is not None
@@ -1312,11 +1311,9 @@ class Handler(BaseHTTPRequestHandler):
         if app.log_requests:
             print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
                   f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
-        seed = lambda i: None if params.seed is None else params.seed + i  # noqa: E731  (as LLM.add_samples)
-        jobs = [Job(ids, params if m == 1 else dataclasses.replace(params, n=1, best_of=None, seed=seed(i)))
-                for i in range(m)]
+        jobs = [Job(ids, p) for p in params.samples()]
         for job in jobs:
-            job.ranked = m > params.n
+            job.ranked = params.ranked
             job.fork_of = jobs[0] if job is not jobs[0] else None
         submitted = []
         try:
@@ -1332,7 +1329,7 @@ class Handler(BaseHTTPRequestHandler):
                 for text, new_ids, new_lps, n, finish, stop in self.updates(job):
                     ids, lps = ids + new_ids, lps + (new_lps or [])
                 answers.append((job, text, ids, lps, n, finish, stop))
-            if m > params.n:
+            if params.ranked:
                 answers = sorted(answers, key=lambda a: -a[0].req.cumulative_logprob)[:params.n]
             choices = []
             for i, (job, text, ids, lps, n, finish, stop) in enumerate(answers):

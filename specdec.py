@@ -345,6 +345,20 @@ class SamplingParams:
     def greedy(self):
         return self.temperature < 1e-5
 
+    def samples(self):
+        """One SamplingParams per sample of the request: best_of (default n) of them, n = 1 each, the i-th
+        seeded seed + i when a seed is given (as vLLM seeds its n children)."""
+        m = self.best_of or self.n
+        if m == 1:
+            return [self]
+        seed = lambda i: None if self.seed is None else self.seed + i  # noqa: E731
+        return [dataclasses.replace(self, n=1, best_of=None, seed=seed(i)) for i in range(m)]
+
+    @property
+    def ranked(self):
+        """best_of > n: the samples are ranked by their cumulative logprob, the best n returned."""
+        return (self.best_of or self.n) > self.n
+
     @property
     def penalized(self):
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
@@ -2439,6 +2453,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params, rid=None, fork_of=None):
+        """Queue a request; fork_of: a request added before with the same prompt, whose prefill it copies."""
         if not prompt_ids:
             raise ConfigError("the prompt is empty: at least one prompt token is needed")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -2463,7 +2478,7 @@ class Engine:
                       self.seed + self.num_requests)
         req.bad_words_ids = [ids for ids_list in bad_words for ids in ids_list]
         req.grammar = grammar
-        req.fork_of = fork_of  # a request added before with the same prompt: copy its prefill
+        req.fork_of = fork_of if fork_of is not None and fork_of.prompt_ids == req.prompt_ids else None
         self.waiting.append(req)
         return req
 
@@ -3753,18 +3768,14 @@ class LLM:
         return [self._output(text, sp, rs) for text, sp, rs in reqs]
 
     def add_samples(self, ids, sp):
-        """A prompt's requests: best_of (default n) independent samples, the i-th seeded seed + i when a seed
-        is given (as vLLM seeds its n children). The first is prefilled; the others copy its slot (the
-        prompt's KV cache, GDN states and the proposer's caches) when they hold a slot by then."""
-        n = sp.best_of or sp.n
-        seed = lambda i: None if sp.seed is None else sp.seed + i  # noqa: E731
-        child = lambda i: dataclasses.replace(sp, n=1, best_of=None, seed=seed(i))  # noqa: E731
+        """A prompt's requests, one per sample (SamplingParams.samples). The first is prefilled; the others
+        copy its slot (the prompt's KV cache, GDN states and the proposer's caches) when they hold a slot by
+        then."""
         reqs = []
-        for i in range(n):
-            reqs.append(self.engine.add_request(ids, sp if n == 1 else child(i), fork_of=(reqs or [None])[0]))
-        if sp.best_of and sp.best_of > sp.n:  # the cumulative logprob ranks them (Request.cumulative_logprob)
-            for r in reqs:
-                r.cumulative_logprob = 0.0
+        for child in sp.samples():
+            reqs.append(self.engine.add_request(ids, child, fork_of=reqs[0] if reqs else None))
+            if sp.ranked:  # best_of ranks them by their cumulative logprob
+                reqs[-1].cumulative_logprob = 0.0
         return reqs
 
     def chat(self, messages, sampling_params=None, *, chat_template=None, add_generation_prompt=True,
@@ -3784,7 +3795,7 @@ class LLM:
     def _output(self, text, sp, reqs):
         """A prompt's RequestOutput: its samples in order, or with best_of the n of highest cumulative logprob
         (vLLM's ranking), best first."""
-        if sp.best_of and sp.best_of > sp.n:
+        if sp.ranked:
             reqs = sorted(reqs, key=lambda r: -r.cumulative_logprob)[:sp.n]
         outs = [CompletionOutput(i, r.text, list(r.output_ids), r.cumulative_logprob, r.logprobs,
                                  r.finish_reason, r.stop_reason) for i, r in enumerate(reqs)]

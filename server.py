@@ -239,11 +239,13 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("'stop' must be a string or a list of strings", "stop")
     ids = id_list(body, "stop_token_ids")
-    for name, given in (("stop_token_ids", ids), ("allowed_token_ids", id_list(body, "allowed_token_ids"))):
-        if given and not all(0 <= t < vocab for t in given):
-            wrong = short([t for t in given if not 0 <= t < vocab])
-            raise bad(f"token_id(s) {wrong} in {name} contain out-of-vocab token ids. Vocabulary size: "
-                      f"{vocab}", name)
+    if ids and not all(0 <= t < vocab for t in ids):
+        wrong = short([t for t in ids if not 0 <= t < vocab])
+        raise bad(f"token_id(s) {wrong} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+                  f"{vocab}", "stop_token_ids")
+    allowed = id_list(body, "allowed_token_ids")
+    if allowed and not all(0 <= t < vocab for t in allowed):
+        raise bad("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
     bias = get(body, "logit_bias", "object")
     if bias is not None and not all(JSON_TYPES["number"](v) and abs(v) < math.inf for v in bias.values()):
         raise bad("'logit_bias' must map token ids to finite numbers", "logit_bias")
@@ -254,7 +256,7 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
         return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
                               stop=[s for s in stop or [] if s], stop_token_ids=ids, logprobs=logprobs,
                               seed=None if seed == -1 else seed,  # vLLM: seed -1 means none
-                              logit_bias=bias, allowed_token_ids=body.get("allowed_token_ids"),
+                              logit_bias=bias, allowed_token_ids=allowed,
                               bad_words=id_list(body, "bad_words", "string"),
                               structured_outputs=structured_outputs(body), **fields)
     except ConfigError as e:  # "temperature must be ...": the first word names the field
@@ -879,6 +881,7 @@ class Job:
         self.events = queue.Queue()  # engine thread -> handler: ("accepted" | "update" | "error", payload)
         self.req, self.done, self.n_seen, self.t_last = None, False, 0, None  # engine-thread state
         self.ranked = False  # one of best_of samples: its cumulative logprob is counted
+        self.fork_of = None  # n > 1: the first sample's job, whose prefill this one copies
         self.t_scheduled = self.t_first = None  # (engine thread) its first step began, its first token came
 
 
@@ -988,7 +991,8 @@ class EngineLoop:
 
     def _add(self, job):
         try:
-            job.req = self.engine.add_request(job.prompt_ids, job.params)
+            parent = job.fork_of.req if job.fork_of is not None else None
+            job.req = self.engine.add_request(job.prompt_ids, job.params, fork_of=parent)
         except Exception as e:  # ConfigError: too long for the context, a token id out of range, no prompt
             if device_fault(e):
                 raise
@@ -1330,8 +1334,7 @@ class Handler(BaseHTTPRequestHandler):
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
         if opts is not None and not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
-        m = params.best_of or params.n
-        if stream and m > params.n:
+        if stream and params.ranked:
             raise bad("best_of > n is not supported with stream=true (the best are known only at the end)",
                       "best_of")
         chat = spec is not None
@@ -1341,11 +1344,10 @@ class Handler(BaseHTTPRequestHandler):
         if app.log_requests:
             print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
                   f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
-        seed = lambda i: None if params.seed is None else params.seed + i  # noqa: E731  (as LLM.add_samples)
-        jobs = [Job(ids, params if m == 1 else dataclasses.replace(params, n=1, best_of=None, seed=seed(i)))
-                for i in range(m)]
+        jobs = [Job(ids, p) for p in params.samples()]
         for job in jobs:
-            job.ranked = m > params.n
+            job.ranked = params.ranked
+            job.fork_of = jobs[0] if job is not jobs[0] else None
         submitted = []
         # completions' echo with logprobs: the prompt's tokens lead the logprobs (vLLM)
         with_prompt = not chat and get(body, "echo", "boolean", False) and params.logprobs is not None
@@ -1362,7 +1364,7 @@ class Handler(BaseHTTPRequestHandler):
                 for text, new_ids, new_lps, n, finish, stop in self.updates(job):
                     ids, lps = ids + new_ids, lps + (new_lps or [])
                 answers.append((job, text, ids, lps, n, finish, stop))
-            if m > params.n:
+            if params.ranked:
                 answers = sorted(answers, key=lambda a: -a[0].req.cumulative_logprob)[:params.n]
             plps = jobs[0].req.prompt_logprobs  # set before the request's first update
             extra = {} if plps is None else {"prompt_logprobs": prompt_logprobs_json(plps)}

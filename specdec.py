@@ -571,6 +571,16 @@ class State:
             t[slot].zero_()
 
 
+def copy_slot(state, src, dst, n):
+    """Slot dst becomes a copy of slot src after its first n positions (a State, or a drafter's KVCache):
+    K/V of positions 0..n-1 and the GDN states. How n > 1 samples of one prompt share its prefill."""
+    for k, v in state.kv.values():
+        k[dst, :n] = k[src, :n]
+        v[dst, :n] = v[src, :n]
+    for t in (*state.conv.values(), *state.rec.values()):
+        t[dst] = t[src]
+
+
 # ==============================================================================================
 # Speculative config: vLLM's --speculative-config JSON object
 # ==============================================================================================
@@ -821,6 +831,8 @@ def infer_from_draft(obj, target=None):
 #   propose(batch) -> (drafts [B, k] long, -1 = no draft; draft_probs [B, k, V] or None)
 #   commit(batch, hidden, taps, ids, n_acc, tokens)   see the verified step over ids [B, k+1]; keep the
 #       accepted prefix
+#   fork(src, dst, n, token, hidden)   slot dst gets slot src's caches after its n-token prompt, but its own
+#       first token [1] (hidden [1, 1, H]: the target's last prompt position); n > 1 samples share a prefill
 #   taps: the target layers whose outputs it reads (DFlash/DSpark), [B, T, H] each, in its order; () if none
 
 @dataclass
@@ -902,6 +914,10 @@ class NgramProposer:
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         self.io.call("ngram-commit", self._commit, 0, dict(slots=batch.slots, pos=batch.pos, tokens=tokens))
 
+    def fork(self, src, dst, n, token, hidden):
+        self.hist[dst, :n] = self.hist[src, :n]  # the prompt, then the sample's own first token
+        self.hist[dst, n] = token[0]
+
 
 def draft_noise(io, reqs, k):
     """Per-request inputs of probabilistic drafting: temperatures [B] and uniforms [B, k] from each
@@ -976,6 +992,11 @@ class MTPProposer:
         nxt[rows, n_acc] = tokens[rows, n_acc]
         inputs = dict(slots=batch.slots, pos=batch.pos, nxt=nxt, hidden=hidden, n_acc=n_acc)
         self.io.call("mtp-commit", self._commit, batch.kv_len(ids.shape[1], self.io.state.max_len), inputs)
+
+    def fork(self, src, dst, n, token, hidden):
+        # the MTP KV came with the target's State; its last position holds (h_{n-1}, the first token): redo it
+        out = self._run(token[None], hidden, self.io.h2d([dst], torch.long), self.io.h2d([n - 1]), n)
+        self.hidden[dst] = out[0, -1]
 
 
 # ==============================================================================================
@@ -1391,6 +1412,9 @@ class BlockProposer:
         inputs = dict(slots=batch.slots, pos=batch.pos, feats=self._feats(taps))
         self.io.call(f"{self.method}-context", self._context, 0, inputs)
 
+    def fork(self, src, dst, n, token, hidden):
+        copy_slot(self.cache, src, dst, n)  # the prompt's context K/V (the first token is the next anchor)
+
     def propose(self, batch):
         inputs = dict(slots=batch.slots, pos=batch.pos, anchor=batch.last)          # the anchor, its position
         if not self.greedy:
@@ -1580,6 +1604,12 @@ class DraftModelProposer:
         self.new_n[s] = n_acc + 1
         self.start[s] = batch.pos + 1
 
+    def fork(self, src, dst, n, token, hidden):
+        copy_slot(self.state, src, dst, n)  # its caches over the prompt; the first propose eats the token
+        self.new_ids[dst, 0] = token[0]
+        self.new_n[dst] = 1
+        self.start[dst] = n
+
 
 PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashProposer, "dspark": DSparkProposer,
              "draft_model": DraftModelProposer}  # method -> class(spec, io)
@@ -1710,6 +1740,20 @@ class SamplingParams:
     @property
     def greedy(self):
         return self.temperature < 1e-5
+
+    def samples(self):
+        """One SamplingParams per sample of the request: best_of (default n) of them, n = 1 each, the i-th
+        seeded seed + i when a seed is given (as vLLM seeds its n children)."""
+        m = self.best_of or self.n
+        if m == 1:
+            return [self]
+        seed = lambda i: None if self.seed is None else self.seed + i  # noqa: E731
+        return [dataclasses.replace(self, n=1, best_of=None, seed=seed(i)) for i in range(m)]
+
+    @property
+    def ranked(self):
+        """best_of > n: the samples are ranked by their cumulative logprob, the best n returned."""
+        return (self.best_of or self.n) > self.n
 
     @property
     def penalized(self):
@@ -2088,6 +2132,8 @@ class Request:
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None  # (best_of sets it too)
         self.bad_words_ids = []  # each bad word's token ids (Engine.add_request)
         self.grammar = None      # its structured-output Grammar, if it asks for one
+        self.fork_of = None      # n > 1: the sibling whose prefill it copies (Engine._prefill)
+        self.prompt_end = None   # (logits [1, V], hidden [1, 1, H]) at its prompt's end, until forked
         self.finish_reason = None
         self.stop_reason = None
         self.slot = None
@@ -2313,6 +2359,7 @@ class ModelRunner:
                 if s + T == n:
                     logits = self.model.logits(h[:, -1])                              # [1, V]
                     tok = self._sample(logits, [req])
+                    req.prompt_end = (logits, h[:, -1:])  # what its forks need (Engine._prefill)
                 if self.proposer is not None:
                     nxt = ids[s + 1:s + T + 1] + ([int(tok[0])] if s + T == n else [])
                     self.proposer.prefill(req, h, taps, self.h2d([nxt]), s)
@@ -2331,6 +2378,20 @@ class ModelRunner:
             piece = ids[a:a + 256]
             logits = self.model.logits(h[a:a + len(piece)])                  # [rows, V]
             req.prompt_rows += logprob_rows(logits, piece, req.params.prompt_logprobs)
+
+    def fork(self, src, dst):
+        """dst has the prompt src has just prefilled: its slot becomes a copy of src's (the target's state and
+        the proposer's caches) instead of a second prefill, and it samples its own first token from the
+        prompt's logits with its own generator. Returns (token, logits) as prefill does."""
+        n = len(src.prompt_ids)
+        logits, hidden = src.prompt_end
+        copy_slot(self.state, src.slot, dst.slot, n)
+        tok = self._sample(logits, [dst])
+        if self.proposer is not None:
+            self.proposer.fork(src.slot, dst.slot, n, tok, hidden)
+        self.next_ids[dst.slot] = tok[0]
+        self.next_pos[dst.slot] = n
+        return int(tok[0]), logits
 
     def launch(self, reqs):
         """Queue one decode or speculative step over reqs on the device; returns it as a pending step."""
@@ -2510,7 +2571,8 @@ class Engine:
         self.pending = None  # the launched step whose tokens the host has not read yet
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, params, rid=None):
+    def add_request(self, prompt_ids, params, rid=None, fork_of=None):
+        """Queue a request; fork_of: a request added before with the same prompt, whose prefill it copies."""
         if not prompt_ids:
             raise ConfigError("the prompt is empty: at least one prompt token is needed")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -2536,6 +2598,7 @@ class Engine:
                       self.seed + self.num_requests)
         req.bad_words_ids = [ids for ids_list in bad_words for ids in ids_list]
         req.grammar = grammar
+        req.fork_of = fork_of if fork_of is not None and fork_of.prompt_ids == req.prompt_ids else None
         self.waiting.append(req)
         return req
 
@@ -2630,6 +2693,7 @@ class Engine:
         first = True
         while self.prefilling:
             req = self.prefilling[0]
+            req.fork_of = None  # its parent went first and is gone without forking it: prefill it alone
             n = len(req.prompt_ids)
             end = min(n, req.prefilled + self.runner.prefill_chunk) if self.chunked else n
             if self.chunked and not first and end - req.prefilled > budget:
@@ -2648,8 +2712,16 @@ class Engine:
             if req.prompt_rows is not None:
                 req.prompt_logprobs = [None] + self.logprob_dicts(req.prompt_rows)
                 req.prompt_rows = None
-            self._emit(req, [out[0]], out[1])
-            touched.append(req)
+            forks = [f for f in self.prefilling if f.fork_of is req]  # its siblings with a slot: copies
+            outs = [out] + [self.runner.fork(req, f) for f in forks]  # (before req's emit may free its slot)
+            req.prompt_end = None
+            for r, o in zip([req, *forks], outs):
+                if r is not req:
+                    self.prefilling.remove(r)
+                    r.prefilled = len(r.prompt_ids)
+                    r.prompt_logprobs = req.prompt_logprobs  # the same prompt
+                self._emit(r, [o[0]], o[1])
+                touched.append(r)
         return touched
 
     def _ends_in_flight(self, r):
@@ -3912,16 +3984,14 @@ class LLM:
         return [self._output(text, sp, rs) for text, sp, rs in reqs]
 
     def add_samples(self, ids, sp):
-        """A prompt's requests: best_of (default n) independent samples, the i-th seeded seed + i when a seed
-        is given (as vLLM seeds its n children). Each is prefilled on its own (the prompt's state is not
-        shared between them yet)."""
-        n = sp.best_of or sp.n
-        seed = lambda i: None if sp.seed is None else sp.seed + i  # noqa: E731
-        child = lambda i: dataclasses.replace(sp, n=1, best_of=None, seed=seed(i))  # noqa: E731
-        reqs = [self.engine.add_request(ids, sp if n == 1 else child(i)) for i in range(n)]
-        if sp.best_of and sp.best_of > sp.n:  # the cumulative logprob ranks them (Request.cumulative_logprob)
-            for r in reqs:
-                r.cumulative_logprob = 0.0
+        """A prompt's requests, one per sample (SamplingParams.samples). The first is prefilled; the others
+        copy its slot (the prompt's KV cache, GDN states and the proposer's caches) when they hold a slot by
+        then."""
+        reqs = []
+        for child in sp.samples():
+            reqs.append(self.engine.add_request(ids, child, fork_of=reqs[0] if reqs else None))
+            if sp.ranked:  # best_of ranks them by their cumulative logprob
+                reqs[-1].cumulative_logprob = 0.0
         return reqs
 
     def _check_logprobs(self, sp):
@@ -3963,7 +4033,7 @@ class LLM:
     def _output(self, text, sp, reqs):
         """A prompt's RequestOutput: its samples in order, or with best_of the n of highest cumulative logprob
         (vLLM's ranking), best first."""
-        if sp.best_of and sp.best_of > sp.n:
+        if sp.ranked:
             reqs = sorted(reqs, key=lambda r: -r.cumulative_logprob)[:sp.n]
         outs = [CompletionOutput(i, r.text, list(r.output_ids), r.cumulative_logprob, r.logprobs,
                                  r.finish_reason, r.stop_reason) for i, r in enumerate(reqs)]
@@ -4146,7 +4216,9 @@ def main(argv=None):
         pick = lambda name, default: default if getattr(a, name) is None else getattr(a, name)  # noqa: E731
         params = SamplingParams(temperature=pick("temperature", given["temperature"]),
                                 top_p=pick("top_p", given.get("top_p", 1.0)),
-                                top_k=pick("top_k", given.get("top_k", -1)),
+                                top_k=pick("top_k", given.get("top_k", 0)),
+                                min_p=given.get("min_p", 0.0),
+                                repetition_penalty=given.get("repetition_penalty", 1.0),
                                 max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)

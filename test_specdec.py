@@ -1430,7 +1430,7 @@ def test_n_samples_and_best_of(tiny_spec):
     single = [one(seed=7 + i) for i in range(4)]
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in single]
     scored = [one(seed=7 + i, logprobs=0) for i in range(4)]
-    cums = [sum(d[t] for d, t in zip(o.logprobs, o.token_ids)) for o in scored]
+    cums = [sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids)) for o in scored]
     best = llm.generate("a b c a b", dataclasses.replace(sp, n=2, best_of=4))[0].outputs
     order = sorted(range(4), key=lambda i: -cums[i])[:2]
     assert [o.token_ids for o in best] == [scored[i].token_ids for i in order]
@@ -1462,6 +1462,35 @@ def test_min_tokens_stop_strings_and_special_tokens(tiny_spec):
     o = forced(eos, max_tokens=10, min_tokens=3).outputs[0]
     assert len(o.token_ids) == 4 and eos not in o.token_ids[:3] and o.token_ids[3] == eos
     assert o.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model", "dflash"])
+def test_n_samples_share_the_prefill(method, tiny_spec, ckpts, monkeypatch):
+    """n = 4 prefills the prompt once: the others copy the slot (the target's KV and GDN states, the proposer's
+    caches; MTP redoes its last prompt position with each sample's own first token). Each sample equals the
+    request seeded seed + i prefilled alone, token for token, with sampled drafts accepted and rejected, so a
+    copy that missed any state would show. With max_num_seqs 2 only one sibling holds a slot when the prompt
+    is done: the others are prefilled alone, with the same result."""
+    target = ckpts["target"] if method == "dflash" else tiny_spec
+    cfg = {"method": method, "num_speculative_tokens": 3}
+    cfg.update({"ngram": dict(prompt_lookup_min=1, prompt_lookup_max=3), "draft_model": dict(model=target),
+                "dflash": dict(model=ckpts["dflash"])}.get(method, {}))
+    prompt = [1, 1, 1]  # 1 follows itself often (make_predictable): every method's drafts are accepted
+    sp = SamplingParams(n=4, temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)  # first tokens differ
+    for max_num_seqs, prefills_wanted in ((8, 1), (2, 3)):
+        llm = LLM(model=target, device="cpu", speculative_config=cfg, max_num_seqs=max_num_seqs)
+        alone = [llm.generate(prompt, dataclasses.replace(sp, n=1, seed=5 + i))[0].outputs[0].token_ids
+                 for i in range(4)]
+        prefills = []
+        real = sd.ModelRunner.prefill
+        monkeypatch.setattr(sd.ModelRunner, "prefill", lambda self, req, *a: prefills.append(req) or
+                            real(self, req, *a))
+        out = llm.generate(prompt, sp)[0]
+        monkeypatch.undo()
+        assert [o.token_ids for o in out.outputs] == alone, max_num_seqs
+        assert len({r.id for r in prefills}) == prefills_wanted
+        assert out.metrics["num_accepted_tokens"] > 0
+        assert len({o.token_ids[0] for o in out.outputs}) > 1  # so a fork that kept the first's token would show
 
 
 # ==============================================================================================
@@ -3057,7 +3086,7 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": []}, 400, None, "empty"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "required"),
@@ -3072,7 +3101,7 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs",  # -1: the whole vocabulary, above 20
      "Requested sample logprobs of 1024, which is greater than max allowed: 20"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "stop"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
@@ -3336,7 +3365,7 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
      "cannot be converted to integer token IDs"),
     ("logit_bias huge", "/v1/completions", {"logit_bias": {"5": BIG}}, 200, None, None),  # clamped to 100
     ("allowed_token_ids out of vocab", "/v1/completions", {"allowed_token_ids": [BIG]}, 400,
-     "allowed_token_ids", "out-of-vocab"),
+     "allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!"),
     ("allowed_token_ids empty", "/v1/completions", {"allowed_token_ids": []}, 400, "allowed_token_ids",
      "allowed_token_ids is not None and empty!"),
     ("bad_words empty word", "/v1/completions", {"bad_words": [""]}, 400, "bad_words",

@@ -982,10 +982,11 @@ class EngineLoop:
         with self.lock:
             self.dead = f"{type(e).__name__}: {e}"
             pending = [job for kind, job in drain(self.inbox) if kind == "add"]
+        # one write, before any handler is woken to answer (and log) its 500: the line stays whole in the log
+        sys.stderr.write(f"specdec server: fatal engine error, exiting: {' '.join(self.dead.split())}\n")
+        sys.stderr.flush()
         for job in list(self.live) + pending:
             job.events.put(("error", ApiError(500, f"the engine failed: {self.dead}")))
-        print(f"specdec server: fatal engine error, exiting: {' '.join(self.dead.split())}", file=sys.stderr,
-              flush=True)
         time.sleep(0.5)  # the handlers' 500s go out
         os._exit(1)
 

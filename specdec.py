@@ -4212,14 +4212,9 @@ def main(argv=None):
             if a.chat_template is not None:
                 template = ChatTemplate.from_arg(a.chat_template, template.special_tokens)
             prompt = template.render([{"role": "user", "content": prompt}], enable_thinking=not a.no_thinking)
-        given = {"temperature": 0.0, **llm.default_sampling}
-        pick = lambda name, default: default if getattr(a, name) is None else getattr(a, name)  # noqa: E731
-        params = SamplingParams(temperature=pick("temperature", given["temperature"]),
-                                top_p=pick("top_p", given.get("top_p", 1.0)),
-                                top_k=pick("top_k", given.get("top_k", 0)),
-                                min_p=given.get("min_p", 0.0),
-                                repetition_penalty=given.get("repetition_penalty", 1.0),
-                                max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
+        flags = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
+        params = SamplingParams(**{"temperature": 0.0, **llm.default_sampling, **flags,  # flags, config, greedy
+                                   "max_tokens": a.max_tokens, "seed": a.seed, "ignore_eos": a.ignore_eos})
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)
     except (ConfigError, ValueError) as e:

@@ -4213,7 +4213,7 @@ def main(argv=None):
                 template = ChatTemplate.from_arg(a.chat_template, template.special_tokens)
             prompt = template.render([{"role": "user", "content": prompt}], enable_thinking=not a.no_thinking)
         flags = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
-        params = SamplingParams(**{"temperature": 0.0, **llm.default_sampling, **flags,  # flags, config, greedy
+        params = SamplingParams(**{"temperature": 0.0, **llm.default_sampling, **flags,  # flags > config
                                    "max_tokens": a.max_tokens, "seed": a.seed, "ignore_eos": a.ignore_eos})
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)

@@ -83,9 +83,8 @@ def make_cyclic(model, period=64, seed=0):
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
                 p.mul_(1e-4)
-        dev = model.embed_tokens.weight.device
-        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         assert model.lm_head is not None, "a cyclic model needs its own lm_head"
+        dev, head = model.embed_tokens.weight.device, model.lm_head.weight
         src, dst = cyc.flatten().to(dev), cyc.roll(-1, 1).flatten().to(dev)
         h = model.embed_tokens.weight[src].float()
         head[dst] += (h / h.norm(dim=-1, keepdim=True)).to(head.dtype)

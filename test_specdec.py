@@ -16,9 +16,10 @@ import subprocess
 import sys
 import sysconfig
 import threading
-import types
 import time
+import types
 import unicodedata
+import unittest.mock
 import urllib.request
 
 import pytest
@@ -1253,16 +1254,24 @@ def test_sampled_distribution_same_with_speculation(tiny_spec):
     tokens 1..3 from the first speculative step (token 3: its bonus when both drafts are accepted). The second prompt
     repeats id 1, which follows itself with probability ~0.6 (make_predictable): drafts [1, 1], then a bonus that is
     1 again - the case where drawing the bonus from the residual p - q instead of p would show."""
+    kw = dict(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)
+    same_law_with_and_without_mtp(tiny_spec, [kw, kw], min_bonus=50)
+
+
+def same_law_with_and_without_mtp(tiny_spec, kw, min_bonus):
+    """The two prompts ("a b c a b c a b" and [1, 1, 1]), each with 300 seeds and its sampling parameters kw[0] /
+    kw[1], without speculation and with MTP k = 2: each of the first 4 tokens, and the pair of the 2nd and 3rd,
+    follow the same law (two-sample chi-square, SAMPLED_ALPHA per check); MTP accepted drafts with the bonus at
+    least min_bonus times and rejected some."""
     prompts = ["a b c a b c a b", [1, 1, 1]] * 300
-    ps = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, seed=i // 2, ignore_eos=True)
-          for i in range(len(prompts))]
+    ps = [SamplingParams(seed=i // 2, **kw[i % 2]) for i in range(len(prompts))]
     outs = []
     for cfg in (None, {"method": "mtp", "num_speculative_tokens": 2}):
         llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
         outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
     assert all(len(t) == 4 for o in outs for t in o)
     s = llm.engine.stats
-    assert s.accepted_per_pos[1] >= 50 and s.num_accepted_tokens < s.num_draft_tokens  # bonus tokens, rejections
+    assert s.accepted_per_pos[1] >= min_bonus and s.num_accepted_tokens < s.num_draft_tokens  # bonuses, rejections
     for group in (0, 1):
         a, b = outs[0][group::2], outs[1][group::2]
         for pos in range(4):
@@ -1393,24 +1402,11 @@ def test_sampled_distribution_with_processors_same_with_speculation(tiny_spec):
     penalty on the other ([1, 1, 1], where 1 follows itself). This checks the engine's wiring end to end (a
     verify that skipped the processors fails it); the law per draft prefix is
     test_rejection_sampler_distribution_with_processors'."""
-    prompts = ["a b c a b c a b", [1, 1, 1]] * 300
-    kw = [dict(presence_penalty=-0.5, frequency_penalty=-0.3, repetition_penalty=0.9, min_p=0.02),
-          dict(presence_penalty=0.3, frequency_penalty=1.5, repetition_penalty=1.2, min_p=0.05,
+    base = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
+    kw = [dict(base, presence_penalty=-0.5, frequency_penalty=-0.3, repetition_penalty=0.9, min_p=0.02),
+          dict(base, presence_penalty=0.3, frequency_penalty=1.5, repetition_penalty=1.2, min_p=0.05,
                logit_bias={2: 1.0, 7: -2.0}, top_k=20)]
-    ps = [SamplingParams(temperature=1.0, max_tokens=4, seed=i // 2, ignore_eos=True, **kw[i % 2])
-          for i in range(len(prompts))]
-    outs = []
-    for cfg in (None, {"method": "mtp", "num_speculative_tokens": 2}):
-        llm = LLM(model=tiny_spec, device="cpu", speculative_config=cfg, max_num_seqs=8)
-        outs.append([tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, ps)])
-    assert all(len(t) == 4 for o in outs for t in o)
-    s = llm.engine.stats
-    assert s.accepted_per_pos[1] >= 30 and s.num_accepted_tokens < s.num_draft_tokens  # bonuses, rejections
-    for group in (0, 1):
-        a, b = outs[0][group::2], outs[1][group::2]
-        for pos in range(4):
-            assert two_sample_pvalue([t[pos] for t in a], [t[pos] for t in b]) > SAMPLED_ALPHA, (group, pos)
-        assert two_sample_pvalue([t[1:3] for t in a], [t[1:3] for t in b]) > SAMPLED_ALPHA, group
+    same_law_with_and_without_mtp(tiny_spec, kw, min_bonus=30)
 
 
 def test_n_samples_and_best_of(tiny_spec):
@@ -4652,8 +4648,8 @@ class EagerGraphs(sd.GraphRunner):
     results into the outputs the capture made: the engine's graph paths (buckets, padding rows on the dummy slot,
     static inputs and outputs, a step captured whole) run for real without CUDA."""
     def __init__(self, state):
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < state.dummy_slot] + [state.dummy_slot]
-        self.dummy_slot, self.kv_len, self.graphs, self.pool = state.dummy_slot, state.max_len, {}, None
+        with unittest.mock.patch.object(torch.cuda, "graph_pool_handle", lambda: None):  # no CUDA here
+            super().__init__(state)
 
     def capture(self, key, Bp, fn, inputs, then=None):
         g = types.SimpleNamespace(then=None, n_keep=torch.zeros(Bp, dtype=torch.long))

@@ -1179,26 +1179,30 @@ class Qwen3Attention(nn.Module):
 
     def write_kv(self, x, ctx, q=None):
         """k = RoPE(k_norm(k_proj(x))), v = v_proj(x) into the cache at ctx.pos.. (x [B, T, H]); with the
-        query projection q [B, T, nh, hd] also returns RoPE(q_norm(q)). One kernel on the GPU."""
+        query projection q [B, T, nh * hd] also returns RoPE(q_norm(q)) [B, T, nh, hd]. One kernel on the
+        GPU."""
         B, T, _ = x.shape
-        k, v = self.k_proj(x).view(B, T, self.nkv, self.hd), self.v_proj(x).view(B, T, self.nkv, self.hd)
+        k, v = self.k_proj(x), self.v_proj(x)
+        return self._prep(k[..., :0] if q is None else q, k, v, ctx)
+
+    def _prep(self, q, k, v, ctx):
+        """q/k norms + RoPE, k and v into the cache at ctx.pos.. (q, k, v [B, T, heads * hd]); RoPE(q)."""
+        B, T, _ = k.shape
         k_cache, v_cache = ctx.state.kv[self.layer_id]
-        q = k[:, :, :0] if q is None else q
-        return K.attention_prep(q, k, v, self.q_norm.weight, self.k_norm.weight, self.k_norm.eps,
-                                self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos, plain=True)
+        nq = q.shape[-1] // self.hd
+        return K.attention_prep(q.view(B, T, nq, self.hd), k.view(B, T, self.nkv, self.hd),
+                                v.view(B, T, self.nkv, self.hd), self.q_norm.weight, self.k_norm.weight,
+                                self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos,
+                                plain=True)
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
         k_cache, v_cache = ctx.state.kv[self.layer_id]
         if hasattr(self, "qkv"):  # fused after loading (no bias): one GEMM, views of its output
             kv_dim = self.nkv * self.hd
-            q, k, v = K.linear(x, self.qkv).split([self.nh * self.hd, kv_dim, kv_dim], -1)
-            q = K.attention_prep(q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd),
-                                 v.view(B, T, self.nkv, self.hd), self.q_norm.weight, self.k_norm.weight,
-                                 self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos,
-                                 plain=True)
+            q = self._prep(*K.linear(x, self.qkv).split([self.nh * self.hd, kv_dim, kv_dim], -1), ctx)
         else:
-            q = self.write_kv(x, ctx, self.q_proj(x).view(B, T, self.nh, self.hd))
+            q = self.write_kv(x, ctx, self.q_proj(x))
         o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
         return self.o_proj(o.reshape(B, T, -1))                                     # [B, T, H]
 
@@ -1966,6 +1970,20 @@ def sample_from(probs, u):
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
+def greedy_verify(logits, drafts):
+    """rejection_sample when every row is greedy: accept while draft == argmax, then emit the argmax.
+    logits [B, k+1, V], drafts [B, k] (-1 = padding) -> tokens [B, k+1] (-1 after the emitted), n [B]."""
+    k = drafts.shape[1]
+    argmax = logits.argmax(-1)                                                       # [B, k+1]
+    n = torch.cumprod(((drafts == argmax[:, :k]) & (drafts >= 0)).long(), dim=1).sum(1)
+    padded = torch.cat([drafts, drafts[:, :1]], 1)                                   # [B, k+1]
+    pos = torch.arange(k + 1, device=logits.device)[None]
+    rows = torch.arange(drafts.shape[0], device=logits.device)
+    tokens = torch.where(pos < n[:, None], padded, torch.full_like(argmax, -1))      # the accepted drafts
+    tokens[rows, n] = argmax[rows, n]
+    return tokens, n
+
+
 def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_accept, u_sample,
                      all_greedy=None, filtered=None, min_p=None):
     """Verify k drafts per sequence against the target (vLLM's `standard` rules), as a pure function.
@@ -1987,12 +2005,7 @@ def rejection_sample(logits, drafts, draft_probs, temperature, top_k, top_p, u_a
     rows = torch.arange(B, device=logits.device)
     pos = torch.arange(k1, device=logits.device)[None]
     if all_greedy:
-        argmax = logits.argmax(-1)                                                   # [B, k+1]
-        n = torch.cumprod(((drafts == argmax[:, :k]) & (drafts >= 0)).long(), dim=1).sum(1)
-        padded = torch.cat([drafts, drafts[:, :1]], 1)                               # [B, k+1]
-        tokens = torch.where(pos < n[:, None], padded, torch.full_like(argmax, -1))  # the accepted drafts
-        tokens[rows, n] = argmax[rows, n]
-        return tokens, n
+        return greedy_verify(logits, drafts)
     rep = lambda t: t.repeat_interleave(k1)
     mp = None if min_p is None else rep(min_p)
     p = target_probs(logits.reshape(-1, V), rep(temperature), rep(top_k), rep(top_p), filtered, mp)
@@ -2496,8 +2509,7 @@ class ModelRunner:
         """rejection_sample with each request's sampling parameters, on the processed logits (reqs None: a
         whole-step graph, every row greedy and without processors)."""
         if reqs is None:
-            z = logits.new_zeros(logits.shape[0])
-            return rejection_sample(logits, drafts, q, z, z.long(), z + 1, None, None, all_greedy=True)
+            return greedy_verify(logits, drafts)
         u_acc, u_smp = self._uniforms(reqs)
         if any(r.params.processed for r in reqs):
             logits, drafts = self._process(reqs, logits, drafts)
@@ -4212,14 +4224,9 @@ def main(argv=None):
             if a.chat_template is not None:
                 template = ChatTemplate.from_arg(a.chat_template, template.special_tokens)
             prompt = template.render([{"role": "user", "content": prompt}], enable_thinking=not a.no_thinking)
-        given = {"temperature": 0.0, **llm.default_sampling}
-        pick = lambda name, default: default if getattr(a, name) is None else getattr(a, name)  # noqa: E731
-        params = SamplingParams(temperature=pick("temperature", given["temperature"]),
-                                top_p=pick("top_p", given.get("top_p", 1.0)),
-                                top_k=pick("top_k", given.get("top_k", 0)),
-                                min_p=given.get("min_p", 0.0),
-                                repetition_penalty=given.get("repetition_penalty", 1.0),
-                                max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
+        flags = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
+        params = SamplingParams(**{"temperature": 0.0, **llm.default_sampling, **flags,  # flags > config
+                                   "max_tokens": a.max_tokens, "seed": a.seed, "ignore_eos": a.ignore_eos})
         eng = llm.engine
         req = eng.add_request(llm.tokenizer.encode(prompt), params)
     except (ConfigError, ValueError) as e:

@@ -101,8 +101,9 @@ def _derived(w, name, fn):
     path's transposed / shifted weights."""
     key = "_specdec_" + name
     cached = getattr(w, key, None)
-    if cached is None or cached[0] != w._version:
-        cached = (w._version, fn(w.detach()))
+    version = -1 if w.is_inference() else w._version  # (an inference tensor has no version counter)
+    if cached is None or cached[0] != version:
+        cached = (version, fn(w.detach()))
         setattr(w, key, cached)
     return cached[1]
 
@@ -453,8 +454,11 @@ def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN
     # part[split, row tile, N block] (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice =
     # columns k0 .. k0 + BK - 1 for k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the
     # fastest grid axis: the programs that read one weight tile run side by side (the repeats come from L2).
-    # SCALED (FP8 weights): BN and BK divide 128, so a tile lies in one 128 x 128 block of the scale s [*, KB];
-    # the tile's fp32 partial sums are multiplied by it before they join the accumulator.
+    # SCALED (FP8 weights, BM = 16 for every M): BN and BK divide 128, so a tile lies in one 128 x 128 block of
+    # the scale s [*, KB]; the tile's fp32 partial sums are multiplied by it (one fma) as they join the
+    # accumulator. The e4m3 values become fp16 (one instruction per pair; bf16 takes four and was 1.25x slower
+    # on the H200), so the bf16 activations go to fp16 too, each row of the tile scaled by a power of two that
+    # brings its largest |x| into [2^14, 2^15) (exact; fp16 cannot hold bf16's range), undone on the sums.
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
     o_n = i_n * BN + o_bn
@@ -472,14 +476,21 @@ def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN
         if BM == 1:
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
             if SCALED:
-                b_acc1 += (b_w.to(tl.float32) * b_x[None, :]) * s
+                b_acc1 = tl.fma(b_w.to(tl.float32) * b_x[None, :], s, b_acc1)
             else:
                 b_acc1 += b_w.to(tl.float32) * b_x[None, :]
         else:
             b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :],
                           other=0.0)
-            if SCALED:
-                b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC) * s
+            if SCALED and DOT == tl.float32:  # fp32 activations: an fp32 dot
+                b_acc = tl.fma(tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC), s, b_acc)
+            elif SCALED:
+                b_xf = b_x.to(tl.float32)
+                e = (tl.max(tl.abs(b_xf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF      # [BM] exponents
+                e = tl.maximum(e - 14, 1)                                   # 2^(e - 127): the row's power of two
+                b_x16 = (b_xf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+                b_p = tl.dot(b_x16, tl.trans(b_w.to(tl.float16)))
+                b_acc = tl.fma(b_p * (e << 23).to(tl.float32, bitcast=True)[:, None], s, b_acc)
             else:
                 b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
     if BM == 1:
@@ -511,9 +522,10 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
-    if cfg in ("rows", "fp8"):
-        tiles = _rows_config(N, K, x.device) if cfg == "rows" else _fp8_config(N, K, x.device)
-        (BN, BK, SPLIT, stages, warps), BM = tiles, _rows_bm(M)
+    if cfg == "rows":
+        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
+    elif cfg == "fp8":  # one row tile for every M: the same machine code for decode, verify and batch rows
+        (BN, BK, SPLIT, stages, warps), BM = _fp8_config(N, K, x.device), 16
     else:
         (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
         assert M <= 32
@@ -524,7 +536,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
     s = w if scale is None else scale
-    dot = _dot_dtype(x)
+    dot = _dot_dtype(x) if scale is None else tl.float32 if x.dtype == torch.float32 else tl.float16
     prec = "ieee" if dot == tl.float32 else "tf32"
     grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
     args = dict(BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot, PREC=prec, SCALED=scale is not None,
@@ -540,9 +552,17 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
     return y
 
 
-# FP8 weights (N, K) -> (BN, BK, SPLIT, num_stages, num_warps) of the row-invariant kernel: measured on the H200
-# at M = 1 (bench.py --tile-sweep fp8; us per weight at the 27B and 35B-A3B shapes, see BENCHMARKS.md).
-FP8_ROWS_CONFIG = {}
+# FP8 weights (N, K) -> (BN, BK, SPLIT, num_stages, num_warps) of the FP8 kernel: the fastest at M = 1 of
+# `tools/tile_sweep.py fp8` on the H200 (us per weight; the bf16 row-invariant kernel on the same shape in
+# brackets). 27B: in_proj (qkv | z) 33.5 (41.1), attention qkv 30.1 (36.4), o_proj / out_proj 16.9 (18.7),
+# gate_up 63.1 (88.2), down 39.4 (44.7); 35B-A3B: in_proj 12.7 (14.9), qkv 11.8 (12.2), o_proj 8.3 (8.4), shared
+# gate_up 5.3 (6.2), shared down 3.6 (3.3). Measured with e4m3 -> bf16 conversion; with fp16 (the kernel now)
+# gate_up took 51.5 us and down 33.2 at (64, 128, 4, 3, 4) (.bench/s7).
+FP8_ROWS_CONFIG = {
+    (16384, 5120): (64, 128, 4, 3, 4), (14336, 5120): (64, 128, 4, 3, 4), (5120, 6144): (32, 128, 4, 3, 4),
+    (34816, 5120): (64, 128, 4, 3, 4), (5120, 17408): (64, 128, 4, 3, 4), (12288, 2048): (32, 128, 1, 4, 4),
+    (9216, 2048): (32, 128, 4, 3, 4), (2048, 4096): (32, 128, 4, 4, 4), (1024, 2048): (32, 128, 4, 4, 4),
+    (2048, 512): (32, 128, 1, 6, 4)}
 
 
 def _fp8_config(N, K, device):
@@ -552,9 +572,8 @@ def _fp8_config(N, K, device):
         return (16, 32, 4 if K >= 3 * N else 1, 1, 4)  # the interpreter: small tiles, the K split covered
     if (N, K) in FP8_ROWS_CONFIG:
         return FP8_ROWS_CONFIG[(N, K)]
-    BN, BK = 64, 128
-    split = max(1, min(8, (2 * _sm_count(device)) // _cdiv(N, BN), K // (2 * BK)))
-    return BN, BK, split, 4, 4
+    BN, BK = 64 if N >= 8192 else 32, 128
+    return BN, BK, max(1, min(4, K // (2 * BK))), 3, 4
 
 
 def linear_fp8_ref(x, q, scale, residual=None):
@@ -566,11 +585,14 @@ def linear_fp8_ref(x, q, scale, residual=None):
 def _linear_fp8(x, q, scale, residual):
     """x @ (q * scale)^T [+ residual]: decode and verify steps (up to INVARIANT_ROWS rows) through the
     row-invariant kernel reading the e4m3 bytes; longer steps (prefill) and the CPU dequantize the weight to x's
-    dtype and take linear's bf16 path (cuBLAS; on the CPU the row-invariant reference)."""
+    dtype and take linear's bf16 path (cuBLAS; on the CPU the row-invariant reference, the dequantized weight
+    kept with q: a scale changed in place without q is not seen)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and 1 <= M <= INVARIANT_ROWS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):
         return _gemv_launch(x, q, "fp8", residual, scale)
+    if not x.is_cuda:  # the CPU: the dequantized weight made once (the toy models are small)
+        return linear(x, _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype)), residual)
     return linear(x, fp8_dequantize(q, scale, x.dtype), residual)
 
 
@@ -1551,8 +1573,8 @@ def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_sc, p_h, H, I, s_x, s_ge, s
             b_wg = tl.load(p_g + o_h[:, None], mask=m_w, other=0.0).to(DOT)          # [BH, BI]
             b_wu = tl.load(p_u + o_h[:, None], mask=m_w, other=0.0).to(DOT)
             if SCALED:
-                b_g += tl.dot(b_x, b_wg, input_precision=PREC) * tl.load(p_sg + h0 // 128)
-                b_u += tl.dot(b_x, b_wu, input_precision=PREC) * tl.load(p_su + h0 // 128)
+                b_g = tl.fma(tl.dot(b_x, b_wg, input_precision=PREC), tl.load(p_sg + h0 // 128), b_g)
+                b_u = tl.fma(tl.dot(b_x, b_wu, input_precision=PREC), tl.load(p_su + h0 // 128), b_u)
             else:
                 b_g += tl.dot(b_x, b_wg, input_precision=PREC)
                 b_u += tl.dot(b_x, b_wu, input_precision=PREC)
@@ -1586,7 +1608,7 @@ def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr
                           other=0.0)
             b_wd = tl.load(p_d + o_i[:, None], mask=m_i[:, None] & m_o[None, :], other=0.0)  # [BI, BO]
             if SCALED:
-                b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC) * tl.load(p_sd + i0 // 128)
+                b_y = tl.fma(tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC), tl.load(p_sd + i0 // 128), b_y)
             else:
                 b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
         b_y *= tl.load(p_w + b_pair, mask=m_t, other=0.0)[:, None]

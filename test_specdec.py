@@ -5384,15 +5384,24 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
     assert rel(fast(K.linear, xb, q, scale=s), K.linear_fp8_ref(xb, q, s)) <= TOL[torch.float32] and len(gemv_calls) == 2
     with pytest.raises(AssertionError, match="block scales"):
         K.linear(x, q)
+    # bf16 activations (the kernel's fp16 dot, each row scaled by a power of two): rows far outside fp16's range
+    # (3e5 > 65504) and far below it (1e-7 < fp16's smallest normal) come out as accurate as the others
+    xb = randn(M, Kin, g=g, dtype=torch.bfloat16)
+    xb[0] *= 3e5
+    xb[-1] *= 1e-7
+    y = fast(K.linear, xb, q, scale=s)
+    ref = K.linear_fp8_ref(xb.float(), q, s)
+    assert torch.isfinite(y).all() and all(rel(y[i], ref[i]) <= TOL[torch.bfloat16] for i in range(M))
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)                                          # fp32 dot; fp16 dot
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (130, 1100)])
-def test_kernel_fp8_rows_linear_invariant(N, Kin, residual, rowwise_dot):
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (130, 300)])             # 2 row blocks, 3 K blocks
+def test_kernel_fp8_rows_linear_invariant(N, Kin, residual, dtype, rowwise_dot):
     """A row of the FP8 linear alone == the same row in steps of 2 .. 136 rows (decode == verify == batch)."""
-    (q, s), x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, residual=residual, seed=N, fp8=True)
-    assert rel(alone, K.linear_fp8_ref(x0, q, s, r0)) <= TOL[torch.float32]
+    (q, s), x0, r0, alone, got = linear_rows_case(N, Kin, dtype, residual=residual, seed=N, fp8=True)
+    assert rel(alone, K.linear_fp8_ref(x0.float(), q, s, None if r0 is None else r0.float())) <= TOL[dtype]
     assert all(torch.equal(y, alone) for y in got)
 
 

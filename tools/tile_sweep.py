@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rowsbm]      (default: the first four)
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rowsbm] [fp8]    (default: the first four)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
@@ -10,6 +10,8 @@ stays in L2), timed per launch:
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
+  fp8:    the FP8 row-invariant linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
+          against a device copy of the same bytes; the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
 import os
@@ -218,6 +220,66 @@ def rows_bm(Ms=(1, 8, 16, 40, 64, 128, 136), copies=8):
             del ws
 
 
+FP8_SHAPES = {"27b": [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408)],
+              "35b-a3b": [(12288, 2048), (9216, 2048), (2048, 4096), (1024, 2048), (2048, 512)]}
+
+
+def fp8(Ms=(1, 8, 16, 64)):
+    """Every tile candidate of the FP8 linear at M = 1 over enough distinct weights to defeat L2 (us per weight);
+    the best, its time at larger M, the bf16 row-invariant kernel at M = 1 and a copy of the FP8 bytes (read +
+    write, so its GB/s counts both). Prints the table for kernels.FP8_ROWS_CONFIG."""
+    cands = [(BN, BK, S, st, wp) for BN in (32, 64, 128) for BK in (128,) for S in (1, 2, 4) for st in (3, 4, 6)
+             for wp in (4, 8)]
+    best_all = {}
+    for model, shapes in FP8_SHAPES.items():
+        for (N, Kd) in shapes:
+            n = min(64, (512 << 20) // (N * Kd) + 1)
+            qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
+            xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
+            res = []
+            for c in cands:
+                if K._cdiv(N, c[0]) * c[2] < 64 and c[2] == 1 and N * Kd > 1 << 24:
+                    continue
+                K.FP8_ROWS_CONFIG[(N, Kd)] = c
+                try:
+                    t = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
+                    res.append((t, c))
+                except Exception as e:  # noqa  (shared memory)
+                    pass
+            res.sort()
+            t, c = res[0]
+            K.FP8_ROWS_CONFIG[(N, Kd)] = c
+            best_all[(N, Kd)] = c
+            byts = N * Kd
+            dst = [torch.empty_like(q) for q, _ in qs]
+            tc = graph_time(lambda: [d.copy_(q) for d, (q, _) in zip(dst, qs)]) / n
+            ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(min(n, 32))]
+            tb = graph_time(lambda: [K._gemv_launch(xs[:1], w, "rows") for w in ws]) / len(ws)
+            tM = [graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, s) for q, s in qs]) / n for M in Ms]
+            print(f"== {model} {N}x{Kd}: best {c} {t:.1f} us ({byts / t / 1e3:.0f} GB/s); next "
+                  + ", ".join(f"{c2} {t2:.1f}" for t2, c2 in res[1:4])
+                  + f"; at M = {list(Ms)}: " + " ".join(f"{x:.1f}" for x in tM)
+                  + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us")
+            del qs, ws, dst
+    print("FP8_ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best_all.items()) + "}")
+    E, I, H, k = 256, 512, 2048, 8
+    L = 12
+    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.02 for _ in range(L)]
+    dns = [torch.randn(E, H, I, device=dev, dtype=bf) * 0.02 for _ in range(L)]
+    q8 = []
+    for gu, dn in zip(gus, dns):
+        (gq, gs), (uq, us), (dq, ds) = K.fp8_quantize(gu[:, :I]), K.fp8_quantize(gu[:, I:]), K.fp8_quantize(dn)
+        q8.append((torch.cat([gq, uq], 1), dq, torch.cat([gs, us], 1).contiguous(), ds))
+    for N in (1, 2):
+        x = torch.randn(N, H, device=dev, dtype=bf)
+        idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(N)])
+        w = torch.rand(N, k, device=dev).softmax(-1)
+        tb = graph_time(lambda: [K._moe_experts_launch(x, w, idx, gus[l], dns[l]) for l in range(L)]) / L
+        tf = graph_time(lambda: [K._moe_experts_launch(x, w, idx, a, b, None, None, None, c, d)
+                                 for a, b, c, d in q8]) / L
+        print(f"== 35b-a3b experts, {N} token(s): bf16 {tb:.1f} us, fp8 {tf:.1f} us per layer")
+
+
 def markov(B=1, Kq=16, V=248320, R=256):
     print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
     U = torch.randn(B, Kq, V, device=dev)
@@ -249,6 +311,8 @@ def main():
         rows()
     if "rowsbm" in parts:
         rows_bm()
+    if "fp8" in parts:
+        fp8()
     torch.manual_seed(0)
     if "moe" in parts:
         moe(1)

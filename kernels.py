@@ -249,6 +249,65 @@ def gated_rms_norm(x, z, weight, eps):
 
 
 # ----------------------------------------------------------------------------------------------
+# FP8 weights: Qwen's block format (e4m3 values, one fp32 scale per 128 x 128 block)
+# ----------------------------------------------------------------------------------------------
+# A quantized weight W [N, K] is stored as q [N, K] float8_e4m3fn and scale [ceil(N/128), ceil(K/128)]
+# (the checkpoints' `weight_scale_inv`): W[n, k] = q[n, k] * scale[n // 128, k // 128]. The kernels stream q
+# (half the bytes of bf16), turn each e4m3 value into bf16 exactly (3 mantissa bits fit in 7), multiply by the
+# bf16 activations on the tensor cores with fp32 sums, and scale each 128-column block's partial sum by its
+# block's scale in fp32. MoE experts carry the same layout per expert.
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def fp8_quantize(w, block=FP8_BLOCK):
+    """w [..., N, K] -> (q float8_e4m3fn [..., N, K], scale fp32 [..., ceil(N/block), ceil(K/block)]): each
+    block scaled so that its largest |w| becomes 448 (an all-zero block gets scale 1 and zeros)."""
+    *lead, N, K = w.shape
+    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    wp = F.pad(w.float(), (0, kb * block - K, 0, nb * block - N)).view(*lead, nb, block, kb, block)
+    amax = wp.abs().amax(dim=(-3, -1))                                               # [..., nb, kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wp / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(*lead, nb * block, kb * block)[..., :N, :K].contiguous(), scale
+
+
+def fp8_dequantize_ref(q, scale, dtype=torch.float32):
+    """q [..., N, K] e4m3 and its block scales -> W [..., N, K] = q * scale of its block, in dtype (the product
+    is exact in fp32: 4 significant bits times a bf16 or fp32 scale)."""
+    N, K = q.shape[-2:]
+    s = scale.float().repeat_interleave(FP8_BLOCK, -2)[..., :N, :].repeat_interleave(FP8_BLOCK, -1)[..., :K]
+    return (q.float() * s).to(dtype)
+
+
+@_jit
+def _fp8_dequantize_kernel(p_q, p_s, p_w, N, K, KB, BN: tl.constexpr, BK: tl.constexpr):
+    # program (N block, K block) of BN x BK <= 128 x 128: w = q * scale of the tile's block
+    i_n, i_k = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    s = tl.load(p_s + (i_n * BN // 128) * KB + i_k * BK // 128)
+    p = o_n[:, None].to(tl.int64) * K + o_k[None, :]
+    b_w = tl.load(p_q + p, mask=m, other=0.0).to(tl.float32) * s
+    tl.store(p_w + p, b_w.to(p_w.dtype.element_ty), mask=m)
+
+
+def fp8_dequantize(q, scale, dtype):
+    """fp8_dequantize_ref, on CUDA by a Triton kernel (prefill dequantizes a weight, then runs cuBLAS)."""
+    if not (_fast(q) and q.dim() == 2):
+        return fp8_dequantize_ref(q, scale, dtype)
+    N, K = q.shape
+    w = _empty((N, K), dtype, q.device)
+    BN, BK = (64, 128) if q.is_cuda else (32, 32)
+    _fp8_dequantize_kernel[(_cdiv(N, BN), _cdiv(K, BK))](q, scale, w, N, K, scale.shape[1], BN=BN, BK=BK,
+                                                        num_warps=4)
+    return w
+
+
+# ----------------------------------------------------------------------------------------------
 # Linear layers: cuBLAS, or a Triton GEMV / skinny GEMM for decode-sized steps where it beats cuBLAS
 # ----------------------------------------------------------------------------------------------
 # y [M, N] = x [M, K] @ w [N, K]^T for M <= 32 rows (a decode or verify step: B * T tokens), w the
@@ -387,12 +446,15 @@ def _gemv_config(M, N, K, cuda, dtype):
 
 
 @_jit
-def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr):
+def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr,
+                 SCALED: tl.constexpr):
     # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or
     # part[split, row tile, N block] (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice =
     # columns k0 .. k0 + BK - 1 for k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the
     # fastest grid axis: the programs that read one weight tile run side by side (the repeats come from L2).
+    # SCALED (FP8 weights): BN and BK divide 128, so a tile lies in one 128 x 128 block of the scale s [*, KB];
+    # the tile's fp32 partial sums are multiplied by it before they join the accumulator.
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
     o_n = i_n * BN + o_bn
@@ -405,13 +467,21 @@ def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.cons
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        if SCALED:
+            s = tl.load(p_s + (i_n * BN // 128) * KB + k0 // 128)
         if BM == 1:
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_acc1 += b_w.to(tl.float32) * b_x[None, :]
+            if SCALED:
+                b_acc1 += (b_w.to(tl.float32) * b_x[None, :]) * s
+            else:
+                b_acc1 += b_w.to(tl.float32) * b_x[None, :]
         else:
             b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :],
                           other=0.0)
-            b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
+            if SCALED:
+                b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC) * s
+            else:
+                b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
     if BM == 1:
         b_acc = tl.sum(b_acc1, 1)[None, :]
     m_y = (o_m < M)[:, None] & m_n[None, :]
@@ -434,37 +504,77 @@ def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr
     tl.store(p_y + o, b_y.to(p_y.dtype.element_ty), mask=m)
 
 
-def _gemv_launch(x, w, cfg, residual=None):
-    """x [..., K] (M rows), w [N, K] contiguous of x's dtype, cfg from _gemv_config ("rows": _rows_config's
-    tiles, any M in 16-row tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N]."""
+def _gemv_launch(x, w, cfg, residual=None, scale=None):
+    """x [..., K] (M rows), w [N, K] contiguous of x's dtype (or e4m3 with its block scales `scale`), cfg from
+    _gemv_config ("rows": _rows_config's tiles, any M in 16-row tiles; "fp8": _fp8_config's), residual None or
+    [..., N] -> [residual +] x @ w^T [..., N]."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
-    if cfg == "rows":
-        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
+    if cfg in ("rows", "fp8"):
+        tiles = _rows_config(N, K, x.device) if cfg == "rows" else _fp8_config(N, K, x.device)
+        (BN, BK, SPLIT, stages, warps), BM = tiles, _rows_bm(M)
     else:
         (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
         assert M <= 32
-    assert M >= 1 and xr.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
+    assert M >= 1 and xr.shape[1] == K and w.is_contiguous()
+    assert w.dtype == x.dtype if scale is None else (w.dtype == FP8 and BN <= FP8_BLOCK and BK <= FP8_BLOCK
+                                                     and scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK))
+                                                     and scale.dtype == torch.float32 and scale.is_contiguous())
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
-    dot = _dot_dtype(w)
+    s = w if scale is None else scale
+    dot = _dot_dtype(x)
     prec = "ieee" if dot == tl.float32 else "tf32"
     grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
+    args = dict(BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot, PREC=prec, SCALED=scale is not None,
+                num_stages=stages, num_warps=warps)
     if SPLIT == 1:
-        _gemv_kernel[grid](xr, w, y, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=1, DOT=dot,
-                           PREC=prec, RES=residual is not None, num_stages=stages, num_warps=warps)
+        _gemv_kernel[grid](xr, w, s, y, r, M, N, K, xr.stride(0), s.shape[-1], RES=residual is not None, **args)
         return y
     part = _empty((SPLIT, M, N), torch.float32, x.device)
-    _gemv_kernel[grid](xr, w, part, part, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot,
-                       PREC=prec, RES=False, num_stages=stages, num_warps=warps)
+    _gemv_kernel[grid](xr, w, s, part, part, M, N, K, xr.stride(0), s.shape[-1], RES=False, **args)
     BS = min(1024, _p2(M * N))
     _gemv_sum_kernel[(_cdiv(M * N, BS),)](part, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
                                           num_warps=4)
     return y
 
 
-def linear(x, w, residual=None):
+# FP8 weights (N, K) -> (BN, BK, SPLIT, num_stages, num_warps) of the row-invariant kernel: measured on the H200
+# at M = 1 (bench.py --tile-sweep fp8; us per weight at the 27B and 35B-A3B shapes, see BENCHMARKS.md).
+FP8_ROWS_CONFIG = {}
+
+
+def _fp8_config(N, K, device):
+    """Tiles of the row-invariant kernel for an FP8 weight [N, K]: like _rows_config (a function of the shape
+    alone, never of M), with BN and BK at most 128, so that every tile lies in one scale block."""
+    if device.type != "cuda":
+        return (16, 32, 4 if K >= 3 * N else 1, 1, 4)  # the interpreter: small tiles, the K split covered
+    if (N, K) in FP8_ROWS_CONFIG:
+        return FP8_ROWS_CONFIG[(N, K)]
+    BN, BK = 64, 128
+    split = max(1, min(8, (2 * _sm_count(device)) // _cdiv(N, BN), K // (2 * BK)))
+    return BN, BK, split, 4, 4
+
+
+def linear_fp8_ref(x, q, scale, residual=None):
+    """The FP8 linear's reference: dequantize in fp32, multiply in fp32, round once to x's dtype."""
+    y = x.float() @ fp8_dequantize_ref(q, scale).t()
+    return (y if residual is None else residual.float() + y).to(x.dtype)
+
+
+def _linear_fp8(x, q, scale, residual):
+    """x @ (q * scale)^T [+ residual]: decode and verify steps (up to INVARIANT_ROWS rows) through the
+    row-invariant kernel reading the e4m3 bytes; longer steps (prefill) and the CPU dequantize the weight to x's
+    dtype and take linear's bf16 path (cuBLAS; on the CPU the row-invariant reference)."""
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (_fast(x) and 1 <= M <= INVARIANT_ROWS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (residual is None or residual.dtype == x.dtype)):
+        return _gemv_launch(x, q, "fp8", residual, scale)
+    return linear(x, fp8_dequantize(q, scale, x.dtype), residual)
+
+
+def linear(x, w, residual=None, scale=None):
     """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
     added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of
     up to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it,
@@ -472,7 +582,10 @@ def linear(x, w, residual=None):
     (_gemv_config). The CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's
     result does not depend on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1):
     spec-on logprobs then equal spec-off's. The CPU fast path (CPU_FAST) gets the same property without a
-    Python loop per row: see _linear_cpu."""
+    Python loop per row: see _linear_cpu. An FP8 weight (e4m3, with its block scales `scale`): _linear_fp8."""
+    if w.dtype == FP8:
+        assert scale is not None, "an FP8 weight needs its block scales"
+        return _linear_fp8(x, w, scale, residual)
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
             and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -1408,13 +1521,15 @@ def _moe_group_kernel(p_idx, p_order, p_off, P, BP: tl.constexpr):
 
 
 @_jit
-def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
+def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_sc, p_h, H, I, s_x, s_ge, s_gr, s_se, IB, HB,
                         TOPK: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
-                        DOT: tl.constexpr, PREC: tl.constexpr):
+                        DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
     # program (expert, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T) for the expert's pairs,
-    # BT at a time
+    # BT at a time. SCALED (FP8 experts; BI, BH divide 128): scales [E, 2 IB, HB], gate's row blocks then up's.
     i_e, i_i = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
+    p_sg = p_sc + e * s_se + (i_i * BI // 128) * HB                                # gate's scale row
+    p_su = p_sg + IB * HB                                                           # up's
     start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
     o_i = i_i * BI + tl.arange(0, BI)
     m_i = o_i < I
@@ -1435,21 +1550,26 @@ def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
             m_w = m_h[:, None] & m_i[None, :]
             b_wg = tl.load(p_g + o_h[:, None], mask=m_w, other=0.0).to(DOT)          # [BH, BI]
             b_wu = tl.load(p_u + o_h[:, None], mask=m_w, other=0.0).to(DOT)
-            b_g += tl.dot(b_x, b_wg, input_precision=PREC)
-            b_u += tl.dot(b_x, b_wu, input_precision=PREC)
+            if SCALED:
+                b_g += tl.dot(b_x, b_wg, input_precision=PREC) * tl.load(p_sg + h0 // 128)
+                b_u += tl.dot(b_x, b_wu, input_precision=PREC) * tl.load(p_su + h0 // 128)
+            else:
+                b_g += tl.dot(b_x, b_wg, input_precision=PREC)
+                b_u += tl.dot(b_x, b_wu, input_precision=PREC)
         b_h = b_g * tl.sigmoid(b_g) * b_u
         tl.store(p_h + b_pair[:, None] * I + o_i[None, :], b_h.to(p_h.dtype.element_ty),
                  mask=m_t[:, None] & m_i[None, :])
 
 
 @_jit
-def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
+def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr, s_se, IB,
                      BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, SCALED: tl.constexpr):
     # program (expert, H block): y[pair, H block] = w_pair * (h[pair] W_down^T) for the expert's pairs,
-    # BT at a time
+    # BT at a time. SCALED (FP8 experts; BO, BI divide 128): scales [E, HB, IB].
     i_e, i_o = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
+    p_sd = p_sc + e * s_se + (i_o * BO // 128) * IB                                # the H block's scale row
     start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
     o_o = i_o * BO + tl.arange(0, BO)
     m_o = o_o < H
@@ -1465,7 +1585,10 @@ def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
             b_h = tl.load(p_h + b_pair[:, None] * I + o_i[None, :], mask=m_t[:, None] & m_i[None, :],
                           other=0.0)
             b_wd = tl.load(p_d + o_i[:, None], mask=m_i[:, None] & m_o[None, :], other=0.0)  # [BI, BO]
-            b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
+            if SCALED:
+                b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC) * tl.load(p_sd + i0 // 128)
+            else:
+                b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
         b_y *= tl.load(p_w + b_pair, mask=m_t, other=0.0)[:, None]
         tl.store(p_y + b_pair[:, None] * H + o_o[None, :], b_y, mask=m_t[:, None] & m_o[None, :])
 
@@ -1479,13 +1602,15 @@ def _moe_leader(p_idx, p_order, p_off, i_p):
 
 
 @_jit
-def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s_ge, s_gr,
-                             TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_sc, p_h, H, I, s_x, s_ge, s_gr, s_se, IB, HB,
+                             TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, SCALED: tl.constexpr):
     # decode (P <= E pairs): program (pair, I block); the leader pair of an expert runs its pairs one token at
     # a time like the GEMV at M = 1: products of [BI, BH] gate and up weight tiles with x, summed over BH
-    # after the loop
+    # after the loop. SCALED (FP8; BI divides 128): x times each column's block scale, for gate and for up.
     i_p, i_i = tl.program_id(0), tl.program_id(1)
     e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
+    p_sg = p_sc + e * s_se + (i_i * BI // 128) * HB                                # gate's scale row
+    p_su = p_sg + IB * HB                                                           # up's
     o_i = i_i * BI + tl.arange(0, BI)
     m_i = o_i < I
     p_g = p_gu + e * s_ge + o_i[:, None].to(tl.int64) * s_gr                        # [BI, 1] gate rows
@@ -1498,20 +1623,25 @@ def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_h, H, I, s_x, s
             o_h = h0 + tl.arange(0, BH)
             m_h = o_h < H
             b_x = tl.load(p_x + (pair // TOPK) * s_x + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+            b_xg, b_xu = b_x, b_x
+            if SCALED:
+                b_xg = b_x * tl.load(p_sg + o_h // 128, mask=m_h, other=0.0)[None, :]
+                b_xu = b_x * tl.load(p_su + o_h // 128, mask=m_h, other=0.0)[None, :]
             m_w = m_i[:, None] & m_h[None, :]
-            b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
-            b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x
+            b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xg
+            b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xu
         g, u = tl.sum(b_g, 1), tl.sum(b_u, 1)
         tl.store(p_h + pair * I + o_i, (g * tl.sigmoid(g) * u).to(p_h.dtype.element_ty), mask=m_i)
 
 
 @_jit
-def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de, s_dr,
-                          BO: tl.constexpr, BI: tl.constexpr):
+def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr, s_se, IB,
+                          BO: tl.constexpr, BI: tl.constexpr, SCALED: tl.constexpr):
     # decode (P <= E pairs): program (pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T),
-    # GEMV-style
+    # GEMV-style. SCALED (FP8; BO divides 128): h times each column's block scale.
     i_p, i_o = tl.program_id(0), tl.program_id(1)
     e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
+    p_sd = p_sc + e * s_se + (i_o * BO // 128) * IB                                # the H block's scale row
     o_o = i_o * BO + tl.arange(0, BO)
     m_o = o_o < H
     p_d = p_dn + e * s_de + o_o[:, None].to(tl.int64) * s_dr                        # [BO, 1] down rows
@@ -1522,6 +1652,8 @@ def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_y, H, I, s_de
             o_i = i0 + tl.arange(0, BI)
             m_i = o_i < I
             b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
+            if SCALED:
+                b_h = b_h * tl.load(p_sd + o_i // 128, mask=m_i, other=0.0)[None, :]
             b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :],
                            other=0.0).to(tl.float32) * b_h
         tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
@@ -1546,16 +1678,25 @@ def _moe_sum_kernel(p_y, p_out, p_sh, p_g, p_res, H, s_g, TOPK: tl.constexpr, BH
     tl.store(p_out + i_n * H + o_h, b_o.to(p_out.dtype.element_ty), mask=m)
 
 
-def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None):
+def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None, gu_scale=None,
+                        dn_scale=None):
     N, H = x.shape
     E, I2, _ = gate_up.shape
     I, k = I2 // 2, idx.shape[1]
     assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I) and w.shape == idx.shape
     assert gate_up.stride(2) == 1 and down.stride(2) == 1 and idx.dtype == torch.long
+    scaled = gu_scale is not None
+    IB, HB = _cdiv(I, FP8_BLOCK), _cdiv(H, FP8_BLOCK)
+    if scaled:  # FP8 experts: gate's block rows then up's (so I need not be a multiple of 128); down's
+        assert gate_up.dtype == down.dtype == FP8 and gu_scale.shape == (E, 2 * IB, HB)
+        assert dn_scale.shape == (E, HB, IB) and gu_scale.is_contiguous() and dn_scale.is_contiguous()
+        assert gu_scale.dtype == dn_scale.dtype == torch.float32
+    gs, ds = (gu_scale, dn_scale) if scaled else (gate_up, down)                    # (unused pointers when not)
+    gss, dss = (gs.stride(0), ds.stride(0)) if scaled else (0, 0)
     x = x if x.stride(1) == 1 else x.contiguous()
     idx, w = idx.contiguous(), w.float().contiguous()
     out = _empty(x.shape, x.dtype, x.device)
-    dot = _dot_dtype(gate_up)
+    dot = _dot_dtype(x)
     prec = "ieee" if dot == tl.float32 else "tf32"
     for s in range(0, N, _MOE_CHUNK):
         e_ = min(N, s + _MOE_CHUNK)
@@ -1570,18 +1711,19 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
         if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
             _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
-                xs, ids, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
-                TOPK=k, BI=16, BH=min(512, _p2(H)), num_warps=4, num_stages=3)
+                xs, ids, order, off, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
+                gss, IB, HB, TOPK=k, BI=16, BH=min(512, _p2(H)), SCALED=scaled, num_warps=4, num_stages=3)
             _moe_down_pair_kernel[(P, _cdiv(H, 4))](
-                h, ids, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
-                BO=4, BI=min(256, _p2(I)), num_warps=2, num_stages=3)
+                h, ids, order, off, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
+                BO=4, BI=min(256, _p2(I)), SCALED=scaled, num_warps=2, num_stages=3)
         else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
             _moe_gate_up_kernel[(E, _cdiv(I, 16))](
-                xs, order, off, gate_up, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
-                TOPK=k, BT=16, BI=16, BH=min(256, max(16, _p2(H))), DOT=dot, PREC=prec, num_warps=4)
+                xs, order, off, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss, IB,
+                HB, TOPK=k, BT=16, BI=16, BH=min(128 if scaled else 256, max(16, _p2(H))), DOT=dot, PREC=prec,
+                SCALED=scaled, num_warps=4)
             _moe_down_kernel[(E, _cdiv(H, 32))](
-                h, order, off, ws, down, y, H, I, down.stride(0), down.stride(1),
-                BT=16, BO=32, BI=min(128, max(16, _p2(I))), DOT=dot, PREC=prec, num_warps=4)
+                h, order, off, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
+                BT=16, BO=32, BI=min(128, max(16, _p2(I))), DOT=dot, PREC=prec, SCALED=scaled, num_warps=4)
         sh, gt, res = (out if t is None else t[s:e_] for t in (shared, shared_gate, residual))
         _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], sh, gt, res, H, gt.stride(0), TOPK=k, BH=512,
                                                   SHARED=shared is not None, RES=residual is not None,
@@ -1589,14 +1731,27 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
     return out
 
 
-def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None):
+def moe_experts_fp8_ref(x, w, idx, gate_up, down, gu_scale, dn_scale):
+    """FP8 experts' reference: each expert's weights dequantized (gate's and up's blocks apart), then
+    moe_experts_ref."""
+    I = down.shape[2]
+    IB = _cdiv(I, FP8_BLOCK)
+    gu = torch.cat([fp8_dequantize_ref(gate_up[:, :I], gu_scale[:, :IB]),
+                    fp8_dequantize_ref(gate_up[:, I:], gu_scale[:, IB:])], 1)
+    return moe_experts_ref(x, w, idx, gu.to(x.dtype), fp8_dequantize_ref(down, dn_scale, x.dtype))
+
+
+def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None, gate_up_scale=None,
+                down_scale=None):
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) for each token's chosen experts.
     x [N, H]; w, idx [N, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns [N, H].
     The MoE layer's epilogue rides along: with `shared` [N, H] and `shared_gate` [N, 1] (the shared expert's
     output and its gate logit) + sigmoid(shared_gate) * shared; with `residual` [N, H] + residual
     (the layer's skip). The kernels keep fp32 accumulators, sum the k experts and the epilogue in fp32 and
     round once (one launch); the reference rounds to x's dtype after each product and each op, as the unfused
-    model does, and accumulates the experts in x's dtype (and syncs with the host)."""
+    model does, and accumulates the experts in x's dtype (and syncs with the host).
+    FP8 experts (e4m3 gate_up / down): gate_up_scale [E, 2 ceil(I/128), ceil(H/128)] (gate's block rows, then
+    up's) and down_scale [E, ceil(H/128), ceil(I/128)]; the kernels scale each block's products in fp32."""
     if _fast(x):
         if shared is not None:
             shared = (shared if shared.stride(1) == 1 and shared.stride(0) == shared.shape[1]
@@ -1604,8 +1759,12 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
         if residual is not None:
             residual = (residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1]
                         else residual.contiguous())
-        return _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual)
-    out = moe_experts_ref(x, w, idx, gate_up, down)
+        return _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual, gate_up_scale,
+                                   down_scale)
+    if gate_up_scale is not None:
+        out = moe_experts_fp8_ref(x, w, idx, gate_up, down, gate_up_scale, down_scale)
+    else:
+        out = moe_experts_ref(x, w, idx, gate_up, down)
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
     return out if residual is None else residual + out

@@ -5007,7 +5007,7 @@ def gemv(x, w, always=True, residual=None):
 def gemv_calls(monkeypatch):
     """The configs of the _gemv_launch calls made (each a (BN, BK, SPLIT, stages, warps) tuple)."""
     calls, launch = [], K._gemv_launch
-    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg, r=None: calls.append(cfg) or launch(x, w, cfg, r))
+    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg, r=None, s=None: calls.append(cfg) or launch(x, w, cfg, r, s))
     return calls
 
 
@@ -5151,13 +5151,18 @@ def rowwise_dot(monkeypatch):
         monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
 
 
-def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0):
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0, fp8=False):
     """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
-    row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles)."""
+    row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles). fp8: the
+    weight quantized (K.fp8_quantize), through the FP8 kernel; w is then (q, scale)."""
     g = gen(seed)
     w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
+    cfg, extra = "rows", ()
+    if fp8:
+        w, s = K.fp8_quantize(w)
+        cfg, extra = "fp8", (s,)
     x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
-    alone = fast(K._gemv_launch, x0, w, "rows", r0)
+    alone = fast(K._gemv_launch, x0, w, cfg, r0, *extra)
     got = []
     for M in sizes:
         xs, rs = randn(M, Kin, g=g, dtype=dtype), randn(M, N, g=g, dtype=dtype) if residual else None
@@ -5165,8 +5170,8 @@ def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False
             xs[at] = x0[0]
             if residual:
                 rs[at] = r0[0]
-            got.append(fast(K._gemv_launch, xs, w, "rows", rs)[at:at + 1])
-    return w, x0, r0, alone, got
+            got.append(fast(K._gemv_launch, xs, w, cfg, rs, *extra)[at:at + 1])
+    return (w, *extra) if fp8 else w, x0, r0, alone, got
 
 
 @needs_kernels
@@ -5278,11 +5283,15 @@ def test_kernel_gpu_invariance_gdn(Hk, Hv, dk):
     assert [n for n, (x, y) in pairs.items() if not torch.equal(x, y)] == []
 
 
-def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0):
+def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0, fp8=False):
     """The MoE experts (router weights and ids given) of token x0 alone, then as the first and the last token of
-    steps of N tokens (other tokens' experts overlap its own), with the shared expert and the residual."""
+    steps of N tokens (other tokens' experts overlap its own), with the shared expert and the residual. fp8: the
+    experts quantized (fp8_experts)."""
     g = gen(seed)
     gu, dn = randn(E, 2 * I, H, g=g, dtype=dtype, scale=H ** -0.5), randn(E, H, I, g=g, dtype=dtype, scale=I ** -0.5)
+    scales = ()
+    if fp8:
+        gu, dn, *scales = fp8_experts(gu, dn)
 
     def tokens(N):
         x, sh, gt, res = (randn(N, d, g=g, dtype=dtype) for d in (H, H, 1, H))
@@ -5291,7 +5300,7 @@ def moe_rows_case(E, I, H, k, dtype, sizes=(2, 5, 8, 40, 136), seed=0):
         w = torch.rand(N, k, generator=torch.Generator().manual_seed(seed + N)).to(DEV).softmax(-1)
         return [x, w, idx, sh, gt, res]
     one = tokens(1)
-    run = lambda x, w, idx, sh, gt, res: fast(K.moe_experts, x, w, idx, gu, dn, sh, gt, res)
+    run = lambda x, w, idx, sh, gt, res: fast(K.moe_experts, x, w, idx, gu, dn, sh, gt, res, *scales)
     alone = run(*one)
     got = []
     for N in sizes:
@@ -5314,6 +5323,131 @@ def test_kernel_gpu_invariance_moe():
     """bf16 at the 35B-A3B's expert shapes (256 experts, top 8): a token alone == the token in steps of 2 .. 136
     tokens (more pairs than experts from 40 tokens on)."""
     alone, got = moe_rows_case(256, 512, 2048, 8, torch.bfloat16)
+    assert all(torch.equal(y, alone) for y in got)
+
+
+# ==============================================================================================
+# FP8 weights: block quantization, the FP8 linear and FP8 experts against their dequantizing references
+# ==============================================================================================
+
+def fp8_experts(gate_up, down):
+    """MoE experts in the FP8 layout kernels.moe_experts takes: gate and up quantized apart (their blocks stacked,
+    gate's first), down as is -> (gate_up q, down q, gate_up scale, down scale)."""
+    I = down.shape[2]
+    (gq, gs), (uq, us), (dq, ds) = K.fp8_quantize(gate_up[:, :I]), K.fp8_quantize(gate_up[:, I:]), K.fp8_quantize(down)
+    return torch.cat([gq, uq], 1), dq, torch.cat([gs, us], 1), ds
+
+
+@pytest.mark.parametrize("N,Kin", [(70, 200), (256, 128), (129, 300)])
+def test_fp8_quantize_blocks(N, Kin):
+    """Qwen's block format: one scale per 128 x 128 block, the block's largest |w| maps to 448 (e4m3's largest
+    finite value), dequantization is within half an e4m3 step of w; an all-zero block stays zero."""
+    w = torch.randn(N, Kin, generator=torch.Generator().manual_seed(N)) * 0.05
+    w[:128, :128] = 0 if N >= 128 and Kin >= 128 else w[:128, :128]
+    q, s = K.fp8_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and s.dtype == torch.float32
+    assert s.shape == (-(-N // 128), -(-Kin // 128))
+    d = K.fp8_dequantize_ref(q, s)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk, qb = w[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)], q[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+            if blk.abs().max() == 0:
+                assert (qb.float() == 0).all()
+                continue
+            assert qb.float().abs().max() == 448 and torch.isclose(s[i, j], blk.abs().max() / 448)
+    assert ((d - w).abs() <= 2 ** -4 * w.abs() + 2 ** -9 * s.max()).all()           # e4m3: 3 mantissa bits
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,Kin", [(70, 200), (130, 300), (24, 400)])             # odd; 2 row blocks; tall: split-K
+def test_kernel_fp8_dequantize(N, Kin):
+    q, s = K.fp8_quantize(randn(N, Kin, g=gen(N)))
+    assert torch.equal(fast(K.fp8_dequantize, q, s, torch.float32), K.fp8_dequantize_ref(q, s))  # exact in fp32
+    d, ref = fast(K.fp8_dequantize, q, s, torch.bfloat16), K.fp8_dequantize_ref(q, s, torch.bfloat16)
+    assert torch.equal(d, ref) if CUDA else rel(d, ref) <= TOL[torch.bfloat16]    # (the interpreter truncates)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,Kin", [(70, 200), (130, 300), (24, 400)])
+@pytest.mark.parametrize("M", [1, 5, 17, 40])                                      # 16-row tiles; 64-row tiles
+def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
+    """The FP8 linear (e4m3 read in the kernel, block scales on each tile's fp32 sums) against the reference that
+    dequantizes in fp32; with the residual; a prefill-sized step dequantizes and takes the bf16 path."""
+    g = gen(M * N)
+    q, s = K.fp8_quantize(randn(N, Kin, g=g, scale=Kin ** -0.5))
+    x, r = randn(M, Kin, g=g), randn(M, N, g=g)
+    y = fast(K.linear, x, q, scale=s)
+    assert y.shape == (M, N) and rel(y, K.linear_fp8_ref(x, q, s)) <= TOL[torch.float32]
+    assert rel(fast(K.linear, x, q, r, scale=s), K.linear_fp8_ref(x, q, s, r)) <= TOL[torch.float32]
+    assert gemv_calls == ["fp8", "fp8"]
+    xb = randn(K.INVARIANT_ROWS + 1, Kin, g=g)                                     # prefill: dequantize, then GEMM
+    assert rel(fast(K.linear, xb, q, scale=s), K.linear_fp8_ref(xb, q, s)) <= TOL[torch.float32] and len(gemv_calls) == 2
+    with pytest.raises(AssertionError, match="block scales"):
+        K.linear(x, q)
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (130, 1100)])
+def test_kernel_fp8_rows_linear_invariant(N, Kin, residual, rowwise_dot):
+    """A row of the FP8 linear alone == the same row in steps of 2 .. 136 rows (decode == verify == batch)."""
+    (q, s), x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, residual=residual, seed=N, fp8=True)
+    assert rel(alone, K.linear_fp8_ref(x0, q, s, r0)) <= TOL[torch.float32]
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N", [1, 3, 17])                                          # by pair; by expert
+def test_kernel_fp8_moe_experts(N):
+    """FP8 experts (I = 24: gate's and up's scale blocks apart) against the dequantizing reference, by pair and by
+    expert, with the epilogue."""
+    E, k, H, I = 6, 2, 40, 24
+    g = gen(N)
+    x = randn(N, H, g=g)
+    gu, dn, gs, ds = fp8_experts(randn(E, 2 * I, H, g=g, scale=0.2), randn(E, H, I, g=g, scale=0.2))
+    w, idx = K.moe_route_ref(randn(N, E, g=g), k)
+    ref = K.moe_experts_fp8_ref(x, w, idx, gu, dn, gs, ds)
+    assert rel(fast(K.moe_experts, x, w, idx, gu, dn, gate_up_scale=gs, down_scale=ds), ref) <= TOL[torch.float32]
+    sh, res, gate = randn(N, H, g=g), randn(N, H, g=g), randn(N, 1, g=g)
+    want = res + ref + torch.sigmoid(gate) * sh
+    assert rel(fast(K.moe_experts, x, w, idx, gu, dn, sh, gate, res, gs, ds), want) <= TOL[torch.float32]
+    assert rel(K.moe_experts(x, w, idx, gu, dn, sh, gate, res, gs, ds), want) <= 1e-6   # the reference path
+
+
+@needs_kernels
+def test_kernel_fp8_moe_invariant():
+    alone, got = moe_rows_case(16, 24, 40, 4, torch.float32, sizes=(2, 5, 9), fp8=True)
+    assert all(torch.equal(y, alone) for y in got)
+
+
+FP8_SHAPES = [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408),      # 27B
+              (12288, 2048), (9216, 2048), (2048, 4096), (1024, 2048), (2048, 512)]          # 35B-A3B
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,Kin", FP8_SHAPES)
+def test_kernel_gpu_fp8_linear(N, Kin):
+    """bf16 activations, FP8 weights at the real FP8 shapes: as close to the fp32 dequantized product as the bf16
+    kernel is to its own; a row alone == the row in steps of 2 .. 136 rows; CUDA-graph safe."""
+    (q, s), x0, r0, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120, fp8=True)
+    exact_ = K.linear_fp8_ref(x0.float(), q, s, None if r0 is None else r0.float())
+    assert rel(alone, exact_) <= 4e-3
+    assert all(torch.equal(y, alone) for y in got)
+    x = randn(8, Kin, g=gen(2), dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    K.linear(x, q, scale=s)
+    with torch.cuda.graph(graph):
+        yg = K.linear(x, q, scale=s)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(yg, K.linear(x, q, scale=s))
+
+
+@needs_cuda
+def test_kernel_gpu_fp8_moe():
+    """FP8 experts at the 35B-A3B's shapes: a token alone == the token in steps of 2 .. 136 tokens, and close to
+    the dequantizing reference."""
+    alone, got = moe_rows_case(256, 512, 2048, 8, torch.bfloat16, fp8=True)
     assert all(torch.equal(y, alone) for y in got)
 
 

@@ -89,7 +89,7 @@ MODEL_CHECKS = [
     ("hidden_act", "silu", ("silu",), "unsupported hidden_act {v!r}; only silu is implemented"),
 ]
 
-# What ModelConfig.from_hf accepts of a `quantization_config`: Qwen's block-FP8 checkpoints (same row format)
+# What ModelConfig.from_hf accepts of a checkpoint's `quantization_config` (Qwen's block-FP8): as MODEL_CHECKS
 QUANT_CHECKS = [
     ("quant_method", None, ("fp8",),
      "unsupported quantization: quant_method {v!r}; specdec loads unquantized checkpoints and Qwen's "
@@ -3498,7 +3498,7 @@ def quantize_weight(name, w):
     so that its scales are gate's blocks, then up's (K.moe_experts' layout, for any I)."""
     if not name.endswith("gate_up_proj"):
         return K.fp8_quantize(w)
-    (qg, sg), (qu, su) = (K.fp8_quantize(h.contiguous()) for h in w.chunk(2, -2))
+    (qg, sg), (qu, su) = (K.fp8_quantize(h) for h in w.chunk(2, -2))
     return torch.cat([qg, qu], -2), torch.cat([sg, su], -2)
 
 
@@ -3530,9 +3530,10 @@ def quantized_sources(sources, device):
 def declare_fp8(model, sources, not_convert, where):
     """Before loading, on the meta model: each weight P whose P_scale_inv is among the sources, where its
     module has room for one (a Linear, the routed experts), becomes float8_e4m3fn with an fp32 P_scale_inv
-    [..., ceil(N/128), ceil(K/128)] (gate_up_proj: 2 ceil(I/128) rows, gate's then up's). A module that the
-    checkpoint's modules_to_not_convert lists must have none: names match whole, dot-separated (a
-    substring match lets the router `mlp.gate` swallow `mlp.gate_proj`, whose scales are then lost)."""
+    [..., ceil(N/128), ceil(K/128)] (gate_up_proj: 2 ceil(I/128) rows, gate's then up's). The scales decide;
+    a module that the checkpoint's modules_to_not_convert lists must have none. Its entries name whole modules
+    (model.language_model.layers.0.mlp.gate): a substring match lets the router `mlp.gate` swallow
+    `mlp.gate_proj`, whose scales are then lost."""
     B = K.FP8_BLOCK
     listed = {e.removeprefix("model.language_model.").removeprefix("model.") for e in not_convert}
     for name, p in list(model.named_parameters()):
@@ -3540,7 +3541,7 @@ def declare_fp8(model, sources, not_convert, where):
         m = model.get_submodule(mod)
         if name + "_scale_inv" not in sources or leaf + "_scale_inv" not in m._parameters:
             continue
-        if any(mod == e or mod.startswith(e + ".") for e in listed):
+        if mod in listed:
             raise ConfigError(f"{where}: {mod!r} is listed in modules_to_not_convert, but the checkpoint has "
                               f"FP8 scales for it ({sources[name + '_scale_inv'][0]!r})")
         *lead, N, Kd = p.shape

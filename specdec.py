@@ -20,8 +20,9 @@ One file, read top to bottom; a banner opens each section:
     Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
     Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
                         checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
-    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
-                        local Hugging Face cache (resolve_model); slot memory (size_slots);
+    Loading             load_model -> load_weights, the one loader; block-FP8 weights (declare_fp8;
+                        --quantization fp8: quantized_sources, quantize_fp8); GGUF files (read_gguf); hub ids
+                        in the local Hugging Face cache (resolve_model); slot memory (size_slots);
                         generation_defaults
     API, CLI            LLM (generate, chat, get_metrics; vLLM's engine-argument names and outputs), main
 

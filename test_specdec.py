@@ -1598,9 +1598,15 @@ def to_fp8(src, dst, scale_dtype=torch.bfloat16, shards=1, keep=()):
     return rewrite(src, dst, out, quant, shards)
 
 
+def blockwise(q, s):
+    """q [..., N, K] e4m3 times the scale of its 128 x 128 block, s [..., ceil(N/128), ceil(K/128)]: fp32, exact."""
+    N, Kd = q.shape[-2:]
+    return q.float() * s.float().repeat_interleave(128, -2)[..., :N, :].repeat_interleave(128, -1)[..., :Kd]
+
+
 def dequantized(fp8, dst):
-    """The unquantized model an FP8 checkpoint stands for: each e4m3 weight times the scale of its block (exact in
-    fp32), no scales, no quantization_config."""
+    """The unquantized model an FP8 checkpoint stands for: each e4m3 weight times the scale of its block (a fused
+    gate_up_proj by halves), no scales, no quantization_config."""
     w = read_tensors(fp8)
     out = {}
     for n, t in w.items():
@@ -1609,11 +1615,9 @@ def dequantized(fp8, dst):
         if t.dtype != torch.float8_e4m3fn:
             out[n] = t
             continue
-        parts = zip(t.chunk(2, -2), w[n + "_scale_inv"].chunk(2, -2)) if n.endswith("gate_up_proj") else \
-            [(t, w[n + "_scale_inv"])]
-        blocks = lambda q, s: s.float().repeat_interleave(128, -2)[..., :q.shape[-2], :].repeat_interleave(
-            128, -1)[..., :q.shape[-1]]
-        out[n] = torch.cat([q.float() * blocks(q, s) for q, s in parts], -2)
+        halves = 2 if n.endswith("gate_up_proj") else 1
+        parts = zip(t.chunk(halves, -2), w[n + "_scale_inv"].chunk(halves, -2))
+        out[n] = torch.cat([blockwise(q, s) for q, s in parts], -2)
     return rewrite(fp8, dst, out, None)
 
 

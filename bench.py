@@ -47,8 +47,9 @@ PRESETS = {  # the real text_config shapes (qwen36-architecture.md §1.3, §1.4)
 }
 
 
-def random_model(name, dtype, device, seed=0):
-    """The real-shape model with random weights made on the device (no checkpoint)."""
+def random_model(name, dtype, device, seed=0, quantization=None):
+    """The real-shape model with random weights made on the device (no checkpoint); quantization "fp8": its
+    weights then quantized as --quantization fp8 does at load (specdec.quantize_fp8)."""
     cfg = sd.ModelConfig.from_dict(PRESETS[name])
     with torch.device("meta"):
         model = sd.Qwen36(cfg)
@@ -65,6 +66,11 @@ def random_model(name, dtype, device, seed=0):
         else:
             t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
         mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+    if quantization == "fp8":
+        sd.quantize_fp8(model)
+        torch.cuda.empty_cache() if device.type == "cuda" else None  # the bf16 blocks: the slots' budget
+    elif quantization not in (None, "none"):
+        raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
     return sd.fuse_projections(sd.init_rope(model, device).eval()), cfg
 
 
@@ -197,16 +203,20 @@ def hf_generate_tpot(name, prompt_len, gen_len, device, dtype=torch.bfloat16, se
 
 def linear_weights(model, moe_active=None):
     """The weight matrices one decode step reads, as the engine multiplies by them: projections fused at load
-    (GDN in_proj, attention qkv, MLP gate_up) as one matrix each, every other linear layer, the lm_head; for MoE
-    also `moe_active` experts per layer. Returns a list of [out, in] tensors."""
+    (GDN in_proj, attention qkv, MLP gate_up; FP8: GDN in_proj_qkvz and in_proj_ba, the MoE's router_gate) as one
+    matrix each, every other linear layer, the lm_head; for MoE also `moe_active` experts per layer. Returns a
+    list of [out, in] tensors (FP8 ones float8_e4m3fn: their fp32 block scales, 1/16384 of the bytes, are left
+    out)."""
     ws, fused_parts = [], set()
     for name, mod in model.named_modules():
         if name.startswith("mtp"):
             continue
         for attr, parts in (("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+                            ("in_proj_qkvz", ("in_proj_qkv", "in_proj_z")), ("in_proj_ba", ("in_proj_b", "in_proj_a")),
                             ("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")),
                             ("router_shared", ("gate", "shared_expert_gate", "shared_expert.gate_proj",
-                                               "shared_expert.up_proj"))):
+                                               "shared_expert.up_proj")),
+                            ("router_gate", ("gate", "shared_expert_gate"))):
             if isinstance(getattr(mod, attr, None), torch.Tensor):
                 ws.append(getattr(mod, attr))
                 fused_parts.update(id(mod.get_submodule(p)) for p in parts)
@@ -248,13 +258,18 @@ def graph_ms(fn, iters=20):
 
 
 def gemm_floor(ws, M, iters=20):
-    """ms per step of a CUDA graph chaining x @ W^T over all weights at M tokens."""
-    xs = {w.shape[1]: torch.randn(M, w.shape[1], device=w.device, dtype=w.dtype) for w in ws}
+    """ms per step of a CUDA graph chaining x @ W^T over all weights at M tokens (cuBLAS; FP8 weights through
+    kernels.linear's FP8 path, with unit block scales: the time does not depend on the values)."""
+    dt = next((w.dtype for w in ws if w.dtype != sd.FP8), torch.bfloat16)
+    xs = {w.shape[1]: torch.randn(M, w.shape[1], device=w.device, dtype=dt) for w in ws}
+    B = sd.K.FP8_BLOCK
+    ones = [torch.ones(-(-w.shape[0] // B), -(-w.shape[1] // B), device=w.device) if w.dtype == sd.FP8 else None
+            for w in ws]
     outs = [None] * len(ws)
 
     def chain():
         for i, w in enumerate(ws):
-            outs[i] = xs[w.shape[1]] @ w.t()
+            outs[i] = xs[w.shape[1]] @ w.t() if ones[i] is None else sd.K.linear(xs[w.shape[1]], w, scale=ones[i])
     return graph_ms(chain, iters)
 
 
@@ -688,6 +703,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[512], help="one or more (rows for each)")
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("-q", "--quantization", default=None, help="fp8: block-FP8 weights, quantized at load (as "
+                    "specdec's --quantization fp8; with --random-weights, after they are made)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -728,13 +745,13 @@ def main(argv=None):
                 c["model"] = random_draft_lm(a.random_draft_lm, a.random_weights)
     specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
     if a.random_weights or not a.model:
-        model, cfg = random_model(a.random_weights or "tiny", dtype, device)
+        model, cfg = random_model(a.random_weights or "tiny", dtype, device, quantization=a.quantization)
         if a.cyclic:
             make_cyclic(model)
         label = a.random_weights or "tiny"
     else:
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
-        model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp)
+        model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp, quantization=a.quantization)
         label = a.model
     if a.stall:
         print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "
@@ -783,7 +800,8 @@ def main(argv=None):
         hf.update(prompt_len=a.prompt_len[0], gen_len=min(a.gen_len, 16))
         off = next((x for x in rows if x["method"] == "off" and x["batch"] == 1 and x["prompt_len"] == a.prompt_len[0]), None)
         hf["our_speedup"] = hf["tpot_ms"] / off["tpot_ms"] if off else None
-    print(f"# bench {label} dtype={dtype} prompt={a.prompt_len} gen={a.gen_len} weights read/step={wbytes / 1e9:.2f} GB")
+    print(f"# bench {label} dtype={dtype} quantization={a.quantization} prompt={a.prompt_len} gen={a.gen_len} "
+          f"weights read/step={wbytes / 1e9:.2f} GB")
     hdr = ["method", "k", "batch", "prompt", "TTFT ms", "TPOT ms", "tok/s/seq", "tok/s agg", "GB/s wts", "floor ms",
            "TPOT/floor", "x off", "accept len", "draft ms"]
     print(" | ".join(f"{h:>10}" for h in hdr))
@@ -793,8 +811,8 @@ def main(argv=None):
                 r["decode_tok_s_aggregate"], r["weight_GBps"], r.get("floor_ms", nan), r.get("tpot_over_floor", nan),
                 r["speedup_vs_off"] or nan, r["mean_acceptance_length"] or nan, r["draft_ms_per_step"] or nan]
         print(" | ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}" for v in vals))
-    result = {"model": label, "dtype": str(dtype), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-              "weight_bytes": wbytes, "rows": rows}
+    result = {"model": label, "dtype": str(dtype), "quantization": a.quantization, "prompt_len": a.prompt_len,
+              "gen_len": a.gen_len, "weight_bytes": wbytes, "rows": rows}
     if costs is not None:
         print("# target step cost at batch 1: " + ", ".join(f"T={T}: {ms:.2f} ms ({ms / costs[1]:.3f}x)"
                                                               for T, ms in costs.items()))

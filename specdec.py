@@ -20,8 +20,9 @@ One file, read top to bottom; a banner opens each section:
     Engine              ModelRunner runs the steps (GraphRunner: the CUDA graphs); Engine schedules requests
     Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
                         checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
-    Loading             load_model -> load_weights, the one loader; GGUF files (read_gguf); hub ids in the
-                        local Hugging Face cache (resolve_model); slot memory (size_slots);
+    Loading             load_model -> load_weights, the one loader; block-FP8 weights (declare_fp8;
+                        --quantization fp8: quantized_sources, quantize_fp8); GGUF files (read_gguf); hub ids
+                        in the local Hugging Face cache (resolve_model); slot memory (size_slots);
                         generation_defaults
     API, CLI            LLM (generate, chat, get_metrics; vLLM's engine-argument names and outputs), main
 
@@ -89,6 +90,18 @@ MODEL_CHECKS = [
     ("hidden_act", "silu", ("silu",), "unsupported hidden_act {v!r}; only silu is implemented"),
 ]
 
+# What ModelConfig.from_hf accepts of a checkpoint's `quantization_config` (Qwen's block-FP8): as MODEL_CHECKS
+QUANT_CHECKS = [
+    ("quant_method", None, ("fp8",),
+     "unsupported quantization: quant_method {v!r}; specdec loads unquantized checkpoints and Qwen's "
+     "block-FP8 ones (quant_method 'fp8', fmt e4m3, weight_block_size [128, 128])"),
+    ("fmt", "e4m3", ("e4m3",), "unsupported FP8 format fmt={v!r}; only e4m3 is implemented"),
+    ("weight_block_size", None, ([128, 128],),
+     "unsupported FP8 weight_block_size {v!r}; only [128, 128] blocks are implemented"),
+    ("activation_scheme", "dynamic", ("dynamic",),
+     "unsupported FP8 activation_scheme {v!r}; only dynamic is implemented (weight-only scales)"),
+]
+
 
 def _layer_types(cfg):
     """Per layer "linear_attention" (GDN) or "full_attention": as listed, or each
@@ -103,6 +116,15 @@ def _layer_types(cfg):
 
 def _rope(cfg):
     return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+
+
+def check_quantization(quant, where):
+    """A checkpoint's quantization_config -> "fp8", or a ConfigError naming what it found (QUANT_CHECKS)."""
+    for key, default, accepted, message in QUANT_CHECKS:
+        v = quant.get(key, default)
+        if v not in accepted:
+            raise ConfigError(f"{where}: " + message.format(v=v))
+    return "fp8"
 
 
 @dataclass
@@ -134,6 +156,8 @@ class ModelConfig:
     max_position_embeddings: int = 262144
     eos_token_ids: list = field(default_factory=list)
     model_type: str = "qwen3_5_text"
+    quantization: str = None          # "fp8": the checkpoint stores block-FP8 weights (quantization_config)
+    modules_to_not_convert: list = field(default_factory=list)  # the modules it keeps unquantized
 
     def __post_init__(self):
         self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
@@ -222,6 +246,10 @@ class ModelConfig:
         if mt in ("qwen3_5", "qwen3_5_moe") and "model_type" not in text:
             text = dict(text, model_type=mt + "_text")
         cfg = cls.from_dict(text, top)
+        quant = top.get("quantization_config", text.get("quantization_config"))
+        if quant is not None:
+            cfg.quantization = check_quantization(quant, f)
+            cfg.modules_to_not_convert = list(quant.get("modules_to_not_convert") or [])
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
             with open(gen) as fh:
@@ -249,13 +277,19 @@ def init_rope(model, device):
     return model
 
 
+FP8 = torch.float8_e4m3fn
+
+
 class Linear(nn.Linear):
-    """nn.Linear without bias, through kernels.linear (batch-invariant on the CPU reference path)."""
+    """nn.Linear without bias, through kernels.linear (batch-invariant on the CPU reference path). Block-FP8
+    (an FP8 checkpoint, --quantization fp8): weight float8_e4m3fn [N, K] and weight_scale_inv fp32
+    [ceil(N/128), ceil(K/128)], W = weight x the scale of its 128 x 128 block (the checkpoint's names)."""
     def __init__(self, n_in, n_out, bias=False):
         super().__init__(n_in, n_out, bias=False)
+        self.register_parameter("weight_scale_inv", None)                           # None: not FP8
 
-    def forward(self, x):
-        return K.linear(x, self.weight)
+    def forward(self, x, residual=None):
+        return K.linear(x, self.weight, residual, scale=self.weight_scale_inv)
 
 
 class RMSNorm(nn.Module):
@@ -269,6 +303,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return (K.plain_rms_norm if self.plain else K.rms_norm)(x, self.weight, self.eps)
+
+
+def project(x, mod, attr, *linears):
+    """What the linears (all reading x) compute: views of one GEMM where fuse_projections fused them as
+    mod.<attr> (its block scales mod.<attr>_scale, or None), else one GEMM each."""
+    if not hasattr(mod, attr):
+        return [l(x) for l in linears]
+    y = K.linear(x, getattr(mod, attr), scale=getattr(mod, attr + "_scale"))
+    return y.split([l.weight.shape[0] for l in linears], -1)
 
 
 @dataclass
@@ -308,11 +351,7 @@ class Attention(nn.Module):
 
     def forward(self, x, ctx):
         B, T, _ = x.shape
-        if hasattr(self, "qkv"):  # fused after loading: one GEMM, views of its output
-            kv_dim = self.nkv * self.hd
-            qg, k, v = K.linear(x, self.qkv).split([2 * self.nh * self.hd, kv_dim, kv_dim], -1)
-        else:
-            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg, k, v = project(x, self, "qkv", self.q_proj, self.k_proj, self.v_proj)  # fused after loading
         qg = qg.view(B, T, self.nh, 2 * self.hd)                                     # per head [query | gate]
         k, v = k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         k_cache, v_cache = ctx.state.kv[self.layer_id]
@@ -353,10 +392,11 @@ class GatedDeltaNet(nn.Module):
         st = ctx.state
         c = self.cfg
         if hasattr(self, "in_proj"):  # fused after loading: one GEMM, views of its output
-            mixed, z, b, a = K.linear(x, self.in_proj).split(
-                [c.conv_dim, c.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
-        else:
-            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            mixed, z, b, a = project(x, self, "in_proj", self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                     self.in_proj_a)
+        else:  # FP8: qkv | z (FP8) and b | a (bf16) fused apart, as vLLM does; or not fused
+            mixed, z = project(x, self, "in_proj_qkvz", self.in_proj_qkv, self.in_proj_z)
+            b, a = project(x, self, "in_proj_ba", self.in_proj_b, self.in_proj_a)
         # mixed [B, T, C] pre-conv inputs; z [B, T, value_dim] output gate; a, b [B, T, H_v] raw decay / beta
         z = z.reshape(B, T, -1, c.linear_value_head_dim)
         # a verify passes n_keep = zeros (ctx.no_write): the states stay; commit() advances them afterwards
@@ -400,7 +440,7 @@ class MLP(nn.Module):
     def forward(self, x, residual=None):
         """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM]."""
         if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation
-            return K.linear(K.silu_mul(K.linear(x, self.gate_up)), self.down_proj.weight, residual)
+            return self.down_proj(K.silu_mul(K.linear(x, self.gate_up, scale=self.gate_up_scale)), residual)
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return y if residual is None else residual + y
 
@@ -415,6 +455,8 @@ class MoE(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # [E, 2I, H]: gate rows, up rows
         self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))         # [E, H, I]
+        for name in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):  # FP8: fp32 scales (declare_fp8)
+            self.experts.register_parameter(name, None)
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1, bias=False)
 
@@ -426,12 +468,15 @@ class MoE(nn.Module):
             E, I = self.experts.gate_up_proj.shape[0], self.shared_expert.down_proj.weight.shape[1]
             logits, sg, gu = K.linear(x, self.router_shared).split([E, 1, 2 * I], -1)
             shared = self.shared_expert.down_proj(K.silu_mul(gu))
-        else:
-            logits, sg, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
+        else:  # FP8: router | shared gate (bf16) fused apart from the shared expert (FP8); or not fused
+            logits, sg = project(x, self, "router_gate", self.gate, self.shared_expert_gate)
+            shared = self.shared_expert(x)
         w, idx = K.moe_route(logits, self.top_k)
         res = None if residual is None else residual.reshape(-1, shape[-1])
-        experts = self.experts
-        return K.moe_experts(x, w, idx, experts.gate_up_proj, experts.down_proj, shared, sg, res).view(shape)
+        ex = self.experts
+        y = K.moe_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, shared, sg, res,
+                          gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv)
+        return y.view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -494,8 +539,7 @@ class Qwen36(nn.Module):
         return (self.norm(x), aux) if taps else self.norm(x)
 
     def logits(self, h):
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return K.linear(h, w).float()
+        return (K.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)).float()
 
     def commit(self, ctx, n_keep):
         """Bring every GDN layer's state to the end of the accepted prefix of the last verify."""
@@ -508,25 +552,46 @@ def fuse_projections(model):
     """For inference: concatenate the projections that read the same input (GDN in_proj_qkv/z/b/a, attention
     q/k/v, MLP gate/up; MoE router, shared-expert gate and shared expert gate/up) into one weight each; the
     original parameters become views of it, so nothing is stored twice. A decode step then launches one GEMM
-    where it launched four, three or two (MoE: four small GEMMs, which are launch-bound, become one)."""
+    where it launched four, three or two (MoE: four small GEMMs, which are launch-bound, become one).
+    Only projections of one kind fuse: unquantized ones, or FP8 ones of whole 128-row blocks (their block
+    scales then concatenate too). So in an FP8 model GDN's qkv | z (FP8) and b | a (bf16) fuse apart, as in
+    vLLM, and so do the MoE's router | shared-expert gate (bf16) and the shared expert's gate | up (FP8);
+    projections that cannot fuse stay apart (the forwards run them one by one)."""
     def fuse(mod, attr, linears):
+        B = K.FP8_BLOCK
+        scales = [getattr(l, "weight_scale_inv", None) for l in linears]          # drafters: nn.Linear
+        fp8 = scales[0] is not None
+        if any((s is not None) != fp8 for s in scales):
+            return False
+        if fp8 and any(l.weight.shape[0] % B for l in linears):  # a block would straddle two parts
+            return False
         w = torch.cat([l.weight for l in linears])
+        s = torch.cat(scales) if fp8 else None
         setattr(mod, attr, w)
+        setattr(mod, attr + "_scale", s)
         at = 0
         for l in linears:
             n = l.weight.shape[0]
             l.weight = nn.Parameter(w[at:at + n], requires_grad=False)
+            if fp8:
+                l.weight_scale_inv = nn.Parameter(s[at // B:(at + n) // B], requires_grad=False)
             at += n
+        return True
     in_moe = set()
     for m in model.modules():  # parents before children: a MoE's shared expert is fused with its router
         if isinstance(m, GatedDeltaNet):
-            fuse(m, "in_proj", [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+            parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+            if not fuse(m, "in_proj", parts):
+                fuse(m, "in_proj_qkvz", parts[:2])
+                fuse(m, "in_proj_ba", parts[2:])
         elif isinstance(m, Attention) or (isinstance(m, Qwen3Attention) and m.q_proj.bias is None):
             fuse(m, "qkv", [m.q_proj, m.k_proj, m.v_proj])
         elif isinstance(m, MoE):
             se = m.shared_expert
-            fuse(m, "router_shared", [m.gate, m.shared_expert_gate, se.gate_proj, se.up_proj])
-            in_moe.add(id(se))
+            if fuse(m, "router_shared", [m.gate, m.shared_expert_gate, se.gate_proj, se.up_proj]):
+                in_moe.add(id(se))
+            else:
+                fuse(m, "router_gate", [m.gate, m.shared_expert_gate])
         elif isinstance(m, MLP) and id(m) not in in_moe:
             fuse(m, "gate_up", [m.gate_proj, m.up_proj])
     return model
@@ -1067,11 +1132,18 @@ def qwen3_fields(d, where):
 
 
 def read_config(path, what):
+    """A drafter's config.json; a quantized drafter (FP8 or other) is refused: drafters run unquantized."""
     f = os.path.join(str(path), "config.json")
     if not os.path.isfile(f):
         raise ConfigError(f"{what} {path}: no config.json (expected a Hugging Face checkpoint directory)")
     with open(f) as fh:
-        return json.load(fh)
+        top = json.load(fh)
+    for c in (top, top.get("text_config") or {}, top.get("transformer_layer_config") or {}):
+        if c.get("quantization_config"):
+            method = c["quantization_config"].get("quant_method")
+            raise ConfigError(f"{what} {path} is quantized (quant_method {method!r}); specdec runs drafters "
+                              "unquantized, in the target's dtype: use the drafter's bf16 checkpoint")
+    return top
 
 
 def block_layout(top, method, path):
@@ -3328,8 +3400,9 @@ def checkpoint_sources(files, rename=lambda n: n):
 def load_weights(module, sources, dtype, device, where):
     """The one loader: fill a module built on the meta device from sources {our parameter name: (checkpoint
     name, read())}. Every parameter must be found with its shape and every source used, else a ConfigError
-    names the tensor. Floating tensors become `dtype` (the GDN decay A_log stays fp32; integer ones such as
-    d2t keep theirs); RoPE frequencies are computed on the device."""
+    names the tensor. Floating tensors become `dtype` (the GDN decay A_log and FP8 block scales become fp32,
+    FP8 weights stay float8_e4m3fn; integer ones such as d2t keep theirs); RoPE frequencies are computed on
+    the device."""
     want = dict(module.named_parameters())
     for m in sources:
         if m not in want:
@@ -3350,7 +3423,12 @@ def load_weights(module, sources, dtype, device, where):
         if tuple(t.shape) != tuple(p.shape):
             raise ConfigError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} "
                               f"({where})")
-        keep = torch.float32 if m.endswith("A_log") else dtype if t.is_floating_point() else t.dtype
+        if (t.dtype == FP8) != (p.dtype == FP8):  # declare_fp8 made p FP8 where the scales are
+            raise ConfigError(f"tensor {name!r} is {t.dtype} " + ("without block scales (no _scale_inv "
+                              "beside it)" if t.dtype == FP8 else "but has block scales: FP8 weights are "
+                              "torch.float8_e4m3fn") + f" ({where})")
+        keep = (FP8 if p.dtype == FP8 else torch.float32 if m.endswith(("A_log", "_scale_inv"))
+                else dtype if t.is_floating_point() else t.dtype)
         mod, _, leaf = m.rpartition(".")
         module.get_submodule(mod)._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=keep),
                                                                     requires_grad=False)
@@ -3378,15 +3456,17 @@ def internal_name(name, where):
 
 def stack_experts(sources, num_experts, where):
     """Per-expert MoE tensors (experts.{e}.{gate,up,down}_proj.weight) become sources of the fused layout:
-    gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]."""
+    gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]. FP8 checkpoints: their
+    weight_scale_inv likewise, gate_up_proj_scale_inv [E, 2 ceil(I/128), ceil(H/128)] (gate's blocks, then
+    up's: K.moe_experts' layout for any I) and down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]."""
     parts = {}
     for m in list(sources):
-        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", m)
+        hit = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?", m)
         if hit:
-            parts.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = sources.pop(m)[1]
+            parts.setdefault((hit[1], hit[4] or ""), {})[(int(hit[2]), hit[3])] = sources.pop(m)[1]
     E = num_experts
-    for prefix, p in parts.items():
-        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down")
+    for (prefix, scale), p in parts.items():
+        missing = [f"{prefix}.{e}.{w}_proj.weight{scale}" for e in range(E) for w in ("gate", "up", "down")
                    if (e, w) not in p]
         if missing:
             raise ConfigError(f"missing tensor {missing[0]!r} in {where}")
@@ -3396,13 +3476,87 @@ def stack_experts(sources, num_experts, where):
 
         def down(p=p):
             return torch.stack([p[(e, "down")]() for e in range(E)])
-        sources[prefix + ".gate_up_proj"] = (prefix + ".gate_up_proj", gate_up)
-        sources[prefix + ".down_proj"] = (prefix + ".down_proj", down)
+        for name, read in ((f"{prefix}.gate_up_proj{scale}", gate_up), (f"{prefix}.down_proj{scale}", down)):
+            sources[name] = (name, read)
     return sources
 
 
-def load_model(path, dtype, device, want_mtp=False):
-    """Build the model from a checkpoint directory or .gguf file -> (model, ModelConfig, Tokenizer)."""
+# -- Block-FP8 weights: Qwen's FP8 checkpoints as they are, or --quantization fp8 at load ---------------
+# A weight P in FP8 is float8_e4m3fn with a parameter P_scale_inv beside it (fp32): a Linear's weight and
+# weight_scale_inv, the routed experts' gate_up_proj / down_proj and their *_scale_inv (stack_experts). Qwen's
+# files keep embed_tokens, lm_head, the norms, GDN's conv1d, A_log, dt_bias, in_proj_a and in_proj_b (48 or 32
+# rows: less than a block), the router mlp.gate, shared_expert_gate and mtp.fc unquantized; --quantization fp8
+# quantizes what they quantize (FP8_WEIGHTS). The KV caches and GDN states stay in the model dtype.
+
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+               "up_proj", "down_proj")
+FP8_WEIGHTS = tuple(f".{n}.weight" for n in FP8_LINEARS) + (".experts.gate_up_proj", ".experts.down_proj")
+QUANTIZATIONS = ("fp8",)  # --quantization (vLLM's flag); none: the checkpoint's own
+
+
+def quantize_weight(name, w):
+    """K.fp8_quantize(w) -> (e4m3 weight, fp32 block scales); the experts' gate_up_proj [E, 2I, H] by halves,
+    so that its scales are gate's blocks, then up's (K.moe_experts' layout, for any I)."""
+    if not name.endswith("gate_up_proj"):
+        return K.fp8_quantize(w)
+    (qg, sg), (qu, su) = (K.fp8_quantize(h) for h in w.chunk(2, -2))
+    return torch.cat([qg, qu], -2), torch.cat([sg, su], -2)
+
+
+def quantize_fp8(model):
+    """--quantization fp8 on a model already in memory (bench.py's random weights): each FP8_WEIGHTS
+    parameter in turn becomes block-FP8 on its device, its scale a parameter beside it. Before
+    fuse_projections."""
+    for name in [n for n, _ in model.named_parameters() if n.endswith(FP8_WEIGHTS)]:
+        mod, _, leaf = name.rpartition(".")
+        m = model.get_submodule(mod)
+        q, scale = quantize_weight(name, m._parameters[leaf])
+        m._parameters[leaf] = nn.Parameter(q, requires_grad=False)
+        m._parameters[leaf + "_scale_inv"] = nn.Parameter(scale, requires_grad=False)
+    return model
+
+
+def quantized_sources(sources, device):
+    """--quantization fp8 at load: each FP8_WEIGHTS source is read, moved to the device and quantized there
+    when the loader comes to it (one weight at a time: the unquantized model is never whole in memory); its
+    scale becomes the source of <name>_scale_inv."""
+    for m in [m for m in sources if m.endswith(FP8_WEIGHTS)]:
+        name, read = sources[m]
+        q = functools.cache(lambda m=m, read=read: quantize_weight(m, read().to(device)))
+        sources[m] = (name, lambda q=q: q()[0])
+        sources[m + "_scale_inv"] = (name + "_scale_inv", lambda q=q: q()[1])
+    return sources
+
+
+def declare_fp8(model, sources, not_convert, where):
+    """Before loading, on the meta model: each weight P whose P_scale_inv is among the sources, where its
+    module has room for one (a Linear, the routed experts), becomes float8_e4m3fn with an fp32 P_scale_inv
+    [..., ceil(N/128), ceil(K/128)] (gate_up_proj: 2 ceil(I/128) rows, gate's then up's). The scales decide;
+    a module that the checkpoint's modules_to_not_convert lists must have none. Its entries name whole modules
+    (model.language_model.layers.0.mlp.gate): a substring match lets the router `mlp.gate` swallow
+    `mlp.gate_proj`, whose scales are then lost."""
+    B = K.FP8_BLOCK
+    listed = {e.removeprefix("model.language_model.").removeprefix("model.") for e in not_convert}
+    for name, p in list(model.named_parameters()):
+        mod, _, leaf = name.rpartition(".")
+        m = model.get_submodule(mod)
+        if name + "_scale_inv" not in sources or leaf + "_scale_inv" not in m._parameters:
+            continue
+        if mod in listed:
+            raise ConfigError(f"{where}: {mod!r} is listed in modules_to_not_convert, but the checkpoint has "
+                              f"FP8 scales for it ({sources[name + '_scale_inv'][0]!r})")
+        *lead, N, Kd = p.shape
+        rows = 2 * -(-N // 2 // B) if leaf == "gate_up_proj" else -(-N // B)
+        weight = torch.empty(p.shape, dtype=FP8, device="meta")
+        scale = torch.empty(*lead, rows, -(-Kd // B), device="meta")                # fp32
+        m._parameters[leaf] = nn.Parameter(weight, requires_grad=False)
+        m._parameters[leaf + "_scale_inv"] = nn.Parameter(scale, requires_grad=False)
+    return model
+
+
+def load_model(path, dtype, device, want_mtp=False, quantization=None):
+    """Build the model from a checkpoint directory or .gguf file -> (model, ModelConfig, Tokenizer).
+    quantization "fp8": block-FP8 weights quantized at load (an FP8 checkpoint loads as FP8 without it)."""
     if str(path).endswith(".gguf"):
         cfg, tensors, tok = read_gguf_model(path, dtype)
         sources = {internal_name(n, path): (n, functools.partial(tensors.__getitem__, n)) for n in tensors}
@@ -3421,7 +3575,14 @@ def load_model(path, dtype, device, want_mtp=False):
     with torch.device("meta"):
         model = Qwen36(cfg, with_mtp=has_mtp)
     sources = stack_experts(sources, cfg.num_experts, path)
-    return fuse_projections(load_weights(model, sources, dtype, device, path)), cfg, tok
+    if quantization == "fp8" and cfg.quantization is None:
+        sources = quantized_sources(sources, device)
+    if quantization == "fp8" or cfg.quantization == "fp8":
+        declare_fp8(model, sources, cfg.modules_to_not_convert, path)
+    model = fuse_projections(load_weights(model, sources, dtype, device, path))
+    if quantization and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # free the unquantized weights' blocks: memory_budget counts what is held
+    return model, cfg, tok
 
 
 # ==============================================================================================
@@ -3881,9 +4042,9 @@ def generation_defaults(model, generation_config="auto", override=None):
 class LLM:
     """vLLM's offline API: LLM(model, **engine_args), then generate / chat (RequestOutputs with Logprob
     objects), get_tokenizer, get_metrics (vLLM's metric objects). The engine arguments have vLLM's names (an
-    unknown one is a TypeError, as in vLLM); tensor_parallel_size and quantization are accepted at their
-    neutral values only (not yet implemented), trust_remote_code is accepted and changes nothing (specdec runs
-    no checkpoint code)."""
+    unknown one is a TypeError, as in vLLM); quantization="fp8" quantizes the weights at load (an FP8
+    checkpoint is FP8 without it); tensor_parallel_size is accepted at 1 only (not yet implemented),
+    trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code)."""
 
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
@@ -3893,9 +4054,11 @@ class LLM:
         if tensor_parallel_size not in (None, 1):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
                               "parallelism is not supported yet; specdec runs the model on one device")
-        if quantization not in (None, "None", "none"):
-            raise ConfigError(f"quantization={quantization!r} (--quantization) is not supported yet; specdec "
-                              "runs a checkpoint in its own dtype (GGUF files are dequantised at load)")
+        quantization = None if quantization in ("None", "none") else quantization
+        if quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(f"quantization={quantization!r} (--quantization) is not supported; specdec "
+                              "supports fp8 (block-wise FP8 weights, quantized at load) or none (the "
+                              "checkpoint's own: unquantized, Qwen's FP8, or GGUF dequantised at load)")
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_num_seqs < 1:
@@ -3910,7 +4073,8 @@ class LLM:
         self.default_sampling = generation_defaults(model, generation_config, override_generation_config)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         want_mtp = spec is not None and spec.method == "mtp"
-        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp=want_mtp)
+        self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp,
+                                                          quantization)
         want = None if max_model_len in (None, "auto", -1) else max_model_len
         if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
             raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")
@@ -4179,7 +4343,9 @@ def add_engine_args(ap):
     ap.add_argument("--override-generation-config", default=None,
                     help="JSON object over the generation config, e.g. '{\"temperature\": 0.6}'")
     ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="not supported yet (only 1)")
-    ap.add_argument("-q", "--quantization", default=None, help="not supported yet")
+    ap.add_argument("-q", "--quantization", default=None, help="fp8: block-wise FP8 weights (128 x 128 "
+                    "blocks, as Qwen's FP8 checkpoints), quantized at load; default: the checkpoint's own "
+                    "(an FP8 checkpoint loads as FP8)")
     ap.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; it "
                     "changes nothing: specdec never runs code from a checkpoint")
 

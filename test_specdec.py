@@ -184,12 +184,29 @@ def make_predictable(w, cfg, seed):
     return w
 
 
+def save_tensors(path, w, shards=1):
+    """model.safetensors, or `shards` model-*-of-*.safetensors with model.safetensors.index.json."""
+    from safetensors.torch import save_file
+    names = sorted(w)
+    if shards == 1:
+        save_file({k: w[k].contiguous() for k in names}, os.path.join(path, "model.safetensors"))
+        return
+    index = {}
+    for s in range(shards):
+        part = names[s::shards]
+        f = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: w[k].contiguous() for k in part}, os.path.join(path, f))
+        index.update({k: f for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": index}, fh)
+
+
 def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, shards=1, per_expert=False, seed=0,
-                          tokenizer=True, extra=None, drop=None, predictable=False):
+                          tokenizer=True, extra=None, drop=None, predictable=False, sizes=None):
     """Write config.json, generation_config.json, tokenizer files and safetensors in the published layout:
     `wrapper` = multimodal Qwen3_5ForConditionalGeneration names (model.language_model.*, a vision tower
-    that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*). `predictable`: make_predictable."""
-    from safetensors.torch import save_file
+    that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*). `predictable`: make_predictable.
+    `sizes`: text_config entries over tiny_text_config's."""
     os.makedirs(path, exist_ok=True)
     tok_vocab = 0
     if tokenizer:
@@ -199,7 +216,7 @@ def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, sh
         with open(os.path.join(path, "tokenizer.json")) as fh:
             tj = json.load(fh)
         tok_vocab = len(tj["model"]["vocab"]) + len(tj["added_tokens"])
-    text = tiny_text_config(moe, tie, mtp, vocab=max(1024, (tok_vocab + 63) // 64 * 64))
+    text = {**tiny_text_config(moe, tie, mtp, vocab=max(1024, (tok_vocab + 63) // 64 * 64)), **(sizes or {})}
     if tokenizer:
         ids = {t["content"]: t["id"] for t in tj["added_tokens"]}
         text["eos_token_id"] = ids["<|endoftext|>"]
@@ -222,18 +239,7 @@ def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, sh
     if tokenizer:
         with open(os.path.join(path, "generation_config.json"), "w") as fh:
             json.dump({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": True}, fh)
-    names = sorted(w)
-    if shards == 1:
-        save_file({k: w[k].contiguous() for k in names}, os.path.join(path, "model.safetensors"))
-    else:
-        index = {}
-        for s in range(shards):
-            part = names[s::shards]
-            f = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-            save_file({k: w[k].contiguous() for k in part}, os.path.join(path, f))
-            index.update({k: f for k in part})
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-            json.dump({"metadata": {}, "weight_map": index}, fh)
+    save_tensors(path, w, shards)
     return path
 
 
@@ -1537,6 +1543,257 @@ def test_gguf_mtp_greedy_lossless_and_refusals(tiny_spec, tmp_path):
 
 
 # ==============================================================================================
+# FP8 weights: Qwen's block-FP8 checkpoints as they are, and --quantization fp8
+# ==============================================================================================
+
+# The linears Qwen's FP8 files quantize (attention, GDN in_proj_qkv / in_proj_z / out_proj, MLP, shared expert,
+# routed experts per expert or fused, the MTP layer's); the rest stays unquantized (pitfalls.md §1)
+FP8_TENSOR = re.compile(r".*\.((q|k|v|o|gate|up|down)_proj|in_proj_(qkv|z)|out_proj)\.weight"
+                        r"|.*\.experts\.(gate_up|down)_proj")
+FP8_BLOCKS = dict(head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=128,
+                  shared_expert_intermediate_size=128)  # sizes whose FP8 projections fill whole 128-row blocks
+
+
+def read_tensors(path):
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(path, f)).items()}
+
+
+def rewrite(src, dst, tensors, quant, shards=1):
+    """A copy of checkpoint src (config, tokenizer) with these tensors and quantization_config (None: none)."""
+    import shutil
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    save_tensors(dst, tensors, shards)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg.pop("quantization_config", None)
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    return dst
+
+
+def to_fp8(src, dst, scale_dtype=torch.bfloat16, shards=1, keep=()):
+    """Checkpoint src in Qwen's published FP8 layout: FP8_TENSOR as e4m3 + weight_scale_inv by K.fp8_quantize
+    (scales in scale_dtype: bf16 as Qwen's files, fp32 as some exports; a fused gate_up_proj by halves, gate's
+    block rows then up's), the rest as it was; quantization_config with the per-layer modules_to_not_convert of
+    what stays unquantized. It lists `layers.i.mlp.gate` next to FP8 `layers.i.mlp.gate_proj` (the router's name:
+    the 35B's lists have it; dense layers get it too), which a substring match takes for gate_proj. `keep`: more
+    entries for the list."""
+    out, listed = {}, set(keep)
+    for n, t in read_tensors(src).items():
+        if not FP8_TENSOR.fullmatch(n):
+            out[n] = t
+            listed.add(n.removesuffix(".weight"))
+            continue
+        halves = t.chunk(2, -2) if n.endswith("gate_up_proj") else [t]
+        qs = [K.fp8_quantize(h) for h in halves]
+        out[n] = torch.cat([q for q, _ in qs], -2)
+        out[n + "_scale_inv"] = torch.cat([s for _, s in qs], -2).to(scale_dtype)
+        if n.endswith("mlp.gate_proj.weight"):
+            listed.add(n.replace("gate_proj.weight", "gate"))
+    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+             "modules_to_not_convert": sorted(listed)}
+    return rewrite(src, dst, out, quant, shards)
+
+
+def blockwise(q, s):
+    """q [..., N, K] e4m3 times the scale of its 128 x 128 block, s [..., ceil(N/128), ceil(K/128)]: fp32, exact."""
+    N, Kd = q.shape[-2:]
+    return q.float() * s.float().repeat_interleave(128, -2)[..., :N, :].repeat_interleave(128, -1)[..., :Kd]
+
+
+def dequantized(fp8, dst):
+    """The unquantized model an FP8 checkpoint stands for: each e4m3 weight times the scale of its block (a fused
+    gate_up_proj by halves), no scales, no quantization_config."""
+    w = read_tensors(fp8)
+    out = {}
+    for n, t in w.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out[n] = t
+            continue
+        halves = 2 if n.endswith("gate_up_proj") else 1
+        parts = zip(t.chunk(halves, -2), w[n + "_scale_inv"].chunk(halves, -2))
+        out[n] = torch.cat([blockwise(q, s) for q, s in parts], -2)
+    return rewrite(fp8, dst, out, None)
+
+
+FP8_KINDS = ["dense", "dense-blocks-text-sharded", "moe-per-expert", "moe-blocks-fp32-scales"]
+FUSED = ("in_proj", "in_proj_qkvz", "in_proj_ba", "qkv", "gate_up", "router_shared", "router_gate")
+
+
+def unfuse(model):
+    """Undo fuse_projections: the projections' own weights (views of the fused ones) are used again."""
+    for m in model.modules():
+        for attr in FUSED:
+            if hasattr(m, attr):
+                delattr(m, attr)
+                delattr(m, attr + "_scale")
+    return model
+
+
+@pytest.mark.parametrize("kind", FP8_KINDS)
+def test_fp8_checkpoint_logits_equal_dequantized(kind, tmp_path):
+    """A checkpoint in Qwen's FP8 layout (to_fp8) loads as FP8 and computes what the unquantized model of its
+    dequantized weights computes (fp32 math): max abs logit difference <= 1e-5, prefill and decode (measured 0:
+    the same GEMMs). Compared unfused: each model fuses what its kinds allow (FP8: qkv | z and b | a apart, ...),
+    and other GEMM widths round differently on the CPU (measured 1e-5 to 2.5e-5 on logits up to ~10). Fused,
+    the FP8 model gives its unfused logits to fp32 rounding (<= 1e-5 x the largest). "blocks": sizes where every
+    FP8 projection fuses (GDN qkv | z, attention q | k | v, MLP and shared-expert gate | up), else some stay
+    apart."""
+    moe, blocks = kind.startswith("moe"), "blocks" in kind
+    src = write_tiny_checkpoint(str(tmp_path / "src"), moe=moe, wrapper="text" not in kind, seed=4,
+                                per_expert="per-expert" in kind, sizes=FP8_BLOCKS if blocks else None)
+    scale = torch.float32 if "fp32" in kind else torch.bfloat16
+    fp8 = to_fp8(src, str(tmp_path / "fp8"), scale, shards=2 if "sharded" in kind else 1)
+    llm, ref = LLM(model=fp8, device="cpu"), LLM(model=dequantized(fp8, str(tmp_path / "deq")), device="cpu")
+    m = llm.model
+    gdn, attn, mlp = m.layers[0].linear_attn, m.layers[3].self_attn, m.layers[0].mlp
+    assert gdn.in_proj_qkv.weight.dtype == sd.FP8 and gdn.in_proj_qkv.weight_scale_inv.dtype == torch.float32
+    assert gdn.in_proj_a.weight.dtype == torch.float32 and hasattr(gdn, "in_proj_ba")  # kept, and fused apart
+    assert m.mtp.layers[0].self_attn.o_proj.weight.dtype == sd.FP8 and m.mtp.fc.weight.dtype == torch.float32
+    if moe:
+        assert mlp.experts.gate_up_proj.dtype == sd.FP8 and mlp.gate.weight.dtype == torch.float32
+        assert mlp.shared_expert.gate_proj.weight.dtype == sd.FP8 and hasattr(mlp, "router_gate")
+    assert blocks == hasattr(gdn, "in_proj_qkvz") == hasattr(attn, "qkv")
+    assert hasattr(mlp.shared_expert if moe else mlp, "gate_up") == (blocks or not moe)  # moe: I = 32 < a block
+    ids = torch.randint(0, llm.cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    fused = {mode: our_logits(llm, ids, mode) for mode in ("prefill", "decode")}
+    unfuse(llm.model)
+    unfuse(ref.model)
+    for mode in ("prefill", "decode"):
+        ours = our_logits(llm, ids, mode)
+        assert (ours - our_logits(ref, ids, mode)).abs().max() <= 1e-5, mode
+        assert (fused[mode] - ours).abs().max() <= 1e-5 * ours.abs().max(), mode
+
+
+@pytest.fixture(scope="module")
+def fp8_target(ckpts, tmp_path_factory):
+    """ckpts' target (make_predictable) in the FP8 layout: the drafters built for it (same embeddings, lm_head and
+    final norm, which stay unquantized) draft for it too; and its spec-off greedy outputs."""
+    d = tmp_path_factory.mktemp("fp8")
+    fp8 = to_fp8(ckpts["target"], str(d / "fp8"))
+    ref = LLM(model=fp8, device="cpu").generate(SPEC_PROMPTS[:3], GREEDY)
+    return fp8, [o.outputs[0].token_ids for o in ref]
+
+
+FP8_SPEC = {"mtp": (None, {"method": "mtp", "num_speculative_tokens": 3}),
+            "ngram": (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+            "draft_model": ("qwen3_draft", {"method": "draft_model", "num_speculative_tokens": 3}),
+            "draft_hybrid": ("hybrid_draft", {"method": "draft_model", "num_speculative_tokens": 2}),
+            "dflash": ("dflash", {"method": "dflash", "num_speculative_tokens": 3}),
+            "dspark": ("dspark", {"method": "dspark", "num_speculative_tokens": 4})}
+
+
+@pytest.mark.parametrize("name", list(FP8_SPEC))
+def test_fp8_greedy_spec_equals_plain(name, ckpts, fp8_target):
+    """Greedy speculation on an FP8 target (its MTP head FP8 too) gives exactly its output without speculation,
+    batch 1 and a batch of 3 prompts, every method; and drafts get accepted (multi-token steps)."""
+    fp8, ref = fp8_target
+    key, cfg = FP8_SPEC[name]
+    llm = LLM(model=fp8, device="cpu", speculative_config={**cfg, "model": ckpts[key]} if key else cfg)
+    assert llm.generate(SPEC_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == ref[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:3], GREEDY)] == ref
+    assert llm.engine.stats.mean_acceptance_length >= 1.5, llm.engine.stats
+
+
+def test_fp8_mtp_head_drafts_as_dequantized(fp8_target, tmp_path):
+    """The FP8 MTP layer drafts what its dequantized weights draft: the same tokens accepted at each position."""
+    fp8, _ = fp8_target
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    runs = []
+    for path in (fp8, dequantized(fp8, str(tmp_path / "deq"))):
+        llm = LLM(model=path, device="cpu", speculative_config=spec)
+        out = llm.generate(SPEC_PROMPTS[:2], GREEDY)
+        runs.append(([o.outputs[0].token_ids for o in out], llm.engine.stats.accepted_per_pos))
+    assert runs[0] == runs[1] and runs[0][1][1] > 0
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_quantization_fp8_at_load_equals_fp8_checkpoint(moe, tmp_path):
+    """--quantization fp8 on an unquantized checkpoint is the FP8 checkpoint K.fp8_quantize makes of the same
+    weights (fp32 scales: as they are in memory): the same logits, bit for bit; the same flag on that FP8
+    checkpoint changes nothing. The KV caches and GDN states stay in the model dtype."""
+    src = write_tiny_checkpoint(str(tmp_path / "src"), moe=moe, sizes=FP8_BLOCKS if moe else None, seed=6)
+    fp8 = to_fp8(src, str(tmp_path / "fp8"), torch.float32)
+    llms = [LLM(model=src, device="cpu", quantization="fp8"), LLM(model=fp8, device="cpu"),
+            LLM(model=fp8, device="cpu", quantization="fp8")]
+    ids = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = [our_logits(llm, ids, "prefill") for llm in llms]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    m, st = llms[0].model, llms[0].engine.runner.state
+    assert m.layers[0].linear_attn.out_proj.weight.dtype == sd.FP8 and m.embed_tokens.weight.dtype == torch.float32
+    assert st.kv[3][0].dtype == st.conv[0].dtype == torch.float32 and st.rec[0].dtype == torch.float32
+
+
+def test_bench_random_model_fp8():
+    """bench.py --random-weights --quantization fp8: the FP8_WEIGHTS in FP8, the rest as made; logits near the
+    unquantized model's (block-FP8 keeps ~2 significant digits per weight)."""
+    cpu = torch.device("cpu")
+    plain, cfg = bench.random_model("tiny", torch.float32, cpu)
+    fp8, _ = bench.random_model("tiny", torch.float32, cpu, quantization="fp8")
+    params = dict(fp8.named_parameters())
+    for n, p in plain.named_parameters():
+        assert (params[n].dtype == sd.FP8) == n.endswith(sd.FP8_WEIGHTS) == (n + "_scale_inv" in params), n
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = []
+    for m in (plain, fp8):
+        st = sd.State(cfg, 1, 16, torch.float32, "cpu")
+        with torch.inference_mode():
+            out.append(m.logits(m(ids, sd.Ctx(st, torch.arange(1), torch.zeros(1, dtype=torch.long), 12, "prefill"))))
+    assert ((out[1] - out[0]).norm() / out[0].norm()).item() < 0.05
+    ws = bench.linear_weights(fp8, 0)                                              # what a decode step reads
+    assert {w.dtype for w in ws} == {sd.FP8, torch.float32} and sum(w.numel() for w in ws) == \
+        sum(w.numel() for w in bench.linear_weights(plain, 0))
+
+
+QUANT_REFUSALS = [
+    ({"quant_method": m}, f"unsupported quantization: quant_method '{m}'; specdec loads unquantized checkpoints and "
+                          "Qwen's block-FP8 ones")
+    for m in ("compressed-tensors", "awq", "gptq", "modelopt", "bitsandbytes", "mxfp4")] + [
+    ({"fmt": "e5m2"}, "unsupported FP8 format fmt='e5m2'; only e4m3 is implemented"),
+    ({"weight_block_size": [64, 64]}, r"unsupported FP8 weight_block_size \[64, 64\]; only \[128, 128\] blocks"),
+    ({"weight_block_size": None}, "unsupported FP8 weight_block_size None"),
+    ({"activation_scheme": "static"}, "unsupported FP8 activation_scheme 'static'; only dynamic is implemented")]
+
+
+def test_fp8_refusals(tiny, ckpts, fp8_target, tmp_path):
+    """Each refusal is one ConfigError line naming what was found: another quant_method or FP8 variant (config.json
+    alone), a module modules_to_not_convert lists that has FP8 scales, an e4m3 weight without its scales, a
+    quantized drafter, another --quantization value (LLM, CLI)."""
+    fp8, _ = fp8_target
+    base = json.load(open(os.path.join(fp8, "config.json")))
+    for i, (edit, msg) in enumerate(QUANT_REFUSALS):
+        os.makedirs(d := str(tmp_path / f"c{i}"))
+        quant = {**base["quantization_config"], **edit}
+        json.dump({**base, "quantization_config": {k: v for k, v in quant.items() if v is not None}},
+                  open(os.path.join(d, "config.json"), "w"))
+        with pytest.raises(ConfigError, match=msg):
+            LLM(model=d, device="cpu")
+    listed = to_fp8(tiny, str(tmp_path / "listed"), keep=["model.language_model.layers.0.mlp.up_proj"])
+    with pytest.raises(ConfigError, match="'layers.0.mlp.up_proj' is listed in modules_to_not_convert, but the "
+                                          "checkpoint has FP8 scales for it"):
+        LLM(model=listed, device="cpu")
+    w = read_tensors(fp8)
+    del w["model.language_model.layers.1.mlp.down_proj.weight_scale_inv"]
+    unscaled = rewrite(fp8, str(tmp_path / "unscaled"), w, base["quantization_config"])
+    with pytest.raises(ConfigError, match="tensor 'model.language_model.layers.1.mlp.down_proj.weight' is "
+                                          r"torch.float8_e4m3fn without block scales"):
+        LLM(model=unscaled, device="cpu")
+    for method, draft in (("draft_model", fp8), ("dflash", to_fp8(ckpts["dflash"], str(tmp_path / "dflash8")))):
+        spec = {"method": method, "model": draft, "num_speculative_tokens": 2}
+        with pytest.raises(ConfigError, match=f"{method}.* is quantized \\(quant_method 'fp8'\\); specdec runs "
+                                              "drafters unquantized"):
+            LLM(model=ckpts["target"], device="cpu", speculative_config=spec)
+    with pytest.raises(ConfigError, match=r"quantization='awq' \(--quantization\) is not supported; specdec "
+                                          "supports fp8"):
+        LLM(model=tiny, device="cpu", quantization="awq")
+
+
+# ==============================================================================================
 # Errors: loader and speculative config (each with its message)
 # ==============================================================================================
 
@@ -1996,6 +2253,7 @@ def test_cli_generates_with_stats_and_speculation(tiny_spec):
     (["--dtype", "int3"], "unsupported dtype"),
     (["--model", "Qwen/Qwen3.6-NotCached"], "hf download Qwen/Qwen3.6-NotCached"),
     (["--tensor_parallel_size", "2"], "tensor parallelism is not supported yet"),
+    (["-q", "gptq"], "quantization='gptq' (--quantization) is not supported; specdec supports fp8"),
 ])
 def test_cli_errors_are_one_line(args, msg, tiny):
     r = run_cli("--model", tiny, "--device", "cpu", *args)
@@ -6038,7 +6296,8 @@ def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
     assert "argument --max-model-len: invalid integer 'lots' (e.g. 4096, 32k, 32K)" in capsys.readouterr().err
     for args, msg in [(["-tp", "8"], "tensor_parallel_size=8 (--tensor-parallel-size): tensor parallelism is not "
                                      "supported yet"),
-                      (["--quantization", "fp8"], "quantization='fp8' (--quantization) is not supported yet"),
+                      (["--quantization", "awq"], "quantization='awq' (--quantization) is not supported; "
+                                                  "specdec supports fp8"),
                       (["--reasoning_parser", "deepseek_r1"], "--reasoning-parser 'deepseek_r1' is not supported"),
                       (["--tool-call-parser", "llama3_json"], "--tool-call-parser 'llama3_json' is not supported"),
                       (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),

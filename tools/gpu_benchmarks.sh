@@ -2,6 +2,7 @@
 # The H200 benchmark set behind BENCHMARKS.md, in one device call (outputs under $OUT).
 #   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
 #   bash tools/gpu_benchmarks.sh targets | drafters   (the issues' target rows at 256 tokens; retrain the toy drafters)
+#   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, bf16 beside them)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -24,6 +25,15 @@ for p in $parts; do case $p in
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
     --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":16,$SYN}" \
     --speculative-config "{$NG}" --speculative-config "{$DM}" 2>&1 | tee $OUT/bench-$p.log | grep -v '^{' ;;
+fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floor is every FP8 matrix through the FP8
+      # kernel plus the bf16 ones through cuBLAS, in one CUDA graph (bench.gemm_floor)
+  timeout 330 python3 bench.py --random-weights 27b -q fp8 --batch 1 8 --prompt-len 256 --gen-len 128 \
+    --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-fp8-27b.log | grep -v '^{'
+  timeout 100 python3 bench.py --random-weights 27b -q fp8 --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-fp8-prefill-4096.log | grep -v '^{'
+  timeout 100 python3 bench.py --random-weights 35b-a3b -q fp8 --batch 1 --prompt-len 256 --gen-len 128 2>&1 | tee $OUT/bench-fp8-35b.log | grep -v '^{'
+  timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 256 --gen-len 128 2>&1 | tee $OUT/bench-bf16-27b.log | grep -v '^{' ;;
 targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens per request (less acceptance noise)
   timeout 400 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 256 \
     --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \

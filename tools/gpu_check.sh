@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU gate: one device call on the H200, under 8 minutes. A change to kernels.py or specdec.py lands only with
+# The GPU gate: one device call on the H200, under 10 minutes. A change to kernels.py or specdec.py lands only with
 # a GPU_VERIFIED that this script wrote for exactly those files (README, "Development").
 #   bash tools/gpu_check.sh            (in the repository root on the GPU machine; logs and GPU_VERIFIED under $OUT)
 # 1. the first-run snippet: MTP on the shipped model, bf16, CUDA graphs (64 tokens);
 # 2. every `gpu` test in test_specdec.py and every kernel test, compiled for the GPU (pytest -k "gpu or kernel");
 # 3. the losslessness sweep (tools/lossless_sweep.py): every method == speculation off on the shipped model;
 # 4. losslessness at the real shapes (tools/invariance_check.py): random bf16 27B / 35B-A3B weights, speculation off
-#    batched and every model-free / random-drafter method alone and batched == speculation off alone.
+#    batched and every model-free / random-drafter method alone and batched == speculation off alone;
+# 5. FP8 weights (--quantization fp8): the sweep of 3 on the FP8 toy model, the check of 4 on the FP8 27B and 35B-A3B.
 # On success it writes GPU_VERIFIED: date, GPU, versions, the summary lines, sha256 of kernels.py and specdec.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
@@ -46,11 +47,19 @@ timeout ${INVARIANCE_TIMEOUT:-240} python3 tools/invariance_check.py > "$OUT/inv
 grep -v '^{' "$OUT/invariance.log" | tail -20
 inv=$(grep '^invariance check:' "$OUT/invariance.log")
 
+echo "== 5. FP8 weights: the sweep and the real-shape check"
+timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py -q fp8 --gen 128 > "$OUT/sweep-fp8.log" 2>&1 || ok=0
+grep -v '^{' "$OUT/sweep-fp8.log" | tail -12
+sweep8=$(grep '^lossless sweep:' "$OUT/sweep-fp8.log")
+timeout ${INVARIANCE_TIMEOUT:-240} python3 tools/invariance_check.py -q fp8 --prompts 4 --gen 32 > "$OUT/invariance-fp8.log" 2>&1 || ok=0
+grep -v '^{' "$OUT/invariance-fp8.log" | tail -20
+inv8=$(grep '^invariance check:' "$OUT/invariance-fp8.log")
+
 secs=$(( $(date +%s) - t0 ))
 summary="gpu_check: ${snippet:-snippet failed}; tests: ${tests:-none}; ${sweep:-sweep failed}; \
-${inv:-invariance check failed}; ${secs} s"
+${inv:-invariance check failed}; ${sweep8:-FP8 sweep failed}; ${inv8:-FP8 invariance check failed}; ${secs} s"
 echo "$summary"
-if [ $ok = 1 ] && [ -n "$sweep" ] && [ -n "$inv" ]; then
+if [ $ok = 1 ] && [ -n "$sweep" ] && [ -n "$inv" ] && [ -n "$sweep8" ] && [ -n "$inv8" ]; then
   { echo "GPU-verified $(date -u +%Y-%m-%dT%H:%MZ) on $gpu ($versions)"
     echo "$summary"
     echo "$hashes"; } > GPU_VERIFIED

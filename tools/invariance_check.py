@@ -55,8 +55,8 @@ def run(model, spec, prompts, gen, batch, device, dtype):
     return outs, eng.stats
 
 
-def check(name, n_prompts, gen, device, dtype, drafter_dir, log=print):
-    model, cfg = bench.random_model(name, dtype, device)
+def check(name, n_prompts, gen, device, dtype, drafter_dir, log=print, quantization=None):
+    model, cfg = bench.random_model(name, dtype, device, quantization=quantization)
     prompts = prompts_for(cfg.vocab_size, n_prompts)
     ref, _ = run(model, None, prompts, gen, 1, device, dtype)
     rows, compared, differing = {}, 0, 0
@@ -73,7 +73,7 @@ def check(name, n_prompts, gen, device, dtype, drafter_dir, log=print):
             compared += toks
             differing += len(diff)
             acc = f", mean acceptance length {stats.mean_acceptance_length:.2f}" if spec is not None else ""
-            key = f"{name} {label} batch {batch}"
+            key = f"{name}{' ' + quantization if quantization else ''} {label} batch {batch}"
             rows[key] = dict(tokens=toks, differing=diff, seconds=time.perf_counter() - t0)
             log(f"{key:32s} {len(outs)} sequences, {toks} tokens compared, {len(diff)} differing{acc}"
                 + (f"  (prompt, first token) {diff}" if diff else ""))
@@ -89,16 +89,18 @@ def main():
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("-q", "--quantization", default=None, help="fp8: the random weights quantized (bench.random_model)")
     a = ap.parse_args()
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     rows, compared, differing = {}, 0, 0
     with tempfile.TemporaryDirectory() as d:
         for name in a.models:
-            r, c, n = check(name, a.prompts, a.gen, device, dtype, d)
+            r, c, n = check(name, a.prompts, a.gen, device, dtype, d, quantization=a.quantization)
             rows.update(r)
             compared += c
             differing += n
-    summary = (f"invariance check: {', '.join(a.models)} ({device.type} {str(dtype)[6:]}), {len(rows)} runs, "
+    what = f"{device.type} {str(dtype)[6:]}" + (f", {a.quantization} weights" if a.quantization else "")
+    summary = (f"invariance check: {', '.join(a.models)} ({what}), {len(rows)} runs, "
                f"{compared} tokens compared, {differing} sequences differing")
     print(summary)
     print(json.dumps(dict(summary=summary, rows=rows)))

@@ -111,8 +111,8 @@ def processor_case(prompts, gen, vocab):
     return prompts[:8] + prompts[8:12], pen + js
 
 
-def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
-    base = sd.LLM(model=os.path.join(MODELS, "toy"), device=device, dtype=dtype)
+def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print, quantization=None):
+    base = sd.LLM(model=os.path.join(MODELS, "toy"), device=device, dtype=dtype, quantization=quantization)
     tok, vocab = base.tokenizer, base.cfg.vocab_size
     prompts = make_prompts(tok, n_prompts, vocab)
     edges = [prompts[0][:n] for n in range(1, 11)]
@@ -135,7 +135,8 @@ def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
     rows, total_seqs, total_toks, total_diff = {}, 0, 0, 0
     for name, cfg in {"off": None, **methods}.items():
         t0 = time.perf_counter()
-        llm = sd.LLM(model=os.path.join(MODELS, "toy"), device=device, dtype=dtype, speculative_config=cfg)
+        llm = sd.LLM(model=os.path.join(MODELS, "toy"), device=device, dtype=dtype, speculative_config=cfg,
+                     quantization=quantization)
         got = {"alone": run(llm, prompts, full, 1), "batch8": run(llm, prompts, full, 8),
                "edges": run(llm, edges, short, 1), "stops+abort": run(llm, s_prompts, s_params, 8, abort=(7, gen // 4)),
                "processors": run(llm, p_prompts, p_params, 8)}
@@ -161,7 +162,8 @@ def sweep(device, dtype, n_prompts, gen, methods, edge_gen=64, log=print):
         log(f"{name:16s} {seqs} sequences, {toks} tokens compared, {ndiff} differing{acc}, "
             f"{rows[name]['seconds']:.1f} s" + (f"  DIFFS {diffs}" if diffs else ""))
         del llm
-    summary = (f"lossless sweep: {len(rows)} configs ({device} {dtype}), {total_seqs} sequences, {total_toks} tokens "
+    what = f"{device} {dtype}" + (f", {quantization} weights" if quantization else "")
+    summary = (f"lossless sweep: {len(rows)} configs ({what}), {total_seqs} sequences, {total_toks} tokens "
                f"compared, {total_diff} differing")
     return summary, rows, total_diff
 
@@ -174,9 +176,10 @@ def main():
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--edge-gen", type=int, default=64)
     ap.add_argument("--methods", nargs="*", default=None, help="names from METHODS (default: all)")
+    ap.add_argument("-q", "--quantization", default=None, help="fp8: the toy model's weights quantized at load")
     a = ap.parse_args()
     methods = {k: v for k, v in METHODS.items() if a.methods is None or k in a.methods}
-    summary, rows, ndiff = sweep(a.device, a.dtype, a.prompts, a.gen, methods, a.edge_gen)
+    summary, rows, ndiff = sweep(a.device, a.dtype, a.prompts, a.gen, methods, a.edge_gen, quantization=a.quantization)
     print(summary)
     print(json.dumps(dict(summary=summary, rows=rows)))
     return 1 if ndiff else 0

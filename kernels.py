@@ -276,8 +276,8 @@ def fp8_quantize(w, block=FP8_BLOCK):
 
 
 def fp8_dequantize_ref(q, scale, dtype=torch.float32):
-    """q [..., N, K] e4m3 and its block scales -> W [..., N, K] = q * scale of its block, in dtype (the product
-    is exact in fp32: 4 significant bits times a bf16 or fp32 scale)."""
+    """q [..., N, K] e4m3 and its block scales -> W [..., N, K] = q * scale of its block, in dtype (the
+    product is exact in fp32: 4 significant bits times a bf16 or fp32 scale)."""
     N, K = q.shape[-2:]
     s = scale.float().repeat_interleave(FP8_BLOCK, -2)[..., :N, :].repeat_interleave(FP8_BLOCK, -1)[..., :K]
     return (q.float() * s).to(dtype)
@@ -448,17 +448,18 @@ def _gemv_config(M, N, K, cuda, dtype):
 
 @_jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr,
-                 SCALED: tl.constexpr):
+                 BK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 RES: tl.constexpr, SCALED: tl.constexpr):
     # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or
     # part[split, row tile, N block] (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice =
     # columns k0 .. k0 + BK - 1 for k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the
     # fastest grid axis: the programs that read one weight tile run side by side (the repeats come from L2).
-    # SCALED (FP8 weights, BM = 16 for every M): BN and BK divide 128, so a tile lies in one 128 x 128 block of
-    # the scale s [*, KB]; the tile's fp32 partial sums are multiplied by it (one fma) as they join the
-    # accumulator. The e4m3 values become fp16 (one instruction per pair; bf16 takes four and was 1.25x slower
-    # on the H200), so the bf16 activations go to fp16 too, each row of the tile scaled by a power of two that
-    # brings its largest |x| into [2^14, 2^15) (exact; fp16 cannot hold bf16's range), undone on the sums.
+    # SCALED (FP8 weights, BM = 16 for every M): BN and BK divide 128, so a tile lies in one 128 x 128
+    # block of the scale s [*, KB]; the tile's fp32 partial sums are multiplied by it (one fma) as they join
+    # the accumulator. The e4m3 values become fp16 (one instruction per pair; bf16 takes four and was
+    # 1.25x slower on the H200), so the bf16 activations go to fp16 too, each row of the tile scaled by a
+    # power of two that brings its largest |x| into [2^14, 2^15) (exact; fp16 cannot hold bf16's range),
+    # undone on the sums.
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
     o_n = i_n * BN + o_bn
@@ -487,7 +488,7 @@ def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN
             elif SCALED:
                 b_xf = b_x.to(tl.float32)
                 e = (tl.max(tl.abs(b_xf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF      # [BM] exponents
-                e = tl.maximum(e - 14, 1)                                   # 2^(e - 127): the row's power of two
+                e = tl.maximum(e - 14, 1)                                   # 2^(e - 127): the row's scale
                 b_x16 = (b_xf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
                 b_p = tl.dot(b_x16, tl.trans(b_w.to(tl.float16)))
                 b_acc = tl.fma(b_p * (e << 23).to(tl.float32, bitcast=True)[:, None], s, b_acc)
@@ -530,9 +531,11 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
         (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
         assert M <= 32
     assert M >= 1 and xr.shape[1] == K and w.is_contiguous()
-    assert w.dtype == x.dtype if scale is None else (w.dtype == FP8 and BN <= FP8_BLOCK and BK <= FP8_BLOCK
-                                                     and scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK))
-                                                     and scale.dtype == torch.float32 and scale.is_contiguous())
+    if scale is None:
+        assert w.dtype == x.dtype
+    else:
+        assert w.dtype == FP8 and BN <= FP8_BLOCK and BK <= FP8_BLOCK and scale.dtype == torch.float32
+        assert scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK)) and scale.is_contiguous()
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
     s = w if scale is None else scale
@@ -542,7 +545,8 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
     args = dict(BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot, PREC=prec, SCALED=scale is not None,
                 num_stages=stages, num_warps=warps)
     if SPLIT == 1:
-        _gemv_kernel[grid](xr, w, s, y, r, M, N, K, xr.stride(0), s.shape[-1], RES=residual is not None, **args)
+        _gemv_kernel[grid](xr, w, s, y, r, M, N, K, xr.stride(0), s.shape[-1], RES=residual is not None,
+                           **args)
         return y
     part = _empty((SPLIT, M, N), torch.float32, x.device)
     _gemv_kernel[grid](xr, w, s, part, part, M, N, K, xr.stride(0), s.shape[-1], RES=False, **args)
@@ -555,9 +559,9 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
 # FP8 weights (N, K) -> (BN, BK, SPLIT, num_stages, num_warps) of the FP8 kernel: the fastest at M = 1 of
 # `tools/tile_sweep.py fp8` on the H200 (us per weight; the bf16 row-invariant kernel on the same shape in
 # brackets). 27B: in_proj (qkv | z) 33.5 (41.1), attention qkv 30.1 (36.4), o_proj / out_proj 16.9 (18.7),
-# gate_up 63.1 (88.2), down 39.4 (44.7); 35B-A3B: in_proj 12.7 (14.9), qkv 11.8 (12.2), o_proj 8.3 (8.4), shared
-# gate_up 5.3 (6.2), shared down 3.6 (3.3). Measured with e4m3 -> bf16 conversion; with fp16 (the kernel now)
-# gate_up took 51.5 us and down 33.2 at (64, 128, 4, 3, 4) (.bench/s7).
+# gate_up 63.1 (88.2), down 39.4 (44.7); 35B-A3B: in_proj 12.7 (14.9), qkv 11.8 (12.2), o_proj 8.3 (8.4),
+# shared gate_up 5.3 (6.2), shared down 3.6 (3.3). Measured with e4m3 -> bf16 conversion; with fp16 (the
+# kernel now) gate_up took 51.5 us and down 33.2 at (64, 128, 4, 3, 4) (.bench/s7).
 FP8_ROWS_CONFIG = {
     (16384, 5120): (64, 128, 4, 3, 4), (14336, 5120): (64, 128, 4, 3, 4), (5120, 6144): (32, 128, 4, 3, 4),
     (34816, 5120): (64, 128, 4, 3, 4), (5120, 17408): (64, 128, 4, 3, 4), (12288, 2048): (32, 128, 1, 4, 4),
@@ -582,17 +586,25 @@ def linear_fp8_ref(x, q, scale, residual=None):
     return (y if residual is None else residual.float() + y).to(x.dtype)
 
 
+# Without BATCH_INVARIANT (prefill) steps of more rows dequantize: each 16-row tile of the kernel streams the
+# weights (27B: ~9.3 ms per tile), a dequantization and cuBLAS pass takes ~35 ms.
+FP8_KERNEL_ROWS = 48
+
+
 def _linear_fp8(x, q, scale, residual):
-    """x @ (q * scale)^T [+ residual]: decode and verify steps (up to INVARIANT_ROWS rows) through the
-    row-invariant kernel reading the e4m3 bytes; longer steps (prefill) and the CPU dequantize the weight to x's
-    dtype and take linear's bf16 path (cuBLAS; on the CPU the row-invariant reference, the dequantized weight
-    kept with q: a scale changed in place without q is not seen)."""
+    """x @ (q * scale)^T [+ residual]: decode and verify steps (up to INVARIANT_ROWS rows; FP8_KERNEL_ROWS
+    without BATCH_INVARIANT, as in prefill) through the row-invariant kernel reading the e4m3 bytes; longer
+    steps and the CPU dequantize the weight to x's dtype and take linear's bf16 path (cuBLAS; on the CPU the
+    row-invariant reference, the dequantized weight kept with q: a scale changed in place without q is not
+    seen)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (_fast(x) and 1 <= M <= INVARIANT_ROWS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if (_fast(x) and 1 <= M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS)
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):
         return _gemv_launch(x, q, "fp8", residual, scale)
     if not x.is_cuda:  # the CPU: the dequantized weight made once (the toy models are small)
-        return linear(x, _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype)), residual)
+        w = _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype))
+        return linear(x, w, residual)
     return linear(x, fp8_dequantize(q, scale, x.dtype), residual)
 
 
@@ -1547,7 +1559,8 @@ def _moe_gate_up_kernel(p_x, p_order, p_off, p_gu, p_sc, p_h, H, I, s_x, s_ge, s
                         TOPK: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
                         DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
     # program (expert, I block): h[pair, I block] = silu(x W_gate^T) * (x W_up^T) for the expert's pairs,
-    # BT at a time. SCALED (FP8 experts; BI, BH divide 128): scales [E, 2 IB, HB], gate's row blocks then up's.
+    # BT at a time. SCALED (FP8 experts; BI, BH divide 128): scales [E, 2 IB, HB], gate's row blocks, then
+    # up's.
     i_e, i_i = tl.program_id(0), tl.program_id(1)
     e = i_e.to(tl.int64)
     p_sg = p_sc + e * s_se + (i_i * BI // 128) * HB                                # gate's scale row
@@ -1608,7 +1621,8 @@ def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr
                           other=0.0)
             b_wd = tl.load(p_d + o_i[:, None], mask=m_i[:, None] & m_o[None, :], other=0.0)  # [BI, BO]
             if SCALED:
-                b_y = tl.fma(tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC), tl.load(p_sd + i0 // 128), b_y)
+                b_p = tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
+                b_y = tl.fma(b_p, tl.load(p_sd + i0 // 128), b_y)
             else:
                 b_y += tl.dot(b_h.to(DOT), b_wd.to(DOT), input_precision=PREC)
         b_y *= tl.load(p_w + b_pair, mask=m_t, other=0.0)[:, None]
@@ -1713,7 +1727,7 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         assert gate_up.dtype == down.dtype == FP8 and gu_scale.shape == (E, 2 * IB, HB)
         assert dn_scale.shape == (E, HB, IB) and gu_scale.is_contiguous() and dn_scale.is_contiguous()
         assert gu_scale.dtype == dn_scale.dtype == torch.float32
-    gs, ds = (gu_scale, dn_scale) if scaled else (gate_up, down)                    # (unused pointers when not)
+    gs, ds = (gu_scale, dn_scale) if scaled else (gate_up, down)                    # (unused when not)
     gss, dss = (gs.stride(0), ds.stride(0)) if scaled else (0, 0)
     x = x if x.stride(1) == 1 else x.contiguous()
     idx, w = idx.contiguous(), w.float().contiguous()
@@ -1740,9 +1754,9 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
                 BO=4, BI=min(256, _p2(I)), SCALED=scaled, num_warps=2, num_stages=3)
         else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
             _moe_gate_up_kernel[(E, _cdiv(I, 16))](
-                xs, order, off, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss, IB,
-                HB, TOPK=k, BT=16, BI=16, BH=min(128 if scaled else 256, max(16, _p2(H))), DOT=dot, PREC=prec,
-                SCALED=scaled, num_warps=4)
+                xs, order, off, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss,
+                IB, HB, TOPK=k, BT=16, BI=16, BH=min(128 if scaled else 256, max(16, _p2(H))), DOT=dot,
+                PREC=prec, SCALED=scaled, num_warps=4)
             _moe_down_kernel[(E, _cdiv(H, 32))](
                 h, order, off, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
                 BT=16, BO=32, BI=min(128, max(16, _p2(I))), DOT=dot, PREC=prec, SCALED=scaled, num_warps=4)

@@ -5642,6 +5642,11 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
     assert rel(fast(K.linear, xb, q, scale=s), K.linear_fp8_ref(xb, q, s)) <= TOL[torch.float32] and len(gemv_calls) == 2
     with pytest.raises(AssertionError, match="block scales"):
         K.linear(x, q)
+    with K.not_invariant():                                                        # prefill: the kernel up to 48 rows
+        for rows, calls in ((K.FP8_KERNEL_ROWS, 3), (K.FP8_KERNEL_ROWS + 1, 3)):
+            xp = randn(rows, Kin, g=g)
+            assert rel(fast(K.linear, xp, q, scale=s), K.linear_fp8_ref(xp, q, s)) <= TOL[torch.float32]
+            assert len(gemv_calls) == calls
     # bf16 activations (the kernel's fp16 dot, each row scaled by a power of two): rows far outside fp16's range
     # (3e5 > 65504) and far below it (1e-7 < fp16's smallest normal) come out as accurate as the others
     xb = randn(M, Kin, g=g, dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
 """Acceptance of every speculative method on the shipped toy model, on held-out stdlib files.
 
-    python tools/eval_toy.py [--device cpu|cuda] [--dtype float32|bfloat16] [--prompts 8] [--gen 128]
+    python tools/eval_toy.py [--device cpu|cuda] [--dtype float32|bfloat16] [--prompts 8] [--gen 128] [-q fp8]
+    python tools/eval_toy.py --loss [-q fp8]       (held-out loss, nats/token, as tools/train_toy.py measures it)
 
 Prompts: the first 128 tokens of windows taken from the held-out files listed in models/train_log.json (read
 from this machine's stdlib; files missing here are skipped). Greedy, 128 generated tokens. For each method:
@@ -47,8 +48,25 @@ def held_out_prompts(tok, n, plen, models_dir):
     return prompts[:n]
 
 
-def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods):
-    base = sd.LLM(model=model_dir, device=device, dtype=dtype)
+def held_out_loss(model_dir, device, dtype, quantization=None, L=512, n=64):
+    """Mean -log p(token) over the first n windows of L tokens of the held-out files (each file's tokens then
+    <|endoftext|>, in train_log.json's order, as tools/train_toy.py evaluates), from prompt logprobs."""
+    llm = sd.LLM(model=model_dir, device=device, dtype=dtype, quantization=quantization, max_model_len=L + 8)
+    with open(os.path.join(os.path.dirname(model_dir), "train_log.json")) as fh:
+        files = json.load(fh)["held_out_files"]
+    root, tok, ids = sysconfig.get_paths()["stdlib"], llm.tokenizer, []
+    for f in files:
+        if os.path.isfile(os.path.join(root, f)):
+            ids += tok.encode(open(os.path.join(root, f), encoding="utf-8").read(), allow_special=False)
+            ids.append(llm.cfg.eos_token_ids[0])
+    windows = [ids[i * L:(i + 1) * L] for i in range(min(n, len(ids) // L))]
+    outs = llm.generate(windows, sd.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+    lps = [next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]]
+    return -sum(lps) / len(lps), len(windows)
+
+
+def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods, quantization=None):
+    base = sd.LLM(model=model_dir, device=device, dtype=dtype, quantization=quantization)
     prompts = held_out_prompts(base.tokenizer, n_prompts, plen, os.path.dirname(model_dir))
     sp = sd.SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     t = time.perf_counter()
@@ -56,7 +74,8 @@ def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods):
     rows = {"off": dict(seconds=time.perf_counter() - t)}
     for name, cfg in methods.items():
         try:
-            llm = sd.LLM(model=model_dir, device=device, dtype=dtype, speculative_config=cfg)
+            llm = sd.LLM(model=model_dir, device=device, dtype=dtype, speculative_config=cfg,
+                         quantization=quantization)
         except sd.ConfigError as e:
             rows[name] = dict(error=str(e))
             continue
@@ -77,8 +96,17 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("-q", "--quantization", default=None, help="fp8: the weights quantized at load")
+    ap.add_argument("--loss", action="store_true", help="the held-out loss instead of the acceptance table")
+    ap.add_argument("--methods", nargs="*", default=None, help="names from METHODS (default: all)")
     a = ap.parse_args()
-    prompts, rows = evaluate(a.model, a.device, a.dtype, a.prompts, a.prompt_len, a.gen, METHODS)
+    methods = {k: v for k, v in METHODS.items() if a.methods is None or k in a.methods}
+    if a.loss:
+        loss, n = held_out_loss(a.model, a.device, a.dtype, a.quantization)
+        print(f"held-out loss: {loss:.4f} nats/token ({n} windows of 512 tokens; {a.device} {a.dtype}, "
+              f"weights {a.quantization or 'as stored'})")
+        return
+    prompts, rows = evaluate(a.model, a.device, a.dtype, a.prompts, a.prompt_len, a.gen, methods, a.quantization)
     print("| method | mean acceptance length | draft acceptance rate | per position | == spec off | seconds |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
@@ -90,7 +118,7 @@ def main():
             pp = ", ".join(f"{x:.2f}" for x in r["per_position"])
             print(f"| {name} | {r['mean_acceptance_length']:.2f} | {r['draft_acceptance_rate']:.2f} | {pp} | "
                   f"{r['equal_to_off']} | {r['seconds']:.1f} |")
-    print(json.dumps({"device": a.device, "dtype": a.dtype, "prompts": len(prompts), "prompt_len": a.prompt_len,
+    print(json.dumps({"device": a.device, "dtype": a.dtype, "quantization": a.quantization, "prompts": len(prompts), "prompt_len": a.prompt_len,
                       "gen": a.gen, "rows": rows}))
 
 

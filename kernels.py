@@ -586,22 +586,129 @@ def linear_fp8_ref(x, q, scale, residual=None):
     return (y if residual is None else residual.float() + y).to(x.dtype)
 
 
-# Without BATCH_INVARIANT (prefill) steps of more rows dequantize: each 16-row tile of the kernel streams the
-# weights (27B: ~9.3 ms per tile), a dequantization and cuBLAS pass takes ~35 ms.
+# Prefill (W8A8, as vLLM runs Qwen's FP8 checkpoints): the activations quantized per token in groups of 128
+# columns (e4m3, one fp32 scale per row and group: amax / 448), then one GEMM on the FP8 tensor cores whose
+# fp32 partial sums per 128-column block are scaled by the row's group scale times the weight block's scale.
+# Twice the bf16 tensor cores' rate, and no dequantized copy of the weight. Prefill is shared by speculation
+# on and off, so it need not compute what a decode row computes.
+
+def fp8_act_quant_ref(x, group=FP8_BLOCK):
+    """x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/group)]): each row's groups of `group` columns scaled
+    so that their largest |x| becomes 448 (an all-zero group: scale 1)."""
+    M, K = x.shape
+    kb = _cdiv(K, group)
+    xp = F.pad(x.float(), (0, kb * group - K)).view(M, kb, group)
+    amax = xp.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(M, kb * group)[:, :K].contiguous(), scale
+
+
+def linear_w8a8_ref(x, q, scale, residual=None):
+    """The W8A8 linear's reference: x quantized per token group, both dequantized, multiplied in fp32, rounded
+    once to x's dtype."""
+    xq, xs = fp8_act_quant_ref(_rows(x))
+    xd = xq.float() * xs.repeat_interleave(FP8_BLOCK, 1)[:, :xq.shape[1]]        # a scale per row and group
+    y = xd @ fp8_dequantize_ref(q, scale).t()
+    y = y.view(*x.shape[:-1], q.shape[0])
+    return (y if residual is None else residual.float() + y).to(x.dtype)
+
+
+@_jit
+def _fp8_act_quant_kernel(p_x, p_q, p_s, K, KB, s_x, G: tl.constexpr):
+    # program (row, group): q = x / s, s = amax / 448 of the group (1 if it is all zero)
+    i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o = i_g * G + tl.arange(0, G)
+    b_x = tl.load(p_x + i_m * s_x + o, mask=o < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(b_x), 0)
+    s = tl.where(amax > 0, amax / 448.0, 1.0)
+    b_v = tl.minimum(tl.maximum(b_x / s, -448.0), 448.0)
+    # rounded to e4m3's grid here, to nearest and ties to even (its step is 2^(e-3) for |v| in [2^e,
+    # 2^(e+1)), 2^-9 below 2^-6), so that the conversion below is exact (Triton's interpreter rounds some
+    # values wrongly: 124 -> 64, 31 -> 16)
+    e = tl.maximum(((b_v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((e + 124) << 23).to(tl.float32, bitcast=True)                        # 2^(e - 3)
+    b_q = ((b_v / step + 12582912.0) - 12582912.0) * step                   # (1.5 * 2^23: round to even)
+    tl.store(p_q + i_m * K + o, b_q.to(p_q.dtype.element_ty), mask=o < K)
+    tl.store(p_s + i_m * KB + i_g, s)
+
+
+def fp8_act_quant(x):
+    """fp8_act_quant_ref, on CUDA by a Triton kernel (one program per row and group)."""
+    if not _fast(x):
+        return fp8_act_quant_ref(x)
+    M, K = x.shape
+    KB = _cdiv(K, FP8_BLOCK)
+    q, s = _empty((M, K), FP8, x.device), _empty((M, KB), torch.float32, x.device)
+    _fp8_act_quant_kernel[(M, KB)](x, q, s, K, KB, x.stride(0), G=FP8_BLOCK, num_warps=1)
+    return q, s
+
+
+@_jit
+def _w8a8_kernel(p_a, p_as, p_w, p_ws, p_y, p_r, M, N, K, KB, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, RES: tl.constexpr):
+    # program (M block, N block): y = sum over K blocks of (a_blk @ w_blk^T) * a_scale[row, blk] *
+    # w_scale[blk] [+ r]; BN and BK divide 128 (one weight scale per tile, one activation scale per row)
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_m, m_n = o_m < M, o_n < N
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_a = tl.load(p_a + o_m[:, None].to(tl.int64) * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0)
+        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
+        b_sa = tl.load(p_as + o_m * KB + k0 // 128, mask=m_m, other=0.0)                  # [BM]
+        s_w = tl.load(p_ws + (i_n * BN // 128) * KB + k0 // 128)
+        b_acc += tl.dot(b_a, tl.trans(b_w)) * (b_sa * s_w)[:, None]
+    m_y = m_m[:, None] & m_n[None, :]
+    p = o_m[:, None].to(tl.int64) * N + o_n[None, :]
+    if RES:
+        b_acc += tl.load(p_r + p, mask=m_y, other=0.0).to(tl.float32)
+    tl.store(p_y + p, b_acc.to(p_y.dtype.element_ty), mask=m_y)
+
+
+def linear_w8a8(x, q, scale, residual=None):
+    """x [..., K] @ (q * scale)^T [+ residual] with x quantized per token group (fp8_act_quant): prefill's FP8
+    GEMM. On the CPU (no Triton): linear_w8a8_ref."""
+    if not _fast(x):
+        return linear_w8a8_ref(x, q, scale, residual)
+    N, K = q.shape
+    xr = _rows(x)
+    M = xr.shape[0]
+    assert scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK)) and scale.dtype == torch.float32
+    a, sa = fp8_act_quant(xr)
+    y = _empty((*x.shape[:-1], N), x.dtype, x.device)
+    r = y if residual is None else residual.contiguous()
+    BM, BN, BK, stages, warps = (128, 128, 128, 3, 8) if x.is_cuda else (16, 32, 32, 1, 4)
+    _w8a8_kernel[(_cdiv(M, BM), _cdiv(N, BN))](a, sa, q, scale, y, r, M, N, K, scale.shape[1], BM=BM, BN=BN,
+                                               BK=BK, RES=residual is not None, num_stages=stages,
+                                               num_warps=warps)
+    return y
+
+
+# Without BATCH_INVARIANT (prefill) steps of more rows take the W8A8 GEMM: each 16-row tile of the weight-only
+# kernel streams the weights again (27B: ~9.3 ms per tile).
 FP8_KERNEL_ROWS = 48
 
 
 def _linear_fp8(x, q, scale, residual):
     """x @ (q * scale)^T [+ residual]: decode and verify steps (up to INVARIANT_ROWS rows; FP8_KERNEL_ROWS
     without BATCH_INVARIANT, as in prefill) through the row-invariant kernel reading the e4m3 bytes; longer
-    steps and the CPU dequantize the weight to x's dtype and take linear's bf16 path (cuBLAS; on the CPU the
-    row-invariant reference, the dequantized weight kept with q: a scale changed in place without q is not
-    seen)."""
+    steps (bf16 / fp16) through the W8A8 GEMM (linear_w8a8); the CPU and fp32 dequantize the weight to x's
+    dtype and take linear's path (cuBLAS; on the CPU the row-invariant reference, the dequantized weight kept
+    with q: a scale changed in place without q is not seen)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and 1 <= M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):
         return _gemv_launch(x, q, "fp8", residual, scale)
+    if (_fast(x) and x.dtype in (torch.bfloat16, torch.float16)
+            and (residual is None or residual.dtype == x.dtype)):
+        return linear_w8a8(x, q, scale, residual)                                   # prefill
     if not x.is_cuda:  # the CPU: the dequantized weight made once (the toy models are small)
         w = _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype))
         return linear(x, w, residual)

@@ -5658,6 +5658,43 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
 
 
 @needs_kernels
+@pytest.mark.parametrize("M,Kin", [(1, 200), (37, 300), (130, 128)])
+def test_kernel_fp8_act_quant(M, Kin):
+    """Prefill's activation quantization: one scale per row and 128-column group (its largest |x| -> 448), the
+    kernel's e4m3 values and scales == the reference's; dequantized within half an e4m3 step."""
+    x = randn(M, Kin, g=gen(M), dtype=torch.bfloat16)
+    x[0, :128] = 0                                                                 # an all-zero group: scale 1
+    q, s = K.fp8_act_quant_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (M, -(-Kin // 128)) and s[0, 0] == 1
+    assert ((K.fp8_dequantize_ref(q[:, None], s[:, None]).view(M, Kin) - x.float()).abs()
+            <= 2 ** -4 * x.float().abs() + 1e-30).all()
+    qk, sk = fast(K.fp8_act_quant, x)
+    assert torch.equal(qk.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sk, s)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,Kin", [(70, 200), (130, 300)])
+@pytest.mark.parametrize("M", [1, 17, 40])
+def test_kernel_w8a8_linear(M, N, Kin, monkeypatch):
+    """Prefill's W8A8 GEMM against its reference (activations quantized per token group, both dequantized, fp32
+    product), with the residual; and the dispatch: a bf16 prefill step of more than FP8_KERNEL_ROWS rows takes it."""
+    g = gen(M + N)
+    q, s = K.fp8_quantize(randn(N, Kin, g=g, scale=Kin ** -0.5))
+    x, r = randn(M, Kin, g=g, dtype=torch.bfloat16), randn(M, N, g=g, dtype=torch.bfloat16)
+    assert rel(fast(K.linear_w8a8, x, q, s), K.linear_w8a8_ref(x, q, s)) <= TOL[torch.bfloat16]
+    assert rel(fast(K.linear_w8a8, x, q, s, r), K.linear_w8a8_ref(x, q, s, r)) <= TOL[torch.bfloat16]
+    assert rel(K.linear_w8a8_ref(x, q, s), K.linear_fp8_ref(x.float(), q, s)) <= 0.1   # activations: e4m3
+    calls, w8a8 = [], K.linear_w8a8
+    monkeypatch.setattr(K, "linear_w8a8", lambda *a: calls.append(a[0].shape) or w8a8(*a))
+    with K.not_invariant():
+        xp = randn(K.FP8_KERNEL_ROWS + 1, Kin, g=g, dtype=torch.bfloat16)
+        assert rel(fast(K.linear, xp, q, scale=s), K.linear_w8a8_ref(xp, q, s)) <= TOL[torch.bfloat16]
+        fast(K.linear, xp[:K.FP8_KERNEL_ROWS], q, scale=s)                          # the weight-only kernel
+        fast(K.linear, xp.float(), q, scale=s)                                      # fp32: dequantized
+    assert calls == [xp.shape]
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)                                          # fp32 dot; fp16 dot
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (130, 300)])             # 2 row blocks, 3 K blocks
@@ -5713,6 +5750,22 @@ def test_kernel_gpu_fp8_linear(N, Kin):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(yg, K.linear(x, q, scale=s))
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,Kin", [(34816, 5120), (5120, 17408)])                  # 27B gate_up, down
+def test_kernel_gpu_w8a8(N, Kin):
+    """Prefill's W8A8 GEMM on the FP8 tensor cores at the 27B shapes, a 2048-token chunk (ragged: 2047 rows):
+    the activation quantization equals the reference's bits; the product is as close to the reference's fp32
+    one as bf16 rounding allows, and to the weight-only product as e4m3 activations allow."""
+    q, s = K.fp8_quantize(randn(N, Kin, g=gen(0), scale=Kin ** -0.5))
+    x = randn(2047, Kin, g=gen(1), dtype=torch.bfloat16)
+    a, sa = K.fp8_act_quant(x)
+    a2, sa2 = K.fp8_act_quant_ref(x)
+    assert torch.equal(a.view(torch.uint8), a2.view(torch.uint8)) and torch.equal(sa, sa2)
+    y = K.linear_w8a8(x, q, s)
+    assert rel(y, K.linear_w8a8_ref(x, q, s)) <= 4e-3
+    assert rel(y, K.linear_fp8_ref(x.float(), q, s)) <= 0.05
 
 
 @needs_cuda

@@ -621,14 +621,15 @@ def _fp8_act_quant_kernel(p_x, p_q, p_s, K, KB, s_x, G: tl.constexpr):
     o = i_g * G + tl.arange(0, G)
     b_x = tl.load(p_x + i_m * s_x + o, mask=o < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(b_x), 0)
-    s = tl.where(amax > 0, amax / 448.0, 1.0)
-    b_v = tl.minimum(tl.maximum(b_x / s, -448.0), 448.0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)        # IEEE divisions, as torch's: Triton's "/"
+    b_v = tl.minimum(tl.maximum(tl.math.div_rn(b_x, s), -448.0), 448.0)  # is approximate on the GPU
     # rounded to e4m3's grid here, to nearest and ties to even (its step is 2^(e-3) for |v| in [2^e,
     # 2^(e+1)), 2^-9 below 2^-6), so that the conversion below is exact (Triton's interpreter rounds some
     # values wrongly: 124 -> 64, 31 -> 16)
     e = tl.maximum(((b_v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = ((e + 124) << 23).to(tl.float32, bitcast=True)                        # 2^(e - 3)
-    b_q = ((b_v / step + 12582912.0) - 12582912.0) * step                   # (1.5 * 2^23: round to even)
+    inv = ((130 - e) << 23).to(tl.float32, bitcast=True)                         # 2^(3 - e): exact products
+    b_q = ((b_v * inv + 12582912.0) - 12582912.0) * step                    # (1.5 * 2^23: round to even)
     tl.store(p_q + i_m * K + o, b_q.to(p_q.dtype.element_ty), mask=o < K)
     tl.store(p_s + i_m * KB + i_g, s)
 

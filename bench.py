@@ -9,6 +9,8 @@
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
 and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
 chained in one CUDA graph as in h200-anchors.md) with our TPOT as a ratio of it. A table first, then one JSON line last.
+For a MoE, --true-floor adds what that GEMM chain is not: the bytes a step reads, with the distinct experts of its
+actual routing (routed_experts), at the copy rate measured in the same run (true_floor_ms).
 """
 import argparse
 import dataclasses
@@ -255,6 +257,54 @@ def graph_ms(fn, iters=20):
     ms = replay_ms(g.replay, iters)
     del g
     return ms
+
+
+def copy_gbps(device, nbytes=1 << 30):
+    """Memory traffic (read + write) of a device-to-device copy of nbytes in a CUDA graph, GB/s: the rate a step
+    that reads each of its bytes once can reach at best."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (graph_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def routed_experts(model, spec, B, prompt_len, device, dtype, steps=8, seed=1):
+    """Distinct routed experts per MoE layer per decode / verify step, counted from the actual routing: B
+    requests of random prompts decoded eagerly for `steps` steps (speculation as in `spec`), a hook on each of
+    the target's MoE layers recomputing the router's top-k of the rows it gets (steps of at most B * (k+1) rows:
+    prefill and the drafter's layers are not counted). Returns the mean over layers and steps."""
+    k = spec.num_speculative_tokens if spec else 0
+    counts = []
+
+    def hook(mod, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        if x.shape[0] <= B * (k + 1):
+            idx = torch.topk(sd.K.linear(x, mod.gate.weight).float(), mod.top_k, dim=-1).indices
+            counts.append(idx.unique().numel())
+    hooks = [layer.mlp.register_forward_hook(hook) for layer in model.layers if isinstance(layer.mlp, sd.MoE)]
+    try:
+        eng = sd.Engine(model, None, spec, B, prompt_len + 2 * steps * (k + 1) + 8, dtype, device, seed, True,
+                        enable_chunked_prefill=False)
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(B):
+            eng.add_request(torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist(),
+                            sd.SamplingParams(temperature=0, max_tokens=steps * (k + 1), ignore_eos=True))
+        for _ in range(steps + 1):
+            if eng.has_work():
+                eng.step()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(counts) / max(len(counts), 1)
+
+
+def true_floor_ms(model, experts, gbps):
+    """ms to read once what a target step reads (every linear weight outside the routed experts, as
+    linear_weights lists them, plus `experts` distinct experts' gate_up and down in each MoE layer) at the
+    measured copy rate."""
+    dense = sum(w.numel() * w.element_size() for w in linear_weights(model, 0))
+    moes = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, sd.MoE)]
+    per = sum((e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size() for e in moes)
+    return (dense + experts * per) / (gbps * 1e9) * 1e3
 
 
 def gemm_floor(ws, M, iters=20):
@@ -710,6 +760,9 @@ def main(argv=None):
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="asynchronous steps (default: on with CUDA graphs)")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM-only floor")
+    ap.add_argument("--true-floor", action="store_true", help="MoE models: also the bytes a step reads (the "
+                    "distinct experts of its actual routing, routed_experts) at the same run's copy rate; per token "
+                    "for speculative rows (the target's step only, over the mean acceptance length)")
     ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels "
                     "(implies --enforce-eager)")
     ap.add_argument("--random-drafter", default=None, help="with --random-weights: write a random DFlash/DSpark "
@@ -771,6 +824,7 @@ def main(argv=None):
     wbytes = sum(w.numel() * w.element_size() for w in ws)
     floors = {}
     floor = lambda M: floors.setdefault(M, gemm_floor(ws, M))
+    gbps = None  # the copy rate, measured once (--true-floor; 100 GB/s stands in off CUDA)
     rows = []
     for P in a.prompt_len:
         for spec in specs:
@@ -783,6 +837,16 @@ def main(argv=None):
                 if device.type == "cuda" and not a.no_floor:
                     r["floor_ms"] = floor(B)
                     r["tpot_over_floor"] = r["tpot_ms"] / r["floor_ms"]
+                if a.true_floor and cfg.moe:
+                    gbps = gbps or (copy_gbps(device) if device.type == "cuda" else 100.0)
+                    r["experts_per_layer"] = routed_experts(model, spec, B, P, device, dtype)
+                    r["true_floor_ms"] = (true_floor_ms(model, r["experts_per_layer"], gbps)
+                                          / (r["mean_acceptance_length"] or 1))
+                    r["tpot_over_true_floor"] = r["tpot_ms"] / r["true_floor_ms"]
+                    r["copy_GBps"] = gbps
+                    print(f"# {r['method']} batch {B}: {r['experts_per_layer']:.1f} distinct experts per MoE layer "
+                          f"per step; true floor {r['true_floor_ms']:.2f} ms per token at {gbps:.0f} GB/s; TPOT / "
+                          f"true floor {r['tpot_over_true_floor']:.2f}")
                 off = next((x for x in rows if x["method"] == "off" and x["batch"] == B and x["prompt_len"] == P), None)
                 r["speedup_vs_off"] = off["tpot_ms"] / r["tpot_ms"] if off else None
                 r["weight_GBps"] = wbytes / (r["tpot_ms"] * 1e-3) / 1e9

@@ -1729,6 +1729,34 @@ def test_quantization_fp8_at_load_equals_fp8_checkpoint(moe, tmp_path):
     assert st.kv[3][0].dtype == st.conv[0].dtype == torch.float32 and st.rec[0].dtype == torch.float32
 
 
+def test_bench_true_floor(monkeypatch, capsys):
+    """bench.py --true-floor on a MoE: routed_experts counts the distinct experts of the target's actual routing per
+    decode / verify step (between top_k and min(E, rows x top_k); a verify of k+1 tokens routes to at least as many
+    as a decode step of one), and true_floor_ms is the step's bytes (linear_weights' plus that many experts per MoE
+    layer) at the given rate."""
+    cfg = dict(tiny_text_config(moe=True), num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    monkeypatch.setitem(bench.PRESETS, "tiny-moe", cfg)
+    cpu = torch.device("cpu")
+    model, c = bench.random_model("tiny-moe", torch.float32, cpu)
+    E, k = c.num_experts, c.num_experts_per_tok
+    one = bench.routed_experts(model, None, 1, 8, cpu, torch.float32, steps=3)
+    assert one == k                                                                # one token: its k experts
+    four = bench.routed_experts(model, None, 4, 8, cpu, torch.float32, steps=3)
+    spec = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 3})
+    verify = bench.routed_experts(model, spec, 1, 8, cpu, torch.float32, steps=3)
+    assert k < four <= min(E, 4 * k) and k < verify <= min(E, 4 * k)
+    moes = sum(isinstance(layer.mlp, sd.MoE) for layer in model.layers)
+    dense = sum(w.numel() * 4 for w in bench.linear_weights(model, 0))
+    per = (2 * 32 * 64 + 64 * 32) * 4                                              # gate_up + down of one expert, fp32
+    assert math.isclose(bench.true_floor_ms(model, 3.0, 100.0), (dense + 3.0 * moes * per) / 100e9 * 1e3)
+    capsys.readouterr()
+    bench.main(["--random-weights", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--batch", "1", "2",
+                "--prompt-len", "8", "--gen-len", "4", "--enforce-eager", "--true-floor"])   # the command line's rows
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["experts_per_layer"] for r in rows][0] == k and all(r["tpot_over_true_floor"] > 0 for r in rows)
+
+
 def test_bench_random_model_fp8():
     """bench.py --random-weights --quantization fp8: the FP8_WEIGHTS in FP8, the rest as made; logits near the
     unquantized model's (block-FP8 keeps ~2 significant digits per weight)."""

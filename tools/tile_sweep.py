@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rowsbm] [fp8]    (default: the first four)
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rowsbm] [fp8] [w8a8]   (default: the first 4)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
@@ -12,6 +12,8 @@ stays in L2), timed per launch:
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
   fp8:    the FP8 row-invariant linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
           against a device copy of the same bytes; the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
+  w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
+          against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
 import os
@@ -280,6 +282,35 @@ def fp8(Ms=(1, 8, 16, 64)):
         print(f"== 35b-a3b experts, {N} token(s): bf16 {tb:.1f} us, fp8 {tf:.1f} us per layer")
 
 
+def w8a8(M=2048):
+    """The W8A8 prefill GEMM's tiles at M rows: us per weight for each candidate, the best, cuBLAS bf16 and
+    dequantize + cuBLAS on the same shape (the activation quantization timed apart)."""
+    cands = [(BM, BN, 128, st, wp) for BM in (64, 128) for BN in (64, 128) for st in (3, 4, 5) for wp in (4, 8)]
+    for N, Kd in FP8_SHAPES["27b"]:
+        q, s = K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02)
+        x = torch.randn(M, Kd, device=dev, dtype=bf)
+        a, sa = K.fp8_act_quant(x)
+        y = torch.empty(M, N, device=dev, dtype=bf)
+        res = []
+        for BM, BN, BK, st, wp in cands:
+            grid = (K._cdiv(M, BM), K._cdiv(N, BN))
+            try:
+                t = graph_time(lambda: K._w8a8_kernel[grid](a, sa, q, s, y, y, M, N, Kd, s.shape[1], BM=BM, BN=BN,
+                                                             BK=BK, RES=False, num_stages=st, num_warps=wp))
+                res.append((t, (BM, BN, BK, st, wp)))
+            except Exception:  # noqa  (shared memory)
+                pass
+        res.sort()
+        w = torch.randn(N, Kd, device=dev, dtype=bf) * 0.02
+        tb = graph_time(lambda: F.linear(x, w))
+        td = graph_time(lambda: F.linear(x, K.fp8_dequantize(q, s, bf)))
+        tq = graph_time(lambda: K.fp8_act_quant(x))
+        flop = 2 * M * N * Kd
+        print(f"== 27b {N}x{Kd} at M = {M}: best {res[0][1]} {res[0][0]:.0f} us ({flop / res[0][0] / 1e6:.0f} "
+              f"TFLOP/s); next {[(round(t), c) for t, c in res[1:4]]}; cuBLAS bf16 {tb:.0f} us "
+              f"({flop / tb / 1e6:.0f} TFLOP/s); dequantize + cuBLAS {td:.0f} us; activation quantization {tq:.0f} us")
+
+
 def markov(B=1, Kq=16, V=248320, R=256):
     print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
     U = torch.randn(B, Kq, V, device=dev)
@@ -313,6 +344,8 @@ def main():
         rows_bm()
     if "fp8" in parts:
         fp8()
+    if "w8a8" in parts:
+        w8a8()
     torch.manual_seed(0)
     if "moe" in parts:
         moe(1)

@@ -253,10 +253,11 @@ def gated_rms_norm(x, z, weight, eps):
 # FP8 weights: Qwen's block format (e4m3 values, one fp32 scale per 128 x 128 block)
 # ----------------------------------------------------------------------------------------------
 # A quantized weight W [N, K] is stored as q [N, K] float8_e4m3fn and scale [ceil(N/128), ceil(K/128)]
-# (the checkpoints' `weight_scale_inv`): W[n, k] = q[n, k] * scale[n // 128, k // 128]. The kernels stream q
-# (half the bytes of bf16), turn each e4m3 value into bf16 exactly (3 mantissa bits fit in 7), multiply by the
-# bf16 activations on the tensor cores with fp32 sums, and scale each 128-column block's partial sum by its
-# block's scale in fp32. MoE experts carry the same layout per expert.
+# (the checkpoints' `weight_scale_inv`): W[n, k] = q[n, k] * scale[n // 128, k // 128]. The decode / verify
+# linear streams q (half the bytes of bf16), turns each e4m3 value into fp16 exactly, multiplies it by the
+# activations (each row scaled into fp16's range by a power of two) on the tensor cores with fp32 sums, and
+# scales each 128-column block's partial sum by its block's scale in fp32 (_gemv_kernel, SCALED). Prefill
+# dequantizes and runs cuBLAS. MoE experts carry the same layout per expert.
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -474,12 +475,9 @@ def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN
         b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
         if SCALED:
             s = tl.load(p_s + (i_n * BN // 128) * KB + k0 // 128)
-        if BM == 1:
+        if BM == 1:  # (never SCALED: FP8 weights take 16-row tiles)
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-            if SCALED:
-                b_acc1 = tl.fma(b_w.to(tl.float32) * b_x[None, :], s, b_acc1)
-            else:
-                b_acc1 += b_w.to(tl.float32) * b_x[None, :]
+            b_acc1 += b_w.to(tl.float32) * b_x[None, :]
         else:
             b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :],
                           other=0.0)
@@ -534,7 +532,8 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
     if scale is None:
         assert w.dtype == x.dtype
     else:
-        assert w.dtype == FP8 and BN <= FP8_BLOCK and BK <= FP8_BLOCK and scale.dtype == torch.float32
+        assert cfg == "fp8" and w.dtype == FP8 and BN <= FP8_BLOCK and BK <= FP8_BLOCK
+        assert scale.dtype == torch.float32
         assert scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK)) and scale.is_contiguous()
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y

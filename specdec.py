@@ -277,7 +277,7 @@ def init_rope(model, device):
     return model
 
 
-FP8 = torch.float8_e4m3fn
+FP8 = K.FP8  # float8_e4m3fn, the block-FP8 weights' dtype
 
 
 class Linear(nn.Linear):

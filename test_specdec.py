@@ -5689,13 +5689,17 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
 @pytest.mark.parametrize("M,Kin", [(1, 200), (37, 300), (130, 128)])
 def test_kernel_fp8_act_quant(M, Kin):
     """Prefill's activation quantization: one scale per row and 128-column group (its largest |x| -> 448), the
-    kernel's e4m3 values and scales == the reference's; dequantized within half an e4m3 step."""
+    kernel's e4m3 values and scales == the reference's (their bits: -0 too); dequantized within half an e4m3
+    step."""
     x = randn(M, Kin, g=gen(M), dtype=torch.bfloat16)
     x[0, :128] = 0                                                                 # an all-zero group: scale 1
+    if Kin > 128:  # negative values that round to zero (-0 in e4m3, as torch converts them), and -0 itself
+        x[-1, 128:140] = torch.tensor([-1e-4, 1e-4, -0.0, 0.0, -3e-3, 3e-3, 8, -1e-6, 2e-6, -5e-5, 1, -1])
     q, s = K.fp8_act_quant_ref(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (M, -(-Kin // 128)) and s[0, 0] == 1
+    sx = s.repeat_interleave(128, 1)[:, :Kin]                 # each element's scale; below 2^-6 e4m3 steps 2^-9
     assert ((K.fp8_dequantize_ref(q[:, None], s[:, None]).view(M, Kin) - x.float()).abs()
-            <= 2 ** -4 * x.float().abs() + 1e-30).all()
+            <= 2 ** -4 * x.float().abs() + 2 ** -10 * sx).all()
     qk, sk = fast(K.fp8_act_quant, x)
     assert torch.equal(qk.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sk, s)
 

@@ -1527,9 +1527,11 @@ def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl
 
 
 ATTN_CHUNK = 512  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many
+DRAFT_ATTN_CHUNK = 128  # the drafters' layers (few KV heads at short contexts: a 512-key piece is one program's
+                        # long serial loop; 128-key pieces spread it over more programs)
 
 
-def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
+def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None):
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
     assert nh % nkv == 0 and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
@@ -1538,11 +1540,11 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
     if q.stride(3) != 1:
         q = q.contiguous()
     G = nh // nkv
-    chunk = 0
     if BATCH_INVARIANT and T <= 64 and nsplit is None:  # decode / verify: one tile shape, fixed key pieces
-        BM, BN, chunk = 16, 64 if d <= 128 else 32, ATTN_CHUNK
+        BM, BN, chunk = 16, 64 if d <= 128 else 32, chunk or ATTN_CHUNK
         nsplit = _cdiv(kv_len, chunk)
     else:
+        chunk = 0
         BM = max(16, min(64, _p2(G * T)))
         BN = 64 if d <= 128 or BM <= 32 else 32
     NM = _cdiv(G * T, BM)
@@ -1566,17 +1568,19 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None):
     return o
 
 
-def attention(q, k_cache, v_cache, slots, pos, kv_len):
+def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None):
     """Causal GQA attention of T new queries per sequence over the slot's cached keys.
 
     q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d] (the new tokens already written at
     positions pos[b] .. pos[b]+T-1); slots, pos [B] long; kv_len: an int >= max(pos) + T, the cache
     prefix to look at. Query t of sequence b sees keys 0 .. pos[b]+t. Returns [B, T, n_h, d].
     The kernel reads keys only up to each row's own pos[b]+T, so kv_len may be any upper bound (e.g.
-    max_model_len inside CUDA graphs); it only sizes the split of long contexts.
+    max_model_len inside CUDA graphs); it only sizes the split of long contexts. chunk: the key pieces of
+    BATCH_INVARIANT decode / verify steps (ATTN_CHUNK if None); a fixed number, so that a row's sums do not
+    depend on T or the batch.
     """
     if _fast(q):
-        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len)
+        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, chunk=chunk)
     if _cpu_fast(q) and q.shape[1] <= 32:
         return _attention_cpu(q, k_cache, v_cache, slots, pos)
     return attention_ref(q, k_cache, v_cache, slots, pos, kv_len)

@@ -1204,21 +1204,22 @@ def read_block_config(path, method):
                        confidence_with_markov=bool(top.get("confidence_head_with_markov", False)))
 
 
-def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
+def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None, chunk=None):
     """Attention of T queries at positions pos[b]..pos[b]+T-1 over the slot's cached keys (the block's own
     keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal:
     keys up to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and,
     when non-causal, k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B];
-    kv_len >= max(pos)+T. Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU
-    kernel); else a masked reference."""
+    kv_len >= max(pos)+T; chunk: kernels.attention's key pieces. Returns [B, T, n_h, d]. Without a window this
+    is kernels.attention (the GPU kernel); else a masked reference."""
     B, T, nh, d = q.shape
     if window is None and causal:
-        return K.attention(q, k_cache, v_cache, slots, pos, kv_len)
+        return K.attention(q, k_cache, v_cache, slots, pos, kv_len, chunk)
     if window is None:
         # non-causal = every query placed at the block's last position: fold the T queries into the head axis
         # (head h*T + t keeps KV head h // group), so the causal kernel serves it as one decode token
         qf = q.transpose(1, 2).reshape(B, 1, nh * T, d)
-        return K.attention(qf, k_cache, v_cache, slots, pos + T - 1, kv_len).view(B, nh, T, d).transpose(1, 2)
+        o = K.attention(qf, k_cache, v_cache, slots, pos + T - 1, kv_len, chunk)
+        return o.view(B, nh, T, d).transpose(1, 2)
     g = nh // k_cache.shape[2]
     k, v = (c[slots, :kv_len].float().repeat_interleave(g, 2).transpose(1, 2) for c in (k_cache, v_cache))
     s = (q.float().transpose(1, 2) @ k.transpose(-1, -2)) * d ** -0.5                # [B, n_h, T, L]
@@ -1240,10 +1241,11 @@ class Qwen3Attention(nn.Module):
         self.causal = c.causal[layer_id]
         self.window = c.windows[layer_id]
         H, b = c.hidden_size, c.attention_bias
-        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=b)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
-        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=b)
+        lin = (lambda i, o: nn.Linear(i, o, bias=True)) if b else Linear  # Linear: kernels.linear, no bias
+        self.q_proj = lin(H, self.nh * self.hd)
+        self.k_proj = lin(H, self.nkv * self.hd)
+        self.v_proj = lin(H, self.nkv * self.hd)
+        self.o_proj = lin(self.nh * self.hd, H)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, plain=True)
         self.rope_dim, self.rope_theta = self.hd, c.rope_theta                          # full RoPE
@@ -1267,7 +1269,8 @@ class Qwen3Attention(nn.Module):
                                 self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos,
                                 plain=True)
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, residual=None):
+        """o_proj(attention(x)) [+ residual: the layer's skip connection, added by the o_proj GEMM]."""
         B, T, _ = x.shape
         k_cache, v_cache = ctx.state.kv[self.layer_id]
         if hasattr(self, "qkv"):  # fused after loading (no bias): one GEMM, views of its output
@@ -1275,8 +1278,11 @@ class Qwen3Attention(nn.Module):
             q = self._prep(*K.linear(x, self.qkv).split([self.nh * self.hd, kv_dim, kv_dim], -1), ctx)
         else:
             q = self.write_kv(x, ctx, self.q_proj(x))
-        o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
-        return self.o_proj(o.reshape(B, T, -1))                                     # [B, T, H]
+        o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window,
+                            chunk=K.DRAFT_ATTN_CHUNK).reshape(B, T, -1)
+        if isinstance(self.o_proj, Linear):
+            return self.o_proj(o, residual)                                          # [B, T, H]
+        return self.o_proj(o) if residual is None else residual + self.o_proj(o)
 
 
 class Qwen3Layer(nn.Module):
@@ -1288,7 +1294,7 @@ class Qwen3Layer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        x = self.self_attn(self.input_layernorm(x), ctx, residual=x)                  # x + attn(..)
         return self.mlp(self.post_attention_layernorm(x), residual=x)                 # x + mlp(..)
 
 

@@ -4296,6 +4296,7 @@ def test_kernel_attention_decode(dtype, T):
     ref = K.attention_ref(q, kc, vc, slots, pos_t, kv_len)
     assert rel(fast(K.attention, q, kp, vp, slots, pos_t, kv_len), ref) <= TOL[dtype]
     assert rel(fast(K.attention, q, kp, vp, slots, pos_t, L), ref) <= TOL[dtype]    # kv_len: any upper bound
+    assert rel(fast(K.attention, q, kp, vp, slots, pos_t, L, 64), ref) <= TOL[dtype]  # 64-key pieces
     for nsplit in (1, 3, 7):
         o = fast(K._attention_launch, q, kp, vp, slots, pos_t, kv_len, nsplit=nsplit)
         assert rel(o, ref) <= TOL[dtype], nsplit
@@ -5470,19 +5471,20 @@ def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
     assert all(torch.equal(y, alone) for y in got)
 
 
-def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0):
+def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):
     """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
-    token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions."""
+    token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions (key pieces of
+    `chunk` keys: kernels.attention's)."""
     g = gen(seed)
     S = 9
     kc, vc = randn(S, L, nkv, d, g=g, dtype=dtype), randn(S, L, nkv, d, g=g, dtype=dtype)
     q0 = randn(1, 1, nh, d, g=g, dtype=dtype)
     slot0 = torch.tensor([4], device=DEV)
     pos0 = torch.tensor([pos], device=DEV)
-    alone = fast(K.attention, q0, kc, vc, slot0, pos0, pos + 1)
-    got = [fast(K.attention, q0, kc, vc, slot0, pos0, L)]                          # a graph's kv_len
+    alone = fast(K.attention, q0, kc, vc, slot0, pos0, pos + 1, chunk)
+    got = [fast(K.attention, q0, kc, vc, slot0, pos0, L, chunk)]                          # a graph's kv_len
     qv = torch.cat([q0, randn(1, 3, nh, d, g=g, dtype=dtype)], 1)                  # verify: [t0, d1, d2, d3]
-    got.append(fast(K.attention, qv, kc, vc, slot0, pos0, pos + 4)[:, :1])
+    got.append(fast(K.attention, qv, kc, vc, slot0, pos0, pos + 4, chunk)[:, :1])
     for B, at in ((2, 1), (5, 3), (8, 7)):
         qb = randn(B, 1, nh, d, g=g, dtype=dtype)
         qb[at] = q0[0]
@@ -5490,14 +5492,15 @@ def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0):
         slots[at] = 4
         posb = torch.randint(0, L - 8, (B,), generator=torch.Generator().manual_seed(seed)).to(DEV)
         posb[at] = pos
-        got.append(fast(K.attention, qb, kc, vc, slots, posb, L)[at:at + 1])
+        got.append(fast(K.attention, qb, kc, vc, slots, posb, L, chunk)[at:at + 1])
     return alone, got
 
 
 @needs_kernels
-@pytest.mark.parametrize("pos", [5, 300, 1100])                                    # 1, 1 and 3 key pieces
-def test_kernel_attention_invariant(pos, rowwise_dot):
-    alone, got = attention_rows_case(4, 2, 32, torch.float32, pos=pos, seed=pos)
+@pytest.mark.parametrize("pos", [5, 300, 1100])                      # 1, 1, 3 pieces of 512 keys (1, 3, 9 of 128)
+@pytest.mark.parametrize("chunk", [None, 128])                                      # ATTN_CHUNK; the drafters'
+def test_kernel_attention_invariant(pos, chunk, rowwise_dot):
+    alone, got = attention_rows_case(4, 2, 32, torch.float32, pos=pos, seed=pos, chunk=chunk)
     assert torch.isfinite(alone).all() and all(torch.equal(y, alone) for y in got)
 
 

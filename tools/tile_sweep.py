@@ -1,6 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rowsbm] [fp8] [w8a8]   (default: the first 4)
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm] [fp8] [w8a8]
+                                                                                          (default: the first 4)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
@@ -10,6 +11,7 @@ stays in L2), timed per launch:
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
+          (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 40 rows)
   fp8:    the FP8 row-invariant linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
           against a device copy of the same bytes; the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
@@ -127,17 +129,20 @@ def gemms(M, shapes, cfgs, copies=8):
 ROWS_SHAPES = {  # the linears of a decode / verify step (fused weights), N x K
     "27b": [(16480, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408), (248320, 5120)],
     "35b": [(12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048), (2048, 512), (248320, 2048)],
-    "toy": [(776, 256), (768, 256), (256, 256), (2048, 256), (256, 1024), (8256, 256)]}
+    "toy": [(776, 256), (768, 256), (256, 256), (2048, 256), (256, 1024), (8256, 256)],
+    "0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (248320, 1024)]}  # draft_model's Qwen3-0.6B
 ROWS_CANDIDATES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (128, 128, 3, 8), (32, 256, 4, 4),
                    (64, 64, 5, 4), (128, 64, 4, 4), (16, 256, 4, 4)]  # (BN, BK, stages, warps); splits below
 
 
-def rows(Ms=(1, 16, 128), copies=8):
+def rows(Ms=(1, 16, 128), copies=8, models=None):
     """The row-invariant linear (kernels' BATCH_INVARIANT path): per shape, cuBLAS and the old per-M GEMV rule
     against the rule's tiles and candidates (each with K splits 1, 2, 4, 8 where the N blocks are too few), at M
     rows; then the best candidate by M = 1 time (ties: M = 16), as a ROWS_CONFIG line."""
     best = {}
     for model, shapes in ROWS_SHAPES.items():
+        if models and model not in models:
+            continue
         for (N, Kd) in shapes:
             n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))            # > L2 in all (but tiny ones)
             ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
@@ -340,6 +345,8 @@ def main():
     parts = sys.argv[1:] or ["moe", "gdn", "gemv", "markov"]
     if "rows" in parts:
         rows()
+    if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8)
+        rows(Ms=(1, 8, 40), models=["0.6b"])
     if "rowsbm" in parts:
         rows_bm()
     if "fp8" in parts:

@@ -386,7 +386,11 @@ ROWS_CONFIG = {
     (12352, 2048): (32, 128, 1, 4, 4), (9216, 2048): (32, 128, 1, 4, 4), (2048, 4096): (32, 128, 4, 4, 4),
     (1281, 2048): (32, 256, 1, 4, 4), (2048, 512): (16, 256, 1, 4, 4), (248320, 2048): (64, 256, 1, 3, 4),
     (776, 256): (16, 256, 1, 4, 4), (768, 256): (16, 256, 1, 4, 4), (256, 256): (16, 256, 1, 4, 4),
-    (2048, 256): (16, 256, 1, 4, 4), (256, 1024): (32, 128, 4, 4, 4), (8256, 256): (64, 64, 1, 5, 4)}
+    (2048, 256): (16, 256, 1, 4, 4), (256, 1024): (32, 128, 4, 4, 4), (8256, 256): (64, 64, 1, 5, 4),
+    # draft_model's Qwen3-0.6B-shaped LM (tile_sweep.py rows-0.6b; us at M = 1, the rule's tiles in brackets):
+    # qkv 5.0 (6.2), o_proj 5.4 (6.2), gate_up 6.2 (7.3), down 6.1 (6.9), lm_head 114.3 (115.0)
+    (4096, 1024): (32, 256, 1, 4, 4), (1024, 2048): (32, 256, 4, 4, 4), (6144, 1024): (32, 128, 1, 4, 4),
+    (1024, 3072): (32, 128, 4, 4, 4), (248320, 1024): (64, 128, 1, 4, 4)}
 
 
 def _rows_config(N, K, device):
@@ -598,7 +602,8 @@ def fp8_act_quant_ref(x, group=FP8_BLOCK):
     kb = _cdiv(K, group)
     xp = F.pad(x.float(), (0, kb * group - K)).view(M, kb, group)
     amax = xp.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal (not IEEE's quotient)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(M, kb * group)[:, :K].contiguous(), scale
 

@@ -5471,6 +5471,45 @@ def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
     assert all(torch.equal(y, alone) for y in got)
 
 
+def small_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 40, 64), residual=False, seed=0):
+    """(w, x0, r0, alone, [row x0 as row 0 / the last row of steps of M rows]) of kernels._linear_small."""
+    g = gen(seed)
+    w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
+    x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
+    alone = fast(K._linear_small, x0, w, r0)
+    got = []
+    for M in sizes:
+        xs, rs = randn(M, Kin, g=g, dtype=dtype), randn(M, N, g=g, dtype=dtype) if residual else None
+        for at in (0, M - 1):
+            xs[at] = x0[0]
+            if residual:
+                rs[at] = r0[0]
+            got.append(fast(K._linear_small, xs, w, rs)[at:at + 1])
+    return w, x0, r0, alone, got
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (9, 300)])                 # ragged N blocks and K
+def test_kernel_linear_small(N, Kin, residual):
+    """The drafters' small linear (kernels.drafting()): within fp32 rounding of x @ w^T [+ r], and a row's bits
+    do not depend on how many rows share the step; linear() takes it inside drafting() only."""
+    w, x0, r0, alone, got = small_rows_case(N, Kin, torch.float32, residual=residual, seed=N)
+    ref = (x0.double() @ w.double().t() + (r0.double() if residual else 0)).float()
+    assert rel(alone, ref) <= TOL[torch.float32]
+    assert all(torch.equal(y, alone) for y in got)
+    calls = []
+    real = K._linear_small
+    try:
+        K._linear_small = lambda *a: calls.append(1) or real(*a)
+        fast(K.linear, x0, w)
+        assert calls == []
+        with K.drafting():
+            assert torch.equal(fast(K.linear, x0, w, r0), alone) and calls == [1]
+    finally:
+        K._linear_small = real
+
+
 def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):
     """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
     token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions (key pieces of
@@ -5555,6 +5594,49 @@ def test_kernel_gpu_invariance_linear(N, Kin):
     tile alone; 64-row tiles from 17 rows)."""
     _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
     assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,Kin", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])  # Qwen3-0.6B's
+def test_kernel_gpu_linear_small(N, Kin):
+    """bf16 at draft_model's Qwen3-0.6B shapes: a row alone == the row in steps of 2 .. 64 rows; close to the
+    fp32 product; and a chain of small linears, norms, SwiGLU and attention launched with PDL inside a CUDA graph
+    (kernels.drafting()) gives the bits of the same chain launched plainly, replay after replay."""
+    w, x0, r0, alone, got = small_rows_case(N, Kin, torch.bfloat16, residual=N <= 1024)
+    assert all(torch.equal(y, alone) for y in got)
+    assert rel(alone, (x0.float() @ w.float().t() + (r0.float() if r0 is not None else 0))) <= 1e-2
+    g = gen(1)
+    ws = [randn(n, k, g=g, dtype=torch.bfloat16, scale=k ** -0.5) for n, k in [(4096, 1024), (1024, 2048),
+                                                                                (6144, 1024), (1024, 3072)] * 3]
+    nw = randn(1024, g=g, dtype=torch.bfloat16)
+    kc, vc, _, _, _ = kv_setup(2, 1024, 8, 128, [100, 600], 1, torch.bfloat16, seed=2, S=3)
+    slots, pos = torch.tensor([2, 0], device=DEV), torch.tensor([100, 600], device=DEV)
+    x = randn(2, 1024, g=g, dtype=torch.bfloat16)
+
+    def chain():
+        h = x
+        for i in range(0, len(ws), 4):
+            a = K.plain_rms_norm(h, nw, 1e-6)
+            q = K.linear(a, ws[i])[:, :2048].reshape(2, 1, 16, 128)
+            o = K.attention(q, kc, vc, slots, pos, 1024, 128).reshape(2, 2048)
+            h = K.linear(o, ws[i + 1], h)
+            u = K.silu_mul(K.linear(K.plain_rms_norm(h, nw, 1e-6), ws[i + 2]))
+            h = K.linear(u, ws[i + 3], h)
+        return h
+    with K.drafting():
+        plain = chain()
+        K._PDL_DEVICES[x.device] = False          # the same kernels without PDL: same bits
+        try:
+            assert torch.equal(chain(), plain)
+        finally:
+            del K._PDL_DEVICES[x.device]
+        graph = torch.cuda.CUDAGraph()
+        chain()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(out, plain)
 
 
 @needs_cuda

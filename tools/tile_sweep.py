@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm] [fp8] [w8a8]
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm] [fp8] [w8a8] [pdl]
                                                                                           (default: the first 4)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -16,6 +16,8 @@ stays in L2), timed per launch:
           against a device copy of the same bytes; the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
+  pdl:    draft_model's small linears chained in a graph: the row-invariant kernel, _linear_small, and
+          _linear_small with programmatic dependent launch (kernels.drafting())
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
 import os
@@ -316,6 +318,33 @@ def w8a8(M=2048):
               f"({flop / tb / 1e6:.0f} TFLOP/s); dequantize + cuBLAS {td:.0f} us; activation quantization {tq:.0f} us")
 
 
+def pdl(L=28):
+    """draft_model's Qwen3-0.6B linears chained as in its passes (qkv -> o_proj -> gate_up -> down, each reading
+    the last output; L layers of distinct weights) in one CUDA graph, at 1 and 8 rows: the row-invariant kernel,
+    _linear_small, and _linear_small inside kernels.drafting() (PDL)."""
+    shapes = ROWS_SHAPES["0.6b"][:4]
+    ws = [[torch.randn(N, Kd, device=dev, dtype=bf) * 0.03 for (N, Kd) in shapes] for _ in range(L)]
+    for M in (1, 8):
+        x0 = torch.randn(M, 1024, device=dev, dtype=bf)
+
+        def chain(fn):
+            x = x0
+            for lw in ws:
+                for w in lw:
+                    x = fn(x[:, :w.shape[1]].contiguous(), w)
+            return x
+        outs = {}
+        for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
+                         ("_linear_small", K._linear_small)]:
+            t = graph_time(lambda: chain(fn))
+            outs[name] = chain(fn)
+            print(f"== 0.6b chain, M = {M}: {name} {t / (4 * L):.2f} us per linear")
+        with K.drafting():
+            t = graph_time(lambda: chain(K._linear_small))
+            same = torch.equal(chain(K._linear_small), outs["_linear_small"])
+        print(f"== 0.6b chain, M = {M}: _linear_small with PDL {t / (4 * L):.2f} us per linear (same bits: {same})")
+
+
 def markov(B=1, Kq=16, V=248320, R=256):
     print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
     U = torch.randn(B, Kq, V, device=dev)
@@ -353,6 +382,8 @@ def main():
         fp8()
     if "w8a8" in parts:
         w8a8()
+    if "pdl" in parts:
+        pdl()
     torch.manual_seed(0)
     if "moe" in parts:
         moe(1)

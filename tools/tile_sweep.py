@@ -320,8 +320,8 @@ def w8a8(M=2048):
 
 def pdl(L=28):
     """draft_model's Qwen3-0.6B linears chained as in its passes (qkv -> o_proj -> gate_up -> down, each reading
-    the last output; L layers of distinct weights) in one CUDA graph, at 1 and 8 rows: the row-invariant kernel,
-    _linear_small, and _linear_small inside kernels.drafting() (PDL)."""
+    the last output; L layers of distinct weights) in one CUDA graph, at 1 and 8 rows: the row-invariant kernel
+    and _linear_small, plainly and inside kernels.drafting() (PDL)."""
     shapes = ROWS_SHAPES["0.6b"][:4]
     ws = [[torch.randn(N, Kd, device=dev, dtype=bf) * 0.03 for (N, Kd) in shapes] for _ in range(L)]
     for M in (1, 8):
@@ -340,9 +340,11 @@ def pdl(L=28):
             outs[name] = chain(fn)
             print(f"== 0.6b chain, M = {M}: {name} {t / (4 * L):.2f} us per linear")
         with K.drafting():
-            t = graph_time(lambda: chain(K._linear_small))
-            same = torch.equal(chain(K._linear_small), outs["_linear_small"])
-        print(f"== 0.6b chain, M = {M}: _linear_small with PDL {t / (4 * L):.2f} us per linear (same bits: {same})")
+            for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
+                             ("_linear_small", K._linear_small)]:
+                t = graph_time(lambda: chain(fn))
+                same = torch.equal(chain(fn), outs[name])
+                print(f"== 0.6b chain, M = {M}: {name} with PDL {t / (4 * L):.2f} us per linear (same bits: {same})")
 
 
 def markov(B=1, Kq=16, V=248320, R=256):

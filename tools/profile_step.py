@@ -7,6 +7,8 @@
 --kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25).
 --gemms M:   every weight shape the step multiplies by, all weights of that shape chained in one CUDA graph:
              cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s.
+--draft-lm B [B ...]: instead, draft_model's propose step (k = 4, a random Qwen3-0.6B-shaped draft LM): graph
+             replay time and an eager step's kernels, at these batch sizes.
 Not part of the engine: a measuring tool for deciding which kernels to write next.
 """
 import argparse
@@ -103,6 +105,43 @@ def gemms(model, Ms):
     return tot
 
 
+def draft_lm(batches, target="27b", k=4, ctx=512):
+    """draft_model's propose step (a random Qwen3-0.6B-shaped draft, bench.random_draft_lm, with the target's
+    vocabulary; no target loaded): its CUDA graph's replay time, then one eager step's kernels (with PDL inside
+    kernels.drafting() a kernel's time includes its wait for the one before)."""
+    import types
+    dev = torch.device("cuda")
+    path = bench.random_draft_lm("/tmp/profile-draft-lm", target)
+    vocab = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=bench.PRESETS[target]["vocab_size"]))
+    io = sd.ProposerIO(vocab, None, max(batches), ctx + 2 * k + 2, torch.bfloat16, dev,
+                       h2d=lambda x, d=None: torch.as_tensor(x, dtype=d, device=dev), call=None)
+    pr = sd.DraftModelProposer(types.SimpleNamespace(num_speculative_tokens=k, draft_sample_method="greedy",
+                                                     model=path), io)
+    with torch.inference_mode():
+        for s in range(max(batches)):  # each slot's cache over a ctx-token prompt
+            ids = torch.randint(0, 1000, (1, ctx), device=dev)
+            pr.model(ids, sd.Ctx(pr.state, torch.tensor([s], device=dev), torch.zeros(1, dtype=torch.long,
+                                                                                      device=dev), ctx, "prefill"))
+        for B in batches:
+            slots, start = torch.arange(B, device=dev), torch.full((B,), ctx, device=dev)
+            ids, n = torch.randint(0, 1000, (B, k + 1), device=dev), torch.full((B,), 3, device=dev)
+            run = lambda: pr._draft(pr.state.max_len, slots, start, ids, n)  # noqa: E731  (a graph's kv_len)
+            print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)", flush=True)
+            run()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            agg = collections.defaultdict(lambda: [0.0, 0])
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    agg[ev.name][0] += ev.device_time
+                    agg[ev.name][1] += 1
+            print(f"## kernels of one eager propose, batch {B}: {sum(v[1] for v in agg.values())} launches")
+            for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:10]:
+                print(f"{us:9.1f} us {n:5d}x  {name[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--random-weights", default="27b", choices=list(bench.PRESETS))
@@ -110,8 +149,12 @@ def main():
     ap.add_argument("--steps", nargs="*", default=["1x1", "8x1", "1x2", "1x16"])
     ap.add_argument("--kernels", nargs="*", default=["1x1"])
     ap.add_argument("--gemms", type=int, nargs="*", default=[])
+    ap.add_argument("--draft-lm", type=int, nargs="*", default=None, metavar="B",
+                    help="only draft_model's propose step (Qwen3-0.6B shapes) at these batch sizes")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.draft_lm:
+        return draft_lm(a.draft_lm, a.random_weights)
     model, cfg = bench.random_model(a.random_weights, torch.bfloat16, torch.device("cuda"))
     ws = bench.linear_weights(model, cfg.num_experts_per_tok)
     print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "

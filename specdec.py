@@ -1664,23 +1664,25 @@ class DraftModelProposer:
         return self.io.call("draft-propose", self._draft, kv_len, inputs)
 
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
-        with K.drafting():  # small kernels: weights loaded before waiting for the kernel before (kernels.py)
-            ctx = Ctx(self.state, slots, start, kv_len, "verify")
-            h = self.model(ids, ctx)                                                 # [B, k+1, H]
-            self.model.commit(ctx, n)                                                # keep the new tokens
-            h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]              # [B, H] at each anchor
-            p1 = start + n                                                           # [B] position of d1
-            drafts = []
-            probs = []
-            for j in range(self.k):
-                if j > 0:
-                    x, pos = (torch.stack(drafts, 1), p1) if self.recurrent else (drafts[-1][:, None],
-                                                                                  p1 + j - 1)
-                    h = self.model(x, Ctx(self.state, slots, pos, kv_len, "verify"))[:, -1]
-                d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
-                drafts.append(d)
-                probs.append(q)
-            return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
+        with K.drafting():  # PDL; small linears load their weights before waiting (kernels.py)
+            return self._passes(kv_len, slots, start, ids, n, temp, u)
+
+    def _passes(self, kv_len, slots, start, ids, n, temp, u):
+        ctx = Ctx(self.state, slots, start, kv_len, "verify")
+        h = self.model(ids, ctx)                                                     # [B, k+1, H]
+        self.model.commit(ctx, n)                                                    # keep the new tokens
+        h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]                  # [B, H] at each anchor
+        p1 = start + n                                                               # [B] position of d1
+        drafts = []
+        probs = []
+        for j in range(self.k):
+            if j > 0:
+                x, pos = (torch.stack(drafts, 1), p1) if self.recurrent else (drafts[-1][:, None], p1 + j - 1)
+                h = self.model(x, Ctx(self.state, slots, pos, kv_len, "verify"))[:, -1]
+            d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
+            drafts.append(d)
+            probs.append(q)
+        return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         s = batch.slots  # the next propose's first pass consumes the accepted tokens

@@ -887,8 +887,8 @@ def _linear_small_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BN: tl.constexpr, BK:
 
 def _linear_small(x, w, residual=None):
     """[residual +] x @ w^T for a small weight w [N, K] and a few rows x [..., K] (a drafter's pass,
-    drafting()): one kernel whose programs each hold BN whole weight rows. BN = 8: the fastest of 4, 8 and
-    16 on the H200 (tools/tile_sweep.py pdl)."""
+    drafting()): one kernel whose programs each hold BN whole weight rows. BN = 8: on the H200 a GEMV of this
+    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with 4 rows and 3.3 with 16."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]

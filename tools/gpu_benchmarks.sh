@@ -32,7 +32,7 @@ fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floo
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-fp8-27b.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 27b -q fp8 --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-fp8-prefill-4096.log | grep -v '^{'
-  timeout 100 python3 bench.py --random-weights 35b-a3b -q fp8 --batch 1 --prompt-len 256 --gen-len 128 2>&1 | tee $OUT/bench-fp8-35b.log | grep -v '^{'
+  timeout 100 python3 bench.py --random-weights 35b-a3b -q fp8 --batch 1 --prompt-len 256 --gen-len 128 --true-floor 2>&1 | tee $OUT/bench-fp8-35b.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 256 --gen-len 128 2>&1 | tee $OUT/bench-bf16-27b.log | grep -v '^{' ;;
 targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens per request (less acceptance noise)
   timeout 400 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 256 \
@@ -41,7 +41,8 @@ targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens 
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
     --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":16,$SYN}" 2>&1 | tee $OUT/bench-targets-27b.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-prefill-4096.log | grep -v '^{'
-  timeout 150 python3 bench.py --random-weights 35b-a3b --batch 1 --prompt-len 512 --gen-len 256 2>&1 | tee $OUT/bench-targets-35b.log | grep -v '^{' ;;
+  timeout 150 python3 bench.py --random-weights 35b-a3b --batch 1 --prompt-len 512 --gen-len 256 --true-floor 2>&1 | tee $OUT/bench-targets-35b.log | grep -v '^{'
+  timeout 90 python3 tools/profile_step.py --draft-lm 1 8 2>&1 | tee $OUT/draft-lm.log | grep -v '^loading' ;;
 drafters)  # retrain the toy DFlash / DSpark drafters (tools/train_drafters.py) and evaluate every method on the GPU
   timeout 420 python3 tools/train_drafters.py --seconds ${DRAFTER_SECONDS:-320} --batch 32 --anchors 16 2>&1 | tee $OUT/train-drafters.log | tail -2
   mkdir -p $OUT/toy-dflash $OUT/toy-dspark; cp models/toy-dflash/* $OUT/toy-dflash/; cp models/toy-dspark/* $OUT/toy-dspark/

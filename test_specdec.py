@@ -5438,18 +5438,21 @@ def rowwise_dot(monkeypatch):
         monkeypatch.setattr(I.InterpreterBuilder, "create_dot", create_dot)
 
 
-def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0, fp8=False):
+def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0, fp8=False, small=False):
     """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
     row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles). fp8: the
-    weight quantized (K.fp8_quantize), through the FP8 kernel; w is then (q, scale)."""
+    weight quantized (K.fp8_quantize), through the FP8 kernel; w is then (q, scale). small: kernels._linear_small
+    (the drafters') instead."""
     g = gen(seed)
     w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
     cfg, extra = "rows", ()
     if fp8:
         w, s = K.fp8_quantize(w)
         cfg, extra = "fp8", (s,)
+    run = (lambda x, r: fast(K._linear_small, x, w, r)) if small else \
+        (lambda x, r: fast(K._gemv_launch, x, w, cfg, r, *extra))
     x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
-    alone = fast(K._gemv_launch, x0, w, cfg, r0, *extra)
+    alone = run(x0, r0)
     got = []
     for M in sizes:
         xs, rs = randn(M, Kin, g=g, dtype=dtype), randn(M, N, g=g, dtype=dtype) if residual else None
@@ -5457,7 +5460,7 @@ def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False
             xs[at] = x0[0]
             if residual:
                 rs[at] = r0[0]
-            got.append(fast(K._gemv_launch, xs, w, cfg, rs, *extra)[at:at + 1])
+            got.append(run(xs, rs)[at:at + 1])
     return (w, *extra) if fp8 else w, x0, r0, alone, got
 
 
@@ -5471,30 +5474,13 @@ def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
     assert all(torch.equal(y, alone) for y in got)
 
 
-def small_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 40, 64), residual=False, seed=0):
-    """(w, x0, r0, alone, [row x0 as row 0 / the last row of steps of M rows]) of kernels._linear_small."""
-    g = gen(seed)
-    w = randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
-    x0, r0 = randn(1, Kin, g=g, dtype=dtype), randn(1, N, g=g, dtype=dtype) if residual else None
-    alone = fast(K._linear_small, x0, w, r0)
-    got = []
-    for M in sizes:
-        xs, rs = randn(M, Kin, g=g, dtype=dtype), randn(M, N, g=g, dtype=dtype) if residual else None
-        for at in (0, M - 1):
-            xs[at] = x0[0]
-            if residual:
-                rs[at] = r0[0]
-            got.append(fast(K._linear_small, xs, w, rs)[at:at + 1])
-    return w, x0, r0, alone, got
-
-
 @needs_kernels
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (9, 300)])                 # ragged N blocks and K
 def test_kernel_linear_small(N, Kin, residual):
     """The drafters' small linear (kernels.drafting()): within fp32 rounding of x @ w^T [+ r], and a row's bits
     do not depend on how many rows share the step; linear() takes it inside drafting() only."""
-    w, x0, r0, alone, got = small_rows_case(N, Kin, torch.float32, residual=residual, seed=N)
+    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, (2, 5, 8, 40, 64), residual, N, small=True)
     ref = (x0.double() @ w.double().t() + (r0.double() if residual else 0)).float()
     assert rel(alone, ref) <= TOL[torch.float32]
     assert all(torch.equal(y, alone) for y in got)
@@ -5602,7 +5588,7 @@ def test_kernel_gpu_linear_small(N, Kin):
     """bf16 at draft_model's Qwen3-0.6B shapes: a row alone == the row in steps of 2 .. 64 rows; close to the
     fp32 product; and a chain of small linears, norms, SwiGLU and attention launched with PDL inside a CUDA graph
     (kernels.drafting()) gives the bits of the same chain launched plainly, replay after replay."""
-    w, x0, r0, alone, got = small_rows_case(N, Kin, torch.bfloat16, residual=N <= 1024)
+    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.bfloat16, (2, 5, 8, 40, 64), N <= 1024, small=True)
     assert all(torch.equal(y, alone) for y in got)
     assert rel(alone, (x0.float() @ w.float().t() + (r0.float() if r0 is not None else 0))) <= 1e-2
     g = gen(1)

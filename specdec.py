@@ -2626,6 +2626,54 @@ class ModelRunner:
         return p.host.tolist()
 
 
+PREFILL_SHARE = 0.4  # the share of the device's time that prompt pieces get while other requests decode
+
+
+class PrefillShare:
+    """Chunked prefill beside running requests: a long prompt's pieces get at most `share` of the device's
+    time, so the streams keep their pace. Wall time accrues share x elapsed of credit, every piece's device
+    time is paid from it once known, and what is left is capped at 0 (no saved-up bursts); a prompt's later
+    pieces wait while the credit is below 0 or earlier pieces' device time is not known yet. Over a long
+    prompt the streams' time per token grows at most 1 / (1 - share)-fold (1.67x at 0.4; the step with a
+    piece is one long step) and the prompt prefills at `share` of its speed alone. Alone (nothing decoding):
+    full speed."""
+    def __init__(self, share, device, clock=time.perf_counter):
+        self.share, self.clock = share, clock
+        self.cuda = torch.device(device).type == "cuda"
+        self.credit, self.last, self.out = 0.0, None, []  # out: the timed pieces' (start, end), unpaid
+
+    def ready(self, continuing):
+        """May this step prefill? continuing: the next prompt has pieces done (a new prompt's first piece
+        goes at once)."""
+        now = self.clock()
+        if self.last is not None:
+            self.credit += self.share * (now - self.last)
+        self.last = now
+        while self.out and (not self.cuda or self.out[0][1].query()):  # pieces that have run (no wait)
+            a, b = self.out.pop(0)
+            self.credit -= a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        if self.out:
+            return not continuing
+        self.credit = min(0.0, self.credit)
+        return self.credit >= 0 or not continuing
+
+    def start(self):
+        """A mark before this step's pieces: the host's clock on the CPU (pieces run synchronously there), a
+        CUDA event on the GPU (they run later, asynchronously)."""
+        if not self.cuda:
+            return self.clock()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, start):
+        self.out.append((start, self.start()))
+
+    def alone(self):
+        """Nothing decodes: no sharing, and nothing owed."""
+        self.credit, self.last, self.out = 0.0, None, []
+
+
 class Engine:
     """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what
     fits, prefills (chunked prefill: up to max_num_batched_tokens per step, counting the running requests'
@@ -2663,6 +2711,7 @@ class Engine:
         self.stats = SpecStats()
         self.num_requests = 0
         self.pending = None  # the launched step whose tokens the host has not read yet
+        self.share = PrefillShare(PREFILL_SHARE, device)  # the prefill's time beside running requests
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params, rid=None, fork_of=None):
@@ -2762,7 +2811,15 @@ class Engine:
             self.prefilling.append(req)
         running = [r for r in self.slots
                    if r is not None and r not in self.prefilling and not self._ends_in_flight(r)]
-        touched = self._prefill(self.max_num_batched_tokens - len(running) * (self.runner.k + 1))
+        budget = self.max_num_batched_tokens - len(running) * (self.runner.k + 1)
+        touched = []
+        if not (self.chunked and running):
+            self.share.alone()
+            touched = self._prefill(budget)
+        elif self.prefilling and self.share.ready(continuing=self.prefilling[0].prefilled > 0):
+            start = self.share.start()
+            touched = self._prefill(budget)
+            self.share.stop(start)
         done = self.pending
         if done is not None and any(r.params.needs_history for r in running):
             touched += self._finish(done)  # the processors read the output so far: the host must have it

@@ -5933,17 +5933,27 @@ def test_chunked_prefill_equals_whole(tiny):
 
 
 def test_chunked_prefill_keeps_running_streams(tiny):
-    """A long prompt admitted while a request decodes is prefilled a piece per step (max_num_batched_tokens 8
-    minus the running request's k+1 = 3 verify tokens leaves less than a piece, so one piece per step) and the
-    running request gets tokens in every one of those steps; both outputs equal plain decoding (speculation off,
-    whole prefill), token for token."""
+    """A long prompt admitted while a request decodes is prefilled in pieces (max_num_batched_tokens 8 minus the
+    running request's k+1 = 3 verify tokens leaves less than a piece, so at most one piece per step, and fewer
+    while the pieces have had their share of the time: PrefillShare) and the running request gets tokens in every
+    one of those steps; both outputs equal plain decoding (speculation off, whole prefill), token for token."""
+    check_chunked_prefill_keeps_running_streams(tiny, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_chunked_prefill_keeps_running_streams(tiny):
+    """The same on the GPU: CUDA graphs, the asynchronous loop, the pieces timed by CUDA events."""
+    check_chunked_prefill_keeps_running_streams(tiny, "cuda")
+
+
+def check_chunked_prefill_keeps_running_streams(tiny, device):
     g = torch.Generator().manual_seed(2)
     short = torch.randint(0, 500, (4,), generator=g).tolist()
     long_ = torch.randint(0, 500, (60,), generator=g).tolist()
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cpu", max_num_seqs=2,
+    plain = [o.outputs[0].token_ids for o in LLM(model=tiny, device=device, dtype="float32", max_num_seqs=2,
                                                    enable_chunked_prefill=False).generate([short, long_], sp)]
-    llm = LLM(model=tiny, device="cpu", max_num_seqs=2, max_num_batched_tokens=8,
+    llm = LLM(model=tiny, device=device, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     eng = llm.engine
     a = eng.add_request(short, sp)
@@ -5951,18 +5961,41 @@ def test_chunked_prefill_keeps_running_streams(tiny):
     eng.step()
     assert a.output_ids and not eng.prefilling
     b = eng.add_request(long_, sp)
-    prefill_steps = 0
+    pieces = 0
     while not b.output_ids:
         n_a = len(a.output_ids)
         done_before = b.prefilled
         eng.step()
-        prefill_steps += 1
-        assert b.prefilled - done_before == 8 or b.prefilled == 60
+        pieces += b.prefilled > done_before
+        assert b.prefilled - done_before in (0, 8) or b.prefilled == 60
         assert len(a.output_ids) > n_a or a.finished
-    assert prefill_steps == 8  # ceil(60 / 8)
+    assert pieces == 8  # ceil(60 / 8)
     while eng.has_work():
         eng.step()
     assert [a.output_ids, b.output_ids] == plain
+
+
+def test_prefill_share_spaces_the_pieces():
+    """PrefillShare on a fake clock (CPU timing): decode steps of 10 ms, a long prompt's pieces of 30 ms. The
+    pieces take close to PREFILL_SHARE = 0.4 of the time and never more, so the streams' time per token stays
+    within 1 / (1 - 0.4) of the 10 ms; right after a piece a continuing prompt waits while a new prompt's first
+    piece may go; nothing decoding resets what is owed."""
+    t = [0.0]
+    share = sd.PrefillShare(0.4, "cpu", clock=lambda: t[0])
+    pieces = steps = 0
+    for _ in range(2000):
+        if share.ready(continuing=True):
+            start = share.start()
+            t[0] += 0.030
+            share.stop(start)
+            pieces += 1
+            assert share.ready(continuing=False) and not share.ready(continuing=True)
+        t[0] += 0.010
+        steps += 1
+    assert 0.35 < pieces * 0.030 / t[0] <= 0.4
+    assert t[0] / steps <= 0.010 / (1 - 0.4)
+    share.alone()
+    assert share.ready(continuing=True)
 
 
 def test_chunked_prefill_budget_error(tiny):

@@ -2,6 +2,11 @@
 
     python tools/eval_toy.py [--device cpu|cuda] [--dtype float32|bfloat16] [--prompts 8] [--gen 128] [-q fp8]
     python tools/eval_toy.py --loss [-q fp8]       (held-out loss, nats/token, as tools/train_toy.py measures it)
+    python tools/eval_toy.py --speed --device cuda --dtype bfloat16 --methods "ngram k=4" "draft_model k=4"
+
+--speed adds each method's decoding speed at batch 1 on these prompts (real acceptance): after one prompt alone
+untimed (graph capture, kernel compilation), every prompt alone, generated tokens over the time (prefill
+included), and its ratio to speculation off's.
 
 Prompts: the first 128 tokens of windows taken from the held-out files listed in models/train_log.json (read
 from this machine's stdlib; files missing here are skipped). Greedy, 128 generated tokens. For each method:
@@ -14,6 +19,8 @@ import os
 import sys
 import sysconfig
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -65,13 +72,31 @@ def held_out_loss(model_dir, device, dtype, quantization=None, L=512, n=64):
     return -sum(lps) / len(lps), len(windows)
 
 
-def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods, quantization=None):
+def batch1_tok_s(llm, prompts, sp):
+    """Generated tokens per second with every prompt alone (batch 1), the host's clock around each; after one
+    prompt alone untimed (the batch-1 graphs and kernel variants are made then)."""
+    sync = torch.cuda.synchronize if torch.device(llm.engine.runner.device).type == "cuda" else lambda: 0
+    llm.generate(prompts[:1], sp, use_tqdm=False)
+    n, secs = 0, 0.0
+    for p in prompts:
+        sync()
+        t = time.perf_counter()
+        out = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
+        sync()
+        secs += time.perf_counter() - t
+        n += len(out.token_ids)
+    return n / secs
+
+
+def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods, quantization=None, speed=False):
     base = sd.LLM(model=model_dir, device=device, dtype=dtype, quantization=quantization)
     prompts = held_out_prompts(base.tokenizer, n_prompts, plen, os.path.dirname(model_dir))
     sp = sd.SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     t = time.perf_counter()
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, sp)]
     rows = {"off": dict(seconds=time.perf_counter() - t)}
+    if speed:
+        rows["off"]["tok_s_batch1"] = batch1_tok_s(base, prompts, sp)
     for name, cfg in methods.items():
         try:
             llm = sd.LLM(model=model_dir, device=device, dtype=dtype, speculative_config=cfg,
@@ -85,6 +110,9 @@ def evaluate(model_dir, device, dtype, n_prompts, plen, gen, methods, quantizati
         rows[name] = dict(mean_acceptance_length=s.mean_acceptance_length, draft_acceptance_rate=s.draft_acceptance_rate,
                           per_position=[a / max(s.num_drafts, 1) for a in s.accepted_per_pos],
                           equal_to_off=outs == ref, seconds=time.perf_counter() - t)
+        if speed:
+            rows[name]["tok_s_batch1"] = v = batch1_tok_s(llm, prompts, sp)
+            rows[name]["x_off_batch1"] = v / rows["off"]["tok_s_batch1"]
     return prompts, rows
 
 
@@ -99,6 +127,7 @@ def main():
     ap.add_argument("-q", "--quantization", default=None, help="fp8: the weights quantized at load")
     ap.add_argument("--loss", action="store_true", help="the held-out loss instead of the acceptance table")
     ap.add_argument("--methods", nargs="*", default=None, help="names from METHODS (default: all)")
+    ap.add_argument("--speed", action="store_true", help="also each method's batch-1 tok/s and its ratio to off")
     a = ap.parse_args()
     methods = {k: v for k, v in METHODS.items() if a.methods is None or k in a.methods}
     if a.loss:
@@ -106,18 +135,21 @@ def main():
         print(f"held-out loss: {loss:.4f} nats/token ({n} windows of 512 tokens; {a.device} {a.dtype}, "
               f"weights {a.quantization or 'as stored'})")
         return
-    prompts, rows = evaluate(a.model, a.device, a.dtype, a.prompts, a.prompt_len, a.gen, methods, a.quantization)
-    print("| method | mean acceptance length | draft acceptance rate | per position | == spec off | seconds |")
-    print("|---|---|---|---|---|---|")
+    prompts, rows = evaluate(a.model, a.device, a.dtype, a.prompts, a.prompt_len, a.gen, methods, a.quantization,
+                             a.speed)
+    sp_head, sp_rule = (" batch-1 tok/s | x off |", "---|---|") if a.speed else ("", "")
+    speed = lambda r: f" {r['tok_s_batch1']:.1f} | {r.get('x_off_batch1', 1):.2f} |" if a.speed else ""
+    print("| method | mean acceptance length | draft acceptance rate | per position | == spec off | seconds |" + sp_head)
+    print("|---|---|---|---|---|---|" + sp_rule)
     for name, r in rows.items():
         if "error" in r:
             print(f"| {name} | not run: {r['error']} | | | | |")
         elif name == "off":
-            print(f"| off | 1 | | | | {r['seconds']:.1f} |")
+            print(f"| off | 1 | | | | {r['seconds']:.1f} |" + speed(r))
         else:
             pp = ", ".join(f"{x:.2f}" for x in r["per_position"])
             print(f"| {name} | {r['mean_acceptance_length']:.2f} | {r['draft_acceptance_rate']:.2f} | {pp} | "
-                  f"{r['equal_to_off']} | {r['seconds']:.1f} |")
+                  f"{r['equal_to_off']} | {r['seconds']:.1f} |" + speed(r))
     print(json.dumps({"device": a.device, "dtype": a.dtype, "quantization": a.quantization, "prompts": len(prompts), "prompt_len": a.prompt_len,
                       "gen": a.gen, "rows": rows}))
 

@@ -279,7 +279,7 @@ def routed_experts(model, spec, B, prompt_len, device, dtype, steps=8, seed=1):
     def hook(mod, args, out):
         x = args[0].reshape(-1, args[0].shape[-1])
         if x.shape[0] <= B * (k + 1):
-            idx = torch.topk(sd.K.linear(x, mod.gate.weight).float(), mod.top_k, dim=-1).indices
+            idx = sd.K.moe_route(sd.K.linear(x, mod.gate.weight), mod.top_k)[1]          # the model's routing
             counts.append(idx.unique().numel())
     hooks = [layer.mlp.register_forward_hook(hook) for layer in model.layers if isinstance(layer.mlp, sd.MoE)]
     try:

@@ -105,6 +105,26 @@ def gemms(model, Ms):
     return tot
 
 
+def kernel_table(fn, title, reps=1, top=25):
+    """fn() run reps times eagerly under torch.profiler (after one warm-up run): CUDA time and launches per
+    kernel name, per run, the top ones printed under `title`."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    agg = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            agg[ev.name][0] += ev.device_time / reps
+            agg[ev.name][1] += 1
+    total = sum(v[0] for v in agg.values())
+    print(f"## {title}: {total / 1e3:.3f} ms device time, {sum(v[1] for v in agg.values()) // reps} launches")
+    for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us:9.1f} us {100 * us / total:5.1f}% {n // reps:5d}x  {name[:110]}")
+
+
 def draft_lm(batches, target="27b", k=4, ctx=512):
     """draft_model's propose step (a random Qwen3-0.6B-shaped draft, bench.random_draft_lm, with the target's
     vocabulary; no target loaded): its CUDA graph's replay time, then one eager step's kernels (with PDL inside
@@ -127,19 +147,7 @@ def draft_lm(batches, target="27b", k=4, ctx=512):
             ids, n = torch.randint(0, 1000, (B, k + 1), device=dev), torch.full((B,), 3, device=dev)
             run = lambda: pr._draft(pr.state.max_len, slots, start, ids, n)  # noqa: E731  (a graph's kv_len)
             print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)", flush=True)
-            run()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                run()
-                torch.cuda.synchronize()
-            agg = collections.defaultdict(lambda: [0.0, 0])
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    agg[ev.name][0] += ev.device_time
-                    agg[ev.name][1] += 1
-            print(f"## kernels of one eager propose, batch {B}: {sum(v[1] for v in agg.values())} launches")
-            for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:10]:
-                print(f"{us:9.1f} us {n:5d}x  {name[:110]}")
+            kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)
 
 
 def main():
@@ -178,22 +186,7 @@ def main():
                 model.logits(h)
                 if T > 1:
                     model.commit(ctx, torch.full((B,), T, device="cuda"))
-            fwd()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fwd()
-                torch.cuda.synchronize()
-            agg = collections.defaultdict(lambda: [0.0, 0])
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    agg[ev.name][0] += ev.device_time / 3
-                    agg[ev.name][1] += 1
-            total = sum(v[0] for v in agg.values())
-            print(f"## kernels of one eager step B={B} T={T}: {total / 1e3:.3f} ms device time, "
-                  f"{sum(v[1] for v in agg.values()) // 3} launches")
-            for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:25]:
-                print(f"{us:9.1f} us {100 * us / total:5.1f}% {n // 3:5d}x  {name[:110]}")
+            kernel_table(fwd, f"kernels of one eager step B={B} T={T}", reps=3)
     if a.gemms:
         gemms(model, a.gemms)
 

@@ -20,6 +20,7 @@ stays in L2), timed per launch:
           _linear_small with programmatic dependent launch (kernels.drafting())
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
+import contextlib
 import os
 import sys
 
@@ -334,17 +335,16 @@ def pdl(L=28):
                     x = fn(x[:, :w.shape[1]].contiguous(), w)
             return x
         outs = {}
-        for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
-                         ("_linear_small", K._linear_small)]:
-            t = graph_time(lambda: chain(fn))
-            outs[name] = chain(fn)
-            print(f"== 0.6b chain, M = {M}: {name} {t / (4 * L):.2f} us per linear")
-        with K.drafting():
-            for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
-                             ("_linear_small", K._linear_small)]:
-                t = graph_time(lambda: chain(fn))
-                same = torch.equal(chain(fn), outs[name])
-                print(f"== 0.6b chain, M = {M}: {name} with PDL {t / (4 * L):.2f} us per linear (same bits: {same})")
+        for with_pdl in (False, True):
+            with K.drafting() if with_pdl else contextlib.nullcontext():
+                for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
+                                 ("_linear_small", K._linear_small)]:
+                    t = graph_time(lambda: chain(fn))
+                    y = chain(fn)
+                    same = f" (same bits: {torch.equal(y, outs[name])})" if with_pdl else ""
+                    outs[name] = y
+                    print(f"== 0.6b chain, M = {M}: {name}{' with PDL' if with_pdl else ''} {t / (4 * L):.2f} us "
+                          f"per linear{same}")
 
 
 def markov(B=1, Kq=16, V=248320, R=256):

@@ -315,7 +315,7 @@ def gated_rms_norm(x, z, weight, eps):
 # linear streams q (half the bytes of bf16), turns each e4m3 value into fp16 exactly, multiplies it by the
 # activations (each row scaled into fp16's range by a power of two) on the tensor cores with fp32 sums, and
 # scales each 128-column block's partial sum by its block's scale in fp32 (_gemv_kernel, SCALED). Prefill
-# dequantizes and runs cuBLAS. MoE experts carry the same layout per expert.
+# runs W8A8 (linear_w8a8, below). MoE experts carry the same layout per expert.
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # e4m3's largest finite value

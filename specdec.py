@@ -1204,14 +1204,15 @@ def read_block_config(path, method):
                        confidence_with_markov=bool(top.get("confidence_head_with_markov", False)))
 
 
-def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None, chunk=None):
+def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
     """Attention of T queries at positions pos[b]..pos[b]+T-1 over the slot's cached keys (the block's own
     keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal:
     keys up to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and,
     when non-causal, k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B];
-    kv_len >= max(pos)+T; chunk: kernels.attention's key pieces. Returns [B, T, n_h, d]. Without a window this
-    is kernels.attention (the GPU kernel); else a masked reference."""
+    kv_len >= max(pos)+T. Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU kernel,
+    in the drafters' key pieces: DRAFT_ATTN_CHUNK); else a masked reference."""
     B, T, nh, d = q.shape
+    chunk = K.DRAFT_ATTN_CHUNK  # every caller is a drafter's layer (Qwen3Attention)
     if window is None and causal:
         return K.attention(q, k_cache, v_cache, slots, pos, kv_len, chunk)
     if window is None:
@@ -1278,8 +1279,8 @@ class Qwen3Attention(nn.Module):
             q = self._prep(*K.linear(x, self.qkv).split([self.nh * self.hd, kv_dim, kv_dim], -1), ctx)
         else:
             q = self.write_kv(x, ctx, self.q_proj(x))
-        o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window,
-                            chunk=K.DRAFT_ATTN_CHUNK).reshape(B, T, -1)
+        o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
+        o = o.reshape(B, T, -1)
         if isinstance(self.o_proj, Linear):
             return self.o_proj(o, residual)                                          # [B, T, H]
         return self.o_proj(o) if residual is None else residual + self.o_proj(o)

@@ -1625,7 +1625,9 @@ class DraftModelProposer:
     """method draft_model: a small LM drafts k tokens autoregressively with its own caches, one token behind
     the target like vLLM. At each propose a first pass feeds it the tokens committed since the last one
     (right-padded to k+1, verify mode) and commits exactly those into its GDN states (stash + replay, as the
-    target does); d1 comes from the last real position. Drafts d2..dk come from verify-mode passes that
+    target does); an attention-only draft has cached the accepted drafts below d_k while drafting, so its
+    first pass takes only what is left (right-padded to 2: d_k if accepted, the bonus token). d1 comes from
+    the last real position. Drafts d2..dk come from verify-mode passes that
     never write the GDN states (over [d1..dj] for a hybrid draft, just d_j for an attention-only one), so
     nothing needs rolling back."""
     taps = ()
@@ -1658,7 +1660,8 @@ class DraftModelProposer:
 
     def propose(self, batch):
         s = batch.slots
-        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s], n=self.new_n[s])
+        width = self.k + 1 if self.recurrent else 2  # the first pass's tokens (commit)
+        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s, :width], n=self.new_n[s])
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
         kv_len = batch.kv_len(2 * self.k + 1, self.state.max_len)
@@ -1686,10 +1689,15 @@ class DraftModelProposer:
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
-        s = batch.slots  # the next propose's first pass consumes the accepted tokens
+        s = batch.slots  # the next propose's first pass consumes the committed tokens it has not cached
+        skip = 0  # a hybrid draft replays them all into its GDN states
+        if not self.recurrent:  # an attention-only draft cached d1..d(k-1) at their positions while drafting:
+            skip = n_acc.clamp(max=self.k - 1)  # the accepted ones are right; left: d_k if accepted, the bonus
+            idx = (skip[:, None] + torch.arange(self.k + 1, device=tokens.device)).clamp(max=self.k)
+            tokens = tokens.gather(1, idx)
         self.new_ids[s] = tokens.clamp(min=0)
-        self.new_n[s] = n_acc + 1
-        self.start[s] = batch.pos + 1
+        self.new_n[s] = n_acc + 1 - skip
+        self.start[s] = batch.pos + 1 + skip
 
     def fork(self, src, dst, n, token, hidden):
         copy_slot(self.state, src, dst, n)  # its caches over the prompt; the first propose eats the token

@@ -1638,6 +1638,7 @@ class DraftModelProposer:
         self.greedy = spec.draft_sample_method == "greedy"
         self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + 2 * self.k + 2)
         self.recurrent = bool(self.state.rec)
+        self.width = self.k + 1 if self.recurrent else 2  # tokens in a propose's first pass (commit)
         # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the
         # accepted n+1 after a verify; right-padded to k+1), how many, and the position of the first
         S = io.num_slots + 1
@@ -1660,8 +1661,7 @@ class DraftModelProposer:
 
     def propose(self, batch):
         s = batch.slots
-        width = self.k + 1 if self.recurrent else 2  # the first pass's tokens (commit)
-        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s, :width], n=self.new_n[s])
+        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s, :self.width], n=self.new_n[s])
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
         kv_len = batch.kv_len(2 * self.k + 1, self.state.max_len)

@@ -144,7 +144,8 @@ def draft_lm(batches, target="27b", k=4, ctx=512):
                                                                                       device=dev), ctx, "prefill"))
         for B in batches:
             slots, start = torch.arange(B, device=dev), torch.full((B,), ctx, device=dev)
-            ids, n = torch.randint(0, 1000, (B, k + 1), device=dev), torch.full((B,), 3, device=dev)
+            ids = torch.randint(0, 1000, (B, pr.width), device=dev)  # the first pass's tokens, as propose
+            n = torch.full((B,), pr.width, device=dev)
             run = lambda: pr._draft(pr.state.max_len, slots, start, ids, n)  # noqa: E731  (a graph's kv_len)
             print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)", flush=True)
             kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)

@@ -1639,8 +1639,8 @@ class DraftModelProposer:
         self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + 2 * self.k + 2)
         self.recurrent = bool(self.state.rec)
         self.width = self.k + 1 if self.recurrent else 2  # tokens in a propose's first pass (commit)
-        # per slot, on the device: the tokens committed since its last propose (1 after the prompt, the
-        # accepted n+1 after a verify; right-padded to k+1), how many, and the position of the first
+        # per slot, on the device: the tokens committed since its last propose that it has not cached (1
+        # after the prompt, up to n+1 after a verify; right-padded to k+1), how many, and the first's position
         S = io.num_slots + 1
         self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=io.device)     # [S, k+1]
         self.new_n = torch.ones(S, dtype=torch.long, device=io.device)                    # [S]
@@ -1691,8 +1691,8 @@ class DraftModelProposer:
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         s = batch.slots  # the next propose's first pass consumes the committed tokens it has not cached
         skip = 0  # a hybrid draft replays them all into its GDN states
-        if not self.recurrent:  # an attention-only draft cached d1..d(k-1) at their positions while drafting:
-            skip = n_acc.clamp(max=self.k - 1)  # the accepted ones are right; left: d_k if accepted, the bonus
+        if not self.recurrent:  # an attention-only draft cached d1..d(k-1) at their positions while
+            skip = n_acc.clamp(max=self.k - 1)  # drafting: the accepted ones are right; left: d_k, the bonus
             idx = (skip[:, None] + torch.arange(self.k + 1, device=tokens.device)).clamp(max=self.k)
             tokens = tokens.gather(1, idx)
         self.new_ids[s] = tokens.clamp(min=0)
@@ -2686,10 +2686,10 @@ class PrefillShare:
 class Engine:
     """The scheduler: requests wait in a FIFO queue for one of max_num_seqs slots; each step admits what
     fits, prefills (chunked prefill: up to max_num_batched_tokens per step, counting the running requests'
-    tokens, so a long prompt does not stall them), launches one step over the running requests on the
-    ModelRunner, reads the step before back and emits its tokens, stopping each request exactly where
-    plain decoding stops (EOS, stop ids and strings, max_tokens, max_model_len). Counts vLLM's spec-decode
-    metrics."""
+    tokens; a long prompt's pieces get at most PREFILL_SHARE of the time beside them: PrefillShare),
+    launches one step over the running requests on the ModelRunner, reads the step before back and emits
+    its tokens, stopping each request exactly where plain decoding stops (EOS, stop ids and strings,
+    max_tokens, max_model_len). Counts vLLM's spec-decode metrics."""
     def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0,
                  enforce_eager=False, async_steps=None, max_num_batched_tokens=None,
                  enable_chunked_prefill=True):

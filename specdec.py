@@ -2359,10 +2359,10 @@ class ModelRunner:
         self.graphs = GraphRunner(self.state) if device.type == "cuda" and not enforce_eager else None
         self.eager_drafts = spec is not None and bool(spec.enforce_eager)  # vLLM's override, for the draft
         # With graphs, greedy speculative steps run as one captured graph each (_one_graph) when nothing in
-        # them comes from the host; `inside` is set while such a step is captured (its pieces run eagerly).
+        # them comes from the host (synthetic acceptance too: its uniforms then come from the device's
+        # generator); `inside` is set while such a step is captured (its pieces run eagerly).
         self.whole_steps = (spec is not None and not self.eager_drafts
-                            and spec.draft_sample_method == "greedy"
-                            and spec.rejection_sample_method != "synthetic")
+                            and spec.draft_sample_method == "greedy")
         self.inside = False
         # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their
         # inputs from here and write them back, so launching a step needs nothing from the host.
@@ -2611,8 +2611,14 @@ class ModelRunner:
                                 min_p=self._min_p(reqs))
 
     def _synthetic_sample(self, reqs, logits, drafts, q):
-        """synthetic_sample with the configured rates (the uniforms are drawn as for rejection_sample)."""
-        u_acc, _ = self._uniforms(reqs)
+        """synthetic_sample with the configured rates; the uniforms are drawn as for rejection_sample, or
+        (reqs None: a whole-step graph, which takes nothing from the host) by the device's default generator,
+        whose draws a CUDA graph captures and renews at every replay. A benchmark mode: either way each draft
+        is accepted with its rate, and the step runs as a real greedy step does, as one graph."""
+        if reqs is None:
+            u_acc = torch.rand(drafts.shape, device=drafts.device)
+        else:
+            u_acc, _ = self._uniforms(reqs)
         return synthetic_sample(logits, drafts, self.rates, u_acc)
 
     # -- read-back ------------------------------------------------------------------------------

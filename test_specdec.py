@@ -2022,6 +2022,33 @@ def test_spec_config_inference_and_aliases(tmp_path):
     assert c.conditional_rates() == [1.0, 0.5, 0.0, 0.0]
 
 
+def test_synthetic_acceptance_rates(tiny):
+    """rejection_sample_method synthetic (a benchmark mode): with conditional rates [1, 0.5, 0] every first draft
+    is accepted, a second about half the time, a third never, whatever the tokens are."""
+    check_synthetic_acceptance(tiny, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_synthetic_acceptance_rates(tiny):
+    """The same with CUDA graphs, where a synthetic step is one captured graph (as a real greedy step is) whose
+    uniforms come from the device's generator, new at every replay."""
+    runner = check_synthetic_acceptance(tiny, "cuda")
+    assert {key[0] for key in runner.graphs.graphs} == {"spec-step"}
+
+
+def check_synthetic_acceptance(tiny, device):
+    llm = LLM(model=tiny, device=device, dtype="float32", max_num_seqs=4, speculative_config={
+        "method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [1.0, 0.5, 0.0]})
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], sp)
+    s = llm.engine.stats
+    assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
+    assert s.num_drafts >= 100 and s.accepted_per_pos[0] == s.num_drafts and s.accepted_per_pos[2] == 0
+    assert 0.35 < s.accepted_per_pos[1] / s.num_drafts < 0.65                  # 0.5, binomial sd ~0.04 here
+    return llm.engine.runner
+
+
 def test_mtp_without_head_fails_at_load(tmp_path):
     path = write_tiny_checkpoint(str(tmp_path / "nomtp"), mtp=False)
     with pytest.raises(ConfigError, match="no mtp.\\* tensors \\(the MTP head is missing\\)"):

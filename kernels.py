@@ -791,7 +791,7 @@ def _linear_fp8(x, q, scale, residual):
     return linear(x, fp8_dequantize(q, scale, x.dtype), residual)
 
 
-def linear(x, w, residual=None, scale=None):
+def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
     """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
     added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of
     up to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it,
@@ -799,11 +799,19 @@ def linear(x, w, residual=None, scale=None):
     (_gemv_config). The CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's
     result does not depend on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1):
     spec-on logprobs then equal spec-off's. The CPU fast path (CPU_FAST) gets the same property without a
-    Python loop per row: see _linear_cpu. An FP8 weight (e4m3, with its block scales `scale`): _linear_fp8."""
+    Python loop per row: see _linear_cpu. An FP8 weight (e4m3, with its block scales `scale`): _linear_fp8.
+    What x goes through first: norm = (weight, eps), Qwen3's RMSNorm (plain_rms_norm); swiglu, x [..., 2I] =
+    [gate | up] and silu(gate) * up (silu_mul). Inside drafting() a small linear (_linear_small) does that as
+    it loads x, with the same roundings: one kernel instead of two."""
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if norm is not None or swiglu:
+        if (DRAFTING and _fast(x) and w.dtype != FP8 and _small_linear(M, w, x, residual, 2 if swiglu else 1)
+                and (norm is None or norm[0].dtype == x.dtype)):
+            return _linear_small(x, w, residual, norm, swiglu)
+        x = plain_rms_norm(x, *norm) if norm is not None else silu_mul(x)
     if w.dtype == FP8:
         assert scale is not None, "an FP8 weight needs its block scales"
         return _linear_fp8(x, w, scale, residual)
-    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if DRAFTING and _fast(x) and _small_linear(M, w, x, residual):
         return _linear_small(x, w, residual)
     if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
@@ -852,53 +860,70 @@ SMALL_ROWS = 2
 SMALL_K = 4096
 
 
-def _small_linear(M, w, x, residual):
-    """Does x [M rows] @ w^T take _linear_small (inside drafting())?"""
+def _small_linear(M, w, x, residual, per_k=1):
+    """Does x [M rows] @ w^T take _linear_small (inside drafting())? per_k: x's values per input (2: SwiGLU's
+    [gate | up])."""
     N, K = w.shape
     return (1 <= M <= SMALL_ROWS and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
+            and x.shape[-1] == per_k * K
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and K <= SMALL_K
             and N * K <= 1 << 24 and (residual is None or residual.dtype == x.dtype))
 
 
 @_jit_any_M
-def _linear_small_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BN: tl.constexpr, BK: tl.constexpr,
-                         RES: tl.constexpr, PDL: tl.constexpr):
+def _linear_small_kernel(p_x, p_w, p_y, p_r, p_n, M, N, K, s_x, eps, BN: tl.constexpr, BK: tl.constexpr,
+                         RES: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     # program (block of BN outputs): its weight rows [BN, K] whole (BK >= K), loaded before the wait for the
     # kernel before it (weights are never written inside a step), then each of the M rows on its own: the same
     # products and the same sum for a row whatever M is (M is not specialised), so rows do not depend on each
-    # other; residual added in fp32 before the one rounding
+    # other; residual added in fp32 before the one rounding. PRE: what x's row goes through first, with the
+    # roundings of the kernel it replaces: 1 Qwen3's RMSNorm with weight p_n (_rms_norm_kernel, PLAIN), 2
+    # SwiGLU, the row being [gate | up] of 2K (_silu_mul_kernel)
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
     m_n, m_k = o_n < N, o_k < K
+    dt = p_y.dtype.element_ty
     if PDL:
         gdc_launch_dependents()
     b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
                   other=0.0)
+    if PRE == 1:
+        b_n = tl.load(p_n + o_k, mask=m_k, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
     for m in range(M):
-        b_x = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if PRE == 2:
+            b_g = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_u = tl.load(p_x + m * s_x + K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_x = (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt).to(tl.float32)
+        else:
+            b_x = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if PRE == 1:
+            b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 0) / K + eps)
+            b_x = ((b_x * b_rstd).to(dt).to(tl.float32) * b_n).to(dt).to(tl.float32)
         b_y = tl.sum(b_w.to(tl.float32) * b_x[None, :], 1)                               # [BN]
         if RES:
             b_y += tl.load(p_r + m * N + o_n, mask=m_n, other=0.0).to(tl.float32)
         tl.store(p_y + m * N + o_n, b_y.to(p_y.dtype.element_ty), mask=m_n)
 
 
-def _linear_small(x, w, residual=None):
-    """[residual +] x @ w^T for a small weight w [N, K] and a few rows x [..., K] (a drafter's pass,
+def _linear_small(x, w, residual=None, norm=None, swiglu=False):
+    """[residual +] pre(x) @ w^T for a small weight w [N, K] and a few rows x [..., K] (a drafter's pass,
     drafting()): one kernel whose programs each hold BN whole weight rows. BN = 8: on the H200 a GEMV of this
-    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with 4 rows and 3.3 with 16."""
+    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with 4 rows and 3.3 with 16. pre: as
+    linear's norm / swiglu, applied to each row as it is loaded (x [..., 2K] with swiglu)."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()
+    nw, eps = norm if norm is not None else (w, 0.0)
     BN, BK = 8, _p2(K)
     pdl = _pdl(x)
-    _linear_small_kernel[(_cdiv(N, BN),)](xr, w, y, r, M, N, K, xr.stride(0), BN=BN, BK=BK,
-                                          RES=residual is not None, PDL=pdl,
-                                          num_warps=8 if BN * BK > 16384 else 4, **_launch(pdl))
+    _linear_small_kernel[(_cdiv(N, BN),)](xr, w, y, r, nw, M, N, K, xr.stride(0), eps, BN=BN, BK=BK,
+                                          RES=residual is not None, PRE=1 if norm else 2 if swiglu else 0,
+                                          PDL=pdl, num_warps=8 if BN * BK > 16384 else 4, **_launch(pdl))
     return y
 
 

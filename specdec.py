@@ -288,8 +288,8 @@ class Linear(nn.Linear):
         super().__init__(n_in, n_out, bias=False)
         self.register_parameter("weight_scale_inv", None)                           # None: not FP8
 
-    def forward(self, x, residual=None):
-        return K.linear(x, self.weight, residual, scale=self.weight_scale_inv)
+    def forward(self, x, residual=None, swiglu=False):
+        return K.linear(x, self.weight, residual, scale=self.weight_scale_inv, swiglu=swiglu)
 
 
 class RMSNorm(nn.Module):
@@ -437,10 +437,13 @@ class MLP(nn.Module):
         self.up_proj = Linear(H, I, bias=False)
         self.down_proj = Linear(I, H, bias=False)
 
-    def forward(self, x, residual=None):
-        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM]."""
+    def forward(self, x, residual=None, norm=None):
+        """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM]; norm:
+        (weight, eps) of a Qwen3 RMSNorm to apply to x first (inside the gate/up GEMM: kernels.linear)."""
         if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation
-            return self.down_proj(K.silu_mul(K.linear(x, self.gate_up, scale=self.gate_up_scale)), residual)
+            h = K.linear(x, self.gate_up, scale=self.gate_up_scale, norm=norm)            # [.., 2I]
+            return self.down_proj(h, residual, swiglu=True)                       # silu(gate) * up, then down
+        x = x if norm is None else K.plain_rms_norm(x, *norm)
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return y if residual is None else residual + y
 
@@ -1270,14 +1273,17 @@ class Qwen3Attention(nn.Module):
                                 self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos,
                                 plain=True)
 
-    def forward(self, x, ctx, residual=None):
-        """o_proj(attention(x)) [+ residual: the layer's skip connection, added by the o_proj GEMM]."""
+    def forward(self, x, ctx, residual=None, norm=None):
+        """o_proj(attention(x)) [+ residual: the layer's skip connection, added by the o_proj GEMM]; norm:
+        (weight, eps) of the RMSNorm to apply to x first (inside the q/k/v GEMM: kernels.linear)."""
         B, T, _ = x.shape
         k_cache, v_cache = ctx.state.kv[self.layer_id]
         if hasattr(self, "qkv"):  # fused after loading (no bias): one GEMM, views of its output
             kv_dim = self.nkv * self.hd
-            q = self._prep(*K.linear(x, self.qkv).split([self.nh * self.hd, kv_dim, kv_dim], -1), ctx)
+            q = self._prep(*K.linear(x, self.qkv, norm=norm).split([self.nh * self.hd, kv_dim, kv_dim], -1),
+                           ctx)
         else:
+            x = x if norm is None else K.plain_rms_norm(x, *norm)
             q = self.write_kv(x, ctx, self.q_proj(x))
         o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
         o = o.reshape(B, T, -1)
@@ -1295,8 +1301,11 @@ class Qwen3Layer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx):
-        x = self.self_attn(self.input_layernorm(x), ctx, residual=x)                  # x + attn(..)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)                 # x + mlp(..)
+        """x + attn(norm1(x)), then + mlp(norm2(.)): each norm is done by the GEMM after it (kernels.linear's
+        norm: inside drafting() one kernel for both)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        x = self.self_attn(x, ctx, residual=x, norm=(n1.weight, n1.eps))             # x + attn(norm1(x))
+        return self.mlp(x, residual=x, norm=(n2.weight, n2.eps))                      # x + mlp(norm2(x))
 
 
 def qwen3_layer_tensors(H, nh, nkv, hd, I):

@@ -5530,6 +5530,40 @@ def test_kernel_linear_small(N, Kin, residual):
         K._linear_small = real
 
 
+@needs_kernels
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("pre", ["norm", "swiglu"])
+def test_kernel_linear_small_pre(pre, dt):
+    """A drafter's small linear with Qwen3's RMSNorm or SwiGLU in its load of x (linear's norm / swiglu, fused
+    inside drafting() only; one kernel): the same bits as the norm or SwiGLU kernel followed by the linear (it
+    repeats their roundings), 1 and 2 rows, odd sizes, a residual; in fp32 within rounding of the reference."""
+    g = gen(3)
+    N, Kin, eps = 70, 200, 1e-6
+    w = randn(N, Kin, g=g, dtype=dt)
+    nw = randn(Kin, g=g, dtype=dt)
+    for M in (1, 2):
+        x = randn(M, 2 * Kin if pre == "swiglu" else Kin, g=g, dtype=dt)
+        r = randn(M, N, g=g, dtype=dt)
+        kw = dict(norm=(nw, eps)) if pre == "norm" else dict(swiglu=True)
+        calls = []
+        real = K._linear_small
+        try:
+            K._linear_small = lambda *a: calls.append(len(a)) or real(*a)
+            with K.drafting():
+                got = fast(K.linear, x, w, r, **kw)
+                assert calls == [5]                                                 # fused: one kernel
+                first = fast(K.plain_rms_norm, x, nw, eps) if pre == "norm" else fast(K.silu_mul, x)
+                assert torch.equal(got, fast(K.linear, first, w, r))              # == two kernels
+            calls.clear()
+            outside = fast(K.linear, x, w, r, **kw)                                # outside: two kernels
+            assert calls == [] and torch.equal(outside, fast(K.linear, first, w, r))
+        finally:
+            K._linear_small = real
+        if dt == torch.float32:
+            ref = K.plain_rms_norm_ref(x, nw, eps) if pre == "norm" else K.silu_mul_ref(x)
+            assert rel(got, ref.double() @ w.double().t() + r.double()) <= TOL[dt]
+
+
 def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):
     """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
     token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions (key pieces of

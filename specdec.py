@@ -2373,6 +2373,7 @@ class ModelRunner:
         self.whole_steps = (spec is not None and not self.eager_drafts
                             and spec.draft_sample_method == "greedy")
         self.inside = False
+        self.pinned = {}  # (shape, dtype) -> a ring of pinned host buffers for the steps' rows (_pinned)
         # Per slot, on the device: the token the slot's next step feeds and its position. Steps read their
         # inputs from here and write them back, so launching a step needs nothing from the host.
         self.next_ids = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
@@ -2636,11 +2637,22 @@ class ModelRunner:
         host = out
         event = None
         if out.is_cuda:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host = self._pinned(out.shape, out.dtype)
             host.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         return types.SimpleNamespace(reqs=reqs, host=host, event=event, logits=logits)
+
+    def _pinned(self, shape, dtype):
+        """A pinned host buffer for a step's rows, from a ring of three per shape: allocating pinned memory
+        every step costs host time (torch.profiler: aten::pin_memory in every step), and at most two steps
+        are pending at once (the one being read back and the one launched before it is read)."""
+        ring = self.pinned.setdefault((tuple(shape), dtype), [])
+        if len(ring) < 3:
+            ring.append(torch.empty(shape, dtype=dtype, pin_memory=True))
+        else:
+            ring.append(ring.pop(0))  # the oldest: read back two steps ago
+        return ring[-1]
 
     @staticmethod
     def read(p):

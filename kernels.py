@@ -932,6 +932,7 @@ def _linear_small(x, w, residual=None, norm=None, swiglu=False):
 # A drafter's pass of 3-16 rows (draft_model at batch 8: 8 rows, its first pass 16) takes _linear_dot_small:
 # tensor-core products of all rows at once. Not measured on the GPU yet (its tiles are a first guess)
 DOT_SMALL_ROWS = 16
+DOT_SMALL_CONFIG = (32, 128, 4)  # BN, BK, warps (tools/tile_sweep.py dot-small measures candidates)
 
 
 @_jit_any_M
@@ -975,11 +976,13 @@ def _linear_dot_small(x, w, residual=None):
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()
     dot = _dot_dtype(x)
-    BN, BK = 32, min(128, max(16, _p2(K)))
+    BN, BK, warps = DOT_SMALL_CONFIG
+    BK = min(BK, max(16, _p2(K)))
     pdl = _pdl(x)
     _linear_dot_small_kernel[(_cdiv(N, BN),)](xr, w, y, r, M, N, K, xr.stride(0), BM=16, BN=BN, BK=BK,
                                               DOT=dot, PREC="ieee" if dot == tl.float32 else "tf32",
-                                              RES=residual is not None, PDL=pdl, num_warps=4, **_launch(pdl))
+                                              RES=residual is not None, PDL=pdl, num_warps=warps,
+                                              **_launch(pdl))
     return y
 
 

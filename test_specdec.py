@@ -2028,14 +2028,6 @@ def test_synthetic_acceptance_rates(tiny):
     check_synthetic_acceptance(tiny, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_synthetic_acceptance_rates(tiny):
-    """The same with CUDA graphs, where a synthetic step is one captured graph (as a real greedy step is) whose
-    uniforms come from the device's generator, new at every replay."""
-    runner = check_synthetic_acceptance(tiny, "cuda")
-    assert {key[0] for key in runner.graphs.graphs} == {"spec-step"}
-
-
 def check_synthetic_acceptance(tiny, device):
     llm = LLM(model=tiny, device=device, dtype="float32", max_num_seqs=4, speculative_config={
         "method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
@@ -3018,6 +3010,14 @@ def test_gpu_bf16_spec_equals_plain(tiny_spec):
     llm = LLM(model=tiny_spec, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS[:1], sp)] == ref
     assert llm.engine.stats.mean_acceptance_length >= 1.5                     # multi-token steps
+
+
+@cuda
+def test_gpu_synthetic_acceptance_rates(tiny):
+    """test_synthetic_acceptance_rates with CUDA graphs, where a synthetic step is one captured graph (as a real greedy step is) whose
+    uniforms come from the device's generator, new at every replay."""
+    runner = check_synthetic_acceptance(tiny, "cuda")
+    assert {key[0] for key in runner.graphs.graphs} == {"spec-step"}
 
 
 # ==============================================================================================
@@ -6035,7 +6035,7 @@ def test_chunked_prefill_keeps_running_streams(tiny):
     check_chunked_prefill_keeps_running_streams(tiny, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_gpu_chunked_prefill_keeps_running_streams(tiny):
     """The same on the GPU: CUDA graphs, the asynchronous loop, the pieces timed by CUDA events."""
     check_chunked_prefill_keeps_running_streams(tiny, "cuda")

@@ -53,8 +53,8 @@ sweep)  # TPOT against prompt length, batch 1, speculation off and MTP (27B)
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
     --speculative-config "{$MTP,\"num_speculative_tokens\":3,\"synthetic_acceptance_rates\":[0.85,0.82,0.82]}" \
     2>&1 | tee $OUT/bench-sweep.log | grep -v '^{' ;;
-toy)  # the shipped model: real acceptance, bf16 on the GPU
-  timeout 300 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{'
+toy)  # the shipped model: real acceptance, bf16 on the GPU, and each method's batch-1 speed against off (--speed)
+  timeout 300 python3 tools/eval_toy.py --speed --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{'
   timeout 200 python3 bench.py --model models/toy --batch 1 2 4 8 --prompt-len 128 --gen-len 128 \
     --speculative-config off --speculative-config '{"method":"mtp","num_speculative_tokens":1}' \
     --speculative-config '{"method":"mtp","num_speculative_tokens":3}' \

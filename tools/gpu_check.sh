@@ -32,7 +32,7 @@ assert len(out.token_ids) == 64
 PY
 snippet=$(grep -o '^snippet: [0-9]* tokens; SpecDecoding metrics: Mean acceptance length: [0-9.]*' "$OUT/snippet.log")
 
-echo "== 2. pytest -k 'gpu or kernel'"
+echo "   ($(( $(date +%s) - t0 )) s so far)"; echo "== 2. pytest -k 'gpu or kernel'"
 # with pytest-xdist (carried as a wheel, README), 8 processes share the GPU: Triton's compiles, most of this
 # step's time, run side by side (H200: 53 s instead of 238)
 par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
@@ -41,17 +41,17 @@ timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider test_specd
 tail -15 "$OUT/gpu_tests.log"
 tests=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$OUT/gpu_tests.log" | tail -1 | tr -d '=' | xargs)
 
-echo "== 3. losslessness sweep"
+echo "   ($(( $(date +%s) - t0 )) s so far)"; echo "== 3. losslessness sweep"
 timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py > "$OUT/sweep.log" 2>&1 || ok=0
 grep -v '^{' "$OUT/sweep.log" | tail -20
 sweep=$(grep '^lossless sweep:' "$OUT/sweep.log")
 
-echo "== 4. real-shape invariance check"
+echo "   ($(( $(date +%s) - t0 )) s so far)"; echo "== 4. real-shape invariance check"
 timeout ${INVARIANCE_TIMEOUT:-240} python3 tools/invariance_check.py > "$OUT/invariance.log" 2>&1 || ok=0
 grep -v '^{' "$OUT/invariance.log" | tail -20
 inv=$(grep '^invariance check:' "$OUT/invariance.log")
 
-echo "== 5. FP8 weights: the sweep and the real-shape check"
+echo "   ($(( $(date +%s) - t0 )) s so far)"; echo "== 5. FP8 weights: the sweep and the real-shape check"
 timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py -q fp8 --gen 128 > "$OUT/sweep-fp8.log" 2>&1 || ok=0
 grep -v '^{' "$OUT/sweep-fp8.log" | tail -12
 sweep8=$(grep '^lossless sweep:' "$OUT/sweep-fp8.log")

@@ -26,13 +26,13 @@ try:
     import triton.language as tl
 except ImportError:  # no Triton (e.g. macOS): the references serve everywhere
     triton = None
+
+    class tl:  # just enough for the kernel signatures below to be defined
+        constexpr = None
 try:  # programmatic dependent launch (Hopper and later): see drafting()
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
-
-    class tl:  # just enough for the kernel signatures below to be defined
-        constexpr = None
 
 USE_TRITON = True  # the Triton kernels on CUDA tensors; False: references everywhere
 INTERPRET = False  # tests: also take the Triton path on CPU tensors (needs TRITON_INTERPRET=1 at import)

@@ -1649,9 +1649,9 @@ class DraftModelProposer:
         self.recurrent = bool(self.state.rec)
         self.width = self.k + 1 if self.recurrent else 2  # tokens in a propose's first pass (commit)
         # per slot, on the device: the tokens committed since its last propose that it has not cached (1
-        # after the prompt, up to n+1 after a verify; right-padded to k+1), how many, and the first's position
+        # after the prompt, up to n+1 after a verify; right-padded to width), how many, the first's position
         S = io.num_slots + 1
-        self.new_ids = torch.zeros(S, self.k + 1, dtype=torch.long, device=io.device)     # [S, k+1]
+        self.new_ids = torch.zeros(S, self.width, dtype=torch.long, device=io.device)     # [S, width]
         self.new_n = torch.ones(S, dtype=torch.long, device=io.device)                    # [S]
         self.start = torch.zeros(S, dtype=torch.long, device=io.device)                   # [S]
 
@@ -1670,7 +1670,7 @@ class DraftModelProposer:
 
     def propose(self, batch):
         s = batch.slots
-        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s, :self.width], n=self.new_n[s])
+        inputs = dict(slots=s, start=self.start[s], ids=self.new_ids[s], n=self.new_n[s])
         if not self.greedy:
             inputs["temp"], inputs["u"] = draft_noise(self.io, batch.reqs, self.k)
         kv_len = batch.kv_len(2 * self.k + 1, self.state.max_len)
@@ -1702,8 +1702,7 @@ class DraftModelProposer:
         skip = 0  # a hybrid draft replays them all into its GDN states
         if not self.recurrent:  # an attention-only draft cached d1..d(k-1) at their positions while
             skip = n_acc.clamp(max=self.k - 1)  # drafting: the accepted ones are right; left: d_k, the bonus
-            idx = (skip[:, None] + torch.arange(self.k + 1, device=tokens.device)).clamp(max=self.k)
-            tokens = tokens.gather(1, idx)
+            tokens = tokens.gather(1, skip[:, None] + torch.arange(2, device=tokens.device))   # [B, 2]
         self.new_ids[s] = tokens.clamp(min=0)
         self.new_n[s] = n_acc + 1 - skip
         self.start[s] = batch.pos + 1 + skip

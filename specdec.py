@@ -2692,9 +2692,9 @@ class PrefillShare:
         self.credit = min(0.0, self.credit)
         return self.credit >= 0 or not continuing
 
-    def start(self):
-        """A mark before this step's pieces: the host's clock on the CPU (pieces run synchronously there), a
-        CUDA event on the GPU (they run later, asynchronously)."""
+    def mark(self):
+        """A point in time around this step's pieces: the host's clock on the CPU (pieces run synchronously
+        there), a CUDA event on the GPU (they run later, asynchronously)."""
         if not self.cuda:
             return self.clock()
         ev = torch.cuda.Event(enable_timing=True)
@@ -2702,7 +2702,8 @@ class PrefillShare:
         return ev
 
     def stop(self, start):
-        self.out.append((start, self.start()))
+        """The pieces begun at `start` (a mark) end here: their time is paid once they have run."""
+        self.out.append((start, self.mark()))
 
     def alone(self):
         """Nothing decodes: no sharing, and nothing owed."""
@@ -2852,7 +2853,7 @@ class Engine:
             self.share.alone()
             touched = self._prefill(budget)
         elif self.prefilling and self.share.ready(continuing=self.prefilling[0].prefilled > 0):
-            start = self.share.start()
+            start = self.share.mark()
             touched = self._prefill(budget)
             self.share.stop(start)
         done = self.pending

@@ -6080,7 +6080,7 @@ def test_prefill_share_spaces_the_pieces():
     pieces = steps = 0
     for _ in range(2000):
         if share.ready(continuing=True):
-            start = share.start()
+            start = share.mark()
             t[0] += 0.030
             share.stop(start)
             pieces += 1

@@ -814,8 +814,6 @@ def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
         return _linear_fp8(x, w, scale, residual)
     if DRAFTING and _fast(x) and _small_linear(M, w, x, residual):
         return _linear_small(x, w, residual)
-    if DRAFTING and _fast(x) and _small_linear(M, w, x, residual, max_rows=DOT_SMALL_ROWS):
-        return _linear_dot_small(x, w, residual)
     if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
             and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and w.device == x.device and (residual is None or residual.dtype == x.dtype)):
@@ -862,11 +860,11 @@ SMALL_ROWS = 2
 SMALL_K = 4096
 
 
-def _small_linear(M, w, x, residual, per_k=1, max_rows=SMALL_ROWS):
+def _small_linear(M, w, x, residual, per_k=1):
     """Does x [M rows] @ w^T take _linear_small (inside drafting())? per_k: x's values per input (2: SwiGLU's
-    [gate | up]). With max_rows = DOT_SMALL_ROWS: _linear_dot_small, the same weights."""
+    [gate | up])."""
     N, K = w.shape
-    return (1 <= M <= max_rows and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
+    return (1 <= M <= SMALL_ROWS and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
             and x.shape[-1] == per_k * K
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and K <= SMALL_K
             and N * K <= 1 << 24 and (residual is None or residual.dtype == x.dtype))
@@ -926,63 +924,6 @@ def _linear_small(x, w, residual=None, norm=None, swiglu=False):
     _linear_small_kernel[(_cdiv(N, BN),)](xr, w, y, r, nw, M, N, K, xr.stride(0), eps, BN=BN, BK=BK,
                                           RES=residual is not None, PRE=1 if norm else 2 if swiglu else 0,
                                           PDL=pdl, num_warps=8 if BN * BK > 16384 else 4, **_launch(pdl))
-    return y
-
-
-# A drafter's pass of 3-16 rows (draft_model at batch 8: 8 rows, its first pass 16) takes _linear_dot_small:
-# tensor-core products of all rows at once. Not measured on the GPU yet (its tiles are a first guess)
-DOT_SMALL_ROWS = 16
-DOT_SMALL_CONFIG = (32, 128, 4)  # BN, BK, warps (tools/tile_sweep.py dot-small measures candidates)
-
-
-@_jit_any_M
-def _linear_dot_small_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr,
-                             PDL: tl.constexpr):
-    # program (block of BN outputs) for all M <= BM rows: [BM, BK] x [BK, BN] products over K in BK pieces,
-    # fp32 sums; the first piece's weights loaded before the wait for the kernel before it (weights are never
-    # written inside a step), each next piece's while the current one multiplies
-    i_n = tl.program_id(0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_m = tl.arange(0, BM)
-    o_k = tl.arange(0, BK)
-    m_n, m_m = o_n < N, o_m < M
-    if PDL:
-        gdc_launch_dependents()
-    p_wt = p_w + o_n[None, :].to(tl.int64) * K + o_k[:, None]                     # w^T's piece [BK, BN]
-    b_w = tl.load(p_wt, mask=m_n[None, :] & (o_k < K)[:, None], other=0.0)
-    if PDL:
-        gdc_wait()
-    b_acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, K, BK):
-        b_x = tl.load(p_x + o_m[:, None] * s_x + (k0 + o_k)[None, :],
-                      mask=m_m[:, None] & (k0 + o_k < K)[None, :], other=0.0)
-        b_next = tl.load(p_wt + k0 + BK, mask=m_n[None, :] & (k0 + BK + o_k < K)[:, None], other=0.0)
-        b_acc += tl.dot(b_x.to(DOT), b_w.to(DOT), input_precision=PREC)
-        b_w = b_next
-    m_out = m_m[:, None] & m_n[None, :]
-    if RES:
-        b_acc += tl.load(p_r + o_m[:, None] * N + o_n[None, :], mask=m_out, other=0.0).to(tl.float32)
-    tl.store(p_y + o_m[:, None] * N + o_n[None, :], b_acc.to(p_y.dtype.element_ty), mask=m_out)
-
-
-def _linear_dot_small(x, w, residual=None):
-    """[residual +] x @ w^T for a drafter's pass of SMALL_ROWS < M <= DOT_SMALL_ROWS rows (drafting()): one
-    kernel, each program BN outputs of every row, the rows padded to 16 for the tensor cores."""
-    N, K = w.shape
-    xr = _rows(x)
-    M = xr.shape[0]
-    assert 1 <= M <= DOT_SMALL_ROWS
-    y = _empty((*x.shape[:-1], N), x.dtype, x.device)
-    r = y if residual is None else residual.contiguous()
-    dot = _dot_dtype(x)
-    BN, BK, warps = DOT_SMALL_CONFIG
-    BK = min(BK, max(16, _p2(K)))
-    pdl = _pdl(x)
-    _linear_dot_small_kernel[(_cdiv(N, BN),)](xr, w, y, r, M, N, K, xr.stride(0), BM=16, BN=BN, BK=BK,
-                                              DOT=dot, PREC="ieee" if dot == tl.float32 else "tf32",
-                                              RES=residual is not None, PDL=pdl, num_warps=warps,
-                                              **_launch(pdl))
     return y
 
 

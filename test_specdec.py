@@ -5564,33 +5564,6 @@ def test_kernel_linear_small_pre(pre, dt):
             assert rel(got, ref.double() @ w.double().t() + r.double()) <= TOL[dt]
 
 
-@needs_kernels
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (9, 300)])                 # ragged N blocks and K
-def test_kernel_linear_dot_small(N, Kin, dt):
-    """A drafter's pass of 3-16 rows (kernels.drafting()): _linear_dot_small within rounding of x @ w^T + r for
-    3, 8 and 16 rows; linear() takes it inside drafting() only, _linear_small keeps 1-2 rows."""
-    g = gen(N)
-    w = randn(N, Kin, g=g, dtype=dt)
-    for M in (3, 8, 16):
-        x, r = randn(M, Kin, g=g, dtype=dt), randn(M, N, g=g, dtype=dt)
-        ref = x.double() @ w.double().t() + r.double()
-        calls = []
-        real = K._linear_dot_small
-        try:
-            K._linear_dot_small = lambda *a: calls.append(1) or real(*a)
-            fast(K.linear, x, w, r)
-            assert calls == []
-            with K.drafting():
-                got = fast(K.linear, x, w, r)
-                assert calls == [1]
-                fast(K.linear, x[:2], w, r[:2])
-                assert calls == [1]                                             # 2 rows: _linear_small
-        finally:
-            K._linear_dot_small = real
-        assert rel(got, ref) <= TOL[dt]
-
-
 def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):
     """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
     token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions (key pieces of

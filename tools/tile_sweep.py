@@ -1,7 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
     python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm] [fp8] [w8a8] [pdl]
-                               [dot-small]
                                                                                           (default: the first 4)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -19,8 +18,6 @@ stays in L2), timed per launch:
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
   pdl:    draft_model's small linears chained in a graph: the row-invariant kernel, _linear_small, and
           _linear_small with programmatic dependent launch (kernels.drafting())
-  dot-small: the same chain at 8 and 16 rows inside drafting(): the row-invariant kernel against
-          _linear_dot_small's tile candidates (kernels.DOT_SMALL_CONFIG)
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
 import contextlib
@@ -350,38 +347,6 @@ def pdl(L=28):
                           f"per linear{same}")
 
 
-def dot_small(L=28):
-    """draft_model's Qwen3-0.6B linears chained as in pdl(), inside kernels.drafting(), at 8 and 16 rows: the
-    row-invariant kernel (what such passes took before _linear_dot_small) and _linear_dot_small over tile
-    candidates (BN, BK, warps); each candidate's last output against the row-invariant kernel's."""
-    shapes = ROWS_SHAPES["0.6b"][:4]
-    ws = [[torch.randn(N, Kd, device=dev, dtype=bf) * 0.03 for (N, Kd) in shapes] for _ in range(L)]
-    old = K.DOT_SMALL_CONFIG
-    with K.drafting():
-        for M in (8, 16):
-            x0 = torch.randn(M, 1024, device=dev, dtype=bf)
-
-            def chain(fn):
-                x = x0
-                for lw in ws:
-                    for w in lw:
-                        x = fn(x[:, :w.shape[1]].contiguous(), w)
-                return x
-            ref = chain(lambda x, w: K._gemv_launch(x, w, "rows"))
-            t = graph_time(lambda: chain(lambda x, w: K._gemv_launch(x, w, "rows")))
-            print(f"== 0.6b chain, M = {M}: row-invariant with PDL {t / (4 * L):.2f} us per linear")
-            for cfg in [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 256, 4), (64, 64, 4),
-                        (64, 128, 4), (64, 128, 8), (128, 64, 8)]:
-                K.DOT_SMALL_CONFIG = cfg
-                try:
-                    t = graph_time(lambda: chain(K._linear_dot_small))
-                    err = ((chain(K._linear_dot_small).float() - ref.float()).norm() / ref.float().norm()).item()
-                    print(f"   _linear_dot_small BN, BK, warps = {cfg}: {t / (4 * L):.2f} us per linear "
-                          f"(rel. diff {err:.1e})")
-                finally:
-                    K.DOT_SMALL_CONFIG = old
-
-
 def markov(B=1, Kq=16, V=248320, R=256):
     print(f"== Markov B={B} K={Kq} V={V} R={R}: us per draft (all {Kq} steps); floor {Kq * V * R * 2 / 4.2e6:.0f} us")
     U = torch.randn(B, Kq, V, device=dev)
@@ -421,8 +386,6 @@ def main():
         w8a8()
     if "pdl" in parts:
         pdl()
-    if "dot-small" in parts:
-        dot_small()
     torch.manual_seed(0)
     if "moe" in parts:
         moe(1)

@@ -311,11 +311,15 @@ def gated_rms_norm(x, z, weight, eps):
 # FP8 weights: Qwen's block format (e4m3 values, one fp32 scale per 128 x 128 block)
 # ----------------------------------------------------------------------------------------------
 # A quantized weight W [N, K] is stored as q [N, K] float8_e4m3fn and scale [ceil(N/128), ceil(K/128)]
-# (the checkpoints' `weight_scale_inv`): W[n, k] = q[n, k] * scale[n // 128, k // 128]. The decode / verify
-# linear streams q (half the bytes of bf16), turns each e4m3 value into fp16 exactly, multiplies it by the
-# activations (each row scaled into fp16's range by a power of two) on the tensor cores with fp32 sums, and
-# scales each 128-column block's partial sum by its block's scale in fp32 (_gemv_kernel, SCALED). Prefill
-# runs W8A8 (linear_w8a8, below). MoE experts carry the same layout per expert.
+# (the checkpoints' `weight_scale_inv`): W[n, k] = q[n, k] * scale[n // 128, k // 128]. On the GPU the linears
+# run W8A8, as vLLM runs these checkpoints (`activation_scheme: dynamic`): each row of the activations is
+# quantized to e4m3 in groups of 128 columns (one fp32 scale per row and group: its largest |x| -> 448), and
+# the e4m3 x e4m3 products run on the FP8 tensor cores with fp32 sums, each 128-column block's sum scaled by
+# the row's group scale times the weight block's scale. Decode / verify steps (_fp8_gemv_kernel) quantize their
+# rows inside the GEMV as they load them; prefill quantizes them first and runs a GEMM (linear_w8a8). Both
+# quantize a row alone, so a row's result does not depend on the other rows. The CPU dequantizes the weights and
+# runs the unquantized path. MoE experts carry the same layout per expert (weight-only: e4m3 -> fp16 in the
+# expert kernels).
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -510,19 +514,13 @@ def _gemv_config(M, N, K, cuda, dtype):
 
 
 @_jit
-def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                 RES: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
     # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or
     # part[split, row tile, N block] (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice =
     # columns k0 .. k0 + BK - 1 for k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the
     # fastest grid axis: the programs that read one weight tile run side by side (the repeats come from L2).
-    # SCALED (FP8 weights, BM = 16 for every M): BN and BK divide 128, so a tile lies in one 128 x 128
-    # block of the scale s [*, KB]; the tile's fp32 partial sums are multiplied by it (one fma) as they join
-    # the accumulator. The e4m3 values become fp16 (one instruction per pair; bf16 takes four and was
-    # 1.25x slower on the H200), so the bf16 activations go to fp16 too, each row of the tile scaled by a
-    # power of two that brings its largest |x| into [2^14, 2^15) (exact; fp16 cannot hold bf16's range),
-    # undone on the sums. PDL: see drafting().
+    # PDL: see drafting().
     _pdl_sync(PDL)
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
@@ -536,25 +534,13 @@ def _gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
-        if SCALED:
-            s = tl.load(p_s + (i_n * BN // 128) * KB + k0 // 128)
-        if BM == 1:  # (never SCALED: FP8 weights take 16-row tiles)
+        if BM == 1:
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_acc1 += b_w.to(tl.float32) * b_x[None, :]
         else:
             b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :],
                           other=0.0)
-            if SCALED and DOT == tl.float32:  # fp32 activations: an fp32 dot
-                b_acc = tl.fma(tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC), s, b_acc)
-            elif SCALED:
-                b_xf = b_x.to(tl.float32)
-                e = (tl.max(tl.abs(b_xf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF      # [BM] exponents
-                e = tl.maximum(e - 14, 1)                                   # 2^(e - 127): the row's scale
-                b_x16 = (b_xf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
-                b_p = tl.dot(b_x16, tl.trans(b_w.to(tl.float16)))
-                b_acc = tl.fma(b_p * (e << 23).to(tl.float32, bitcast=True)[:, None], s, b_acc)
-            else:
-                b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
+            b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
     if BM == 1:
         b_acc = tl.sum(b_acc1, 1)[None, :]
     m_y = (o_m < M)[:, None] & m_n[None, :]
@@ -581,72 +567,47 @@ def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr
 
 def _gemv_launch(x, w, cfg, residual=None, scale=None):
     """x [..., K] (M rows), w [N, K] contiguous of x's dtype (or e4m3 with its block scales `scale`), cfg from
-    _gemv_config ("rows": _rows_config's tiles, any M in 16-row tiles; "fp8": _fp8_config's), residual None or
-    [..., N] -> [residual +] x @ w^T [..., N]."""
+    _gemv_config ("rows": _rows_config's tiles, any M in 16-row tiles; "fp8": _fp8_gemv_kernel with _fp8_config's
+    tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N]."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
-    if cfg == "rows":
-        (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
-    elif cfg == "fp8":  # one row tile for every M: the same machine code for decode, verify and batch rows
-        (BN, BK, SPLIT, stages, warps), BM = _fp8_config(N, K, x.device), 16
-    else:
-        (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
-        assert M <= 32
-    assert M >= 1 and xr.shape[1] == K and w.is_contiguous()
-    if scale is None:
-        assert w.dtype == x.dtype
-    else:
-        assert cfg == "fp8" and w.dtype == FP8 and BN <= FP8_BLOCK and BK <= FP8_BLOCK
-        assert scale.dtype == torch.float32
-        assert scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK)) and scale.is_contiguous()
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
-    s = w if scale is None else scale
-    dot = _dot_dtype(x) if scale is None else tl.float32 if x.dtype == torch.float32 else tl.float16
-    prec = "ieee" if dot == tl.float32 else "tf32"
-    grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
+    assert M >= 1 and xr.shape[1] == K and w.is_contiguous()
     pdl = _pdl(x)
-    args = dict(BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot, PREC=prec, SCALED=scale is not None, PDL=pdl,
-                num_stages=stages, num_warps=warps, **_launch(pdl))
-    if SPLIT == 1:
-        _gemv_kernel[grid](xr, w, s, y, r, M, N, K, xr.stride(0), s.shape[-1], RES=residual is not None,
-                           **args)
-        return y
-    part = _empty((SPLIT, M, N), torch.float32, x.device)
-    _gemv_kernel[grid](xr, w, s, part, part, M, N, K, xr.stride(0), s.shape[-1], RES=False, **args)
-    BS = min(1024, _p2(M * N))
-    _gemv_sum_kernel[(_cdiv(M * N, BS),)](part, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
-                                          PDL=pdl, num_warps=4, **_launch(pdl))
+    if cfg == "fp8":  # one row tile for every M: the same machine code for decode, verify and batch rows
+        assert w.dtype == FP8 and scale.dtype == torch.float32 and scale.is_contiguous()
+        assert scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK))
+        (BN, SPLIT, stages, warps), BM = _fp8_config(N, K, x.device), 16
+        grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
+        out = y if SPLIT == 1 else _empty((SPLIT, M, N), torch.float32, x.device)
+        _fp8_gemv_kernel[grid](xr, w, scale, out, r, M, N, K, xr.stride(0), scale.shape[1], BM=BM, BN=BN,
+                               SPLIT=SPLIT, RES=residual is not None and SPLIT == 1, PDL=pdl, num_stages=stages,
+                               num_warps=warps, **_launch(pdl))
+    else:
+        assert scale is None and w.dtype == x.dtype
+        if cfg == "rows":
+            (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
+        else:
+            (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
+            assert M <= 32
+        dot = _dot_dtype(x)
+        grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
+        out = y if SPLIT == 1 else _empty((SPLIT, M, N), torch.float32, x.device)
+        _gemv_kernel[grid](xr, w, out, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot,
+                           PREC="ieee" if dot == tl.float32 else "tf32", RES=residual is not None and SPLIT == 1,
+                           PDL=pdl, num_stages=stages, num_warps=warps, **_launch(pdl))
+    if SPLIT > 1:
+        BS = min(1024, _p2(M * N))
+        _gemv_sum_kernel[(_cdiv(M * N, BS),)](out, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
+                                              PDL=pdl, num_warps=4, **_launch(pdl))
     return y
 
 
-# FP8 weights (N, K) -> (BN, BK, SPLIT, num_stages, num_warps) of the FP8 kernel: the fastest at M = 1 of
-# `tools/tile_sweep.py fp8` on the H200 (us per weight; the bf16 row-invariant kernel on the same shape in
-# brackets). 27B: in_proj (qkv | z) 33.5 (41.1), attention qkv 30.1 (36.4), o_proj / out_proj 16.9 (18.7),
-# gate_up 63.1 (88.2), down 39.4 (44.7); 35B-A3B: in_proj 12.7 (14.9), qkv 11.8 (12.2), o_proj 8.3 (8.4),
-# shared gate_up 5.3 (6.2), shared down 3.6 (3.3). Measured with e4m3 -> bf16 conversion; with fp16 (the
-# kernel now) gate_up took 51.5 us and down 33.2 at (64, 128, 4, 3, 4) (.bench/s7).
-FP8_ROWS_CONFIG = {
-    (16384, 5120): (64, 128, 4, 3, 4), (14336, 5120): (64, 128, 4, 3, 4), (5120, 6144): (32, 128, 4, 3, 4),
-    (34816, 5120): (64, 128, 4, 3, 4), (5120, 17408): (64, 128, 4, 3, 4), (12288, 2048): (32, 128, 1, 4, 4),
-    (9216, 2048): (32, 128, 4, 3, 4), (2048, 4096): (32, 128, 4, 4, 4), (1024, 2048): (32, 128, 4, 4, 4),
-    (2048, 512): (32, 128, 1, 6, 4)}
-
-
-def _fp8_config(N, K, device):
-    """Tiles of the row-invariant kernel for an FP8 weight [N, K]: like _rows_config (a function of the shape
-    alone, never of M), with BN and BK at most 128, so that every tile lies in one scale block."""
-    if device.type != "cuda":
-        return (16, 32, 4 if K >= 3 * N else 1, 1, 4)  # the interpreter: small tiles, the K split covered
-    if (N, K) in FP8_ROWS_CONFIG:
-        return FP8_ROWS_CONFIG[(N, K)]
-    BN, BK = 64 if N >= 8192 else 32, 128
-    return BN, BK, max(1, min(4, K // (2 * BK))), 3, 4
-
-
 def linear_fp8_ref(x, q, scale, residual=None):
-    """The FP8 linear's reference: dequantize in fp32, multiply in fp32, round once to x's dtype."""
+    """The weight-only FP8 linear's reference (the CPU's path): dequantize in fp32, multiply in fp32, round once
+    to x's dtype."""
     y = x.float() @ fp8_dequantize_ref(q, scale).t()
     return (y if residual is None else residual.float() + y).to(x.dtype)
 
@@ -682,17 +643,14 @@ def linear_w8a8_ref(x, q, scale, residual=None):
 
 
 @_jit
-def _fp8_act_quant_kernel(p_x, p_q, p_s, K, KB, s_x, G: tl.constexpr, GB: tl.constexpr):
-    # program (row, GB groups of G columns): q = x / s, s = amax / 448 of each group (1 if it is all zero)
-    i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o_g = i_g * GB + tl.arange(0, GB)                                                 # [GB] groups
-    o = o_g[:, None] * G + tl.arange(0, G)[None, :]                                   # [GB, G] columns
-    b_x = tl.load(p_x + i_m * s_x + o, mask=o < K, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(b_x), 1)                                                     # [GB]
+def _e4m3_groups(b_x):
+    # b_x [R, 128] fp32 (a row's group of 128 columns per line) -> (q, s): s [R] = amax / 448 (1 for an all-zero
+    # group), q [R, 128] = x / s on e4m3's grid (fp32 values that convert to e4m3 exactly)
+    amax = tl.max(tl.abs(b_x), 1)                                                     # [R]
     s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)        # IEEE divisions, as torch's: Triton's "/"
     b_v = tl.minimum(tl.maximum(tl.math.div_rn(b_x, s[:, None]), -448.0), 448.0)  # is approximate on the GPU
     # |v| rounded to e4m3's grid here, to nearest and ties to even (its step is 2^(e-3) for |v| in [2^e,
-    # 2^(e+1)), 2^-9 below 2^-6), so that the conversion below is exact (Triton's interpreter rounds some
+    # 2^(e+1)), 2^-9 below 2^-6), so that the conversion after is exact (Triton's interpreter rounds some
     # values wrongly: 124 -> 64, 31 -> 16); then v's sign bit, so that a negative value rounding to zero
     # gives -0 as torch's conversion does
     b_bits = b_v.to(tl.int32, bitcast=True)
@@ -701,7 +659,17 @@ def _fp8_act_quant_kernel(p_x, p_q, p_s, K, KB, s_x, G: tl.constexpr, GB: tl.con
     step = ((e + 124) << 23).to(tl.float32, bitcast=True)                        # 2^(e - 3)
     inv = ((130 - e) << 23).to(tl.float32, bitcast=True)                         # 2^(3 - e): exact products
     b_r = ((b_a * inv + 12582912.0) - 12582912.0) * step                    # (1.5 * 2^23: round to even)
-    b_q = (b_r.to(tl.int32, bitcast=True) | (b_bits & -2147483648)).to(tl.float32, bitcast=True)
+    return (b_r.to(tl.int32, bitcast=True) | (b_bits & -2147483648)).to(tl.float32, bitcast=True), s
+
+
+@_jit
+def _fp8_act_quant_kernel(p_x, p_q, p_s, K, KB, s_x, G: tl.constexpr, GB: tl.constexpr):
+    # program (row, GB groups of G columns): q = x / s, s = amax / 448 of each group (1 if it is all zero)
+    i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_g = i_g * GB + tl.arange(0, GB)                                                 # [GB] groups
+    o = o_g[:, None] * G + tl.arange(0, G)[None, :]                                   # [GB, G] columns
+    b_x = tl.load(p_x + i_m * s_x + o, mask=o < K, other=0.0).to(tl.float32)
+    b_q, s = _e4m3_groups(b_x)
     tl.store(p_q + i_m * K + o, b_q.to(p_q.dtype.element_ty), mask=o < K)
     tl.store(p_s + i_m * KB + o_g, s, mask=o_g < KB)
 
@@ -766,24 +734,77 @@ def linear_w8a8(x, q, scale, residual=None):
     return y
 
 
-# Without BATCH_INVARIANT (prefill) steps of more rows take the W8A8 GEMM: each 16-row tile of the weight-only
-# kernel streams the weights again (27B: ~9.3 ms per tile).
+@_jit
+def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
+                     SPLIT: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
+    # Decode / verify W8A8 (x [M, K] rows of any float dtype, w e4m3 [N, K], s its block scales [*, KB]): program
+    # (row tile, N block, K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...:
+    # (w_tile [BN, 128] @ xq_tile^T [128, BM]) * w_scale * x_scale[row], where xq_tile is the rows' group of 128
+    # columns quantized as fp8_act_quant does (_e4m3_groups, in registers: no extra launch). The weight tile is
+    # the dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8
+    # tensor cores as it was loaded. BN divides 128: a tile lies in one scale block. Writes y [M, N] (SPLIT ==
+    # 1) or the fp32 partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order). PDL: see drafting().
+    _pdl_sync(PDL)
+    i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_n, m_m = o_n < N, o_m < M
+    p_wb = p_w + o_n[:, None].to(tl.int64) * K
+    b_acc = tl.zeros([BN, BM], dtype=tl.float32)                                     # y^T tile
+    for k0 in range(i_k * 128, K, 128 * SPLIT):
+        o_k = k0 + tl.arange(0, 128)
+        m_k = o_k < K
+        b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)       # [BN, 128] e4m3
+        b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_q, b_sx = _e4m3_groups(b_x.to(tl.float32))                                  # [BM, 128], [BM]
+        s_w = tl.load(p_s + (i_n * BN // 128) * KB + k0 // 128)
+        b_acc += tl.dot(b_w, tl.trans(b_q.to(p_w.dtype.element_ty))) * (b_sx * s_w)[None, :]
+    m_y = m_n[:, None] & m_m[None, :]
+    o_y = o_m[None, :] * N + o_n[:, None]                                             # [BN, BM] offsets
+    if RES:  # SPLIT == 1 only
+        b_acc += tl.load(p_r + o_y, mask=m_y, other=0.0).to(tl.float32)
+    tl.store(p_y + i_k * M * N + o_y, b_acc.to(p_y.dtype.element_ty), mask=m_y)
+
+
+# FP8 weights (N, K) -> (BN, SPLIT, num_stages, num_warps) of _fp8_gemv_kernel: the fastest at M = 1 in one
+# sweep on the H200 (session 10, device call 1: us per weight, many copies chained in a CUDA graph; the
+# weight-only kernel it replaced in brackets). 27B: GDN in_proj (qkv | z) 26.4 (28.3), attention qkv 24.3
+# (26.9), o_proj / out_proj 14.2 (18.5), MLP gate_up 50.3 (55.3), down 29.0 (35.0): 7.6 ms of FP8 linears per
+# token against 8.8. The 35B-A3B's: `tools/tile_sweep.py fp8`.
+FP8_ROWS_CONFIG = {
+    (16384, 5120): (128, 2, 5, 8), (14336, 5120): (128, 2, 3, 8), (5120, 6144): (64, 8, 3, 4),
+    (34816, 5120): (128, 4, 3, 8), (5120, 17408): (64, 8, 3, 4)}
+
+
+def _fp8_config(N, K, device):
+    """Tiles of _fp8_gemv_kernel for an FP8 weight [N, K]: a function of the shape alone, never of M (the
+    row-invariant rule), BN dividing 128 (every tile in one scale block)."""
+    if device.type != "cuda":
+        return (16, 4 if K >= 3 * N else 1, 1, 4)  # the interpreter: small tiles, the K split covered
+    if (N, K) in FP8_ROWS_CONFIG:
+        return FP8_ROWS_CONFIG[(N, K)]
+    BN = 128 if N >= 8192 else 64
+    blocks, kb = _cdiv(N, BN), _cdiv(K, 128)
+    split = max(1, min(8, _p2(max(1, 2 * _sm_count(device) // blocks)), kb // 4))     # ~2 programs per SM
+    return BN, split, 3, 8 if BN == 128 else 4
+
+
+# Without BATCH_INVARIANT (prefill) steps of more rows take the W8A8 GEMM: each 16-row tile of the GEMV streams
+# the weights again (27B: ~7.6 ms per tile).
 FP8_KERNEL_ROWS = 48
 
 
 def _linear_fp8(x, q, scale, residual):
-    """x @ (q * scale)^T [+ residual]: decode and verify steps (up to INVARIANT_ROWS rows; FP8_KERNEL_ROWS
-    without BATCH_INVARIANT, as in prefill) through the row-invariant kernel reading the e4m3 bytes; longer
-    steps (bf16 / fp16) through the W8A8 GEMM (linear_w8a8); the CPU and fp32 dequantize the weight to x's
-    dtype and take linear's path (cuBLAS; on the CPU the row-invariant reference, the dequantized weight kept
-    with q: a scale changed in place without q is not seen)."""
+    """x @ (q * scale)^T [+ residual], W8A8 on the GPU: decode and verify steps (up to INVARIANT_ROWS rows;
+    FP8_KERNEL_ROWS without BATCH_INVARIANT, as in prefill) through the GEMV that quantizes its rows as it
+    reads them (_fp8_gemv_kernel), longer steps through the W8A8 GEMM (linear_w8a8); both quantize each row the
+    same way. The CPU dequantizes the weight to x's dtype and takes linear's path (the row-invariant reference,
+    the dequantized weight kept with q: a scale changed in place without q is not seen)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (_fast(x) and 1 <= M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS)
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if (_fast(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):
-        return _gemv_launch(x, q, "fp8", residual, scale)
-    if (_fast(x) and x.dtype in (torch.bfloat16, torch.float16)
-            and (residual is None or residual.dtype == x.dtype)):
+        if 1 <= M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS):
+            return _gemv_launch(x, q, "fp8", residual, scale)                      # decode, verify
         return linear_w8a8(x, q, scale, residual)                                   # prefill
     if not x.is_cuda:  # the CPU: the dequantized weight made once (the toy models are small)
         w = _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype))

@@ -12,7 +12,7 @@ stays in L2), timed per launch:
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
           (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 40 rows)
-  fp8:    the FP8 row-invariant linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
+  fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
           against a device copy of the same bytes; the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -235,11 +235,11 @@ FP8_SHAPES = {"27b": [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120),
 
 
 def fp8(Ms=(1, 8, 16, 64)):
-    """Every tile candidate of the FP8 linear at M = 1 over enough distinct weights to defeat L2 (us per weight);
-    the best, its time at larger M, the bf16 row-invariant kernel at M = 1 and a copy of the FP8 bytes (read +
-    write, so its GB/s counts both). Prints the table for kernels.FP8_ROWS_CONFIG."""
-    cands = [(BN, BK, S, st, wp) for BN in (32, 64, 128) for BK in (128,) for S in (1, 2, 4) for st in (3, 4, 6)
-             for wp in (4, 8)]
+    """Every tile candidate (BN, SPLIT, stages, warps) of the FP8 decode linear (kernels._fp8_gemv_kernel) at M = 1
+    over enough distinct weights to defeat L2 (us per weight); the best, its time at larger M, the bf16
+    row-invariant kernel at M = 1 and a copy of the FP8 bytes (read + write, so its GB/s counts both). Prints the
+    table for kernels.FP8_ROWS_CONFIG."""
+    cands = [(BN, S, st, wp) for BN in (64, 128) for S in (1, 2, 4, 8) for st in (3, 5) for wp in (4, 8)]
     best_all = {}
     for model, shapes in FP8_SHAPES.items():
         for (N, Kd) in shapes:
@@ -248,7 +248,7 @@ def fp8(Ms=(1, 8, 16, 64)):
             xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
             res = []
             for c in cands:
-                if K._cdiv(N, c[0]) * c[2] < 64 and c[2] == 1 and N * Kd > 1 << 24:
+                if K._cdiv(N, c[0]) * c[1] < 64 and N * Kd > 1 << 24 or K._cdiv(Kd, 128) < 2 * c[1]:
                     continue
                 K.FP8_ROWS_CONFIG[(N, Kd)] = c
                 try:
@@ -269,7 +269,7 @@ def fp8(Ms=(1, 8, 16, 64)):
             print(f"== {model} {N}x{Kd}: best {c} {t:.1f} us ({byts / t / 1e3:.0f} GB/s); next "
                   + ", ".join(f"{c2} {t2:.1f}" for t2, c2 in res[1:4])
                   + f"; at M = {list(Ms)}: " + " ".join(f"{x:.1f}" for x in tM)
-                  + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us")
+                  + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us", flush=True)
             del qs, ws, dst
     print("FP8_ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best_all.items()) + "}")
     E, I, H, k = 256, 512, 2048, 8

@@ -583,7 +583,8 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
         grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
         out = y if SPLIT == 1 else _empty((SPLIT, M, N), torch.float32, x.device)
         _fp8_gemv_kernel[grid](xr, w, scale, out, r, M, N, K, xr.stride(0), scale.shape[1], BM=BM, BN=BN,
-                               SPLIT=SPLIT, RES=residual is not None and SPLIT == 1, PDL=pdl, num_stages=stages,
+                               SPLIT=SPLIT, EXACT=x.dtype == torch.float32 or not x.is_cuda,
+                               RES=residual is not None and SPLIT == 1, PDL=pdl, num_stages=stages,
                                num_warps=warps, **_launch(pdl))
     else:
         assert scale is None and w.dtype == x.dtype
@@ -736,14 +737,20 @@ def linear_w8a8(x, q, scale, residual=None):
 
 @_jit
 def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
-                     SPLIT: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
-    # Decode / verify W8A8 (x [M, K] rows of any float dtype, w e4m3 [N, K], s its block scales [*, KB]): program
-    # (row tile, N block, K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...:
-    # (w_tile [BN, 128] @ xq_tile^T [128, BM]) * w_scale * x_scale[row], where xq_tile is the rows' group of 128
-    # columns quantized as fp8_act_quant does (_e4m3_groups, in registers: no extra launch). The weight tile is
-    # the dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8
-    # tensor cores as it was loaded. BN divides 128: a tile lies in one scale block. Writes y [M, N] (SPLIT ==
-    # 1) or the fp32 partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order). PDL: see drafting().
+                     SPLIT: tl.constexpr, EXACT: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
+    # Decode / verify W8A8 (x [M, K] rows, w e4m3 [N, K], s its block scales [*, KB]): program (row tile, N block,
+    # K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...:
+    # (w_tile [BN, 128] @ xq_tile^T [128, BM]) * w_scale * x_scale[row], xq_tile the rows' group of 128 columns
+    # quantized in registers as they are loaded (no extra launch): x / s, s = amax / 448. The weight tile is the
+    # dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8 tensor
+    # cores as it was loaded. The quotient's rounding costs time here (the loop is short of bandwidth: an IEEE
+    # division per element made the 27B's linears 2.5x slower on the H200), so bf16 / fp16 rows on the GPU take
+    # the hardware's fast quotient and its e4m3 conversion (to nearest, saturating): a value within an ulp of a
+    # tie between two e4m3 values may round the other way than fp8_act_quant's. EXACT (fp32 rows; the
+    # interpreter, whose e4m3 conversion rounds some values wrongly): fp8_act_quant's exact quotients and an fp32
+    # dot, so the result is linear_w8a8_ref's to fp32 rounding. Either way a row is quantized alone: its result
+    # does not depend on the other rows. BN divides 128 (a tile lies in one scale block). Writes y [M, N]
+    # (SPLIT == 1) or the fp32 partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order).
     _pdl_sync(PDL)
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -755,10 +762,17 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
         o_k = k0 + tl.arange(0, 128)
         m_k = o_k < K
         b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)       # [BN, 128] e4m3
-        b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_q, b_sx = _e4m3_groups(b_x.to(tl.float32))                                  # [BM, 128], [BM]
+        b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)                                               # [BM, 128]
         s_w = tl.load(p_s + (i_n * BN // 128) * KB + k0 // 128)
-        b_acc += tl.dot(b_w, tl.trans(b_q.to(p_w.dtype.element_ty))) * (b_sx * s_w)[None, :]
+        if EXACT:
+            b_q, b_sx = _e4m3_groups(b_x)
+            b_p = tl.dot(b_w.to(tl.float32), tl.trans(b_q), input_precision="ieee")
+        else:
+            amax = tl.max(tl.abs(b_x), 1)
+            b_sx = tl.where(amax > 0, amax / 448.0, 1.0)                                         # [BM]
+            b_p = tl.dot(b_w, tl.trans((b_x / b_sx[:, None]).to(p_w.dtype.element_ty)))
+        b_acc += b_p * (b_sx * s_w)[None, :]
     m_y = m_n[:, None] & m_m[None, :]
     o_y = o_m[None, :] * N + o_n[:, None]                                             # [BN, BM] offsets
     if RES:  # SPLIT == 1 only
@@ -770,7 +784,7 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
 # sweep on the H200 (session 10, device call 1: us per weight, many copies chained in a CUDA graph; the
 # weight-only kernel it replaced in brackets). 27B: GDN in_proj (qkv | z) 26.4 (28.3), attention qkv 24.3
 # (26.9), o_proj / out_proj 14.2 (18.5), MLP gate_up 50.3 (55.3), down 29.0 (35.0): 7.6 ms of FP8 linears per
-# token against 8.8. The 35B-A3B's: `tools/tile_sweep.py fp8`.
+# token against 8.8. Other shapes (the 35B-A3B's): the rule below, not tuned.
 FP8_ROWS_CONFIG = {
     (16384, 5120): (128, 2, 5, 8), (14336, 5120): (128, 2, 3, 8), (5120, 6144): (64, 8, 3, 4),
     (34816, 5120): (128, 4, 3, 8), (5120, 17408): (64, 8, 3, 4)}
@@ -797,14 +811,14 @@ FP8_KERNEL_ROWS = 48
 def _linear_fp8(x, q, scale, residual):
     """x @ (q * scale)^T [+ residual], W8A8 on the GPU: decode and verify steps (up to INVARIANT_ROWS rows;
     FP8_KERNEL_ROWS without BATCH_INVARIANT, as in prefill) through the GEMV that quantizes its rows as it
-    reads them (_fp8_gemv_kernel), longer steps through the W8A8 GEMM (linear_w8a8); both quantize each row the
-    same way. The CPU dequantizes the weight to x's dtype and takes linear's path (the row-invariant reference,
+    reads them (_fp8_gemv_kernel), longer bf16 / fp16 steps through the W8A8 GEMM (linear_w8a8), fp32 steps of any
+    length through the GEMV (its EXACT form: fp32 sums, which the FP8 tensor cores do not keep). The CPU dequantizes the weight to x's dtype and takes linear's path (the row-invariant reference,
     the dequantized weight kept with q: a scale changed in place without q is not seen)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):
-        if 1 <= M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS):
-            return _gemv_launch(x, q, "fp8", residual, scale)                      # decode, verify
+        if 1 <= M and (M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS) or x.dtype == torch.float32):
+            return _gemv_launch(x, q, "fp8", residual, scale)        # decode, verify; fp32 (EXACT) any step
         return linear_w8a8(x, q, scale, residual)                                   # prefill
     if not x.is_cuda:  # the CPU: the dequantized weight made once (the toy models are small)
         w = _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype))

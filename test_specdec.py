@@ -5804,7 +5804,7 @@ def test_kernel_fp8_dequantize(N, Kin):
 def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
     """The FP8 decode linear (W8A8: each row quantized per 128-column group inside the GEMV, e4m3 products, block
     scales on each tile's fp32 sums) against its reference (linear_w8a8_ref: both operands dequantized, an fp32
-    product); with the residual; a prefill-sized step takes the W8A8 GEMM, the same arithmetic per row."""
+    product); with the residual; fp32 steps of any length take it (bf16 prefill's dispatch: test_kernel_w8a8_linear)."""
     g = gen(M * N)
     q, s = K.fp8_quantize(randn(N, Kin, g=g, scale=Kin ** -0.5))
     x, r = randn(M, Kin, g=g), randn(M, N, g=g)
@@ -5812,15 +5812,10 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
     assert y.shape == (M, N) and rel(y, K.linear_w8a8_ref(x, q, s)) <= TOL[torch.float32]
     assert rel(fast(K.linear, x, q, r, scale=s), K.linear_w8a8_ref(x, q, s, r)) <= TOL[torch.float32]
     assert gemv_calls == ["fp8", "fp8"]
-    xb = randn(K.INVARIANT_ROWS + 1, Kin, g=g)                                     # prefill: the W8A8 GEMM
-    assert rel(fast(K.linear, xb, q, scale=s), K.linear_w8a8_ref(xb, q, s)) <= TOL[torch.float32] and len(gemv_calls) == 2
+    xb = randn(K.INVARIANT_ROWS + 1, Kin, g=g)              # a prefill-sized fp32 step: the GEMV too (fp32 sums)
+    assert rel(fast(K.linear, xb, q, scale=s), K.linear_w8a8_ref(xb, q, s)) <= TOL[torch.float32] and len(gemv_calls) == 3
     with pytest.raises(AssertionError, match="block scales"):
         K.linear(x, q)
-    with K.not_invariant():                                                        # prefill: the kernel up to 48 rows
-        for rows, calls in ((K.FP8_KERNEL_ROWS, 3), (K.FP8_KERNEL_ROWS + 1, 3)):
-            xp = randn(rows, Kin, g=g)
-            assert rel(fast(K.linear, xp, q, scale=s), K.linear_w8a8_ref(xp, q, s)) <= TOL[torch.float32]
-            assert len(gemv_calls) == calls
     # bf16 activations: rows far outside fp16's range (3e5 > 65504) and far below it (1e-7 < fp16's smallest
     # normal) come out as accurate as the others (each row group's own fp32 scale)
     xb = randn(M, Kin, g=g, dtype=torch.bfloat16)
@@ -5869,7 +5864,7 @@ def test_kernel_w8a8_linear(M, N, Kin, monkeypatch):
         assert rel(fast(K.linear, xp, q, scale=s), K.linear_w8a8_ref(xp, q, s)) <= TOL[torch.bfloat16]
         fast(K.linear, xp[:K.FP8_KERNEL_ROWS], q, scale=s)                          # the decode GEMV
         assert rel(fast(K.linear, xp.float(), q, scale=s), K.linear_w8a8_ref(xp.float(), q, s)) <= TOL[torch.float32]
-    assert calls == [xp.shape, xp.shape]
+    assert calls == [xp.shape]                                                     # (fp32: the GEMV's fp32 sums)
 
 
 @needs_kernels
@@ -5914,12 +5909,12 @@ FP8_SHAPES = [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 
 @needs_cuda
 @pytest.mark.parametrize("N,Kin", FP8_SHAPES)
 def test_kernel_gpu_fp8_linear(N, Kin):
-    """bf16 activations, FP8 weights at the real FP8 shapes: as close to the W8A8 reference's fp32 product as the
-    bf16 kernel is to its own, and to the weight-only product as e4m3 activations allow; a row alone == the row
-    in steps of 2 .. 136 rows; CUDA-graph safe."""
+    """bf16 activations, FP8 weights at the real FP8 shapes: within bf16's tolerance of the exact W8A8 reference
+    (the GPU's fast quotient may round a value at a tie the other way), and as close to the weight-only product
+    as e4m3 activations allow; a row alone == the row in steps of 2 .. 136 rows; CUDA-graph safe."""
     (q, s), x0, r0, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120, fp8=True)
     r32 = None if r0 is None else r0.float()
-    assert rel(alone, K.linear_w8a8_ref(x0.float(), q, s, r32)) <= 4e-3
+    assert rel(alone, K.linear_w8a8_ref(x0.float(), q, s, r32)) <= TOL[torch.bfloat16]   # (the fast quotient)
     assert rel(alone, K.linear_fp8_ref(x0.float(), q, s, r32)) <= 0.05
     assert all(torch.equal(y, alone) for y in got)
     x = randn(8, Kin, g=gen(2), dtype=torch.bfloat16)

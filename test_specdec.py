@@ -5539,7 +5539,7 @@ def test_kernel_linear_small(N, Kin, residual):
 @needs_kernels
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("pre", ["norm", "swiglu"])
-def test_kernel_linear_small_pre(pre, dt):
+def test_kernel_linear_small_pre(pre, dt, monkeypatch):
     """A drafter's small linear with Qwen3's RMSNorm or SwiGLU in its load of x (linear's norm / swiglu, fused
     inside drafting() only; one kernel): the same bits as the norm or SwiGLU kernel followed by the linear (it
     repeats their roundings), 1 and 2 rows, odd sizes, a residual; in fp32 within rounding of the reference."""
@@ -5547,24 +5547,21 @@ def test_kernel_linear_small_pre(pre, dt):
     N, Kin, eps = 70, 200, 1e-6
     w = randn(N, Kin, g=g, dtype=dt)
     nw = randn(Kin, g=g, dtype=dt)
+    calls, real = [], K._linear_small
+    monkeypatch.setattr(K, "_linear_small", lambda *a: calls.append(len(a)) or real(*a))
     for M in (1, 2):
         x = randn(M, 2 * Kin if pre == "swiglu" else Kin, g=g, dtype=dt)
         r = randn(M, N, g=g, dtype=dt)
         kw = dict(norm=(nw, eps)) if pre == "norm" else dict(swiglu=True)
-        calls = []
-        real = K._linear_small
-        try:
-            K._linear_small = lambda *a: calls.append(len(a)) or real(*a)
-            with K.drafting():
-                got = fast(K.linear, x, w, r, **kw)
-                assert calls == [5]                                                 # fused: one kernel
-                first = fast(K.plain_rms_norm, x, nw, eps) if pre == "norm" else fast(K.silu_mul, x)
-                assert torch.equal(got, fast(K.linear, first, w, r))              # == two kernels
-            calls.clear()
-            outside = fast(K.linear, x, w, r, **kw)                                # outside: two kernels
-            assert calls == [] and torch.equal(outside, fast(K.linear, first, w, r))
-        finally:
-            K._linear_small = real
+        calls.clear()
+        with K.drafting():
+            got = fast(K.linear, x, w, r, **kw)
+            assert calls == [5]                                                     # fused: one kernel
+            first = fast(K.plain_rms_norm, x, nw, eps) if pre == "norm" else fast(K.silu_mul, x)
+            assert torch.equal(got, fast(K.linear, first, w, r))                  # == two kernels
+        calls.clear()
+        outside = fast(K.linear, x, w, r, **kw)                                    # outside: two kernels
+        assert calls == [] and torch.equal(outside, fast(K.linear, first, w, r))
         if dt == torch.float32:
             ref = K.plain_rms_norm_ref(x, nw, eps) if pre == "norm" else K.silu_mul_ref(x)
             assert rel(got, ref.double() @ w.double().t() + r.double()) <= TOL[dt]

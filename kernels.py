@@ -313,7 +313,8 @@ def gated_rms_norm(x, z, weight, eps):
 # A quantized weight W [N, K] is stored as q [N, K] float8_e4m3fn and scale [ceil(N/128), ceil(K/128)]
 # (the checkpoints' `weight_scale_inv`): W[n, k] = q[n, k] * scale[n // 128, k // 128]. On the GPU the linears
 # run W8A8, as vLLM runs these checkpoints (`activation_scheme: dynamic`): each row of the activations is
-# quantized to e4m3 in groups of 128 columns (one fp32 scale per row and group: its largest |x| -> 448), and
+# quantized to e4m3 in groups of 128 columns (one fp32 scale per row and group: the smallest power of two that
+# brings its largest |x| to at most 448, as DeepGEMM's UE8M0 scales: x / s is then exact), and
 # the e4m3 x e4m3 products run on the FP8 tensor cores with fp32 sums, each 128-column block's sum scaled by
 # the row's group scale times the weight block's scale. Decode / verify steps (_fp8_gemv_kernel) quantize their
 # rows inside the GEMV as they load them; prefill quantizes them first and runs a GEMM (linear_w8a8). Both
@@ -614,22 +615,25 @@ def linear_fp8_ref(x, q, scale, residual=None):
 
 
 # Prefill (W8A8, as vLLM runs Qwen's FP8 checkpoints): the activations quantized per token in groups of 128
-# columns (e4m3, one fp32 scale per row and group: amax / 448), then one GEMM on the FP8 tensor cores whose
+# columns (e4m3, one fp32 scale per row and group: a power of two, below), then one GEMM on the FP8 tensor cores whose
 # fp32 partial sums per 128-column block are scaled by the row's group scale times the weight block's scale.
 # Twice the bf16 tensor cores' rate, and no dequantized copy of the weight. Prefill is shared by speculation
 # on and off, so it need not compute what a decode row computes.
 
 def fp8_act_quant_ref(x, group=FP8_BLOCK):
-    """x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/group)]): each row's groups of `group` columns scaled
-    so that their largest |x| becomes 448 (an all-zero group: scale 1)."""
+    """x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/group)]): each row's groups of `group` columns divided by
+    a power of two, the smallest that brings their largest |x| to at most 448 (never below 2^-126; an all-zero
+    group: scale 1). Dividing by a power of two is exact, so q is x / scale rounded once, to nearest even, as
+    e4m3 (amax / 448 as the scale, vLLM's choice, costs an exact division per element in the decode GEMV, whose
+    loop is short of bandwidth: 2.5x slower on the H200; its fast division rounds differently)."""
     M, K = x.shape
     kb = _cdiv(K, group)
     xp = F.pad(x.float(), (0, kb * group - K)).view(M, kb, group)
     amax = xp.abs().amax(-1)
-    # a tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal (not IEEE's
-    # quotient, which the kernel computes)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    m, E = torch.frexp(amax)                           # amax = m * 2^E, m in [0.5, 1); 448 = 0.875 * 2^9
+    e = (E - 9 + (m > 0.875).int()).clamp(min=-126)    # the smallest e with amax <= 448 * 2^e
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e), torch.ones_like(amax))
+    q = (xp / scale[..., None]).to(FP8)
     return q.view(M, kb * group)[:, :K].contiguous(), scale
 
 
@@ -644,12 +648,23 @@ def linear_w8a8_ref(x, q, scale, residual=None):
 
 
 @_jit
+def _pow2_scales(b_x):
+    # b_x [R, 128] fp32 -> (s, 1 / s) [R]: fp8_act_quant_ref's scale of each line, read off the bits of its
+    # largest |x|, amax = m * 2^E with m in [1, 2): amax <= 448 * 2^e (448 = 1.75 * 2^8) first holds at e = E - 8,
+    # or E - 7 when m > 1.75; e >= -126; an all-zero line: 1
+    amax = tl.max(tl.abs(b_x), 1)
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.where(amax > 0, tl.maximum(e, -126), 0)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@_jit
 def _e4m3_groups(b_x):
-    # b_x [R, 128] fp32 (a row's group of 128 columns per line) -> (q, s): s [R] = amax / 448 (1 for an all-zero
-    # group), q [R, 128] = x / s on e4m3's grid (fp32 values that convert to e4m3 exactly)
-    amax = tl.max(tl.abs(b_x), 1)                                                     # [R]
-    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)        # IEEE divisions, as torch's: Triton's "/"
-    b_v = tl.minimum(tl.maximum(tl.math.div_rn(b_x, s[:, None]), -448.0), 448.0)  # is approximate on the GPU
+    # b_x [R, 128] fp32 (a row's group of 128 columns per line) -> (q, s): s [R] fp8_act_quant_ref's power-of-two
+    # scale, q [R, 128] = x / s on e4m3's grid (fp32 values that convert to e4m3 exactly)
+    s, r = _pow2_scales(b_x)
+    b_v = b_x * r[:, None]                                                     # exact, |v| <= 448
     # |v| rounded to e4m3's grid here, to nearest and ties to even (its step is 2^(e-3) for |v| in [2^e,
     # 2^(e+1)), 2^-9 below 2^-6), so that the conversion after is exact (Triton's interpreter rounds some
     # values wrongly: 124 -> 64, 31 -> 16); then v's sign bit, so that a negative value rounding to zero
@@ -665,7 +680,7 @@ def _e4m3_groups(b_x):
 
 @_jit
 def _fp8_act_quant_kernel(p_x, p_q, p_s, K, KB, s_x, G: tl.constexpr, GB: tl.constexpr):
-    # program (row, GB groups of G columns): q = x / s, s = amax / 448 of each group (1 if it is all zero)
+    # program (row, GB groups of G columns): q = x / s, s each group's power-of-two scale (fp8_act_quant_ref)
     i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_g = i_g * GB + tl.arange(0, GB)                                                 # [GB] groups
     o = o_g[:, None] * G + tl.arange(0, G)[None, :]                                   # [GB, G] columns
@@ -741,15 +756,14 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
     # Decode / verify W8A8 (x [M, K] rows, w e4m3 [N, K], s its block scales [*, KB]): program (row tile, N block,
     # K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...:
     # (w_tile [BN, 128] @ xq_tile^T [128, BM]) * w_scale * x_scale[row], xq_tile the rows' group of 128 columns
-    # quantized in registers as they are loaded (no extra launch): x / s, s = amax / 448. The weight tile is the
-    # dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8 tensor
-    # cores as it was loaded. The quotient's rounding costs time here (the loop is short of bandwidth: an IEEE
-    # division per element made the 27B's linears 2.5x slower on the H200), so bf16 / fp16 rows on the GPU take
-    # the hardware's fast quotient and its e4m3 conversion (to nearest, saturating): a value within an ulp of a
-    # tie between two e4m3 values may round the other way than fp8_act_quant's. EXACT (fp32 rows; the
-    # interpreter, whose e4m3 conversion rounds some values wrongly): fp8_act_quant's exact quotients and an fp32
-    # dot, so the result is linear_w8a8_ref's to fp32 rounding. Either way a row is quantized alone: its result
-    # does not depend on the other rows. BN divides 128 (a tile lies in one scale block). Writes y [M, N]
+    # quantized in registers as they are loaded (no extra launch): x / s with fp8_act_quant's power-of-two scale
+    # s, an exact product by 1 / s, rounded to e4m3 by the hardware's conversion (to nearest even) on the GPU:
+    # the same e4m3 values as fp8_act_quant_ref's, at a multiply per element (the loop is short of bandwidth:
+    # an IEEE division per element made the 27B's linears 2.5x slower on the H200). The weight tile is the dot's
+    # first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8 tensor cores as
+    # it was loaded. EXACT (fp32 rows; the interpreter, whose e4m3 conversion rounds some values wrongly):
+    # fp8_act_quant's rounding in arithmetic and an fp32 dot. Either way the result is linear_w8a8_ref's to fp32
+    # rounding, and a row is quantized alone: its result does not depend on the other rows. BN divides 128 (a tile lies in one scale block). Writes y [M, N]
     # (SPLIT == 1) or the fp32 partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order).
     _pdl_sync(PDL)
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -769,9 +783,9 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
             b_q, b_sx = _e4m3_groups(b_x)
             b_p = tl.dot(b_w.to(tl.float32), tl.trans(b_q), input_precision="ieee")
         else:
-            amax = tl.max(tl.abs(b_x), 1)
-            b_sx = tl.where(amax > 0, amax / 448.0, 1.0)                                         # [BM]
-            b_p = tl.dot(b_w, tl.trans((b_x / b_sx[:, None]).to(p_w.dtype.element_ty)))
+            b_sx, b_inv = _pow2_scales(b_x)                                                      # [BM]
+            b_q = (b_x * b_inv[:, None]).to(p_w.dtype.element_ty, fp_downcast_rounding="rtne")
+            b_p = tl.dot(b_w, tl.trans(b_q))
         b_acc += b_p * (b_sx * s_w)[None, :]
     m_y = m_n[:, None] & m_m[None, :]
     o_y = o_m[None, :] * N + o_n[:, None]                                             # [BN, BM] offsets

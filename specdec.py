@@ -1677,7 +1677,7 @@ class DraftModelProposer:
         return self.io.call("draft-propose", self._draft, kv_len, inputs)
 
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
-        with K.drafting():  # PDL; small linears load their weights before waiting (kernels.py)
+        with K.drafting():  # small linears load their weights before waiting (kernels.py)
             return self._passes(kv_len, slots, start, ids, n, temp, u)
 
     def _passes(self, kv_len, slots, start, ids, n, temp, u):

@@ -5657,8 +5657,9 @@ def test_kernel_gpu_invariance_linear(N, Kin):
 @pytest.mark.parametrize("N,Kin", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])  # Qwen3-0.6B's
 def test_kernel_gpu_linear_small(N, Kin):
     """bf16 at draft_model's Qwen3-0.6B shapes: a row alone == the row in steps of 2 .. 64 rows; close to the
-    fp32 product; and a chain of small linears, norms, SwiGLU and attention launched with PDL inside a CUDA graph
-    (kernels.drafting()) gives the bits of the same chain launched plainly, replay after replay."""
+    fp32 product; and a chain of small linears (inside kernels.drafting()), norms, SwiGLU and attention launched
+    with PDL (kernels._pdl) inside a CUDA graph gives the bits of the same chain launched plainly, replay after
+    replay."""
     w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.bfloat16, (2, 5, 8, 40, 64), N <= 1024, small=True)
     assert all(torch.equal(y, alone) for y in got)
     assert rel(alone, (x0.float() @ w.float().t() + (r0.float() if r0 is not None else 0))) <= 1e-2

@@ -20,7 +20,6 @@ stays in L2), timed per launch:
           _linear_small with programmatic dependent launch (kernels.drafting())
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
-import contextlib
 import os
 import sys
 
@@ -322,7 +321,7 @@ def w8a8(M=2048):
 def pdl(L=28):
     """draft_model's Qwen3-0.6B linears chained as in its passes (qkv -> o_proj -> gate_up -> down, each reading
     the last output; L layers of distinct weights) in one CUDA graph, at 1 and 8 rows: the row-invariant kernel
-    and _linear_small, plainly and inside kernels.drafting() (PDL)."""
+    and _linear_small, launched plainly and with PDL (kernels._pdl)."""
     shapes = ROWS_SHAPES["0.6b"][:4]
     ws = [[torch.randn(N, Kd, device=dev, dtype=bf) * 0.03 for (N, Kd) in shapes] for _ in range(L)]
     for M in (1, 8):
@@ -336,15 +335,16 @@ def pdl(L=28):
             return x
         outs = {}
         for with_pdl in (False, True):
-            with K.drafting() if with_pdl else contextlib.nullcontext():
-                for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
-                                 ("_linear_small", K._linear_small)]:
-                    t = graph_time(lambda: chain(fn))
-                    y = chain(fn)
-                    same = f" (same bits: {torch.equal(y, outs[name])})" if with_pdl else ""
-                    outs[name] = y
-                    print(f"== 0.6b chain, M = {M}: {name}{' with PDL' if with_pdl else ''} {t / (4 * L):.2f} us "
-                          f"per linear{same}")
+            K._PDL_DEVICES[x0.device] = with_pdl
+            for name, fn in [("row-invariant", lambda x, w: K._gemv_launch(x, w, "rows")),
+                             ("_linear_small", K._linear_small)]:
+                t = graph_time(lambda: chain(fn))
+                y = chain(fn)
+                same = f" (same bits: {torch.equal(y, outs[name])})" if with_pdl else ""
+                outs[name] = y
+                print(f"== 0.6b chain, M = {M}: {name}{' with PDL' if with_pdl else ''} {t / (4 * L):.2f} us "
+                      f"per linear{same}")
+        del K._PDL_DEVICES[x0.device]
 
 
 def markov(B=1, Kq=16, V=248320, R=256):

@@ -125,14 +125,16 @@ def drafting():
 
 
 def _pdl(x):
-    """Launch x's kernel with programmatic dependent launch (PDL)? On a CUDA device of compute capability >= 9.
-    With PDL a kernel may start while the one before it runs, and waits (gdc_wait) before it reads or writes
-    anything that kernel touches; every such kernel lets its successor start at once (gdc_launch_dependents):
-    a chain stays correct because each kernel writes only after the wait, by which time all kernels before it
-    have finished. It changes when kernels start, not what they compute (the same bits). The kernels that
-    take it: norms, SwiGLU, attention and its prep, the linears. Measured on the H200 (session 11, the target's
-    captured step, random weights): 35B-A3B 3.30 -> 2.96 ms at batch 1, 27B FP8 9.47 -> 9.32, 27B bf16 14.18
-    -> 14.11."""
+    """Launch x's kernel with programmatic dependent launch (PDL)? On a CUDA device of compute capability >=
+    9. With PDL a kernel may start while the one before it runs, and waits (gdc_wait) before it reads or
+    writes anything that kernel touches; every such kernel lets its successor start at once
+    (gdc_launch_dependents): a chain stays correct because each kernel writes only after the wait, by which
+    time all kernels before it have finished. It changes when kernels start, not what they compute (the same
+    bits). The kernels that take it: norms, SwiGLU, attention and its prep, the linears. Measured on the
+    H200 (session 11, the target's captured step, random weights): 35B-A3B 3.30 -> 2.96 ms at batch 1, 27B
+    FP8 9.47 -> 9.32, 27B bf16 14.18 -> 14.11. Not kept: PDL on the MoE experts' kernels (their many early
+    programs crowd the kernel before them: 35B batch 8 6.17 -> 7.15 ms), and on the causal conv, the GDN
+    recurrence, the sigmoid gate and the router (a few % better at T = 2..4, worse at T = 1 and batch 8)."""
     if not (x.is_cuda and gdc_wait is not None):
         return False
     if x.device not in _PDL_DEVICES:
@@ -616,17 +618,18 @@ def linear_fp8_ref(x, q, scale, residual=None):
 
 
 # Prefill (W8A8, as vLLM runs Qwen's FP8 checkpoints): the activations quantized per token in groups of 128
-# columns (e4m3, one fp32 scale per row and group: a power of two, below), then one GEMM on the FP8 tensor cores whose
-# fp32 partial sums per 128-column block are scaled by the row's group scale times the weight block's scale.
-# Twice the bf16 tensor cores' rate, and no dequantized copy of the weight. Prefill is shared by speculation
-# on and off, so it need not compute what a decode row computes.
+# columns (e4m3, one fp32 scale per row and group: a power of two, below), then one GEMM on the FP8 tensor
+# cores whose fp32 partial sums per 128-column block are scaled by the row's group scale times the weight
+# block's scale. Twice the bf16 tensor cores' rate, and no dequantized copy of the weight. Prefill is shared
+# by speculation on and off, so it need not compute what a decode row computes.
 
 def fp8_act_quant_ref(x, group=FP8_BLOCK):
-    """x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/group)]): each row's groups of `group` columns divided by
-    a power of two, the smallest that brings their largest |x| to at most 448 (never below 2^-126; an all-zero
-    group: scale 1). Dividing by a power of two is exact, so q is x / scale rounded once, to nearest even, as
-    e4m3 (amax / 448 as the scale, vLLM's choice, costs an exact division per element in the decode GEMV, whose
-    loop is short of bandwidth: 2.5x slower on the H200; its fast division rounds differently)."""
+    """x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/group)]): each row's groups of `group` columns
+    divided by a power of two, the smallest that brings their largest |x| to at most 448 (never below
+    2^-126; an all-zero group: scale 1). Dividing by a power of two is exact, so q is x / scale rounded
+    once, to nearest even, as e4m3 (amax / 448 as the scale, vLLM's choice, costs an exact division per
+    element in the decode GEMV, whose loop is short of bandwidth: 2.5x slower on the H200; its fast division
+    rounds differently)."""
     M, K = x.shape
     kb = _cdiv(K, group)
     xp = F.pad(x.float(), (0, kb * group - K)).view(M, kb, group)
@@ -651,8 +654,8 @@ def linear_w8a8_ref(x, q, scale, residual=None):
 @_jit
 def _pow2_scales(b_x):
     # b_x [R, 128] fp32 -> (s, 1 / s) [R]: fp8_act_quant_ref's scale of each line, read off the bits of its
-    # largest |x|, amax = m * 2^E with m in [1, 2): amax <= 448 * 2^e (448 = 1.75 * 2^8) first holds at e = E - 8,
-    # or E - 7 when m > 1.75; e >= -126; an all-zero line: 1
+    # largest |x|, amax = m * 2^E with m in [1, 2): amax <= 448 * 2^e (448 = 1.75 * 2^8) first holds at e =
+    # E - 8, or E - 7 when m > 1.75; e >= -126; an all-zero line: 1
     amax = tl.max(tl.abs(b_x), 1)
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -662,8 +665,8 @@ def _pow2_scales(b_x):
 
 @_jit
 def _e4m3_groups(b_x):
-    # b_x [R, 128] fp32 (a row's group of 128 columns per line) -> (q, s): s [R] fp8_act_quant_ref's power-of-two
-    # scale, q [R, 128] = x / s on e4m3's grid (fp32 values that convert to e4m3 exactly)
+    # b_x [R, 128] fp32 (a row's group of 128 columns per line) -> (q, s): s [R] fp8_act_quant_ref's
+    # power-of-two scale, q [R, 128] = x / s on e4m3's grid (fp32 values that convert to e4m3 exactly)
     s, r = _pow2_scales(b_x)
     b_v = b_x * r[:, None]                                                     # exact, |v| <= 448
     # |v| rounded to e4m3's grid here, to nearest and ties to even (its step is 2^(e-3) for |v| in [2^e,
@@ -754,18 +757,19 @@ def linear_w8a8(x, q, scale, residual=None):
 @_jit
 def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
                      SPLIT: tl.constexpr, EXACT: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
-    # Decode / verify W8A8 (x [M, K] rows, w e4m3 [N, K], s its block scales [*, KB]): program (row tile, N block,
-    # K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...:
-    # (w_tile [BN, 128] @ xq_tile^T [128, BM]) * w_scale * x_scale[row], xq_tile the rows' group of 128 columns
-    # quantized in registers as they are loaded (no extra launch): x / s with fp8_act_quant's power-of-two scale
-    # s, an exact product by 1 / s, rounded to e4m3 by the hardware's conversion (to nearest even) on the GPU:
-    # the same e4m3 values as fp8_act_quant_ref's, at a multiply per element (the loop is short of bandwidth:
-    # an IEEE division per element made the 27B's linears 2.5x slower on the H200). The weight tile is the dot's
-    # first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8 tensor cores as
-    # it was loaded. EXACT (fp32 rows; the interpreter, whose e4m3 conversion rounds some values wrongly):
-    # fp8_act_quant's rounding in arithmetic and an fp32 dot. Either way the result is linear_w8a8_ref's to fp32
-    # rounding, and a row is quantized alone: its result does not depend on the other rows. BN divides 128 (a tile lies in one scale block). Writes y [M, N]
-    # (SPLIT == 1) or the fp32 partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order).
+    # Decode / verify W8A8 (x [M, K] rows, w e4m3 [N, K], s its block scales [*, KB]): program (row tile, N
+    # block, K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...: (w_tile [BN, 128]
+    # @ xq_tile^T [128, BM]) * w_scale * x_scale[row], xq_tile the rows' group of 128 columns quantized in
+    # registers as they are loaded (no extra launch): x / s with fp8_act_quant's power-of-two scale s, an
+    # exact product by 1 / s, rounded to e4m3 by the hardware's conversion (to nearest even) on the GPU: the
+    # same e4m3 values as fp8_act_quant_ref's, at a multiply per element (the loop is short of bandwidth: an
+    # IEEE division per element made the 27B's linears 2.5x slower on the H200). The weight tile is the
+    # dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8
+    # tensor cores as it was loaded. EXACT (fp32 rows; the interpreter, whose e4m3 conversion rounds some
+    # values wrongly): fp8_act_quant's rounding in arithmetic and an fp32 dot. Either way the result is
+    # linear_w8a8_ref's to fp32 rounding, and a row is quantized alone: its result does not depend on the
+    # other rows. BN divides 128 (a tile lies in one scale block). Writes y [M, N] (SPLIT == 1) or the fp32
+    # partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order).
     _pdl_sync(PDL)
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -826,9 +830,10 @@ FP8_KERNEL_ROWS = 48
 def _linear_fp8(x, q, scale, residual):
     """x @ (q * scale)^T [+ residual], W8A8 on the GPU: decode and verify steps (up to INVARIANT_ROWS rows;
     FP8_KERNEL_ROWS without BATCH_INVARIANT, as in prefill) through the GEMV that quantizes its rows as it
-    reads them (_fp8_gemv_kernel), longer bf16 / fp16 steps through the W8A8 GEMM (linear_w8a8), fp32 steps of any
-    length through the GEMV (its EXACT form: fp32 sums, which the FP8 tensor cores do not keep). The CPU dequantizes the weight to x's dtype and takes linear's path (the row-invariant reference,
-    the dequantized weight kept with q: a scale changed in place without q is not seen)."""
+    reads them (_fp8_gemv_kernel), longer bf16 / fp16 steps through the W8A8 GEMM (linear_w8a8), fp32 steps
+    of any length through the GEMV (its EXACT form: fp32 sums, which the FP8 tensor cores do not keep). The
+    CPU dequantizes the weight to x's dtype and takes linear's path (the row-invariant reference, the
+    dequantized weight kept with q: a scale changed in place without q is not seen)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (_fast(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):

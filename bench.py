@@ -326,12 +326,11 @@ def gemm_floor(ws, M, iters=20):
 
 class TimedProposer:
     """A proposer whose propose() is timed, the device synced on both sides (two syncs per step: for a separate
-    short run only); all else is the wrapped proposer's."""
+    short run only); all else is the wrapped proposer's. .times: seconds per call."""
     def __init__(self, proposer, device):
         self.proposer = proposer
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.seconds = 0.0
-        self.steps = 0
+        self.times = []
 
     def __getattr__(self, name):  # prefill, commit, taps
         return getattr(self.proposer, name)
@@ -341,8 +340,7 @@ class TimedProposer:
         t0 = time.perf_counter()
         out = self.proposer.propose(batch)
         self.sync()
-        self.seconds += time.perf_counter() - t0
-        self.steps += 1
+        self.times.append(time.perf_counter() - t0)
         return out
 
 
@@ -396,13 +394,15 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
         timed = eng.runner.proposer = TimedProposer(eng.runner.proposer, device)
         eng.runner.whole_steps = False  # steps by pieces: a step captured whole has no propose() to time
         for _ in range(2):  # the first round untimed: the pieces' graphs are captured, and kernels compiled, lazily
-            timed.seconds, timed.steps = 0.0, 0
+            timed.times = []
             for _ in range(B):
                 eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(32, gen_len),
                                                             ignore_eos=True))
             while eng.has_work():
                 eng.step()
-        draft_ms = 1e3 * timed.seconds / max(timed.steps, 1)
+        # the median step: as the batch shrinks, a bucket the first round did not reach is captured in the second
+        # (one step of tens of ms, which a mean would spread over the others)
+        draft_ms = 1e3 * statistics.median(timed.times) if timed.times else None
     del eng
     return dict(ttft_ms=1e3 * statistics.mean(ttft), tpot_ms=1e3 * statistics.mean(tpot), wall_s=t1 - t0,
                 tok_s_per_seq=1 / statistics.mean(tpot), tok_s_aggregate=n_out / (t1 - t0),

@@ -3911,7 +3911,8 @@ def test_connection_cap(srv_limits):
 def test_half_closed_client_gets_its_answer(srv):
     before = wait_idle(srv)
     for stream in (False, True):
-        body = json.dumps({"prompt": "half", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+        # 1500 tokens: long enough to span two of the server's checks on a fast CPU (400 took 0.75 s on one)
+        body = json.dumps({"prompt": "half", "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
                            "stream": stream}).encode()
         t0 = time.time()
         status, headers, data = raw_http(srv.port, post_head(length=len(body)) + body, half_close=True, timeout=60)
@@ -3923,7 +3924,7 @@ def test_half_closed_client_gets_its_answer(srv):
             assert events[-1] == "data: [DONE]"
             assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         else:
-            assert json.loads(data)["usage"]["completion_tokens"] == 400
+            assert json.loads(data)["usage"]["completion_tokens"] == 1500
     aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")
     assert aborted(wait_idle(srv)) == aborted(before)
 

@@ -4,7 +4,8 @@
 
 --steps BxT: captured-graph replay time of one target step (B sequences, T tokens each; T > 1 = verify + commit)
              at context length --ctx.
---kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25).
+--kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25; a kernel launched
+             with PDL, kernels._pdl, counts its wait for the kernel before it).
 --gemms M:   every weight shape the step multiplies by, all weights of that shape chained in one CUDA graph:
              cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s.
 --draft-lm B [B ...]: instead, draft_model's propose step (k = 4, a random Qwen3-0.6B-shaped draft LM): graph
@@ -127,8 +128,8 @@ def kernel_table(fn, title, reps=1, top=25):
 
 def draft_lm(batches, target="27b", k=4, ctx=512):
     """draft_model's propose step (a random Qwen3-0.6B-shaped draft, bench.random_draft_lm, with the target's
-    vocabulary; no target loaded): its CUDA graph's replay time, then one eager step's kernels (with PDL inside
-    kernels.drafting() a kernel's time includes its wait for the one before)."""
+    vocabulary; no target loaded): its CUDA graph's replay time, then one eager step's kernels (with PDL,
+    kernels._pdl, a kernel's time includes its wait for the one before)."""
     import types
     dev = torch.device("cuda")
     path = bench.random_draft_lm("/tmp/profile-draft-lm", target)

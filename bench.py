@@ -400,8 +400,8 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
                                                             ignore_eos=True))
             while eng.has_work():
                 eng.step()
-        # the median step: as the batch shrinks, a bucket the first round did not reach is captured in the second
-        # (one step of tens of ms, which a mean would spread over the others)
+        # the median step: as the batch shrinks, a bucket the first round did not reach is captured in the
+        # second (one step of tens of ms, which a mean would spread over the others)
         draft_ms = 1e3 * statistics.median(timed.times) if timed.times else None
     del eng
     return dict(ttft_ms=1e3 * statistics.mean(ttft), tpot_ms=1e3 * statistics.mean(tpot), wall_s=t1 - t0,

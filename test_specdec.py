@@ -5658,9 +5658,9 @@ def test_kernel_gpu_invariance_linear(N, Kin):
 @pytest.mark.parametrize("N,Kin", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])  # Qwen3-0.6B's
 def test_kernel_gpu_linear_small(N, Kin):
     """bf16 at draft_model's Qwen3-0.6B shapes: a row alone == the row in steps of 2 .. 64 rows; close to the
-    fp32 product; and a chain of small linears (inside kernels.drafting()), norms, SwiGLU and attention launched
-    with PDL (kernels._pdl) inside a CUDA graph gives the bits of the same chain launched plainly, replay after
-    replay."""
+    fp32 product; and a chain of small linears (inside kernels.drafting()), norms, SwiGLU and attention
+    launched with PDL (kernels._pdl) inside a CUDA graph gives the bits of the same chain launched plainly,
+    replay after replay."""
     w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.bfloat16, (2, 5, 8, 40, 64), N <= 1024, small=True)
     assert all(torch.equal(y, alone) for y in got)
     assert rel(alone, (x0.float() @ w.float().t() + (r0.float() if r0 is not None else 0))) <= 1e-2
@@ -5828,9 +5828,9 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
 @needs_kernels
 @pytest.mark.parametrize("M,Kin", [(1, 200), (37, 300), (130, 128)])
 def test_kernel_fp8_act_quant(M, Kin):
-    """Prefill's activation quantization: one scale per row and 128-column group, the smallest power of two that
-    brings the group's largest |x| to at most 448; the kernel's e4m3 values and scales == the reference's (their
-    bits: -0 too); dequantized within half an e4m3 step."""
+    """Prefill's activation quantization: one scale per row and 128-column group, the smallest power of two
+    that brings the group's largest |x| to at most 448; the kernel's e4m3 values and scales == the
+    reference's (their bits: -0 too); dequantized within half an e4m3 step."""
     x = randn(M, Kin, g=gen(M), dtype=torch.bfloat16)
     x[0, :128] = 0                                                                 # an all-zero group: scale 1
     if Kin > 128:  # negative values that round to zero (-0 in e4m3, as torch converts them), and -0 itself
@@ -5840,7 +5840,7 @@ def test_kernel_fp8_act_quant(M, Kin):
     amax = F.pad(x.float().abs(), (0, s.shape[1] * 128 - Kin)).view(M, -1, 128).amax(-1)
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)                              # powers of two
     assert ((amax / s <= 448) & ((amax / s > 224) | (amax == 0))).all()                   # the smallest
-    e = torch.zeros(3, 128)        # the edges: amax 448 * 2^10, just above it, below 448 * 2^-126 (fp32 subnormal)
+    e = torch.zeros(3, 128)        # the edges: amax 448 * 2^10, just above it, an fp32 subnormal
     e[0, 5], e[1, 7], e[2, 0] = 448 * 2.0 ** 10, -449 * 2.0 ** 10, 2.0 ** -140
     assert K.fp8_act_quant_ref(e)[1].flatten().tolist() == [2.0 ** 10, 2.0 ** 11, 2.0 ** -126]
     assert torch.equal(fast(K.fp8_act_quant, e)[1], K.fp8_act_quant_ref(e)[1])
@@ -5915,9 +5915,9 @@ FP8_SHAPES = [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 
 @needs_cuda
 @pytest.mark.parametrize("N,Kin", FP8_SHAPES)
 def test_kernel_gpu_fp8_linear(N, Kin):
-    """bf16 activations, FP8 weights at the real FP8 shapes: as close to the W8A8 reference as the output's bf16
-    rounding allows (the same e4m3 values, fp32 sums per 128-column block), and to the weight-only product as
-    e4m3 activations allow; a row alone == the row in steps of 2 .. 136 rows; CUDA-graph safe."""
+    """bf16 activations, FP8 weights at the real FP8 shapes: as close to the W8A8 reference as the output's
+    bf16 rounding allows (the same e4m3 values, fp32 sums per 128-column block), and to the weight-only
+    product as e4m3 activations allow; a row alone == the row in steps of 2 .. 136 rows; CUDA-graph safe."""
     (q, s), x0, r0, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120, fp8=True)
     r32 = None if r0 is None else r0.float()
     assert rel(alone, K.linear_w8a8_ref(x0.float(), q, s, r32)) <= 4e-3

@@ -4,8 +4,8 @@
 
 --steps BxT: captured-graph replay time of one target step (B sequences, T tokens each; T > 1 = verify + commit)
              at context length --ctx.
---kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25; a kernel launched
-             with PDL, kernels._pdl, counts its wait for the kernel before it).
+--kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25; a kernel
+             launched with PDL, kernels._pdl, counts its wait for the kernel before it).
 --gemms M:   every weight shape the step multiplies by, all weights of that shape chained in one CUDA graph:
              cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s.
 --draft-lm B [B ...]: instead, draft_model's propose step (k = 4, a random Qwen3-0.6B-shaped draft LM): graph

@@ -107,9 +107,13 @@ def random_qwen3_layer(prefix, H, nh, nkv, hd, I, rand, norm=lambda n: torch.one
             for n, s in sd.qwen3_layer_tensors(H, nh, nkv, hd, I).items()}
 
 
-def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
+def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, sliding=0, window=2048):
     """A random DFlash (z-lab layout) or DSpark (DeepSpec layout) drafter shaped for the target preset: `layers`
-    Qwen3 layers of the target's hidden size, taps spread over the target's depth, block `block`."""
+    Qwen3 layers of the target's hidden size, taps spread over the target's depth, block `block`; the first
+    `sliding` layers sliding-window (`window` keys, causal) and the rest full. For the 27B, DFlash with
+    sliding=4 is z-lab/Qwen3.6-27B-DFlash's published shape (shared/reference: 5 layers, 4 sliding-window
+    2048 + 1 full, 32 / 8 heads of 128, taps [1, 16, 31, 46, 61], mask id 248070; which layer is the full
+    one is our guess: the last)."""
     from safetensors.torch import save_file
     t = PRESETS[target]
     H, L, V = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
@@ -118,8 +122,9 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0):
     cfg = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": layers, "num_attention_heads": nh,
            "num_key_value_heads": nkv, "head_dim": hd, "intermediate_size": I, "vocab_size": V, "hidden_act": "silu",
            "rms_norm_eps": 1e-6, "rope_theta": 10000000, "max_position_embeddings": 262144, "attention_bias": False,
-           "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers, "block_size": block,
-           "num_target_layers": L}
+           "tie_word_embeddings": False, "block_size": block, "num_target_layers": L,
+           "layer_types": ["sliding_attention"] * sliding + ["full_attention"] * (layers - sliding),
+           "sliding_window": window if sliding else None}
     if method == "dflash":
         cfg.update(architectures=["DFlashDraftModel"], dflash_config={"mask_token_id": V - 250, "target_layer_ids": ids})
     else:
@@ -772,6 +777,9 @@ def main(argv=None):
     ap.add_argument("--random-drafter", default=None, help="with --random-weights: write a random DFlash/DSpark "
                     "drafter of the target's shape (5 layers, block 16) to this directory first; use it as the "
                     "speculative config's model (its method picks the layout: the first dflash/dspark config)")
+    ap.add_argument("--drafter-layout", default="ours", choices=["ours", "zlab"],
+                    help="with --random-drafter: zlab = DFlash drafters with 4 sliding-window (2048) layers and 1 "
+                    "full one, as z-lab's published Qwen3.6-27B-DFlash (ours: 5 full layers)")
     ap.add_argument("--random-draft-lm", default=None, help="with --random-weights: write a random Qwen3-0.6B-shaped "
                     "draft LM with the target's vocabulary to this directory; draft_model configs without a model use it")
     ap.add_argument("--hf-baseline", action="store_true", help="also time Hugging Face transformers' generate on the "
@@ -795,7 +803,9 @@ def main(argv=None):
     if a.random_drafter:
         for c in raw:
             if c and c.get("method") in ("dflash", "dspark"):
-                c["model"] = random_drafter(os.path.join(a.random_drafter, c["method"]), c["method"], a.random_weights)
+                sliding = 4 if a.drafter_layout == "zlab" and c["method"] == "dflash" else 0
+                c["model"] = random_drafter(os.path.join(a.random_drafter, c["method"] + a.drafter_layout),
+                                            c["method"], a.random_weights, sliding=sliding)
     if a.random_draft_lm:
         for c in raw:
             if c and c.get("method") == "draft_model" and "model" not in c:

@@ -1653,14 +1653,16 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
                       s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, CHUNK: tl.constexpr,
                       NH: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                      PREC: tl.constexpr, PDL: tl.constexpr):
+                      PREC: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
     # program (b, kv head * NM + query tile, split). A query tile holds BM rows r = t * GROUP + g: the
     # GROUP query heads sharing this KV head, for consecutive new tokens t, so each K/V tile loaded
     # serves them all. Keys run up to the tile's own causal end pos + t_max + 1 (never kv_len); with
     # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding), or, with CHUNK > 0, into pieces of
     # CHUNK keys starting at multiples of CHUNK (the same pieces for a key whatever T and the tile are:
     # batch-invariant; pieces past the end are empty), and the partial softmax states (acc, max, sum) go to
-    # p_part / p_ml for _attention_combine_kernel.
+    # p_part / p_ml for _attention_combine_kernel. WINDOW > 0 (a drafter's sliding-window layer): a query at
+    # position p sees only keys p - WINDOW < key <= p; the loop starts at the tile's first such key (pieces
+    # wholly before it are empty).
     _pdl_sync(PDL)
     i_b, i_hm, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kv, i_m = i_hm // NM, i_hm % NM
@@ -1683,6 +1685,8 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
             per = tl.cdiv(tl.cdiv(end, NSPLIT), BN) * BN
         lo = tl.minimum(i_s * per, end)
         hi = tl.minimum(lo + per, end)
+    if WINDOW > 0:  # keys before the tile's first query's window are seen by no row of the tile
+        lo = tl.maximum(lo, tl.minimum(pos + (i_m * BM) // GROUP - WINDOW + 1, hi))
     p_kb = p_k + slot * s_ks + i_kv * s_kh + o_d[None, :]
     p_vb = p_v + slot * s_vs + i_kv * s_vh + o_d[None, :]
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -1694,7 +1698,10 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
         b_k = tl.load(p_kb + o_n[:, None] * s_kl, mask=m_n[:, None] & m_d[None, :],
                       other=0.0).to(DOT)  # [BN, BD]
         b_sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale           # [BM, BN], log2 units
-        b_sc = tl.where(m_n[None, :] & (o_n[None, :] <= b_qpos[:, None]), b_sc, float("-inf"))
+        b_vis = m_n[None, :] & (o_n[None, :] <= b_qpos[:, None])
+        if WINDOW > 0:
+            b_vis = b_vis & (o_n[None, :] > b_qpos[:, None] - WINDOW)
+        b_sc = tl.where(b_vis, b_sc, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_sc, 1))
         b_mu = tl.where(b_mn == float("-inf"), 0.0, b_mn)                            # rows with nothing yet
         b_p = tl.exp2(b_sc - b_mu[:, None])
@@ -1746,7 +1753,7 @@ DRAFT_ATTN_CHUNK = 128  # the drafters' layers: few KV heads at short contexts, 
                         # program's long serial loop; 128-key pieces spread it (draft_model: 5.5 -> 4.6 ms)
 
 
-def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None):
+def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None, window=None):
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
     assert nh % nkv == 0 and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
@@ -1777,7 +1784,7 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chun
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), CHUNK=chunk,
         NH=nh, GROUP=G, D=d, BD=_p2(d), BM=BM, BN=BN, SPLIT=nsplit > 1, DOT=dot,
-        PREC="ieee" if dot == tl.float32 else "tf32", PDL=pdl,
+        PREC="ieee" if dot == tl.float32 else "tf32", WINDOW=window or 0, PDL=pdl,
         num_warps=8 if BM * _p2(d) >= 64 * 256 else 4, num_stages=2, **_launch(pdl))
     if nsplit > 1:
         _attention_combine_kernel[(B * T * nh,)](part, ml, o, nsplit, D=d, BD=_p2(d), PDL=pdl, num_warps=4,
@@ -1785,7 +1792,7 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chun
     return o
 
 
-def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None):
+def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None):
     """Causal GQA attention of T new queries per sequence over the slot's cached keys.
 
     q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d] (the new tokens already written at
@@ -1794,10 +1801,12 @@ def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None):
     The kernel reads keys only up to each row's own pos[b]+T, so kv_len may be any upper bound (e.g.
     max_model_len inside CUDA graphs); it only sizes the split of long contexts. chunk: the key pieces of
     BATCH_INVARIANT decode / verify steps (ATTN_CHUNK if None); a fixed number, so that a row's sums do not
-    depend on T or the batch.
+    depend on T or the batch. window W (a drafter's sliding-window layer; the Triton path only): query t sees
+    keys pos[b]+t-W+1 .. pos[b]+t.
     """
     if _fast(q):
-        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, chunk=chunk)
+        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, chunk=chunk, window=window)
+    assert window is None, "a sliding window needs the Triton kernel (specdec.block_attention masks elsewhere)"
     if _cpu_fast(q) and q.shape[1] <= 32:
         return _attention_cpu(q, k_cache, v_cache, slots, pos)
     return attention_ref(q, k_cache, v_cache, slots, pos, kv_len)

@@ -1212,12 +1212,13 @@ def block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, windo
     keys already written). Non-causal (DFlash/DSpark blocks): every query sees all keys < pos[b]+T; causal:
     keys up to its own position. A sliding `window` W (z-lab's rule) also requires q_pos - k_pos < W and,
     when non-causal, k_pos - q_pos < W. q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d]; slots, pos [B];
-    kv_len >= max(pos)+T. Returns [B, T, n_h, d]. Without a window this is kernels.attention (the GPU kernel,
-    in the drafters' key pieces: DRAFT_ATTN_CHUNK); else a masked reference."""
+    kv_len >= max(pos)+T. Returns [B, T, n_h, d]. Causal, or without a window, this is kernels.attention (the
+    GPU kernel, in the drafters' key pieces: DRAFT_ATTN_CHUNK; a causal window inside it, on the Triton path:
+    z-lab's sliding layers are causal); else a masked reference."""
     B, T, nh, d = q.shape
     chunk = K.DRAFT_ATTN_CHUNK  # every caller is a drafter's layer (Qwen3Attention)
-    if window is None and causal:
-        return K.attention(q, k_cache, v_cache, slots, pos, kv_len, chunk)
+    if causal and (window is None or K._fast(q)):
+        return K.attention(q, k_cache, v_cache, slots, pos, kv_len, chunk, window=window)
     if window is None:
         # non-causal = every query placed at the block's last position: fold the T queries into the head axis
         # (head h*T + t keeps KV head h // group), so the causal kernel serves it as one decode token

@@ -5226,20 +5226,50 @@ def test_draft_model_state_equals_fresh_prefill(name, runs):
 # Building blocks
 # ==============================================================================================
 
-def block_attention_reference(q, kc, vc, slots, pos, causal):
+def block_attention_reference(q, kc, vc, slots, pos, causal, window=None):
     """Attention of T queries at positions pos[b] + t over the slot's keys, plainly, in float64: a query sees keys
-    0 .. pos[b] + T - 1 (non-causal block) or 0 .. its own position (causal); query head h reads KV head h // group."""
+    0 .. pos[b] + T - 1 (non-causal block) or 0 .. its own position (causal); with a causal window W only the last
+    W of those (its own position - W < key); query head h reads KV head h // group."""
+    assert window is None or causal
     B, T, nh, d = q.shape
     group = nh // kc.shape[2]
     out = torch.zeros(B, T, nh, d, dtype=torch.float64)
     for b in range(B):
         for t in range(T):
             last = int(pos[b]) + (t if causal else T - 1)
+            first = 0 if window is None else max(0, last - window + 1)
             for h in range(nh):
-                keys = kc[slots[b], :last + 1, h // group].double()                # [L, d]
+                keys = kc[slots[b], first:last + 1, h // group].double()           # [L, d]
                 p = (keys @ q[b, t, h].double() / math.sqrt(d)).softmax(0)
-                out[b, t, h] = p @ vc[slots[b], :last + 1, h // group].double()
+                out[b, t, h] = p @ vc[slots[b], first:last + 1, h // group].double()
     return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_kernel_attention_sliding_window(T):
+    """A drafter's causal sliding-window layer (z-lab's DFlash drafters: 4 of 5 layers) in the attention kernel:
+    == block_attention_reference with the window, for windows shorter than, across and longer than the cached
+    prefix, in one key piece and in several (64-key pieces, one entirely before the window), kv_len an upper
+    bound; keys before the window hold NaN, so reading one shows; and block_attention's masked path (CPU) ==
+    the same reference."""
+    g = gen(T)
+    B, nh, nkv, d, L = 3, 4, 2, 16, 400
+    kc, vc = randn(B + 1, L, nkv, d, g=g), randn(B + 1, L, nkv, d, g=g)
+    q = randn(B, T, nh, d, g=g)
+    slots, pos = torch.tensor([3, 0, 1], device=DEV), torch.tensor([0, 37, 300], device=DEV)
+    for W in (5, 70, 1000):
+        ref = block_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), slots.cpu(), pos.cpu(), True, W)
+        kp, vp = kc.clone(), vc.clone()
+        for b in range(B):
+            first = max(0, int(pos[b]) - W + 1)                                   # the first query's first key
+            kp[slots[b], :first] = float("nan")
+            vp[slots[b], :first] = float("nan")
+        for chunk in (64, 512):
+            got = fast(K.attention, q, kp, vp, slots, pos, L, chunk, window=W)
+            assert rel(got.cpu(), ref) <= TOL[torch.float32], (W, chunk)
+        masked = sd.block_attention(q.cpu(), kc.cpu(), vc.cpu(), slots.cpu(), pos.cpu(), L, causal=True, window=W)
+        assert rel(masked, ref) <= TOL[torch.float32], W
 
 
 @needs_kernels

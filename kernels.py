@@ -859,6 +859,7 @@ def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
     [gate | up] and silu(gate) * up (silu_mul). Inside drafting() a small linear (_linear_small) does that as
     it loads x, with the same roundings: one kernel instead of two."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    assert norm is None or not swiglu, "linear: norm or swiglu, not both (one thing goes through first)"
     if norm is not None or swiglu:
         if (DRAFTING and _fast(x) and w.dtype != FP8 and _small_linear(M, w, x, residual, 2 if swiglu else 1)
                 and (norm is None or norm[0].dtype == x.dtype)):

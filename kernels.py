@@ -806,7 +806,11 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
 # token against 8.8. Other shapes (the 35B-A3B's): the rule below, not tuned.
 FP8_ROWS_CONFIG = {
     (16384, 5120): (128, 2, 5, 8), (14336, 5120): (128, 2, 3, 8), (5120, 6144): (64, 8, 3, 4),
-    (34816, 5120): (128, 4, 3, 8), (5120, 17408): (64, 8, 3, 4)}
+    (34816, 5120): (128, 4, 3, 8), (5120, 17408): (64, 8, 3, 4),
+    # the 35B-A3B's shared-expert down (tile_sweep.py fp8, session 11: 4.1 us; the rule's (64, 1, 3, 4) slower):
+    # its captured step 3.073 -> 3.037 ms at batch 1, 6.52 -> 6.46 at batch 8, 3.92 -> 3.87 at T = 2 (session 12,
+    # same process). Its other FP8 shapes (512 | 4096 | 8192 x 2048, 2048 x 4096) take the rule.
+    (2048, 512): (64, 1, 5, 8)}
 
 
 def _fp8_config(N, K, device):

@@ -877,7 +877,7 @@ def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
             return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
-    elif _cpu_fast(x) and w.dim() == 2 and w.shape[0] % 16 == 0:
+    elif _cpu_fast(x) and w.dim() == 2 and (_dnn_rows(w) or w.shape[0] % 16 == 0):
         y = _linear_cpu(x, w)
     else:
         rows = x.reshape(-1, x.shape[-1])
@@ -890,20 +890,61 @@ def _transposed(w):
     return _derived(w, "t", lambda w: w.t().contiguous())
 
 
+CPU_ROWS = 8  # the CPU fast path's linear: every call of oneDNN's GEMM takes exactly this many rows
+_DNN_ROWS = {}  # (out, in, threads) -> did oneDNN pass the row check on this CPU (_dnn_rows)?
+
+
+def _packed(w):
+    """w packed for oneDNN's linear (its blocked layout, made once per weight: _derived)."""
+    return _derived(w, "dnn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+
+
+def _dnn(x, wp):
+    return torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
+
+
+def _dnn_rows(w):
+    """May w's products take oneDNN's GEMM in calls of CPU_ROWS rows? Checked at first use per weight shape
+    and thread count, on the running CPU: a row's bits must not depend on its place among the call's rows
+    or on the other rows (each row at every place, beside random rows and beside zero padding). The call
+    shape itself is fixed, so decode (1 row, padded) and verify rows run the same GEMM by construction; what
+    the check guards is the GEMM's treatment of rows within one call, which a CPU's kernels could in
+    principle break. fp32 only (what was measured)."""
+    if w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    key = (*w.shape, torch.get_num_threads())
+    if key not in _DNN_ROWS:
+        wp = _packed(w)
+        x = torch.randn(CPU_ROWS, w.shape[1], generator=torch.Generator().manual_seed(0))
+        y = _dnn(x, wp)
+        ok = torch.equal(_dnn(F.pad(x[:1], (0, 0, 0, CPU_ROWS - 1)), wp)[0], y[0])
+        _DNN_ROWS[key] = ok and all(torch.equal(_dnn(x.roll(s, 0), wp), y.roll(s, 0)) for s in range(1, CPU_ROWS))
+    return _DNN_ROWS[key]
+
+
 def _linear_cpu(x, w):
-    """x @ w^T for a small CPU step (<= 256 rows): every row through the same (1, in) @ (in, out) product,
-    all rows in one batched call, bmm(x [M, 1, in], w^T expanded to [M, in, out]). Each batch entry is its own
-    product, so a row's bits depend neither on the other rows nor on M (measured on this CI class's CPU, AMD
-    EPYC / AVX2, MKL 2024.2, 1 and 2 threads: the rows of M = 1..63 equal the rows alone at every toy weight
-    shape; test_cpu_linear_row_invariant pins it). F.linear's own GEMM does not: MKL rounds M = 1 (GEMV),
-    2-3 and >= 4 rows differently, hence the reference's loop. With w^T contiguous a row is an axpy over the
-    inputs that streams w^T once, 2-2.5x faster than the GEMV over w's rows (lm_head 8256 x 256: 212 vs 525
-    us); a batched 4-row GEMM would read the weights once but MKL's small-M packing makes it slower still
-    (lm_head, 4 rows: 2099 us vs 800 for four such rows). Only for out a multiple of 16: with out = 70 or
-    250 the batched call rounds every other row differently (measured on the same CPU; out = 24, 64, 100,
-    128, 256, 1024, 8256 did not), so such widths take the reference's loop."""
+    """x @ w^T for a small CPU step (<= 256 rows), a row's bits the same whatever the step's other rows and
+    size. F.linear's own GEMM (MKL) does not give that: on this CI class's CPU (AMD EPYC Zen 5, MKL 2024.2) it
+    rounds M = 1, 2-3 and >= 4 rows differently, hence the reference's loop over rows.
+
+    What runs: oneDNN's GEMM on the weight packed once (_packed), the rows in calls of exactly CPU_ROWS rows
+    (a decode's one row padded with zeros): every row goes through the same call shape, so it gets the same
+    bits (checked at first use: _dnn_rows). On this CPU oneDNN's 4-row call costs what its 1-row call does, so
+    a verify reads the weights once for four rows (1 thread, us for 1 / 4 / 8 / 16 rows: lm_head 8256 x 256
+    111 / 116 / 185 / 314, MKL's mm 139 / 336 / 514 / 934; MLP gate_up 2048 x 256 39 / 41 / 58 / 89; 256 x 256
+    13 / 14 / 16 / 21, where MKL's 1-row product is 6). Where the check fails (another CPU), the fallback:
+    every row its own (1, in) @ (in, out) product, all rows in one bmm(x [M, 1, in], w^T expanded to [M, in,
+    out]), each batch entry its own product (test_cpu_linear_row_invariant pins both); it reads the weights
+    once per row (lm_head: 120 us a row), and only for out a multiple of 16 (on the AVX2 EPYC of session 10,
+    out = 70 or 250 rounded every other row differently; such widths take the reference's loop)."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
+    if _dnn_rows(w):
+        wp, P = _packed(w), CPU_ROWS
+        if M % P:
+            rows = F.pad(rows, (0, 0, 0, P - M % P))                              # zero rows up to P's multiple
+        y = _dnn(rows, wp) if rows.shape[0] == P else torch.cat([_dnn(r, wp) for r in rows.split(P)])
+        return y[:M].view(*x.shape[:-1], N)
     y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
     return y.view(*x.shape[:-1], N)
 

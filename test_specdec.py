@@ -6797,16 +6797,20 @@ if __name__ == "__main__":
 # The CPU fast path (kernels.CPU_FAST): what runs on a CPU, against the references it replaces
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dnn", [True, False])
 @pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
-                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512)])
-def test_cpu_linear_row_invariant(N, Kin):
-    """The CPU linear (one batched call, every row its own (1, in) @ (in, out) product): a row alone == the
-    row in steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones; F.linear's
-    GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32."""
+                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512), (776, 256)])
+def test_cpu_linear_row_invariant(N, Kin, dnn, monkeypatch):
+    """The CPU linear, both ways it runs (oneDNN's GEMM in calls of CPU_ROWS rows where _dnn_rows passes on
+    this CPU; else one batched call, every row its own (1, in) @ (in, out) product): a row alone == the row in
+    steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones; F.linear's GEMM
+    fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32."""
+    if not dnn:
+        monkeypatch.setattr(K, "_dnn_rows", lambda w: False)
     g = torch.Generator().manual_seed(N + Kin)
     w, x = torch.randn(N, Kin, generator=g), torch.randn(48, Kin, generator=g)
     alone = torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)])
-    for M in (2, 3, 4, 5, 8, 13, 16, 40):
+    for M in (2, 3, 4, 5, 8, 9, 13, 16, 17, 40):
         for s in (0, 3, 8 - (M % 8)):
             assert torch.equal(K._linear_cpu(x[s:s + M], w), alone[s:s + M]), (M, s)
     assert torch.equal(K._linear_cpu(x[:6].view(2, 3, Kin), w).view(6, N), alone[:6])     # [B, T, in]
@@ -6815,6 +6819,21 @@ def test_cpu_linear_row_invariant(N, Kin):
     K._linear_cpu(x[:1], w2)
     w2.mul_(2)                                                                    # written in place: a fresh w^T
     assert torch.equal(K._linear_cpu(x[:1], w2), K._linear_cpu(x[:1], w2.clone()))
+
+
+def test_cpu_dnn_rows_check(monkeypatch):
+    """_dnn_rows, the check at first use that lets oneDNN's GEMM serve CPU steps: it refuses a GEMM whose
+    row bits depend on the row's place in the call or on the other rows (stand-ins for oneDNN that do so
+    on purpose, so the test does not depend on this CPU), and linear() then takes the per-row fallback, whose
+    rows are still invariant. (On this CI class's CPU, AMD EPYC Zen 5, oneDNN itself passes:
+    test_cpu_linear_row_invariant runs whichever path the check picks.)"""
+    w, x = torch.randn(64, 32), torch.randn(3, 32)
+    for bad in (lambda x, wp: x @ w.t() + torch.arange(x.shape[0])[:, None] * 1e-3,  # row r gets r * 1e-3
+                lambda x, wp: x @ w.t() + x.sum(0, keepdim=True)[:, :1] * 1e-3):   # depends on the others
+        monkeypatch.setattr(K, "_DNN_ROWS", {})
+        monkeypatch.setattr(K, "_dnn", bad)
+        assert not K._dnn_rows(w)
+        assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # the fallback's bits
 
 
 def test_cpu_gdn_and_conv_fast_equal_reference():

@@ -6912,6 +6912,30 @@ def test_cpu_attention_fast_equals_reference():
     assert torch.equal(o[1, 2], alone) and torch.equal(batch, alone)
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_cpu_attention_prep_fast(plain):
+    """The CPU fast attention_prep (RoPE from a table of the reference's cos / sin, q and k heads rotated
+    together) against the reference (fp32: q and the cache writes within 2e-6; the table regrown past its
+    end), and a token's bits alone == as token 2 of a T = 4 step == as a row of a batch of 3."""
+    g = torch.Generator().manual_seed(11)
+    B, T, nh, nkv, hd, S, L = 3, 4, 4, 2, 32, 5, 700
+    qg, k, v = torch.randn(B, T, nh, 2 * hd, generator=g), *torch.randn(2, B, T, nkv, hd, generator=g)
+    qw, kw = torch.randn(hd, generator=g) * 0.1, torch.randn(hd, generator=g) * 0.1
+    inv_freq = sd.rope_inv_freq(8, 1e4)
+    slots, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 690])                # 690 + 3: past 256 rows
+    caches = [[torch.zeros(S, L, nkv, hd) for _ in range(2)] for _ in range(2)]
+    assert K._rope_table(inv_freq, 10, torch.float32)[0].shape == (256, 8)        # made for 256 positions
+    q = K._attention_prep_cpu(qg, k, v, qw, kw, 1e-6, inv_freq, *caches[0], slots, pos, plain)
+    q_ref = K.attention_prep_ref(qg, k, v, qw, kw, 1e-6, inv_freq, *caches[1], slots, pos, plain)
+    assert (q - q_ref).abs().max() <= 2e-6 and K._rope_table(inv_freq, 1, torch.float32)[0].shape == (694, 8)
+    assert all((a - b).abs().max() <= 2e-6 for a, b in zip(caches[0], caches[1]))
+    prep = lambda rows, t0, t1: K._attention_prep_cpu(qg[rows, t0:t1], k[rows, t0:t1], v[rows, t0:t1], qw, kw,
+                                                      1e-6, inv_freq, *caches[0], slots[rows], pos[rows] + t0,
+                                                      plain)
+    alone = prep([1], 2, 3)[0, 0]
+    assert torch.equal(prep([1], 0, 4)[0, 2], alone) and torch.equal(prep([0, 1, 2], 2, 3)[1, 0], alone)
+
+
 @needs_kernels
 @pytest.mark.parametrize("k,lo,hi", [(4, 2, 5), (3, 1, 1), (6, 1, 4)])
 def test_kernel_ngram_lookup(k, lo, hi):

@@ -877,7 +877,7 @@ def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
             return _gemv_launch(x, w, cfg, residual)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
-    elif _cpu_fast(x) and w.dim() == 2 and (_dnn_rows(w) or w.shape[0] % 16 == 0):
+    elif _cpu_fast(x) and w.dim() == 2 and (_dnn_ok(w) or w.shape[0] % 16 == 0):
         y = _linear_cpu(x, w)
     else:
         rows = x.reshape(-1, x.shape[-1])
@@ -890,8 +890,12 @@ def _transposed(w):
     return _derived(w, "t", lambda w: w.t().contiguous())
 
 
-CPU_ROWS = 8  # the CPU fast path's linear: every call of oneDNN's GEMM takes exactly this many rows
-_DNN_ROWS = {}  # (out, in, threads) -> did oneDNN pass the row check on this CPU (_dnn_rows)?
+_DNN_ROWS = {}  # (out, in, rows, threads) -> does oneDNN's call of that many rows give each row its bits alone?
+
+
+def _dnn_ok(w):
+    """Can w's products take oneDNN's GEMM here? fp32 weights (what was measured) and a torch built with it."""
+    return w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def _packed(w):
@@ -903,22 +907,16 @@ def _dnn(x, wp):
     return torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
 
 
-def _dnn_rows(w):
-    """May w's products take oneDNN's GEMM in calls of CPU_ROWS rows? Checked at first use per weight shape
-    and thread count, on the running CPU: a row's bits must not depend on its place among the call's rows
-    or on the other rows (each row at every place, beside random rows and beside zero padding). The call
-    shape itself is fixed, so decode (1 row, padded) and verify rows run the same GEMM by construction; what
-    the check guards is the GEMM's treatment of rows within one call, which a CPU's kernels could in
-    principle break. fp32 only (what was measured)."""
-    if w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return False
-    key = (*w.shape, torch.get_num_threads())
+def _dnn_rows(w, M):
+    """Does oneDNN's call of M rows give every row the bits of that row's own 1-row call, for w's shape, on the
+    running CPU and thread count? Checked at first use (M random rows, each against its call alone; the
+    GEMM's arithmetic does not depend on the values) and remembered."""
+    key = (*w.shape, M, torch.get_num_threads())
     if key not in _DNN_ROWS:
         wp = _packed(w)
-        x = torch.randn(CPU_ROWS, w.shape[1], generator=torch.Generator().manual_seed(0))
+        x = torch.randn(M, w.shape[1], generator=torch.Generator().manual_seed(M))
         y = _dnn(x, wp)
-        ok = torch.equal(_dnn(F.pad(x[:1], (0, 0, 0, CPU_ROWS - 1)), wp)[0], y[0])
-        _DNN_ROWS[key] = ok and all(torch.equal(_dnn(x.roll(s, 0), wp), y.roll(s, 0)) for s in range(1, CPU_ROWS))
+        _DNN_ROWS[key] = all(torch.equal(_dnn(x[i:i + 1], wp), y[i:i + 1]) for i in range(M))
     return _DNN_ROWS[key]
 
 
@@ -927,24 +925,23 @@ def _linear_cpu(x, w):
     size. F.linear's own GEMM (MKL) does not give that: on this CI class's CPU (AMD EPYC Zen 5, MKL 2024.2) it
     rounds M = 1, 2-3 and >= 4 rows differently, hence the reference's loop over rows.
 
-    What runs: oneDNN's GEMM on the weight packed once (_packed), the rows in calls of exactly CPU_ROWS rows
-    (a decode's one row padded with zeros): every row goes through the same call shape, so it gets the same
-    bits (checked at first use: _dnn_rows). On this CPU oneDNN's 4-row call costs what its 1-row call does, so
-    a verify reads the weights once for four rows (1 thread, us for 1 / 4 / 8 / 16 rows: lm_head 8256 x 256
-    111 / 116 / 185 / 314, MKL's mm 139 / 336 / 514 / 934; MLP gate_up 2048 x 256 39 / 41 / 58 / 89; 256 x 256
-    13 / 14 / 16 / 21, where MKL's 1-row product is 6). Where the check fails (another CPU), the fallback:
+    What runs, fp32: oneDNN's GEMM on the weight packed once (_packed), and a row's bits are by definition those
+    of its own 1-row call. A step of M rows takes one M-row call where a check at first use (_dnn_rows, per
+    weight shape, M and thread count) found that call giving each row exactly those bits on the running CPU,
+    else one 1-row call per row. On this CPU every M of 1..64 passes at every toy shape, and the M-row call
+    reads the weights once: all 33 toy weights cycling from memory (1 thread), 1 / 4 / 8 / 16 rows: 1.57 /
+    2.04 / 2.47 / 3.18 ms, where 1-row products (the bmm below) take 1.99 / 3.65 / 5.47 / 9.27 (MKL's own
+    GEMM, not invariant, 4 rows of lm_head 8256 x 256: 336 us, oneDNN 116). Without oneDNN (or another dtype):
     every row its own (1, in) @ (in, out) product, all rows in one bmm(x [M, 1, in], w^T expanded to [M, in,
-    out]), each batch entry its own product (test_cpu_linear_row_invariant pins both); it reads the weights
-    once per row (lm_head: 120 us a row), and only for out a multiple of 16 (on the AVX2 EPYC of session 10,
-    out = 70 or 250 rounded every other row differently; such widths take the reference's loop)."""
+    out]), each batch entry its own product; only for out a multiple of 16 (on the AVX2 EPYC of session 10,
+    out = 70 or 250 rounded every other row differently; such widths take the reference's loop).
+    test_cpu_linear_row_invariant pins both paths, test_cpu_dnn_rows_check the check."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
-    if _dnn_rows(w):
-        wp, P = _packed(w), CPU_ROWS
-        if M % P:
-            rows = F.pad(rows, (0, 0, 0, P - M % P))                              # zero rows up to P's multiple
-        y = _dnn(rows, wp) if rows.shape[0] == P else torch.cat([_dnn(r, wp) for r in rows.split(P)])
-        return y[:M].view(*x.shape[:-1], N)
+    if _dnn_ok(w):
+        wp = _packed(w)
+        y = _dnn(rows, wp) if M == 1 or _dnn_rows(w, M) else torch.cat([_dnn(r, wp) for r in rows.split(1)])
+        return y.view(*x.shape[:-1], N)
     y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
     return y.view(*x.shape[:-1], N)
 

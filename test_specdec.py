@@ -6797,16 +6797,19 @@ if __name__ == "__main__":
 # The CPU fast path (kernels.CPU_FAST): what runs on a CPU, against the references it replaces
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dnn", [True, False])
+@pytest.mark.parametrize("path", ["dnn", "dnn rows alone", "bmm"])
 @pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
                                    (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512), (776, 256)])
-def test_cpu_linear_row_invariant(N, Kin, dnn, monkeypatch):
-    """The CPU linear, both ways it runs (oneDNN's GEMM in calls of CPU_ROWS rows where _dnn_rows passes on
-    this CPU; else one batched call, every row its own (1, in) @ (in, out) product): a row alone == the row in
-    steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones; F.linear's GEMM
-    fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32."""
-    if not dnn:
-        monkeypatch.setattr(K, "_dnn_rows", lambda w: False)
+def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch):
+    """The CPU linear, every way it runs (oneDNN's GEMM with one call per step where _dnn_rows passes on this
+    CPU, or one 1-row call per row where it fails; without oneDNN one batched call, every row its own (1, in)
+    @ (in, out) product): a row alone == the row in steps of 2 .. 40 rows at any offset, bit for bit (the
+    toy's shapes and some odd ones; F.linear's GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round
+    differently), and == F.linear within fp32."""
+    if path == "dnn rows alone":
+        monkeypatch.setattr(K, "_dnn_rows", lambda w, M: False)
+    if path == "bmm":
+        monkeypatch.setattr(K, "_dnn_ok", lambda w: False)
     g = torch.Generator().manual_seed(N + Kin)
     w, x = torch.randn(N, Kin, generator=g), torch.randn(48, Kin, generator=g)
     alone = torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)])
@@ -6822,18 +6825,18 @@ def test_cpu_linear_row_invariant(N, Kin, dnn, monkeypatch):
 
 
 def test_cpu_dnn_rows_check(monkeypatch):
-    """_dnn_rows, the check at first use that lets oneDNN's GEMM serve CPU steps: it refuses a GEMM whose
-    row bits depend on the row's place in the call or on the other rows (stand-ins for oneDNN that do so
-    on purpose, so the test does not depend on this CPU), and linear() then takes the per-row fallback, whose
-    rows are still invariant. (On this CI class's CPU, AMD EPYC Zen 5, oneDNN itself passes:
-    test_cpu_linear_row_invariant runs whichever path the check picks.)"""
+    """_dnn_rows, the check at first use that lets a CPU step's rows share one oneDNN call: it refuses a GEMM
+    whose row bits depend on the row's place in the call or on the other rows (stand-ins for oneDNN that do
+    so on purpose, so the test does not depend on this CPU), and linear() then computes each row alone, with
+    the bits of a 1-row step. (On this CI class's CPU, AMD EPYC Zen 5, oneDNN itself passes at the toy's
+    shapes: test_cpu_linear_row_invariant runs whichever path the check picks.)"""
     w, x = torch.randn(64, 32), torch.randn(3, 32)
     for bad in (lambda x, wp: x @ w.t() + torch.arange(x.shape[0])[:, None] * 1e-3,  # row r gets r * 1e-3
                 lambda x, wp: x @ w.t() + x.sum(0, keepdim=True)[:, :1] * 1e-3):   # depends on the others
         monkeypatch.setattr(K, "_DNN_ROWS", {})
         monkeypatch.setattr(K, "_dnn", bad)
-        assert not K._dnn_rows(w)
-        assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # the fallback's bits
+        assert K._dnn_rows(w, 1) and not K._dnn_rows(w, 3)
+        assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # row 1 alone == in the step
 
 
 def test_cpu_gdn_and_conv_fast_equal_reference():

@@ -6879,6 +6879,14 @@ def test_cpu_gdn_and_conv_fast_equal_reference():
         c1, c2 = cpool.clone(), cpool.clone()
         yc = K._causal_conv_cpu(x, c1, slots, wc, n_keep)
         assert torch.equal(yc, K.causal_conv_ref(x, c2, slots, wc, n_keep)) and torch.equal(c1, c2)
+    c1, c2, keep = cpool.clone(), cpool.clone(), torch.tensor([0, 2, 4])
+    K._causal_conv_cpu(x, c1, slots, wc, torch.zeros(B, dtype=torch.long))            # a verify, then its commit:
+    K._conv_commit_cpu(x, c1, slots, keep)                                            # from the verify's sequence
+    K.conv_window_ref(x, c2, slots, keep)
+    assert torch.equal(c1, c2) and c1._specdec_verify is None
+    K._conv_commit_cpu(x, c1, slots, keep)                                            # nothing kept: the reference
+    K.conv_window_ref(x, c2, slots, keep)
+    assert torch.equal(c1, c2)
 
 
 def test_cpu_norms_fast():

@@ -21,6 +21,7 @@ import types
 import unicodedata
 import unittest.mock
 import urllib.request
+import weakref
 
 import pytest
 import torch
@@ -4894,13 +4895,22 @@ class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.pool, self.outside, self.dead = {}, {}, []  # storage id -> weak ref (made in a capture: the graph
         # pool) or (weak ref, what read it) (made outside); ids of freed storages can be reused, hence the refs
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    @staticmethod
+    def storage(t):
+        """(id, weak ref) of what holds t's data: its storage; for an opaque tensor, which has none (oneDNN's
+        packed weights of the CPU linears, kernels._packed), the tensor itself."""
+        if t.is_mkldnn:
+            ref = weakref.ref(t)
+            return ("opaque", id(t)), types.SimpleNamespace(expired=lambda: ref() is None)
         from torch.multiprocessing.reductions import StorageWeakRef
+        return t.untyped_storage()._cdata, StorageWeakRef(t.untyped_storage())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
-            sid = t.untyped_storage()._cdata
+            sid, ref = self.storage(t)
             if sid in self.pool and not self.pool[sid].expired():
                 continue
             if sid in self.outside and not self.outside[sid][0].expired():
@@ -4908,13 +4918,13 @@ class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
             if sid in self.outside:  # freed, and its id now names another storage
                 self.dead.append(self.outside[sid][1])
             what = f"{func} reads {str(t.dtype)[6:]}{list(t.shape)}"
-            self.outside[sid] = (StorageWeakRef(t.untyped_storage()), what)
+            self.outside[sid] = (ref, what)
         out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                sid = t.untyped_storage()._cdata
+                sid, ref = self.storage(t)
                 if not (sid in self.outside and not self.outside[sid][0].expired()):
-                    self.pool[sid] = StorageWeakRef(t.untyped_storage())
+                    self.pool[sid] = ref
         return out
 
     def freed(self):

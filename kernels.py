@@ -890,11 +890,11 @@ def _transposed(w):
     return _derived(w, "t", lambda w: w.t().contiguous())
 
 
-_DNN_ROWS = {}  # (out, in, rows, threads) -> does oneDNN's call of that many rows give each row its bits alone?
+_DNN_ROWS = {}  # (out, in, rows, threads) -> does oneDNN's call of so many rows give each row its bits alone?
 
 
 def _dnn_ok(w):
-    """Can w's products take oneDNN's GEMM here? fp32 weights (what was measured) and a torch built with it."""
+    """Can w's products take oneDNN's GEMM here? fp32 weights (what was measured), a torch built with it."""
     return w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
@@ -908,8 +908,8 @@ def _dnn(x, wp):
 
 
 def _dnn_rows(w, M):
-    """Does oneDNN's call of M rows give every row the bits of that row's own 1-row call, for w's shape, on the
-    running CPU and thread count? Checked at first use (M random rows, each against its call alone; the
+    """Does oneDNN's call of M rows give every row the bits of that row's own 1-row call, for w's shape, on
+    the running CPU and thread count? Checked at first use (M random rows, each against its call alone; the
     GEMM's arithmetic does not depend on the values) and remembered."""
     key = (*w.shape, M, torch.get_num_threads())
     if key not in _DNN_ROWS:
@@ -925,17 +925,17 @@ def _linear_cpu(x, w):
     size. F.linear's own GEMM (MKL) does not give that: on this CI class's CPU (AMD EPYC Zen 5, MKL 2024.2) it
     rounds M = 1, 2-3 and >= 4 rows differently, hence the reference's loop over rows.
 
-    What runs, fp32: oneDNN's GEMM on the weight packed once (_packed), and a row's bits are by definition those
-    of its own 1-row call. A step of M rows takes one M-row call where a check at first use (_dnn_rows, per
-    weight shape, M and thread count) found that call giving each row exactly those bits on the running CPU,
-    else one 1-row call per row. On this CPU every M of 1..64 passes at every toy shape, and the M-row call
-    reads the weights once: all 33 toy weights cycling from memory (1 thread), 1 / 4 / 8 / 16 rows: 1.57 /
-    2.04 / 2.47 / 3.18 ms, where 1-row products (the bmm below) take 1.99 / 3.65 / 5.47 / 9.27 (MKL's own
-    GEMM, not invariant, 4 rows of lm_head 8256 x 256: 336 us, oneDNN 116). Without oneDNN (or another dtype):
-    every row its own (1, in) @ (in, out) product, all rows in one bmm(x [M, 1, in], w^T expanded to [M, in,
-    out]), each batch entry its own product; only for out a multiple of 16 (on the AVX2 EPYC of session 10,
-    out = 70 or 250 rounded every other row differently; such widths take the reference's loop).
-    test_cpu_linear_row_invariant pins both paths, test_cpu_dnn_rows_check the check."""
+    What runs, fp32: oneDNN's GEMM on the weight packed once (_packed), and a row's bits are by definition
+    those of its own 1-row call. A step of M rows takes one M-row call where a check at first use (_dnn_rows,
+    per weight shape, M and thread count) found that call giving each row exactly those bits on the running
+    CPU, else one 1-row call per row. On this CPU every M of 1..64 passes at every toy shape, and the M-row
+    call reads the weights once: all 33 toy weights cycling from memory (1 thread), 1 / 4 / 8 / 16 rows: 1.57
+    / 2.04 / 2.47 / 3.18 ms, where 1-row products (the bmm below) take 1.99 / 3.65 / 5.47 / 9.27 (MKL's own
+    GEMM, not invariant, 4 rows of lm_head 8256 x 256: 336 us, oneDNN 116). Without oneDNN (or another
+    dtype): every row its own (1, in) @ (in, out) product, all rows in one bmm(x [M, 1, in], w^T expanded to
+    [M, in, out]), each batch entry its own product; only for out a multiple of 16 (on the AVX2 EPYC of
+    session 10, out = 70 or 250 rounded every other row differently; such widths take the reference's loop).
+    test_cpu_linear_row_invariant pins the three paths, test_cpu_dnn_rows_check the check."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
     if _dnn_ok(w):
@@ -1434,13 +1434,12 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     """The CPU fast path of gdn_recurrent_gated: the reference's arithmetic in fewer ops. The gates in one
     float64 pass rounded once (exp, softplus, sigmoid: CPU SIMD rounds a float32 element differently in a
     vector lane and in the scalar tail, so float32 transcendentals would depend on how many tokens share the
-    step - kernels.exact); the state updated in place; the key heads broadcast over their value heads instead
-    of repeated; the row products S^T k and S^T q as one batched matmul per token, each (1, d_k) @ (d_k, d_v)
-    product its own batch entry (as the reference's einsum), so a row's bits do not depend on B or T; a
-    verify (n_keep all 0) writes no state but keeps its state after each token on the pool (64 KiB per layer
-    and token on the toy model), and the commit after it copies from there instead of replaying (the replay
-    the GPU kernel does costs a second pass of T tokens); any other commit stops after max(n_keep)
-    tokens."""
+    step - kernels.exact); the state updated in place; the row products S^T k and S^T q as one bmm per token,
+    each (1, d_k) @ (d_k, d_v) product its own batch entry (as the reference's einsum), so a row's bits do not
+    depend on B or T; a verify (n_keep all 0) writes no state but keeps its state after each token on the
+    pool (64 KiB per layer and token on the toy model), and the commit after it copies from there instead of
+    replaying (the replay the GPU kernel does costs a second pass of T tokens); any other commit stops after
+    max(n_keep) tokens."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     G = Hv // Hk                                                 # value heads per key head
@@ -1470,12 +1469,12 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     # a verify's state after token t is written straight into its snapshot (no copy). On the toy, us a call:
     # T = 1 83 -> 84, T = 4 132 -> 127, T = 8 202 -> 183. Token t's slices are contiguous [R, ., .] blocks
     R = B * Hv                                                   # bmm entries: (row, value head)
-    per_token = lambda t, d: t.transpose(0, 1).reshape(T, B, Hk, -1, 1, d).expand(T, B, Hk, G, 1, d).reshape(
-        T, R, 1, d)
+    per_token = lambda t, d: (t.transpose(0, 1).reshape(T, B, Hk, -1, 1, d).expand(T, B, Hk, G, 1, d)
+                              .reshape(T, R, 1, d))
     qf, kf, vf = per_token(qf, Dk), per_token(kf, Dk), per_token(v.float(), Dv)  # [T, R, 1, d]
     kcol = kf.transpose(-1, -2)                                  # [T, R, d_k, 1]
     decay, beta = (per_token(t, 1) for t in (decay, beta))        # [T, R, 1, 1]
-    S = state_pool.index_select(0, slots).view(R, Dk, Dv)        # a copy: the pool is written back below
+    S = state_pool.index_select(0, slots).float().view(R, Dk, Dv)  # a copy: the pool is written back below
     out = torch.empty(T, R, 1, Dv) if outputs else None
     snaps = torch.empty(T, R, Dk, Dv) if verify else None        # a verify's state after each token
     for t in range(steps):
@@ -1595,8 +1594,8 @@ def _rope_table(inv_freq, n, dtype):
 
 
 def _attention_prep_cpu(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain):
-    """The CPU fast path of attention_prep: the reference's arithmetic in a third of its ops (116 -> 40 us a
-    call on the toy at T = 1..8, measured on this CI class's CPU): cos / sin looked up in a table of the
+    """The CPU fast path of attention_prep: the reference's arithmetic in half its ops (116 -> 60 us a call
+    on the toy at T = 1..8, measured on this CI class's CPU): cos / sin looked up in a table of the
     reference's own values (_rope_table) instead of recomputed in float64 each call, q's and k's heads
     rotated together, and the fused norm (_rms_norm_cpu; plain: the reference's Qwen3 norm). Element by
     element the same operations as rope_ref, so a token's bits do not depend on T or the batch."""
@@ -1613,7 +1612,7 @@ def _attention_prep_cpu(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_
     qk = torch.cat([xr * cos + rot * sin, qk[..., rd:]], -1)
     k_cache[slots[:, None], at] = qk[:, :, nh:].to(k_cache.dtype)
     v_cache[slots[:, None], at] = v.to(v_cache.dtype)
-    return qk[:, :, :nh]
+    return qk[:, :, :nh].contiguous()
 
 
 @_jit
@@ -1716,7 +1715,7 @@ def _attention_cpu(q, k_cache, v_cache, slots, pos):
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
     out = torch.empty_like(q)
-    qf = q.float().reshape(B, T, nkv, nh // nkv, d) * d ** -0.5     # scaled once (T = 8 on the toy: 140 -> 120 us)
+    qf = q.float().reshape(B, T, nkv, nh // nkv, d) * d ** -0.5     # scaled once (toy, T = 8: 140 -> 120 us)
     for b, (s, p) in enumerate(zip(slots.tolist(), pos.tolist())):
         kb = k_cache[s, :p + T].float().permute(1, 2, 0)                   # [n_kv, d, L] (strides fixed)
         vb = v_cache[s, :p + T].float().transpose(0, 1)                    # [n_kv, L, d]

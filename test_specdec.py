@@ -6809,7 +6809,8 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("path", ["dnn", "dnn rows alone", "bmm"])
 @pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
-                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512), (776, 256)])
+                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512),
+                                   (776, 256)])
 def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch):
     """The CPU linear, every way it runs (oneDNN's GEMM with one call per step where _dnn_rows passes on this
     CPU, or one 1-row call per row where it fails; without oneDNN one batched call, every row its own (1, in)
@@ -6890,11 +6891,11 @@ def test_cpu_gdn_and_conv_fast_equal_reference():
         yc = K._causal_conv_cpu(x, c1, slots, wc, n_keep)
         assert torch.equal(yc, K.causal_conv_ref(x, c2, slots, wc, n_keep)) and torch.equal(c1, c2)
     c1, c2, keep = cpool.clone(), cpool.clone(), torch.tensor([0, 2, 4])
-    K._causal_conv_cpu(x, c1, slots, wc, torch.zeros(B, dtype=torch.long))            # a verify, then its commit:
-    K._conv_commit_cpu(x, c1, slots, keep)                                            # from the verify's sequence
+    K._causal_conv_cpu(x, c1, slots, wc, torch.zeros(B, dtype=torch.long))        # a verify, then its commit:
+    K._conv_commit_cpu(x, c1, slots, keep)                                        # from the verify's sequence
     K.conv_window_ref(x, c2, slots, keep)
     assert torch.equal(c1, c2) and c1._specdec_verify is None
-    K._conv_commit_cpu(x, c1, slots, keep)                                            # nothing kept: the reference
+    K._conv_commit_cpu(x, c1, slots, keep)                                        # none kept: the reference
     K.conv_window_ref(x, c2, slots, keep)
     assert torch.equal(c1, c2)
 

@@ -21,6 +21,7 @@ import types
 import unicodedata
 import unittest.mock
 import urllib.request
+import weakref
 
 import pytest
 import torch
@@ -4894,13 +4895,22 @@ class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.pool, self.outside, self.dead = {}, {}, []  # storage id -> weak ref (made in a capture: the graph
         # pool) or (weak ref, what read it) (made outside); ids of freed storages can be reused, hence the refs
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    @staticmethod
+    def storage(t):
+        """(id, weak ref) of what holds t's data: its storage; for an opaque tensor, which has none (oneDNN's
+        packed weights of the CPU linears, kernels._packed), the tensor itself."""
+        if t.is_mkldnn:
+            ref = weakref.ref(t)
+            return ("opaque", id(t)), types.SimpleNamespace(expired=lambda: ref() is None)
         from torch.multiprocessing.reductions import StorageWeakRef
+        return t.untyped_storage()._cdata, StorageWeakRef(t.untyped_storage())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
-            sid = t.untyped_storage()._cdata
+            sid, ref = self.storage(t)
             if sid in self.pool and not self.pool[sid].expired():
                 continue
             if sid in self.outside and not self.outside[sid][0].expired():
@@ -4908,13 +4918,13 @@ class CaptureRecorder(torch.utils._python_dispatch.TorchDispatchMode):
             if sid in self.outside:  # freed, and its id now names another storage
                 self.dead.append(self.outside[sid][1])
             what = f"{func} reads {str(t.dtype)[6:]}{list(t.shape)}"
-            self.outside[sid] = (StorageWeakRef(t.untyped_storage()), what)
+            self.outside[sid] = (ref, what)
         out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                sid = t.untyped_storage()._cdata
+                sid, ref = self.storage(t)
                 if not (sid in self.outside and not self.outside[sid][0].expired()):
-                    self.pool[sid] = StorageWeakRef(t.untyped_storage())
+                    self.pool[sid] = ref
         return out
 
     def freed(self):
@@ -6827,16 +6837,24 @@ if __name__ == "__main__":
 # The CPU fast path (kernels.CPU_FAST): what runs on a CPU, against the references it replaces
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("path", ["dnn", "dnn rows alone", "bmm"])
 @pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
-                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512)])
-def test_cpu_linear_row_invariant(N, Kin):
-    """The CPU linear (one batched call, every row its own (1, in) @ (in, out) product): a row alone == the
-    row in steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones; F.linear's
-    GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32."""
+                                   (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512),
+                                   (776, 256)])
+def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch):
+    """The CPU linear, every way it runs (oneDNN's GEMM with one call per step where _dnn_rows passes on this
+    CPU, or one 1-row call per row where it fails; without oneDNN one batched call, every row its own (1, in)
+    @ (in, out) product): a row alone == the row in steps of 2 .. 40 rows at any offset, bit for bit (the
+    toy's shapes and some odd ones; F.linear's GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round
+    differently), and == F.linear within fp32."""
+    if path == "dnn rows alone":
+        monkeypatch.setattr(K, "_dnn_rows", lambda w, M: False)
+    if path == "bmm":
+        monkeypatch.setattr(K, "_dnn_ok", lambda w: False)
     g = torch.Generator().manual_seed(N + Kin)
     w, x = torch.randn(N, Kin, generator=g), torch.randn(48, Kin, generator=g)
     alone = torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)])
-    for M in (2, 3, 4, 5, 8, 13, 16, 40):
+    for M in (2, 3, 4, 5, 8, 9, 13, 16, 17, 40):
         for s in (0, 3, 8 - (M % 8)):
             assert torch.equal(K._linear_cpu(x[s:s + M], w), alone[s:s + M]), (M, s)
     assert torch.equal(K._linear_cpu(x[:6].view(2, 3, Kin), w).view(6, N), alone[:6])     # [B, T, in]
@@ -6845,6 +6863,21 @@ def test_cpu_linear_row_invariant(N, Kin):
     K._linear_cpu(x[:1], w2)
     w2.mul_(2)                                                                    # written in place: a fresh w^T
     assert torch.equal(K._linear_cpu(x[:1], w2), K._linear_cpu(x[:1], w2.clone()))
+
+
+def test_cpu_dnn_rows_check(monkeypatch):
+    """_dnn_rows, the check at first use that lets a CPU step's rows share one oneDNN call: it refuses a GEMM
+    whose row bits depend on the row's place in the call or on the other rows (stand-ins for oneDNN that do
+    so on purpose, so the test does not depend on this CPU), and linear() then computes each row alone, with
+    the bits of a 1-row step. (On this CI class's CPU, AMD EPYC Zen 5, oneDNN itself passes at the toy's
+    shapes: test_cpu_linear_row_invariant runs whichever path the check picks.)"""
+    w, x = torch.randn(64, 32), torch.randn(3, 32)
+    for bad in (lambda x, wp: x @ w.t() + torch.arange(x.shape[0])[:, None] * 1e-3,  # row r gets r * 1e-3
+                lambda x, wp: x @ w.t() + x.sum(0, keepdim=True)[:, :1] * 1e-3):   # depends on the others
+        monkeypatch.setattr(K, "_DNN_ROWS", {})
+        monkeypatch.setattr(K, "_dnn", bad)
+        assert K._dnn_rows(w, 1) and not K._dnn_rows(w, 3)
+        assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # row 1 alone == in the step
 
 
 def test_cpu_gdn_and_conv_fast_equal_reference():
@@ -6887,6 +6920,14 @@ def test_cpu_gdn_and_conv_fast_equal_reference():
         c1, c2 = cpool.clone(), cpool.clone()
         yc = K._causal_conv_cpu(x, c1, slots, wc, n_keep)
         assert torch.equal(yc, K.causal_conv_ref(x, c2, slots, wc, n_keep)) and torch.equal(c1, c2)
+    c1, c2, keep = cpool.clone(), cpool.clone(), torch.tensor([0, 2, 4])
+    K._causal_conv_cpu(x, c1, slots, wc, torch.zeros(B, dtype=torch.long))        # a verify, then its commit:
+    K._conv_commit_cpu(x, c1, slots, keep)                                        # from the verify's sequence
+    K.conv_window_ref(x, c2, slots, keep)
+    assert torch.equal(c1, c2) and c1._specdec_verify is None
+    K._conv_commit_cpu(x, c1, slots, keep)                                        # none kept: the reference
+    K.conv_window_ref(x, c2, slots, keep)
+    assert torch.equal(c1, c2)
 
 
 def test_cpu_norms_fast():
@@ -6921,6 +6962,30 @@ def test_cpu_attention_fast_equals_reference():
     alone = K._attention_cpu(q[1:2, 2:3], kc, vc, slots[1:2], pos[1:2] + 2)[0, 0]
     batch = K._attention_cpu(q[:, 2:3], kc, vc, slots, pos + 2)[1, 0]
     assert torch.equal(o[1, 2], alone) and torch.equal(batch, alone)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_cpu_attention_prep_fast(plain):
+    """The CPU fast attention_prep (RoPE from a table of the reference's cos / sin, q and k heads rotated
+    together) against the reference (fp32: q and the cache writes within 2e-6; the table regrown past its
+    end), and a token's bits alone == as token 2 of a T = 4 step == as a row of a batch of 3."""
+    g = torch.Generator().manual_seed(11)
+    B, T, nh, nkv, hd, S, L = 3, 4, 4, 2, 32, 5, 700
+    qg, k, v = torch.randn(B, T, nh, 2 * hd, generator=g), *torch.randn(2, B, T, nkv, hd, generator=g)
+    qw, kw = torch.randn(hd, generator=g) * 0.1, torch.randn(hd, generator=g) * 0.1
+    inv_freq = sd.rope_inv_freq(8, 1e4)
+    slots, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 690])                # 690 + 3: past 256 rows
+    caches = [[torch.zeros(S, L, nkv, hd) for _ in range(2)] for _ in range(2)]
+    assert K._rope_table(inv_freq, 10, torch.float32)[0].shape == (256, 8)        # made for 256 positions
+    q = K._attention_prep_cpu(qg, k, v, qw, kw, 1e-6, inv_freq, *caches[0], slots, pos, plain)
+    q_ref = K.attention_prep_ref(qg, k, v, qw, kw, 1e-6, inv_freq, *caches[1], slots, pos, plain)
+    assert (q - q_ref).abs().max() <= 2e-6 and K._rope_table(inv_freq, 1, torch.float32)[0].shape == (694, 8)
+    assert all((a - b).abs().max() <= 2e-6 for a, b in zip(caches[0], caches[1]))
+    prep = lambda rows, t0, t1: K._attention_prep_cpu(qg[rows, t0:t1], k[rows, t0:t1], v[rows, t0:t1], qw, kw,
+                                                      1e-6, inv_freq, *caches[0], slots[rows], pos[rows] + t0,
+                                                      plain)
+    alone = prep([1], 2, 3)[0, 0]
+    assert torch.equal(prep([1], 0, 4)[0, 2], alone) and torch.equal(prep([0, 1, 2], 2, 3)[1, 0], alone)
 
 
 @needs_kernels

@@ -14,6 +14,7 @@ actual routing (routed_experts), at the copy rate measured in the same run (true
 """
 import argparse
 import dataclasses
+import gc
 import http.client
 import json
 import math
@@ -349,12 +350,14 @@ class TimedProposer:
         return out
 
 
-def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None):
+def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None,
+              max_model_len=None):
     """B concurrent requests of random prompts; returns per-request timings and acceptance stats. For ngram the
-    prompt is a random 64-token segment repeated, so that prompt lookup finds matches."""
+    prompt is a random 64-token segment repeated, so that prompt lookup finds matches. max_model_len: the
+    engine's (its caches' length, which its CUDA graphs' attention is sized for); None: just what the rows need."""
     k = spec.num_speculative_tokens if spec else 0
-    eng = sd.Engine(model, None, spec, B, prompt_len + gen_len + 8 + 2 * k, dtype, device, seed, enforce_eager,
-                    async_steps, enable_chunked_prefill=False)  # the admitting step prefills every request
+    eng = sd.Engine(model, None, spec, B, max_model_len or prompt_len + gen_len + 8 + 2 * k, dtype, device, seed,
+                    enforce_eager, async_steps, enable_chunked_prefill=False)  # the admitting step prefills all
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.vocab_size
 
@@ -761,6 +764,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[512], help="one or more (rows for each)")
     ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=None, help="the engine's max_model_len (its caches' "
+                    "length, as a user's engine gets by default: the model's limit or what fits); default: just "
+                    "what the rows need (prompt + gen + 8 + 2k)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("-q", "--quantization", default=None, help="fp8: block-FP8 weights, quantized at load (as "
                     "specdec's --quantization fp8; with --random-weights, after they are made)")
@@ -845,7 +851,9 @@ def main(argv=None):
             k = spec.num_speculative_tokens if spec else 0
             for B in a.batch:
                 r = run_batch(model, spec, B, P, a.gen_len, device, dtype, a.enforce_eager,
-                              async_steps=a.async_scheduling)
+                              async_steps=a.async_scheduling, max_model_len=a.max_model_len)
+                gc.collect()  # the engine's caches (it holds reference cycles) before the next row's
+                torch.cuda.empty_cache() if device.type == "cuda" else None
                 r.update(batch=B, prompt_len=P, method=spec.method if spec else "off", k=k,
                          spec=dataclasses.asdict(spec) if spec else None)
                 if device.type == "cuda" and not a.no_floor:

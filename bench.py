@@ -500,26 +500,37 @@ def http_get(url, path, headers, timeout=30):
         conn.close()
 
 
-def scrape_spec(url, headers):
-    """Sum the vllm:spec_decode_* counters over their label sets (None if /metrics cannot be read)."""
-    try:
-        text = http_get(url, "/metrics", headers).decode()
-    except (OSError, RuntimeError):
-        return None
+def scrape_spec(url, headers, settle=0.0):
+    """Sum the vllm:spec_decode_* counters over their label sets (None if /metrics cannot be read). The server's
+    metrics are a snapshot taken after each engine step, so right after the last stream ends they may lag its
+    last step: with settle > 0, read again (for up to settle seconds) until the gauges show no request running or
+    waiting."""
     names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
-    for line in text.splitlines():
-        if not line.startswith("vllm:spec_decode_"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        name = head.split("{")[0]
-        if name in names:
-            out[names[name]] += float(value)
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            pos = int(head.split('position="')[1].split('"')[0])
-            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
-    return out
+    busy = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    t0 = time.perf_counter()
+    while True:
+        try:
+            text = http_get(url, "/metrics", headers).decode()
+        except (OSError, RuntimeError, http.client.HTTPException):
+            return None
+        out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+        queued = 0.0
+        for line in text.splitlines():
+            if line.startswith(busy):
+                queued += float(line.rsplit(" ", 1)[1])
+            if not line.startswith("vllm:spec_decode_"):
+                continue
+            head, value = line.rsplit(" ", 1)
+            name = head.split("{")[0]
+            if name in names:
+                out[names[name]] += float(value)
+            elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                pos = int(head.split('position="')[1].split('"')[0])
+                out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+        if queued == 0 or time.perf_counter() - t0 >= settle:
+            return out
+        time.sleep(0.05)
 
 
 def send(url, endpoint, body, headers, timeout):
@@ -652,7 +663,7 @@ def serve_benchmark(argv=None):
     for t in threads:
         t.join()
     duration = time.perf_counter() - t0
-    after = scrape_spec(url, headers)
+    after = scrape_spec(url, headers, settle=5.0)  # once the server's snapshot has the run's last step
 
     ok = [r for r in results if r["ok"]]
     n_in = sum(r["prompt_tokens"] if r["prompt_tokens"] is not None else a.prompt_len for r in ok)

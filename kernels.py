@@ -174,6 +174,44 @@ def _cpu_fast(x):
     return CPU_FAST and not x.is_cuda
 
 
+# A drafter's linears on a CPU (cpu_draft): a copy of the weight in this dtype (None: the weight's own, as the
+# target's linears). Drafts decide only how many tokens a verify accepts, never which (the target verifies
+# every one), so a drafter needs no fp32 (the CPU runs fp32 for the target's sake: its logits equal
+# transformers' within 1e-4); on the GPU a drafter runs in the checkpoint's bf16 anyway. bf16 where the CPU
+# multiplies bf16 in hardware (AVX512-BF16); elsewhere oneDNN would emulate it, and fp32 stays.
+CPU_DRAFT_DTYPE = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None
+_CPU_DRAFT = False  # inside cpu_draft()
+
+
+@contextlib.contextmanager
+def cpu_draft():
+    """Inside: a CPU linear (the small-step path, _linear_cpu) of an fp32 weight computes in CPU_DRAFT_DTYPE,
+    its input rounded to it, on a copy of the weight packed once, and returns fp32 (_linear_draft_cpu). MTP's
+    passes and draft logits run inside it (specdec.MTPProposer): on the toy (AVX512-BF16, one process, MTP k=3
+    alternating with fp32 drafting, 10 rounds) 216 -> 251 tok/s, the mean acceptance length over four prompts
+    2.374 -> 2.357; k=1 220 -> 237. Nothing else changes, and nothing on a GPU (the flag is read by the CPU
+    path only)."""
+    global _CPU_DRAFT
+    old = _CPU_DRAFT
+    _CPU_DRAFT = True
+    try:
+        yield
+    finally:
+        _CPU_DRAFT = old
+
+
+def argmax(x):
+    """x.argmax(-1): the index of each row's first maximum (a NaN counts as the maximum, as in torch). For
+    fp32 CPU tensors through numpy, whose argmax is vectorised where torch's CPU argmax is not: a verify's
+    logits [1, 4, 8256] on the toy 22-41 -> 4 us, a decode's [1, 8256] 6-12 -> 2.5 us (test_cpu_argmax pins
+    the indices, ties and NaNs included). Not under a dispatch mode (meta or fake tensors, the tests'
+    graph-capture recorder): numpy works outside torch's dispatcher, so such a mode would not see the op."""
+    if (CPU_FAST and x.device.type == "cpu" and x.dtype == torch.float32
+            and torch.utils._python_dispatch._get_current_dispatch_mode() is None):
+        return torch.as_tensor(x.numpy().argmax(-1))
+    return x.argmax(-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # RMSNorm variants
 # ----------------------------------------------------------------------------------------------
@@ -261,11 +299,16 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
 
 
 def _rms_norm_cpu(x, weight, eps):
-    """The CPU fast path of rms_norm: torch's fused F.rms_norm, one op where the reference takes ten. Its rows
-    do not depend on the other rows (measured on this CI class's CPU: rows 1..199 of D = 64 and 256 equal
-    the rows alone; test_cpu_norms_fast); within 1.5e-6 of the reference."""
-    w = _derived(weight, "1+w", lambda w: 1.0 + w.float())
-    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+    """The CPU fast path of rms_norm: torch's LayerNorm kernel over [x, -x], one fused op where the reference
+    takes ten (F.rms_norm, what ran before, is a composite of eight ops on a CPU: 13 -> 5.4 us a call on the
+    toy; the toy's plain decoding 5 % faster, measured with two processes side by side). [x, -x] has mean
+    zero (up to rounding), so LayerNorm's variance is x's mean square and the first half of its output is
+    RMSNorm(x); the weight (1 + w) is repeated over both halves. LayerNorm reduces each row on its own: a
+    row's bits do not depend on the other rows (test_cpu_norms_fast); within 1e-6 of the reference."""
+    D = x.shape[-1]
+    w = _derived(weight, "(1+w)x2", lambda w: (1.0 + w.float()).repeat(2))
+    xf = x.float()
+    return F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), w, None, eps)[..., :D].to(x.dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -903,23 +946,27 @@ def _dnn_ok(w):
     return w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def _packed(w):
-    """w packed for oneDNN's linear (its blocked layout, made once per weight: _derived)."""
-    return _derived(w, "dnn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+def _packed(w, dtype=None):
+    """w packed for oneDNN's linear (its blocked layout, made once per weight: _derived); dtype: of a copy of
+    w in that dtype (a drafter's, _linear_draft_cpu)."""
+    if dtype is None or dtype == w.dtype:
+        return _derived(w, "dnn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+    return _derived(w, f"dnn_{dtype}", lambda w: torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None))
 
 
 def _dnn(x, wp):
     return torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
 
 
-def _dnn_rows(w, M):
+def _dnn_rows(w, M, dtype=None):
     """Does oneDNN's call of M rows give every row the bits of that row's own 1-row call, for w's shape, on
-    the running CPU and thread count? Checked at first use (M random rows, each against its call alone; the
-    GEMM's arithmetic does not depend on the values) and remembered."""
-    key = (*w.shape, M, torch.get_num_threads())
+    the running CPU and thread count (dtype: for w's copy in that dtype)? Checked at first use (M random rows,
+    each against its call alone; the GEMM's arithmetic does not depend on the values) and remembered."""
+    dtype = dtype or w.dtype
+    key = (*w.shape, M, torch.get_num_threads()) + (() if dtype == w.dtype else (dtype,))
     if key not in _DNN_ROWS:
-        wp = _packed(w)
-        x = torch.randn(M, w.shape[1], generator=torch.Generator().manual_seed(M))
+        wp = _packed(w, dtype)
+        x = torch.randn(M, w.shape[1], generator=torch.Generator().manual_seed(M)).to(dtype)
         y = _dnn(x, wp)
         _DNN_ROWS[key] = all(torch.equal(_dnn(x[i:i + 1], wp), y[i:i + 1]) for i in range(M))
     return _DNN_ROWS[key]
@@ -943,12 +990,25 @@ def _linear_cpu(x, w):
     test_cpu_linear_row_invariant pins the three paths, test_cpu_dnn_rows_check the check."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
+    if _CPU_DRAFT and CPU_DRAFT_DTYPE is not None and _dnn_ok(w):
+        return _linear_draft_cpu(rows, w).view(*x.shape[:-1], N)
     if _dnn_ok(w):
         wp = _packed(w)
         y = _dnn(rows, wp) if M == 1 or _dnn_rows(w, M) else torch.cat([_dnn(r, wp) for r in rows.split(1)])
         return y.view(*x.shape[:-1], N)
     y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
     return y.view(*x.shape[:-1], N)
+
+
+def _linear_draft_cpu(rows, w):
+    """A drafter's rows [M, in] @ w^T inside cpu_draft(): oneDNN on w's CPU_DRAFT_DTYPE copy (packed once),
+    the rows rounded to that dtype, the result back in w's dtype; one M-row call where _dnn_rows finds it
+    giving each row the bits of its own 1-row call (as _linear_cpu): a draft does not depend on its batch."""
+    dt = CPU_DRAFT_DTYPE
+    wp, r = _packed(w, dt), rows.to(dt)
+    M = r.shape[0]
+    y = _dnn(r, wp) if M == 1 or _dnn_rows(w, M, dt) else torch.cat([_dnn(x, wp) for x in r.split(1)])
+    return y.to(w.dtype)
 
 
 # _linear_small takes at most SMALL_ROWS rows (its programs take them one after another: on the H200 2.9 us
@@ -1439,8 +1499,8 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     """The CPU fast path of gdn_recurrent_gated: the reference's arithmetic in fewer ops. The gates in one
     float64 pass rounded once (exp, softplus, sigmoid: CPU SIMD rounds a float32 element differently in a
     vector lane and in the scalar tail, so float32 transcendentals would depend on how many tokens share the
-    step - kernels.exact); the state updated in place; the row products S^T k and S^T q as one bmm per token,
-    each (1, d_k) @ (d_k, d_v) product its own batch entry (as the reference's einsum), so a row's bits do not
+    step - kernels.exact); the state updated in place; the row products S^T k and S^T q as bmm calls, each
+    (1, d_k) @ (d_k, d_v) product its own batch entry (as the reference's einsum), so a row's bits do not
     depend on B or T; a verify (n_keep all 0) writes no state but keeps its state after each token on the
     pool (64 KiB per layer and token on the toy model), and the commit after it copies from there instead of
     replaying (the replay the GPU kernel does costs a second pass of T tokens); any other commit stops after
@@ -1466,32 +1526,38 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     dt_b = _derived(dt_bias, "f64", lambda w: w.double())
     decay = torch.exp(neg_A * F.softplus(a.double() + dt_b)).float()            # [B, T, H_v]
     beta = torch.sigmoid(b.double()).float()
-    qf, kf = q.float().contiguous(), k.float().contiguous()      # [B, T, H_k, d_k]
-    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True).double() + 1e-6).float() * Dk ** -0.5
-    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True).double() + 1e-6).float()
+    qk = torch.cat([q, k], 2).float()                            # [B, T, 2 H_k, d_k]: normalised together
+    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True).double() + 1e-6).float()
+    qf, kf = qk[:, :, :Hk] * Dk ** -0.5, qk[:, :, Hk:]
     # token-major, each key head repeated over its value heads once here, and every (batch row, head) one
     # entry of 3-d bmm calls, rather than broadcast by matmul per token (which expands and copies it again);
-    # a verify's state after token t is written straight into its snapshot (no copy). On the toy, us a call:
-    # T = 1 83 -> 84, T = 4 132 -> 127, T = 8 202 -> 183. Token t's slices are contiguous [R, ., .] blocks
+    # a verify's state after token t is written straight into its snapshot (no copy). Per token three ops:
+    # S *= decay; delta = v - S^T k and S += (beta k) delta^T as baddbmm (a product and its sum in one call;
+    # beta goes on k for all tokens at once); then o = S^T q (a verify: for all tokens at once, from the
+    # snapshots). q and k are l2-normalised together. On the toy, us a call (B = 1, one process, the code
+    # before alternating with this): T = 1 76 -> 70, T = 4 128 -> 109, T = 8 189 -> 158. Token t's slices
+    # are contiguous [R, ., .] blocks
     R = B * Hv                                                   # bmm entries: (row, value head)
     per_token = lambda t, d: (t.transpose(0, 1).reshape(T, B, Hk, -1, 1, d).expand(T, B, Hk, G, 1, d)
                               .reshape(T, R, 1, d))
     qf, kf, vf = per_token(qf, Dk), per_token(kf, Dk), per_token(v.float(), Dv)  # [T, R, 1, d]
-    kcol = kf.transpose(-1, -2)                                  # [T, R, d_k, 1]
-    decay, beta = (per_token(t, 1) for t in (decay, beta))        # [T, R, 1, 1]
+    decay = per_token(decay, 1)                                  # [T, R, 1, 1]
+    kbeta = (kf * per_token(beta, 1)).transpose(-1, -2)          # [T, R, d_k, 1]: beta k, a column
     S = state_pool.index_select(0, slots).float().view(R, Dk, Dv)  # a copy: the pool is written back below
     out = torch.empty(T, R, 1, Dv) if outputs else None
     snaps = torch.empty(T, R, Dk, Dv) if verify else None        # a verify's state after each token
     for t in range(steps):
         S = torch.mul(S, decay[t], out=snaps[t]) if verify else S.mul_(decay[t])
-        delta = beta[t] * (vf[t] - torch.bmm(kf[t], S))                  # [R, 1, d_v]
-        S.add_(kcol[t] * delta)                                          # S + k delta^T
-        if outputs:
+        delta = torch.baddbmm(vf[t], kf[t], S, alpha=-1)                 # [R, 1, d_v]: v - S^T k
+        S.baddbmm_(kbeta[t], delta)                                      # S + (beta k) delta^T
+        if outputs and not verify:
             torch.bmm(qf[t], S, out=out[t])                              # S^T q
         if keep is not None:
             done = [i for i, n in enumerate(keep) if n == t + 1]
             if done:
                 state_pool[slots[done]] = S.view(B, Hv, Dk, Dv)[done]
+    if verify:  # every token's S^T q from its snapshot, one bmm of T R entries (each entry its own product)
+        torch.bmm(qf.reshape(T * R, 1, Dk), snaps.view(T * R, Dk, Dv), out=out.view(T * R, 1, Dv))
     if keep is None:
         state_pool[slots] = S.view(B, Hv, Dk, Dv)
     state_pool._specdec_verify = (q, slots.clone(), snaps.view(T, B, Hv, Dk, Dv)) if verify else None
@@ -1752,21 +1818,49 @@ def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):
     return out
 
 
+@_jit
+def _attention_keys(b_q, b_qpos, p_kb, p_vb, s_kl, s_vl, lo, hi, b_m, b_l, b_acc, qk_scale, m_d,
+                    BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr):
+    # the online softmax of a query tile over keys [lo, hi) in tiles of BN: returns (max, sum, acc). A tile
+    # that a row does not see leaves its three values exactly as they were (scores -inf: weight 0, rescale 1)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < hi
+        b_k = tl.load(p_kb + o_n[:, None] * s_kl, mask=m_n[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BN, BD]
+        b_sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale           # [BM, BN], log2 units
+        b_vis = m_n[None, :] & (o_n[None, :] <= b_qpos[:, None])
+        if WINDOW > 0:
+            b_vis = b_vis & (o_n[None, :] > b_qpos[:, None] - WINDOW)
+        b_sc = tl.where(b_vis, b_sc, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_sc, 1))
+        b_mu = tl.where(b_mn == float("-inf"), 0.0, b_mn)                            # rows with nothing yet
+        b_p = tl.exp2(b_sc - b_mu[:, None])
+        b_alpha = tl.exp2(b_m - b_mu)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_vb + o_n[:, None] * s_vl, mask=m_n[:, None] & m_d[None, :], other=0.0).to(DOT)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT), b_v, input_precision=PREC)
+        b_m = b_mn
+    return b_m, b_l, b_acc
+
+
 @_jit_any_T
 def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, NSPLIT, qk_scale,
                       s_qb, s_qt, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, CHUNK: tl.constexpr,
                       NH: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                      PREC: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
+                      PREC: tl.constexpr, WINDOW: tl.constexpr, MANY: tl.constexpr, PDL: tl.constexpr):
     # program (b, kv head * NM + query tile, split). A query tile holds BM rows r = t * GROUP + g: the
     # GROUP query heads sharing this KV head, for consecutive new tokens t, so each K/V tile loaded
     # serves them all. Keys run up to the tile's own causal end pos + t_max + 1 (never kv_len); with
     # SPLIT that range is cut into NSPLIT equal pieces (flash-decoding), or, with CHUNK > 0, into pieces of
     # CHUNK keys starting at multiples of CHUNK (the same pieces for a key whatever T and the tile are:
-    # batch-invariant; pieces past the end are empty), and the partial softmax states (acc, max, sum) go to
-    # p_part / p_ml for _attention_combine_kernel. WINDOW > 0 (a drafter's sliding-window layer): a query at
-    # position p sees only keys p - WINDOW < key <= p; the loop starts at the tile's first such key (pieces
-    # wholly before it are empty).
+    # batch-invariant), program i_s taking pieces i_s, i_s + NSPLIT, ... below the end, in order, into one
+    # softmax state (so the grid does not grow with the cache: a graph's kv_len is the cache length); the
+    # partial softmax states (acc, max, sum) go to p_part / p_ml for _attention_combine_kernel (a program with
+    # no piece writes none: the combine stops before it). A row's result depends on its own keys and CHUNK,
+    # NSPLIT, BN alone (_attention_keys); MANY: kv_len holds more than NSPLIT pieces (else the loop over a
+    # program's later pieces is left out: it would run no step). WINDOW > 0 (a drafter's sliding-window layer): a query at position p
+    # sees only keys p - WINDOW < key <= p; each piece's loop starts at the tile's first such key.
     _pdl_sync(PDL)
     i_b, i_hm, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kv, i_m = i_hm // NM, i_hm % NM
@@ -1783,62 +1877,64 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
     end = pos + tl.minimum((i_m * BM + BM - 1) // GROUP, T - 1) + 1
     lo = 0
     hi = end
+    per = CHUNK
     if SPLIT:
-        per = CHUNK
         if CHUNK == 0:
             per = tl.cdiv(tl.cdiv(end, NSPLIT), BN) * BN
         lo = tl.minimum(i_s * per, end)
         hi = tl.minimum(lo + per, end)
+    w_lo = 0
     if WINDOW > 0:  # keys before the tile's first query's window are seen by no row of the tile
-        lo = tl.maximum(lo, tl.minimum(pos + (i_m * BM) // GROUP - WINDOW + 1, hi))
+        w_lo = pos + (i_m * BM) // GROUP - WINDOW + 1
+        lo = tl.maximum(lo, tl.minimum(w_lo, hi))
     p_kb = p_k + slot * s_ks + i_kv * s_kh + o_d[None, :]
     p_vb = p_v + slot * s_vs + i_kv * s_vh + o_d[None, :]
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    for start in range(lo, hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < hi
-        b_k = tl.load(p_kb + o_n[:, None] * s_kl, mask=m_n[:, None] & m_d[None, :],
-                      other=0.0).to(DOT)  # [BN, BD]
-        b_sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale           # [BM, BN], log2 units
-        b_vis = m_n[None, :] & (o_n[None, :] <= b_qpos[:, None])
-        if WINDOW > 0:
-            b_vis = b_vis & (o_n[None, :] > b_qpos[:, None] - WINDOW)
-        b_sc = tl.where(b_vis, b_sc, float("-inf"))
-        b_mn = tl.maximum(b_m, tl.max(b_sc, 1))
-        b_mu = tl.where(b_mn == float("-inf"), 0.0, b_mn)                            # rows with nothing yet
-        b_p = tl.exp2(b_sc - b_mu[:, None])
-        b_alpha = tl.exp2(b_m - b_mu)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = tl.load(p_vb + o_n[:, None] * s_vl, mask=m_n[:, None] & m_d[None, :], other=0.0).to(DOT)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT), b_v, input_precision=PREC)
-        b_m = b_mn
+    b_m, b_l, b_acc = _attention_keys(b_q, b_qpos, p_kb, p_vb, s_kl, s_vl, lo, hi, b_m, b_l, b_acc, qk_scale,
+                                      m_d, BN, DOT, PREC, WINDOW)                    # the first piece
+    if MANY:  # a cache of more than NSPLIT pieces: this program's later ones
+        for piece in range(i_s + NSPLIT, tl.cdiv(end, CHUNK), NSPLIT):
+            lo = piece * CHUNK
+            hi = tl.minimum(lo + CHUNK, end)
+            lo = tl.maximum(lo, tl.minimum(w_lo, hi))
+            b_m, b_l, b_acc = _attention_keys(b_q, b_qpos, p_kb, p_vb, s_kl, s_vl, lo, hi, b_m, b_l, b_acc,
+                                              qk_scale, m_d, BN, DOT, PREC, WINDOW)
     o_row = (i_b * T + t_r.to(tl.int64)) * NH + h_r                                   # [BM] output row
     m_o = m_r[:, None] & m_d[None, :]
     if SPLIT:
+        m_w = m_r
+        if CHUNK > 0:  # a program with no piece writes nothing (the combine stops before it)
+            m_w = m_r & (o_r * 0 + i_s * CHUNK < end)
         o_part = o_row * NSPLIT + i_s
-        tl.store(p_part + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_o)
-        tl.store(p_ml + o_part * 2, b_m, mask=m_r)
-        tl.store(p_ml + o_part * 2 + 1, b_l, mask=m_r)
+        tl.store(p_part + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_w[:, None] & m_d[None, :])
+        tl.store(p_ml + o_part * 2, b_m, mask=m_w)
+        tl.store(p_ml + o_part * 2 + 1, b_l, mask=m_w)
     else:
         b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
         tl.store(p_o + o_row[:, None] * D + o_d[None, :], b_o.to(p_o.dtype.element_ty), mask=m_o)
 
 
 @_jit
-def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl.constexpr,
-                              PDL: tl.constexpr):
-    # program per output row (b, t, head): merge the NSPLIT partial softmax states one after the other, in
-    # order (empty pieces, max -inf, change nothing: the result does not depend on how many trail the last
-    # key)
-    _pdl_sync(PDL)
+def _attention_combine_kernel(p_part, p_ml, p_o, p_pos, T, NH, NSPLIT, CHUNK: tl.constexpr, D: tl.constexpr,
+                              BD: tl.constexpr, PDL: tl.constexpr):
+    # program per output row (b, t, head): merge the partial softmax states one after the other, in order:
+    # all NSPLIT, or with CHUNK > 0 those of the programs that held a piece below the row's own end (its
+    # position + 1): the others wrote nothing and hold no key of this row (an empty state changes nothing, so
+    # the result does not depend on how many trail the last key). The first is the start (the same values
+    # as merging it into nothing), read while the row's position loads
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
-    b_m = tl.full([1], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([1], dtype=tl.float32)
-    b_acc = tl.zeros([BD], dtype=tl.float32)
-    for s in range(NSPLIT):
+    n = NSPLIT
+    if CHUNK > 0:  # the step's positions are no kernel's output in the chain (inputs): read before the wait
+        i_bt = i_r // NH
+        n = tl.minimum(NSPLIT, tl.cdiv(tl.load(p_pos + i_bt // T) + i_bt % T + 1, CHUNK))
+    _pdl_sync(PDL)
+    b_m = tl.load(p_ml + i_r * NSPLIT * 2 + tl.arange(0, 1))
+    b_l = tl.load(p_ml + i_r * NSPLIT * 2 + 1 + tl.arange(0, 1))
+    b_acc = tl.load(p_part + i_r * NSPLIT * D + o_d, mask=o_d < D, other=0.0)
+    for s in range(1, n):
         o_p = i_r * NSPLIT + s
         m_s = tl.load(p_ml + o_p * 2 + tl.arange(0, 1))
         l_s = tl.load(p_ml + o_p * 2 + 1 + tl.arange(0, 1))
@@ -1855,6 +1951,10 @@ def _attention_combine_kernel(p_part, p_ml, p_o, NSPLIT, D: tl.constexpr, BD: tl
 ATTN_CHUNK = 512  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many
 DRAFT_ATTN_CHUNK = 128  # the drafters' layers: few KV heads at short contexts, so a 512-key piece is one
                         # program's long serial loop; 128-key pieces spread it (draft_model: 5.5 -> 4.6 ms)
+ATTN_PROGRAMS = 64  # BATCH_INVARIANT: at most this many programs (>= 2) along a row's keys, program i taking
+                   # pieces i, i + 64, ...: a graph's kv_len is the cache length (max_model_len), and a grid and
+                   # a combine of one piece each made every step pay for the whole cache (131072 positions: 256
+                   # pieces of 512 keys a layer, 1024 of the drafters' 128)
 
 
 def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None, window=None):
@@ -1866,9 +1966,11 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chun
     if q.stride(3) != 1:
         q = q.contiguous()
     G = nh // nkv
+    many = False
     if BATCH_INVARIANT and T <= 64 and nsplit is None:  # decode / verify: one tile shape, fixed key pieces
         BM, BN, chunk = 16, 64 if d <= 128 else 32, chunk or ATTN_CHUNK
-        nsplit = _cdiv(kv_len, chunk)
+        nsplit = min(_cdiv(kv_len, chunk), ATTN_PROGRAMS)  # the same for every kv_len past 64 pieces
+        many = 1 < nsplit < _cdiv(kv_len, chunk)
     else:
         chunk = 0
         BM = max(16, min(64, _p2(G * T)))
@@ -1888,11 +1990,11 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chun
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), CHUNK=chunk,
         NH=nh, GROUP=G, D=d, BD=_p2(d), BM=BM, BN=BN, SPLIT=nsplit > 1, DOT=dot,
-        PREC="ieee" if dot == tl.float32 else "tf32", WINDOW=window or 0, PDL=pdl,
+        PREC="ieee" if dot == tl.float32 else "tf32", WINDOW=window or 0, MANY=many, PDL=pdl,
         num_warps=8 if BM * _p2(d) >= 64 * 256 else 4, num_stages=2, **_launch(pdl))
     if nsplit > 1:
-        _attention_combine_kernel[(B * T * nh,)](part, ml, o, nsplit, D=d, BD=_p2(d), PDL=pdl, num_warps=4,
-                                                 **_launch(pdl))
+        _attention_combine_kernel[(B * T * nh,)](part, ml, o, pos, T, nh, nsplit, CHUNK=chunk, D=d, BD=_p2(d),
+                                                 PDL=pdl, num_warps=4, **_launch(pdl))
     return o
 
 
@@ -2274,6 +2376,18 @@ def markov_greedy_ref(U, e0, w1, w2):
     return torch.stack(ds, 1)
 
 
+def _markov_greedy_cpu(U, e0, w1, w2):
+    """The CPU fast path of markov_greedy: the reference's products and sums (F.linear, the same GEMM), each
+    step's argmax through numpy (kernels.argmax: ~8 us a step saved on the toy's [1, 8256]) and w1's row by
+    indexing. The same drafts as the reference (test_cpu_markov_greedy)."""
+    e, ds = e0, []
+    for j in range(U.shape[1]):
+        d = argmax(U[:, j] + F.linear(e, w2).float())                          # [B]
+        ds.append(d)
+        e = w1[d]                                                              # [B, r]
+    return torch.stack(ds, 1)
+
+
 @_jit
 def _markov_logits_kernel(p_u, p_w2, p_e, p_pv, p_pi, B, V, R, s_ub, NB, BN: tl.constexpr, BR: tl.constexpr):
     i_n = tl.program_id(0)
@@ -2318,6 +2432,8 @@ def markov_greedy(U, e0, w1, w2):
     """DSpark's greedy Markov stage: drafts [B, K] long from base logits U [B, K, V] (fp32), e0 = w1[anchor]
     [B, r], w1 [V, r], w2 [V, r] (one vocabulary: a reduced draft vocabulary maps ids between the steps, which
     the caller's own loop handles). Ties go to the first maximum, as torch.argmax."""
+    if _cpu_fast(U) and not _fast(U):
+        return _markov_greedy_cpu(U, e0, w1, w2)
     if not _fast(U):
         return markov_greedy_ref(U, e0, w1, w2)
     B, Kq, V = U.shape

@@ -998,7 +998,7 @@ def draft_pick(logits, temp=None, u=None):
     """Greedy drafting (temp None: argmax, verified as one-hot q) or probabilistic drafting (sample with the
     uniforms u [B] from softmax(logits / temp), which is returned as q)."""
     if temp is None:
-        return logits.argmax(-1), None
+        return K.argmax(logits), None
     q = (logits / temp[:, None]).softmax(-1)
     return sample_from(q, u), q
 
@@ -1010,6 +1010,7 @@ class MTPProposer:
     per slot; propose() turns it into d1 and feeds its own output back for d2..dk. On the GPU the
     whole chain, and the commit pass, run as captured graphs."""
     taps = ()
+    accepted_only = True  # on a CPU the commit pass takes the accepted positions only (commit)
 
     def __init__(self, spec, io):
         self.io = io
@@ -1021,7 +1022,12 @@ class MTPProposer:
 
     def _run(self, ids, hidden, slots, pos, kv_len):
         m = self.model
-        return m.mtp(m.embed_tokens(ids), hidden, Ctx(self.io.state, slots, pos, kv_len, "decode"))
+        with K.cpu_draft():  # on a CPU the MTP layer's linears in bf16 (kernels.cpu_draft); the GPU: as is
+            return m.mtp(m.embed_tokens(ids), hidden, Ctx(self.io.state, slots, pos, kv_len, "decode"))
+
+    def _logits(self, h):
+        with K.cpu_draft():  # the draft's lm_head too (the target's verify keeps fp32)
+            return self.model.logits(h)
 
     def prefill(self, req, hidden, taps, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
@@ -1036,7 +1042,7 @@ class MTPProposer:
         for j in range(self.k):
             if j > 0:
                 h = self._run(drafts[-1][:, None], h[:, None], slots, pos + j, kv_len)[:, 0]
-            d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
+            d, q = draft_pick(self._logits(h), temp, None if u is None else u[:, j])
             drafts.append(d)
             probs.append(q)
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
@@ -1058,8 +1064,15 @@ class MTPProposer:
         rows = torch.arange(ids.shape[0], device=ids.device)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         nxt[rows, n_acc] = tokens[rows, n_acc]
+        if self.accepted_only and self.io.device.type == "cpu":
+            # On a CPU the host knows n_acc at no cost: only the positions up to the furthest accepted one
+            # pass through the MTP layer (the others' KV, like a shorter row's beyond its own n_acc, is
+            # rewritten by later steps before anything reads it); each row's result is the same bits (MTP
+            # k=3 on the toy: 4 rows -> 2.7 on average; test_cpu_mtp_commit_accepted_rows)
+            m = int(n_acc.max()) + 1
+            nxt, hidden = nxt[:, :m], hidden[:, :m]
         inputs = dict(slots=batch.slots, pos=batch.pos, nxt=nxt, hidden=hidden, n_acc=n_acc)
-        self.io.call("mtp-commit", self._commit, batch.kv_len(ids.shape[1], self.io.state.max_len), inputs)
+        self.io.call("mtp-commit", self._commit, batch.kv_len(nxt.shape[1], self.io.state.max_len), inputs)
 
     def fork(self, src, dst, n, token, hidden):
         # the MTP KV came with the target's State; its last position holds (h_{n-1}, the first token): redo it
@@ -1360,6 +1373,11 @@ class KVCache:
     def reset(self, slot):
         pass
 
+    @staticmethod
+    def bytes_per_pos(layers, n_kv, head_dim, dtype):
+        """What __init__ allocates per position of a slot (K and V of every layer)."""
+        return layers * 2 * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
 
 DRAFT_SKIP = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")  # training-only tensors (speculators)
 
@@ -1435,12 +1453,22 @@ class BlockProposer:
         self.k = K
         self.greedy = spec.draft_sample_method == "greedy"
         self.V = tcfg.vocab_size
-        self.Q = K if c.from_anchor else K + 1                                       # block queries
+        self.Q = self.queries(c, K)                                                  # block queries
         self.out = slice(0, K) if c.from_anchor else slice(1, K + 1)                 # the slots that draft
         self.taps = tuple(sorted(set(c.target_layer_ids)))   # the target gives them in layer order: .order
         self.order = [self.taps.index(i) for i in c.target_layer_ids]
-        self.cache = KVCache(c, io.num_slots, io.max_model_len + self.Q + K + 1, io.dtype, io.device)
+        self.cache = KVCache(c, io.num_slots, io.max_model_len + self.extra(c, K), io.dtype, io.device)
         self.cfg = c
+
+    @staticmethod
+    def queries(c, K):
+        """The block's queries: the anchor's slot drafts too (from_anchor) or not."""
+        return K if c.from_anchor else K + 1
+
+    @classmethod
+    def extra(cls, c, K):
+        """The positions its cache holds past max_model_len."""
+        return cls.queries(c, K) + K + 1
 
     def check(self, c, K, tcfg, where):
         """Refuse a drafter that does not fit the target."""
@@ -1501,8 +1529,12 @@ class BlockProposer:
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         # all k+1 verified positions (a fixed shape): positions past the accepted prefix lie inside the next
-        # block, which overwrites them before any query reads them
-        inputs = dict(slots=batch.slots, pos=batch.pos, feats=self._feats(taps))
+        # block, which overwrites them before any query reads them. On a CPU (the host knows n_acc at no
+        # cost) only the positions up to the furthest accepted one (as MTPProposer.commit)
+        feats = self._feats(taps)
+        if self.io.device.type == "cpu":
+            feats = feats[:, :int(n_acc.max()) + 1]
+        inputs = dict(slots=batch.slots, pos=batch.pos, feats=feats)
         self.io.call(f"{self.method}-context", self._context, 0, inputs)
 
     def fork(self, src, dst, n, token, hidden):
@@ -1535,7 +1567,7 @@ class BlockProposer:
         """draft_pick over positions: logits [B, n, V_d]; temp [B] (None: greedy argmax, verified as one-hot
         q); u [B, n] uniforms. Probabilistic: samples of softmax(logits / temp), returned as q [B, n, V_d]."""
         if temp is None:
-            return logits.argmax(-1), None
+            return K.argmax(logits), None
         q = (logits / temp[:, None, None]).softmax(-1)
         return sample_from(q.flatten(0, 1), u.flatten()).view(u.shape), q
 
@@ -1646,7 +1678,7 @@ class DraftModelProposer:
         self.io = io
         self.k = spec.num_speculative_tokens
         self.greedy = spec.draft_sample_method == "greedy"
-        self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + 2 * self.k + 2)
+        self.model, self.state = load_draft_lm(spec.model, io, io.max_model_len + self.extra(self.k))
         self.recurrent = bool(self.state.rec)
         self.width = self.k + 1 if self.recurrent else 2  # tokens in a propose's first pass (commit)
         # per slot, on the device: the tokens committed since its last propose that it has not cached (1
@@ -1655,6 +1687,11 @@ class DraftModelProposer:
         self.new_ids = torch.zeros(S, self.width, dtype=torch.long, device=io.device)     # [S, width]
         self.new_n = torch.ones(S, dtype=torch.long, device=io.device)                    # [S]
         self.start = torch.zeros(S, dtype=torch.long, device=io.device)                   # [S]
+
+    @staticmethod
+    def extra(k):
+        """The positions its caches hold past max_model_len."""
+        return 2 * k + 2
 
     def prefill(self, req, hidden, taps, ids, pos):
         T = hidden.shape[1]
@@ -2074,7 +2111,7 @@ def greedy_verify(logits, drafts):
     """rejection_sample when every row is greedy: accept while draft == argmax, then emit the argmax.
     logits [B, k+1, V], drafts [B, k] (-1 = padding) -> tokens [B, k+1] (-1 after the emitted), n [B]."""
     k = drafts.shape[1]
-    argmax = logits.argmax(-1)                                                       # [B, k+1]
+    argmax = K.argmax(logits)                                                        # [B, k+1]
     n = torch.cumprod(((drafts == argmax[:, :k]) & (drafts >= 0)).long(), dim=1).sum(1)
     padded = torch.cat([drafts, drafts[:, :1]], 1)                                   # [B, k+1]
     pos = torch.arange(k + 1, device=logits.device)[None]
@@ -2587,7 +2624,7 @@ class ModelRunner:
         if any(r.params.processed for r in reqs):  # decided on the host: plain requests pay nothing
             logits = self._process(reqs, logits[:, None])[0][:, 0]
         if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
-            return logits.argmax(-1)
+            return K.argmax(logits)
         f = lambda name: self.h2d([getattr(r.params, name) for r in reqs])
         greedy = f("greedy")
         temperature = f("temperature").float()
@@ -2608,8 +2645,11 @@ class ModelRunner:
 
     def _rejection_sample(self, reqs, logits, drafts, q):
         """rejection_sample with each request's sampling parameters, on the processed logits (reqs None: a
-        whole-step graph, every row greedy and without processors)."""
-        if reqs is None:
+        whole-step graph, every row greedy and without processors). On a CPU such a step takes greedy_verify
+        too, without the uniforms a greedy row never reads and rejection_sample's arguments: the acceptance
+        0.25 -> 0.19 ms a step on the toy, MTP k=3 (the tokens are the same: rejection_sample's greedy rows
+        are greedy_verify's; test_cpu_greedy_accept)."""
+        if reqs is None or (self.device.type == "cpu" and self._greedy_only(reqs)):
             return greedy_verify(logits, drafts)
         u_acc, u_smp = self._uniforms(reqs)
         if any(r.params.processed for r in reqs):
@@ -4045,6 +4085,39 @@ def state_bytes(cfg, dtype, mtp=False):
     return per_pos, n_gdn * (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * el + rec)
 
 
+def drafter_bytes(spec, dtype):
+    """What a drafter network will take, counted from its checkpoint before it loads, so that the slots are sized
+    with it (vLLM's memory profiling counts a draft model's too): (weight bytes, its caches' bytes per position
+    and per slot, the positions they hold past max_model_len). Zeros for ngram and mtp (the MTP layer is the
+    target's: state_bytes counts it), and for a drafter the proposer will refuse (its own error says why)."""
+    if spec is None or spec.method not in ("dflash", "dspark", "draft_model") or spec.model is None:
+        return 0, 0, 0, 0
+    from safetensors import safe_open
+    K, path = spec.num_speculative_tokens, spec.model
+    if spec.method == "draft_model":
+        top = read_config(path, "draft_model")
+        if top.get("model_type") == "qwen3":
+            c, _ = qwen3_fields(top, f"draft_model {path}")
+            layers, n_kv, hd = c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"]
+            per_pos, per_slot = KVCache.bytes_per_pos(layers, n_kv, hd, dtype), 0
+        elif top.get("model_type") in SUPPORTED_MODEL_TYPES:
+            per_pos, per_slot = state_bytes(ModelConfig.from_hf(path), dtype)
+        else:
+            return 0, 0, 0, 0
+        extra = DraftModelProposer.extra(K)
+    else:
+        c = read_block_config(path, spec.method)
+        per_pos = KVCache.bytes_per_pos(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
+        per_slot = 0
+        extra = BlockProposer.extra(c, K)
+    numel = 0
+    for f, names in itertools.groupby(sorted(checkpoint_tensors(path).items(), key=lambda t: t[1]),
+                                      key=lambda t: t[1]):
+        with safe_open(f, "pt") as st:                                   # each file opened once
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name, _ in names)
+    return numel * torch.empty((), dtype=dtype).element_size(), per_pos, per_slot, extra
+
+
 def memory_budget(device, utilization):
     """(bytes the slots may take, how they were counted). CUDA, as vLLM: the fraction of the GPU's total
     memory, less what this process holds already (the weights), and no more than is free. CPU: the fraction of
@@ -4191,10 +4264,13 @@ class LLM:
         k = spec.num_speculative_tokens if spec else 0
         budget, basis = memory_budget(self.device, gpu_memory_utilization)
         per_pos, per_slot = state_bytes(self.cfg, self.dtype, want_mtp)
-        max_len, self.memory_report = size_slots(per_pos, per_slot, max_num_seqs, k + 1, budget, basis, limit,
-                                                 want)
-        if spec is not None and spec.method in ("dflash", "dspark", "draft_model"):
-            self.memory_report += " (the drafter's own cache comes on top)"
+        d_weights, d_pos, d_slot, d_extra = drafter_bytes(spec, self.dtype)  # loaded later, counted now
+        if d_weights:
+            basis += f", less the drafter's {d_weights / GiB:.2f} GiB of weights"
+        max_len, self.memory_report = size_slots(per_pos + d_pos, per_slot + d_slot, max_num_seqs,
+                                                 max(k + 1, d_extra), budget - d_weights, basis, limit, want)
+        if d_weights:
+            self.memory_report += f" (per position: the target's {per_pos} B + the drafter's {d_pos} B)"
         self.model_path = model
         self.model_name = name  # as given: vLLM's model_name label in get_metrics()
         self.max_model_len = max_len
@@ -4466,6 +4542,9 @@ def llm_from_args(a):
                trust_remote_code=a.trust_remote_code)
 
 
+COMPARE_ROUNDS = 5  # --compare-plain: timed runs with and without speculation, interleaved, after a warm-up
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="specdec: generate text with a Qwen3.6 model, optionally "
                                              "speculating")
@@ -4485,9 +4564,17 @@ def main(argv=None):
                     help="keep the k most likely tokens, -1 = all (default: the generation config's, "
                     "else -1)")
     ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    ap.add_argument("--compare-plain", action="store_true",
+                    help="with --speculative-config: also decode the prompt without speculation (a second "
+                    f"engine of one slot on the same weights), {COMPARE_ROUNDS} runs each after a warm-up, "
+                    "and print the speed-up line: both median tok/s, their ratio, and whether every run's "
+                    "tokens are the same")
     a = ap.parse_args(vllm_argv(sys.argv[1:] if argv is None else argv))
     try:
         llm = llm_from_args(a)
+        if a.compare_plain and llm.spec is None:
+            raise ConfigError("--compare-plain compares speculation with plain decoding: it needs "
+                              "--speculative-config")
         prompt = a.prompt
         if a.chat:
             template = llm.chat_template
@@ -4497,8 +4584,9 @@ def main(argv=None):
         flags = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
         params = SamplingParams(**{"temperature": 0.0, **llm.default_sampling, **flags,  # flags > config
                                    "max_tokens": a.max_tokens, "seed": a.seed, "ignore_eos": a.ignore_eos})
+        ids = llm.tokenizer.encode(prompt)
         eng = llm.engine
-        req = eng.add_request(llm.tokenizer.encode(prompt), params)
+        req = eng.add_request(ids, params)  # checked here (a prompt too long: one error line)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -4508,20 +4596,77 @@ def main(argv=None):
         sys.stdout.write(r.text[shown[0]:])
         sys.stdout.flush()
         shown[0] = len(r.text)
+    if a.compare_plain:
+        return compare_plain(llm, a, req, ids, params, show)
     req.on_update = show
+    t0, t1, rate = decode_alone(eng, req)
+    print_stats(llm, req, t0, t1, rate)
+    return 0
+
+
+def decode_alone(eng, req):
+    """Step eng until req, its only request, finishes. Returns (start, end, tok/s), the rate as the CLI counts
+    it: the tokens after the first over the time after the first (the prompt's prefill is not in it)."""
     t0 = time.perf_counter()
     while not req.finished:
         eng.step()
     t1 = time.perf_counter()
     n = len(req.output_ids)
-    ttft = req.first_token_time - t0
     rate = (n - 1) / (t1 - req.first_token_time) if n > 1 and t1 > req.first_token_time else float("nan")
-    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {n}, "
-          f"time to first token: {ttft * 1e3:.1f} ms, {rate:.1f} tok/s, finish: {req.finish_reason}]",
-          file=sys.stderr)
+    return t0, t1, rate
+
+
+def print_stats(llm, req, t0, t1, rate):
+    """The CLI's stats line (and vLLM's acceptance line when speculating), on stderr."""
+    print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {len(req.output_ids)}, "
+          f"time to first token: {(req.first_token_time - t0) * 1e3:.1f} ms, {rate:.1f} tok/s, "
+          f"finish: {req.finish_reason}]", file=sys.stderr)
     if llm.spec is not None:
         print(f"[{req.spec.summary(t1 - t0)}]", file=sys.stderr)
+
+
+def compare_plain(llm, a, first, ids, params, show):
+    """--compare-plain: the prompt decoded with speculation (llm's engine) and without (a second engine of one
+    slot on the same weights and length), COMPARE_ROUNDS times each, interleaved so that load from elsewhere
+    hits both, after one warm-up run each (a first run pays one-time costs: on a CPU the weights' packing and
+    the row checks of kernels._dnn_rows; on a GPU the CUDA graphs' capture). Streams the first timed
+    speculative run's text, prints its stats, then the speed-up line (speedup_line)."""
+    plain = Engine(llm.model, llm.tokenizer, None, 1, llm.max_model_len, llm.dtype, llm.device, a.seed,
+                   a.enforce_eager, a.async_scheduling, a.max_num_batched_tokens, a.enable_chunked_prefill)
+    decode_alone(llm.engine, first)                               # the warm-ups
+    decode_alone(plain, plain.add_request(ids, params))
+    runs = {"spec": [], "plain": []}  # (tok/s, tokens) of each timed run
+    for i in range(COMPARE_ROUNDS):
+        for name, eng in (("plain", plain), ("spec", llm.engine)):
+            req = eng.add_request(ids, params)
+            if name == "spec" and i == 0:
+                req.on_update = show
+            t0, t1, rate = decode_alone(eng, req)
+            runs[name].append((rate, list(req.output_ids)))
+            if req.on_update is not None:
+                print_stats(llm, req, t0, t1, rate)
+    print(f"[{speedup_line(runs['spec'], runs['plain'], params.greedy)}]", file=sys.stderr)
     return 0
+
+
+def speedup_line(spec, plain, greedy):
+    """The --compare-plain line from the runs with and without speculation, each a list of (tok/s, tokens):
+    the median rates, their ratio, and whether every run's tokens equal the first plain run's, compared token
+    by token (greedy decoding must give the same tokens; sampled ones agree in distribution only)."""
+    rate_s = sorted(r for r, _ in spec)[len(spec) // 2]
+    rate_p = sorted(r for r, _ in plain)[len(plain) // 2]
+    ref = plain[0][1]
+    differ = [toks for _, toks in spec + plain if toks != ref]
+    if not differ:
+        same = f"same {len(ref)} tokens: yes"
+    else:
+        other = differ[0]
+        first = next((i for i, (x, y) in enumerate(zip(other, ref)) if x != y), min(len(other), len(ref)))
+        same = f"same tokens: no (a run differs from the first plain run at token {first})"
+        if not greedy:
+            same += "; sampled: speculation keeps the distribution, not the tokens"
+    return (f"speculation: {rate_s:.1f} tok/s vs {rate_p:.1f} tok/s without ({rate_s / rate_p:.2f}x, "
+            f"medians of {len(spec)} runs each), {same}")
 
 
 if __name__ == "__main__":

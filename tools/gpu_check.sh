@@ -5,7 +5,8 @@
 # 1. the first-run snippet: MTP on the shipped model, bf16, CUDA graphs (64 tokens);
 # 2. every `gpu` test in test_specdec.py and every kernel test, compiled for the GPU (pytest -k "gpu or kernel";
 #    in 8 processes when pytest-xdist is importable);
-# 3. the losslessness sweep (tools/lossless_sweep.py): every method == speculation off on the shipped model;
+# 3. the losslessness sweep (tools/lossless_sweep.py): every method == speculation off on the shipped model; and
+#    again (shorter) on the attention's long-cache path (--long-cache: more key pieces than programs);
 # 4. losslessness at the real shapes (tools/invariance_check.py): random bf16 27B / 35B-A3B weights, speculation off
 #    batched and every model-free / random-drafter method alone and batched == speculation off alone;
 # 5. FP8 weights (--quantization fp8): the sweep of 3 on the FP8 toy model, the check of 4 on the FP8 27B and 35B-A3B.
@@ -46,6 +47,12 @@ timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py > "$OUT/sweep.log"
 grep -v '^{' "$OUT/sweep.log" | tail -20
 sweep=$(grep '^lossless sweep:' "$OUT/sweep.log")
 
+echo "   ($(( $(date +%s) - t0 )) s so far)"; echo "== 3b. the sweep with the attention's long-cache path (small key pieces)"
+timeout ${SWEEP_TIMEOUT:-300} python3 tools/lossless_sweep.py --long-cache --prompts 8 --gen 128 \
+  --methods "mtp k=3" "ngram k=4" "draft_model k=4" "dflash k=7" "dspark k=8" > "$OUT/sweep-long.log" 2>&1 || ok=0
+grep -v '^{' "$OUT/sweep-long.log" | tail -8
+sweepl=$(grep '^lossless sweep:' "$OUT/sweep-long.log" | sed 's/^lossless sweep:/long-cache sweep:/')
+
 echo "   ($(( $(date +%s) - t0 )) s so far)"; echo "== 4. real-shape invariance check"
 timeout ${INVARIANCE_TIMEOUT:-240} python3 tools/invariance_check.py > "$OUT/invariance.log" 2>&1 || ok=0
 grep -v '^{' "$OUT/invariance.log" | tail -20
@@ -61,9 +68,10 @@ inv8=$(grep '^invariance check:' "$OUT/invariance-fp8.log")
 
 secs=$(( $(date +%s) - t0 ))
 summary="gpu_check: ${snippet:-snippet failed}; tests: ${tests:-none}; ${sweep:-sweep failed}; \
-${inv:-invariance check failed}; ${sweep8:-FP8 sweep failed}; ${inv8:-FP8 invariance check failed}; ${secs} s"
+${sweepl:-long-cache sweep failed}; ${inv:-invariance check failed}; ${sweep8:-FP8 sweep failed}; \
+${inv8:-FP8 invariance check failed}; ${secs} s"
 echo "$summary"
-if [ $ok = 1 ] && [ -n "$sweep" ] && [ -n "$inv" ] && [ -n "$sweep8" ] && [ -n "$inv8" ]; then
+if [ $ok = 1 ] && [ -n "$sweep" ] && [ -n "$sweepl" ] && [ -n "$inv" ] && [ -n "$sweep8" ] && [ -n "$inv8" ]; then
   { echo "GPU-verified $(date -u +%Y-%m-%dT%H:%MZ) on $gpu ($versions)"
     echo "$summary"
     echo "$hashes"; } > GPU_VERIFIED

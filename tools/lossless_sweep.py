@@ -177,7 +177,12 @@ def main():
     ap.add_argument("--edge-gen", type=int, default=64)
     ap.add_argument("--methods", nargs="*", default=None, help="names from METHODS (default: all)")
     ap.add_argument("-q", "--quantization", default=None, help="fp8: the toy model's weights quantized at load")
+    ap.add_argument("--long-cache", action="store_true", help="the attention's key pieces and programs made small "
+                    "(kernels.ATTN_CHUNK 64, DRAFT_ATTN_CHUNK 32, ATTN_PROGRAMS 2), so that every row spans more "
+                    "pieces than programs: the path a cache of max_model_len >= 32768 takes at the real sizes")
     a = ap.parse_args()
+    if a.long_cache:
+        sd.K.ATTN_CHUNK, sd.K.DRAFT_ATTN_CHUNK, sd.K.ATTN_PROGRAMS = 64, 32, 2
     methods = {k: v for k, v in METHODS.items() if a.methods is None or k in a.methods}
     summary, rows, ndiff = sweep(a.device, a.dtype, a.prompts, a.gen, methods, a.edge_gen, quantization=a.quantization)
     print(summary)

@@ -12,6 +12,8 @@ once without speculation and once with MTP k=3 (output token throughput, MTP's m
 prompts: random token ids (bench.py serve's default, vLLM's random dataset), which the toy model was not trained
 on, or with --serve-dataset held-out the code prompts of tools/eval_toy.py (128-token windows of the held-out
 stdlib files in models/train_log.json, as text), written to a temporary JSONL for `--dataset-name custom`.
+Unlike the rows above these are sampled, at the server's default temperature (1.0: the toy's generation_config
+sets only do_sample, which vLLM does not read), so the acceptance there is below eval_toy.py's greedy one.
 Prints the load average, a markdown table with the ratios to speculation off, then one JSON line.
 """
 import argparse

@@ -612,7 +612,7 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
+                raise DatasetError(f"{path}:{n}: not JSON (column {e.colno}: {e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise DatasetError(f'{path}:{n}: no "prompt" string')
             out = obj.get("output_tokens")
@@ -623,7 +623,7 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{e.lineno}: not JSON ({e.msg} at column {e.colno})") from None
+            raise DatasetError(f"{path}:{e.lineno}: not JSON (column {e.colno}: {e.msg})") from None
         if not isinstance(data, list):
             raise DatasetError(f"{path}: not a JSON list of conversations")
         for i, item in enumerate(data):

@@ -5,6 +5,7 @@
         "rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.85]}'
     python bench.py --model PATH --speculative-config '{"method":"ngram","num_speculative_tokens":4}'
     python bench.py serve --url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 4
+    python bench.py serve --dataset-name custom --dataset-path prompts.jsonl    (or sharegpt, a ShareGPT .json)
 
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
 and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
@@ -585,6 +586,68 @@ def send(url, endpoint, body, headers, timeout):
     return rec
 
 
+class DatasetError(ValueError):
+    """A dataset file that cannot be used: serve_benchmark prints it as one `error:` line."""
+
+
+def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True):
+    """The prompts of a dataset file, as vllm bench serve reads them: [(text, max_tokens or None)], shuffled with
+    `seed` unless shuffle=False, then cut to num_prompts or, with fewer entries, cycled up to it (unless
+    oversample=False: the file's count). custom: JSON lines, each {"prompt": str}, an optional "output_tokens"
+    (that request's max_tokens). sharegpt: a JSON list of {"conversations": [{"from": "human", "value": str},
+    {"from": "gpt", ...}, ...]}; the first human turn is the prompt; conversations of fewer than two turns, or
+    without a human turn, are skipped (vLLM skips the former too). Raises DatasetError naming the file and line."""
+    if not path:
+        raise DatasetError(f"--dataset-name {name} needs --dataset-path")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    entries = []
+    if name == "custom":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{n}: not JSON (column {e.colno}: {e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise DatasetError(f'{path}:{n}: no "prompt" string')
+            out = obj.get("output_tokens")
+            if out is not None and (type(out) is not int or out < 1):  # type(): true is an int to isinstance
+                raise DatasetError(f'{path}:{n}: "output_tokens" must be a positive integer, not {out!r}')
+            entries.append((obj["prompt"], out))
+    elif name == "sharegpt":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{e.lineno}: not JSON (column {e.colno}: {e.msg})") from None
+        if not isinstance(data, list):
+            raise DatasetError(f"{path}: not a JSON list of conversations")
+        for i, item in enumerate(data):
+            turns = item.get("conversations") if isinstance(item, dict) else None
+            if not isinstance(turns, list):
+                raise DatasetError(f'{path}: entry {i}: no "conversations" list')
+            human = next((t for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
+            if len(turns) < 2 or human is None:
+                continue
+            if not isinstance(human.get("value"), str):
+                raise DatasetError(f'{path}: entry {i}: the human turn has no "value" string')
+            entries.append((human["value"], None))
+    else:
+        raise DatasetError(f"unknown dataset {name!r}")
+    if not entries:
+        raise DatasetError(f"{path}: no prompts in it" if name == "custom" else
+                           f"{path}: no conversation of two or more turns with a human turn")
+    if shuffle:
+        random.Random(seed).shuffle(entries)
+    if oversample:  # cycle through the file again (vLLM draws the extra requests at random from it)
+        entries = [entries[i % len(entries)] for i in range(num_prompts)]
+    return entries[:num_prompts]
+
+
 def summarize(xs):
     """mean / median / std / p99 in ms; numpy's linear-interpolation percentile; zeros for an empty list."""
     if not xs:
@@ -605,8 +668,19 @@ def serve_benchmark(argv=None):
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (inf: all at once)")
-    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
-    ap.add_argument("--gen-len", type=int, default=128, help="max_tokens of every request")
+    ap.add_argument("--dataset-name", choices=["random", "custom", "sharegpt"], default="random",
+                    help="random: --prompt-len random token ids (random words to the chat endpoint); custom: a JSONL "
+                         "file of {\"prompt\": ...} (an optional \"output_tokens\": that request's max_tokens); "
+                         "sharegpt: a ShareGPT JSON file, its first human turns (their max_tokens: --gen-len, not the "
+                         "recorded reply's length). The text is sent as it is, no chat template applied (vLLM's "
+                         "--skip-chat-template); the chat endpoint's server applies its own")
+    ap.add_argument("--dataset-path", default=None, help="the file of --dataset-name custom or sharegpt")
+    ap.add_argument("--disable-shuffle", action="store_true", help="the file's order (default: shuffled with --seed)")
+    ap.add_argument("--no-oversample", action="store_true",
+                    help="with fewer entries than --num-prompts, send each once (default: cycle through them again)")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (random dataset)")
+    ap.add_argument("--gen-len", type=int, default=128, help="max_tokens of every request (unless its line sets "
+                                                               "output_tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--temperature", type=float, default=None, help="sent only if given (else the server default)")
@@ -614,6 +688,17 @@ def serve_benchmark(argv=None):
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
     a = ap.parse_args(argv)
+    prompts = None  # random: made below; else [(text, max_tokens or None)], read before the server is asked
+    try:
+        if a.dataset_name != "random":
+            prompts = load_dataset(a.dataset_name, a.dataset_path, a.num_prompts, a.seed,
+                                   shuffle=not a.disable_shuffle, oversample=not a.no_oversample)
+        elif a.dataset_path:
+            raise DatasetError("--dataset-path needs --dataset-name custom or sharegpt")
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    num = a.num_prompts if prompts is None else len(prompts)  # --no-oversample: maybe fewer
     url = a.url.rstrip("/")
     headers = {"Content-Type": "application/json"}
     if a.api_key:
@@ -626,13 +711,19 @@ def serve_benchmark(argv=None):
     chat = "chat" in a.endpoint
     rng = random.Random(a.seed)
     bodies = []
-    for _ in range(a.num_prompts):  # the bodies vllm bench serve sends (openai / openai-chat backends)
-        if chat:
-            text = " ".join(rng.choice(WORDS) for _ in range(a.prompt_len))
-            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_completion_tokens": a.gen_len}
+    for i in range(num):  # the bodies vllm bench serve sends (openai / openai-chat backends)
+        if prompts is not None:
+            prompt, max_tokens = prompts[i][0], prompts[i][1] or a.gen_len
+        elif chat:
+            prompt, max_tokens = " ".join(rng.choice(WORDS) for _ in range(a.prompt_len)), a.gen_len
         else:
-            body = {"model": model, "prompt": [rng.randrange(1000) for _ in range(a.prompt_len)],
-                    "repetition_penalty": 1.0, "max_tokens": a.gen_len, "logprobs": None}
+            prompt, max_tokens = [rng.randrange(1000) for _ in range(a.prompt_len)], a.gen_len  # token ids
+        if chat:
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                    "max_completion_tokens": max_tokens}
+        else:
+            body = {"model": model, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": max_tokens,
+                    "logprobs": None}
         body.update(stream=True, stream_options={"include_usage": True})
         if a.ignore_eos:
             body["ignore_eos"] = True
@@ -641,8 +732,8 @@ def serve_benchmark(argv=None):
         body.update(json.loads(a.extra_body) if a.extra_body else {})
         bodies.append(body)
 
-    results = [None] * a.num_prompts
-    slots = threading.Semaphore(a.max_concurrency or a.num_prompts)
+    results = [None] * num
+    slots = threading.Semaphore(a.max_concurrency or num)
 
     def worker(i):
         try:
@@ -653,7 +744,7 @@ def serve_benchmark(argv=None):
     before = scrape_spec(url, headers)
     t0 = arrival = time.perf_counter()
     threads = []
-    for i in range(a.num_prompts):
+    for i in range(num):
         if i and math.isfinite(a.request_rate):  # Poisson process: exponential gaps
             arrival += rng.expovariate(a.request_rate)
             time.sleep(max(0.0, arrival - time.perf_counter()))
@@ -666,14 +757,20 @@ def serve_benchmark(argv=None):
     after = scrape_spec(url, headers, settle=5.0)  # once the server's snapshot has the run's last step
 
     ok = [r for r in results if r["ok"]]
-    n_in = sum(r["prompt_tokens"] if r["prompt_tokens"] is not None else a.prompt_len for r in ok)
+    # input tokens: the server's usage; else a token-id prompt's length; a text prompt's count only the server's
+    # tokenizer knows, so then the total is unknown (None) rather than a guess
+    ins = [r["prompt_tokens"] if r["prompt_tokens"] is not None else
+           len(b["prompt"]) if isinstance(b.get("prompt"), list) else None for r, b in zip(results, bodies) if r["ok"]]
+    n_in = None if None in ins else sum(ins)
     n_out = sum(r["output_tokens"] for r in ok)
-    res = {"bench": "serve", "endpoint": a.endpoint, "model": model, "num_prompts": a.num_prompts,
+    res = {"bench": "serve", "endpoint": a.endpoint, "model": model, "dataset_name": a.dataset_name,
+           "dataset_path": a.dataset_path, "num_prompts": num,
            "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
-           "max_concurrency": a.max_concurrency, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-           "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "max_concurrency": a.max_concurrency, "prompt_len": a.prompt_len if prompts is None else None,
+           "gen_len": a.gen_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
-           "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration}
+           "output_throughput": n_out / duration,
+           "total_token_throughput": None if n_in is None else (n_in + n_out) / duration}
     series = {"ttft": [r["ttft"] for r in ok],
               "tpot": [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
@@ -694,17 +791,19 @@ def serve_benchmark(argv=None):
     line = lambda label, v, f="": print(f"{label:<40} {v:<10{f}}")
     head = lambda s, c="-": print(f"{s:{c}^50}")
     head(" Serving Benchmark Result ", "=")
+    line("Dataset:", a.dataset_name + (f" ({a.dataset_path})" if a.dataset_path else ""))
     line("Successful requests:", len(ok))
     line("Failed requests:", res["failed"])
     if a.max_concurrency:
         line("Maximum request concurrency:", a.max_concurrency)
     line("Request rate configured (RPS):", a.request_rate, ".2f")
     line("Benchmark duration (s):", duration, ".2f")
-    line("Total input tokens:", n_in)
+    line("Total input tokens:", "unknown" if n_in is None else n_in)  # a text prompt without usage
     line("Total generated tokens:", n_out)
     line("Request throughput (req/s):", res["request_throughput"], ".2f")
     line("Output token throughput (tok/s):", res["output_throughput"], ".2f")
-    line("Total token throughput (tok/s):", res["total_token_throughput"], ".2f")
+    if n_in is not None:
+        line("Total token throughput (tok/s):", res["total_token_throughput"], ".2f")
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         head(title)

@@ -3656,6 +3656,152 @@ def test_bench_summarize_matches_numpy():
     assert bench.summarize([]) == {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
 
 
+def write_lines(path, *lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_bench_load_dataset_custom_and_sharegpt(tmp_path):
+    """bench.load_dataset: custom JSONL (blank lines skipped, output_tokens kept) and ShareGPT (the first human
+    turn; fewer than two turns or no human turn: skipped); --seed's shuffle is deterministic, --disable-shuffle
+    keeps the file's order; fewer entries than asked: cycled, or with oversample=False the file's count."""
+    lines = [json.dumps({"prompt": f"p{i}", **({"output_tokens": i} if i % 3 == 0 and i else {})}) for i in range(10)]
+    custom = write_lines(tmp_path / "c.jsonl", *lines[:5], "", *lines[5:])
+    order = bench.load_dataset("custom", custom, 10, shuffle=False)
+    assert order == [(f"p{i}", i if i in (3, 6, 9) else None) for i in range(10)]
+    a, b = bench.load_dataset("custom", custom, 10, seed=1), bench.load_dataset("custom", custom, 10, seed=1)
+    assert a == b and sorted(a) == sorted(order) and a != order
+    assert bench.load_dataset("custom", custom, 10, seed=2) != a
+    assert bench.load_dataset("custom", custom, 4, shuffle=False) == order[:4]
+    assert bench.load_dataset("custom", custom, 25, shuffle=False) == (order * 3)[:25]
+    assert bench.load_dataset("custom", custom, 25, shuffle=False, oversample=False) == order
+    assert bench.load_dataset("custom", custom, 25, seed=1, oversample=False) == a
+    turn = lambda who, text: {"from": who, "value": text}
+    sharegpt = tmp_path / "s.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "a", "conversations": [turn("human", "first?"), turn("gpt", "yes"), turn("human", "later")]},
+        {"id": "b", "conversations": [turn("human", "alone")]},                         # no reply: skipped
+        {"id": "c", "conversations": []},
+        {"id": "d", "conversations": [turn("system", "be brief"), turn("human", "second?"), turn("gpt", "no")]},
+        {"id": "e", "conversations": [turn("gpt", "hello"), turn("gpt", "anyone?")]}]))   # no human turn
+    assert bench.load_dataset("sharegpt", str(sharegpt), 5, shuffle=False) == \
+        [("first?", None), ("second?", None)] * 2 + [("first?", None)]
+    assert bench.load_dataset("sharegpt", str(sharegpt), 5, shuffle=False, oversample=False) == \
+        [("first?", None), ("second?", None)]
+
+
+def test_bench_dataset_errors(tmp_path, capsys):
+    """Bad dataset input: exit status 1 and one `error:` line naming the problem and the file (and line), before
+    the server is asked (none listens at port 1: its error would be a different line)."""
+    c = lambda name, *lines: ("custom", write_lines(tmp_path / name, *lines))
+    cases = [
+        (("custom", None), "error: --dataset-name custom needs --dataset-path"),
+        (("sharegpt", None), "error: --dataset-name sharegpt needs --dataset-path"),
+        (("random", str(tmp_path)), "error: --dataset-path needs --dataset-name custom or sharegpt"),
+        (("custom", str(tmp_path / "gone.jsonl")), f"error: cannot read {tmp_path}/gone.jsonl: No such file or "
+                                                   "directory"),
+        (("custom", str(tmp_path)), f"error: cannot read {tmp_path}: Is a directory"),
+        (c("notjson.jsonl", '{"prompt": "ok"}', '{"prompt": "cut'),
+         f"error: {tmp_path}/notjson.jsonl:2: not JSON (column 12: Unterminated string starting at)"),
+        (c("noprompt.jsonl", '{"prompt": "ok"}', '', '{"text": "no prompt key"}'),
+         f'error: {tmp_path}/noprompt.jsonl:3: no "prompt" string'),
+        (c("list.jsonl", '["prompt"]'), f'error: {tmp_path}/list.jsonl:1: no "prompt" string'),
+        (c("out.jsonl", '{"prompt": "x", "output_tokens": 0}'),
+         f'error: {tmp_path}/out.jsonl:1: "output_tokens" must be a positive integer, not 0'),
+        (c("empty.jsonl", "", "  "), f"error: {tmp_path}/empty.jsonl: no prompts in it"),
+        (("sharegpt", write_lines(tmp_path / "s1.json", "[", '{"conversations": []},', "]")),
+         f"error: {tmp_path}/s1.json:3: not JSON (column 1: Expecting value)"),
+        (("sharegpt", write_lines(tmp_path / "s2.json", '{"conversations": []}')),
+         f"error: {tmp_path}/s2.json: not a JSON list of conversations"),
+        (("sharegpt", write_lines(tmp_path / "s3.json", '[{"conversations": []}, {"turns": []}]')),
+         f'error: {tmp_path}/s3.json: entry 1: no "conversations" list'),
+        (("sharegpt", write_lines(tmp_path / "s4.json", '[{"conversations": [{"from": "gpt", "value": "x"}]}]')),
+         f"error: {tmp_path}/s4.json: no conversation of two or more turns with a human turn"),
+    ]
+    for (name, path), want in cases:
+        argv = ["--url", "http://127.0.0.1:1", "--dataset-name", name] + (["--dataset-path", path] if path else [])
+        assert bench.serve_benchmark(argv) == 1, want
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", want + "\n")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--dataset-name", "custom",
+                        "--dataset-path", cases[6][0][1]], capture_output=True, text=True, timeout=120, env=ENV)
+    assert (p.returncode, p.stdout, p.stderr) == (1, "", cases[6][1] + "\n")  # the command line: no traceback
+
+
+def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
+    """Without the server's usage, a token-id prompt's input tokens are its length; a text prompt's are unknown:
+    total_input_tokens is None (and the table says unknown), not --prompt-len."""
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+    sent = []
+
+    def send(url, endpoint, body, headers, timeout):
+        sent.append(body)
+        return {"ok": True, "ttft": 0.01, "itl": [0.01], "latency": 0.02, "output_tokens": 2, "prompt_tokens": None,
+                "chunks": 2, "error": ""}
+    monkeypatch.setattr(bench, "send", send)
+    assert bench.serve_benchmark(["--num-prompts", "3", "--prompt-len", "7"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["dataset_name"] == "random" and res["total_input_tokens"] == 21 and res["total_token_throughput"] > 0
+    path = write_lines(tmp_path / "p.jsonl", '{"prompt": "def f(x):"}', '{"prompt": "import os", "output_tokens": 4}')
+    sent.clear()
+    assert bench.serve_benchmark(["--num-prompts", "3", "--dataset-name", "custom", "--dataset-path", path,
+                                  "--disable-shuffle"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["total_input_tokens"] is None and res["total_token_throughput"] is None and res["prompt_len"] is None
+    assert re.search(r"^Total input tokens: +unknown", out, re.M) and "Total token throughput" not in out
+    assert re.search(rf"^Dataset: +custom \({re.escape(path)}\)", out, re.M)
+    assert [(b["prompt"], b["max_tokens"]) for b in sent] == [("def f(x):", 128), ("import os", 4), ("def f(x):", 128)]
+    sent.clear()
+    assert bench.serve_benchmark(["--num-prompts", "1", "--dataset-name", "custom", "--dataset-path", path, "--seed",
+                                  "3", "--endpoint", "/v1/chat/completions", "--gen-len", "9"]) == 0
+    assert sent[0]["messages"] == [{"role": "user", "content": sent[0]["messages"][0]["content"]}]
+    assert (sent[0]["messages"][0]["content"], sent[0]["max_completion_tokens"]) in (("def f(x):", 9), ("import os", 4))
+
+
+def test_bench_serve_custom_dataset(srv_spec, tmp_path):
+    """bench.py serve --dataset-name custom against server.py: the text prompts go as completion prompts (and as
+    the chat user message), oversampled to --num-prompts (or not, with --no-oversample); an output_tokens line
+    sets its max_tokens; input and output token totals equal the server's counters."""
+    path = write_lines(tmp_path / "code.jsonl", json.dumps({"prompt": "def fib(n):\n    "}),
+                       json.dumps({"prompt": "import os\nimport sys\n", "output_tokens": 5}),
+                       json.dumps({"prompt": "class Stack:\n    def __init__(self):"}))
+    want_out = sum(m or 12 for _, m in bench.load_dataset("custom", path, 5, seed=1))
+    for endpoint, extra, n, out in (("/v1/completions", [], 5, want_out), ("/v1/chat/completions",
+                                                                          ["--no-oversample"], 3, 12 + 5 + 12)):
+        before = wait_idle(srv_spec)
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url", srv_spec.url,
+                            "--endpoint", endpoint, "--dataset-name", "custom", "--dataset-path", path,
+                            "--num-prompts", "5", "--max-concurrency", "2", "--gen-len", "12", "--seed", "1", *extra],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+        assert p.returncode == 0, p.stderr
+        after = wait_idle(srv_spec)
+        d = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        assert res["dataset_name"] == "custom" and res["dataset_path"] == path and "Dataset:" in p.stdout
+        assert res["num_prompts"] == res["completed"] == d("vllm:request_success_total") == n and res["failed"] == 0
+        assert res["total_input_tokens"] == d("vllm:prompt_tokens_total") > 0
+        assert res["total_output_tokens"] == d("vllm:generation_tokens_total") == out
+
+
+def test_cpu_speed_held_out_jsonl(tmp_path):
+    """tools/cpu_speed.py --serve-dataset held-out: eval_toy.py's held-out prompts, written as a custom JSONL that
+    bench.load_dataset reads, each text encoding back to about its 128 tokens."""
+    if not os.path.isdir(TOY):
+        pytest.skip("models/toy not present")
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import cpu_speed
+    tok = sd.Tokenizer.from_dir(TOY)
+    n = cpu_speed.write_held_out(tok, 6, str(tmp_path / "h.jsonl"))
+    if n == 0:
+        pytest.skip("none of the held-out stdlib files on this machine")
+    rows = bench.load_dataset("custom", str(tmp_path / "h.jsonl"), 6, shuffle=False, oversample=False)
+    assert len(rows) == n <= 6 and all(m is None for _, m in rows)
+    assert all(abs(len(tok.encode(t, allow_special=False)) - 128) <= 2 for t, _ in rows)
+    assert any("def " in t or "import " in t for t, _ in rows)                          # code, not random ids
+
+
 def test_bad_startup_is_one_line(tiny_model, tmp_path):
     for args in (["--model", tiny_model, "--speculative-config", '{"method":"eagle","num_speculative_tokens":2}'],
                  ["--model", str(tmp_path / "missing")],

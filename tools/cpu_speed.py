@@ -1,6 +1,6 @@
 """The README's first command for every speculative method, in one process: tok/s on this machine (the CPU).
 
-    python tools/cpu_speed.py [--rounds 3] [--max-tokens 64] [--concurrency 4]
+    python tools/cpu_speed.py [--rounds 3] [--max-tokens 64] [--concurrency 4] [--serve N [--serve-dataset held-out]]
 
 Each method decodes "def fib(n):" greedily (as `python specdec.py --prompt "def fib(n):" --max-tokens 64
 [--speculative-config ...]` does, on the shipped toy model), its rate measured as the CLI measures it: tokens
@@ -8,8 +8,13 @@ after the first over the time after the first. The methods take turns over --rou
 from elsewhere hits all of them) and each keeps its median. Then --concurrency requests at once (four prompts,
 64 tokens each; output tokens over wall time), speculation off against MTP k=3. With --serve N: `bench.py serve`
 (--num-prompts N, --max-concurrency --concurrency, --gen-len 64) against `server.py` on the toy model, started
-once without speculation and once with MTP k=3 (output token throughput). Prints the load average, a markdown
-table with the ratios to speculation off, then one JSON line.
+once without speculation and once with MTP k=3 (output token throughput, MTP's mean acceptance length). Its
+prompts: random token ids (bench.py serve's default, vLLM's random dataset), which the toy model was not trained
+on, or with --serve-dataset held-out the code prompts of tools/eval_toy.py (128-token windows of the held-out
+stdlib files in models/train_log.json, as text), written to a temporary JSONL for `--dataset-name custom`.
+Unlike the rows above these are sampled, at the server's default temperature (1.0: the toy's generation_config
+sets only do_sample, which vLLM does not read), so the acceptance there is below eval_toy.py's greedy one.
+Prints the load average, a markdown table with the ratios to speculation off, then one JSON line.
 """
 import argparse
 import json
@@ -18,12 +23,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import specdec as sd  # noqa: E402
+from eval_toy import held_out_prompts  # noqa: E402  (this folder: sys.path[0] when run as a script)
 
 M = os.path.join(ROOT, "models")
 METHODS = {
@@ -55,11 +62,22 @@ def many(llm, n):
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def serve(spec, n, concurrency):
+def write_held_out(tok, n, path):
+    """tools/eval_toy.py's held-out code prompts (128 tokens each, at most n) as a custom-dataset JSONL of their
+    text; -> how many. bench.py serve sends text, which the server encodes again (a window's edge could merge
+    differently; on the shipped tokenizer all 16 come back as the same 128 tokens)."""
+    prompts = held_out_prompts(tok, n, 128, M)
+    with open(path, "w", encoding="utf-8") as fh:
+        for ids in prompts:
+            fh.write(json.dumps({"prompt": tok.decode(ids)}) + "\n")
+    return len(prompts)
+
+
+def serve(spec, n, concurrency, dataset=None):
     """bench.py serve's output token throughput against a fresh server.py (spec: None or a JSON string), and
-    its mean acceptance length (None without speculation). bench.py serve's prompts are random token ids (as
-    vllm bench serve's random dataset), which the toy model was not trained on: its drafts are rarely
-    accepted there (session 13: MTP k=3 acceptance length 1.22, against 2.7 on code)."""
+    its mean acceptance length (None without speculation). dataset: None for bench.py serve's random token ids
+    (as vllm bench serve's random dataset), which the toy model was not trained on: its drafts are rarely
+    accepted there (session 13: MTP k=3 acceptance length 1.22, against 2.7 on code); or a custom JSONL's path."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -75,7 +93,9 @@ def serve(spec, n, concurrency):
                 time.sleep(0.5)
         out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url",
                               f"http://127.0.0.1:{port}", "--num-prompts", str(n), "--max-concurrency",
-                              str(concurrency), "--gen-len", "64"], capture_output=True, text=True, check=True)
+                              str(concurrency), "--gen-len", "64"]
+                             + (["--dataset-name", "custom", "--dataset-path", dataset] if dataset else []),
+                             capture_output=True, text=True, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])
         return res["output_throughput"], res.get("spec_decode_acceptance_length")
     finally:
@@ -89,6 +109,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--serve", type=int, default=0, help="bench.py serve with this many prompts (0: skip)")
+    ap.add_argument("--serve-dataset", choices=["random", "held-out"], default="random",
+                    help="--serve's prompts: random token ids, or eval_toy.py's held-out code (cycled up to N)")
     a = ap.parse_args()
     load0 = os.getloadavg()
     llms = {k: sd.LLM(model=os.path.join(M, "toy"), speculative_config=v, device="cpu",
@@ -104,10 +126,15 @@ def main():
     for _ in range(a.rounds):
         for k in conc:
             conc[k].append(many(llms[k], a.max_tokens))
-    served = {}
+    served, n_held_out = {}, None
     if a.serve:
-        served = {"off": serve(None, a.serve, a.concurrency),
-                  "mtp k=3": serve(json.dumps(METHODS["mtp k=3"]), a.serve, a.concurrency)}
+        with tempfile.TemporaryDirectory() as tmp:
+            dataset = None
+            if a.serve_dataset == "held-out":
+                dataset = os.path.join(tmp, "held_out.jsonl")
+                n_held_out = write_held_out(llms["off"].tokenizer, a.serve, dataset)
+            served = {"off": serve(None, a.serve, a.concurrency, dataset),
+                      "mtp k=3": serve(json.dumps(METHODS["mtp k=3"]), a.serve, a.concurrency, dataset)}
     load1 = os.getloadavg()
     med = {k: statistics.median(v) for k, v in rates.items()}
     cmed = {k: statistics.median(v) for k, v in conc.items()}
@@ -124,10 +151,12 @@ def main():
           f"{cmed['mtp k=3'] / cmed['off']:.2f}x | |")
     if served:
         (off, _), (mtp, length) = served["off"], served["mtp k=3"]
-        print(f"| bench.py serve, concurrency {a.concurrency}, off | {off:.1f} | | | |")
-        print(f"| bench.py serve, concurrency {a.concurrency}, mtp k=3 (acceptance length {length:.2f}) | "
+        what = "random token ids" if n_held_out is None else f"{n_held_out} held-out code prompts"
+        print(f"| bench.py serve ({what}), concurrency {a.concurrency}, off | {off:.1f} | | | |")
+        print(f"| bench.py serve ({what}), concurrency {a.concurrency}, mtp k=3 (acceptance length {length:.2f}) | "
               f"{mtp:.1f} | | {mtp / off:.2f}x | |")
-    print(json.dumps({"serve_output_tok_s": {k: v[0] for k, v in served.items()},
+    print(json.dumps({"serve_dataset": a.serve_dataset if served else None, "serve_held_out_prompts": n_held_out,
+                      "serve_output_tok_s": {k: v[0] for k, v in served.items()},
                       "serve_acceptance_length": {k: v[1] for k, v in served.items()}, "load_before": load0,
                       "load_after": load1, "tok_s": med, "rounds": rates,
                       "concurrency": a.concurrency, "concurrent_tok_s": cmed,

@@ -1,6 +1,7 @@
 """The README's first command for every speculative method, in one process: tok/s on this machine (the CPU).
 
-    python tools/cpu_speed.py [--rounds 3] [--max-tokens 64] [--concurrency 4] [--serve N [--serve-dataset held-out]]
+    python tools/cpu_speed.py [--rounds 3] [--max-tokens 64] [--concurrency 4] [--serve N [--serve-dataset held-out]
+        [--serve-temperature 0]]
 
 Each method decodes "def fib(n):" greedily (as `python specdec.py --prompt "def fib(n):" --max-tokens 64
 [--speculative-config ...]` does, on the shipped toy model), its rate measured as the CLI measures it: tokens
@@ -13,7 +14,8 @@ prompts: random token ids (bench.py serve's default, vLLM's random dataset), whi
 on, or with --serve-dataset held-out the code prompts of tools/eval_toy.py (128-token windows of the held-out
 stdlib files in models/train_log.json, as text), written to a temporary JSONL for `--dataset-name custom`.
 Unlike the rows above these are sampled, at the server's default temperature (1.0: the toy's generation_config
-sets only do_sample, which vLLM does not read), so the acceptance there is below eval_toy.py's greedy one.
+sets only do_sample, which vLLM does not read), so the acceptance there is below eval_toy.py's greedy one;
+--serve-temperature 0 sends greedy requests instead.
 Prints the load average, a markdown table with the ratios to speculation off, then one JSON line.
 """
 import argparse
@@ -73,11 +75,12 @@ def write_held_out(tok, n, path):
     return len(prompts)
 
 
-def serve(spec, n, concurrency, dataset=None):
+def serve(spec, n, concurrency, dataset=None, temperature=None):
     """bench.py serve's output token throughput against a fresh server.py (spec: None or a JSON string), and
     its mean acceptance length (None without speculation). dataset: None for bench.py serve's random token ids
     (as vllm bench serve's random dataset), which the toy model was not trained on: its drafts are rarely
-    accepted there (session 13: MTP k=3 acceptance length 1.22, against 2.7 on code); or a custom JSONL's path."""
+    accepted there (session 13: MTP k=3 acceptance length 1.22, against 2.7 on code); or a custom JSONL's path.
+    temperature: sent with every request (None: the server's default, 1.0 for the toy)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -94,7 +97,8 @@ def serve(spec, n, concurrency, dataset=None):
         out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url",
                               f"http://127.0.0.1:{port}", "--num-prompts", str(n), "--max-concurrency",
                               str(concurrency), "--gen-len", "64"]
-                             + (["--dataset-name", "custom", "--dataset-path", dataset] if dataset else []),
+                             + (["--dataset-name", "custom", "--dataset-path", dataset] if dataset else [])
+                             + ([] if temperature is None else ["--temperature", str(temperature)]),
                              capture_output=True, text=True, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])
         return res["output_throughput"], res.get("spec_decode_acceptance_length")
@@ -111,6 +115,8 @@ def main():
     ap.add_argument("--serve", type=int, default=0, help="bench.py serve with this many prompts (0: skip)")
     ap.add_argument("--serve-dataset", choices=["random", "held-out"], default="random",
                     help="--serve's prompts: random token ids, or eval_toy.py's held-out code (cycled up to N)")
+    ap.add_argument("--serve-temperature", type=float, default=None,
+                    help="--serve's requests' temperature (0: greedy, as the rows above; default: the server's, 1.0)")
     a = ap.parse_args()
     load0 = os.getloadavg()
     llms = {k: sd.LLM(model=os.path.join(M, "toy"), speculative_config=v, device="cpu",
@@ -133,8 +139,9 @@ def main():
             if a.serve_dataset == "held-out":
                 dataset = os.path.join(tmp, "held_out.jsonl")
                 n_held_out = write_held_out(llms["off"].tokenizer, a.serve, dataset)
-            served = {"off": serve(None, a.serve, a.concurrency, dataset),
-                      "mtp k=3": serve(json.dumps(METHODS["mtp k=3"]), a.serve, a.concurrency, dataset)}
+            served = {"off": serve(None, a.serve, a.concurrency, dataset, a.serve_temperature),
+                      "mtp k=3": serve(json.dumps(METHODS["mtp k=3"]), a.serve, a.concurrency, dataset,
+                                       a.serve_temperature)}
     load1 = os.getloadavg()
     med = {k: statistics.median(v) for k, v in rates.items()}
     cmed = {k: statistics.median(v) for k, v in conc.items()}
@@ -152,10 +159,13 @@ def main():
     if served:
         (off, _), (mtp, length) = served["off"], served["mtp k=3"]
         what = "random token ids" if n_held_out is None else f"{n_held_out} held-out code prompts"
+        if a.serve_temperature is not None:
+            what += f", temperature {a.serve_temperature:g}"
         print(f"| bench.py serve ({what}), concurrency {a.concurrency}, off | {off:.1f} | | | |")
         print(f"| bench.py serve ({what}), concurrency {a.concurrency}, mtp k=3 (acceptance length {length:.2f}) | "
               f"{mtp:.1f} | | {mtp / off:.2f}x | |")
     print(json.dumps({"serve_dataset": a.serve_dataset if served else None, "serve_held_out_prompts": n_held_out,
+                      "serve_temperature": a.serve_temperature if served else None,
                       "serve_output_tok_s": {k: v[0] for k, v in served.items()},
                       "serve_acceptance_length": {k: v[1] for k, v in served.items()}, "load_before": load0,
                       "load_after": load1, "tok_s": med, "rounds": rates,

@@ -7107,7 +7107,7 @@ def test_cpu_attention_prep_fast(plain):
     together) against the reference (fp32: q and the cache writes within 2e-6; the table regrown past its
     end), and a token's bits alone == as token 2 of a T = 4 step == as a row of a batch of 3."""
     g = torch.Generator().manual_seed(11)
-    B, T, nh, nkv, hd, S, L = 3, 4, 4, 2, 32, 5, 700
+    B, T, nh, nkv, hd, S, L = 3, 4, 4, 2, 32, 6, 700
     qg, k, v = torch.randn(B, T, nh, 2 * hd, generator=g), *torch.randn(2, B, T, nkv, hd, generator=g)
     qw, kw = torch.randn(hd, generator=g) * 0.1, torch.randn(hd, generator=g) * 0.1
     inv_freq = sd.rope_inv_freq(8, 1e4)
@@ -7123,6 +7123,14 @@ def test_cpu_attention_prep_fast(plain):
                                                       plain)
     alone = prep([1], 2, 3)[0, 0]
     assert torch.equal(prep([1], 0, 4)[0, 2], alone) and torch.equal(prep([0, 1, 2], 2, 3)[1, 0], alone)
+    # more than 4 rows (the cache written by index_put_ rather than row by row): as the reference
+    i = [0, 1, 2, 0, 1, 2]
+    q6 = K._attention_prep_cpu(qg[i, :2], k[i, :2], v[i, :2], qw, kw, 1e-6, inv_freq, *caches[0],
+                               torch.tensor([4, 0, 2, 1, 3, 5]), torch.tensor([7, 0, 20, 3, 9, 1]), plain)
+    q6_ref = K.attention_prep_ref(qg[i, :2], k[i, :2], v[i, :2], qw, kw, 1e-6, inv_freq, *caches[1],
+                                  torch.tensor([4, 0, 2, 1, 3, 5]), torch.tensor([7, 0, 20, 3, 9, 1]), plain)
+    assert (q6 - q6_ref).abs().max() <= 2e-6 and torch.equal(q6[1, 0], prep([1], 0, 1)[0, 0])
+    assert all((a - b).abs().max() <= 2e-6 for a, b in zip(caches[0], caches[1]))
 
 
 def test_cpu_argmax():

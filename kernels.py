@@ -1554,7 +1554,8 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     qf, kf, vf = per_token(qf, Dk), per_token(kf, Dk), per_value(v.float(), Dv)  # [T, R, 1, d]
     decay = per_value(decay, 1)                                  # [T, R, 1, 1]
     kbeta = (kf * per_value(beta, 1)).transpose(-1, -2)          # [T, R, d_k, 1]: beta k, a column
-    s0 = _slot_run(slots, state_pool) if state_pool.dtype == torch.float32 and (keep is None or verify) else None
+    in_place = state_pool.dtype == torch.float32 and (keep is None or verify)  # (a commit stops rows early)
+    s0 = _slot_run(slots, state_pool) if in_place else None
     if s0 is None:
         S = state_pool.index_select(0, slots).float().view(R, Dk, Dv)  # a copy: the pool is written back below
     else:  # the pool's own rows: a decode updates them in place, a verify only reads them (into snaps[0])
@@ -1685,14 +1686,14 @@ def _rope_table(inv_freq, n, dtype):
 
 
 def _attention_prep_cpu(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain):
-    """The CPU fast path of attention_prep: the reference's arithmetic in a third of its ops (116 -> 60 us a
-    call on the toy at T = 1..8, measured on this CI class's CPU): cos / sin looked up in a table of the
-    reference's own values (_rope_table) instead of recomputed in float64 each call; q's and k's heads normed
-    together (fp32: one LayerNorm over [x, -x] as _rms_norm_cpu, then each head's weight) and rotated
-    together; a lone row (B = 1) takes its cos / sin and writes the cache as slices (no index / index_put_:
-    ~12 us a call on the toy, a slice's copy ~4). The last two, session 14 (one process, alternating, medians
-    of 9; loaded machine): B = 1 T = 1 82 -> 58 us, T = 4 89 -> 68, B = 4 85 -> 79. Element by element the
-    same operations as rope_ref, and each head normed alone, so a token's bits do not depend on T or B."""
+    """The CPU fast path of attention_prep: the reference's arithmetic in fewer ops. First: cos / sin
+    looked up in a table of the reference's own values (_rope_table) instead of recomputed in float64 each
+    call, q's and k's heads rotated together (116 -> 60 us a call on the toy at T = 1..8). Then (session
+    14): q's and k's heads normed together (fp32: one LayerNorm over [x, -x] as _rms_norm_cpu, then each
+    head's weight), and a lone row (B = 1) takes its cos / sin and writes the cache as slices (no index /
+    index_put_: ~12 us a call on the toy, a slice's copy ~4): one process, alternating, medians of 9 on a
+    loaded machine, B = 1 T = 1 82 -> 58 us, T = 4 89 -> 68, B = 4 85 -> 79. Element by element the same
+    operations as rope_ref, and each head normed alone, so a token's bits do not depend on T or B."""
     B, T, nh, _ = qg.shape
     nkv, hd = k.shape[2], k.shape[3]
     rd = 2 * inv_freq.numel()

@@ -174,6 +174,15 @@ def _cpu_fast(x):
     return CPU_FAST and not x.is_cuda
 
 
+def _slot_run(slots, pool):
+    """s0 where slots [B] are s0, s0 + 1, .., s0 + B - 1 (a lone request's decode is one) and pool [S, ...] is
+    contiguous, else None. The CPU fast paths then read and write the step's rows of a state pool as the view
+    pool[s0:s0 + B], in place, instead of a gather (index / index_select: a copy) and a scatter (index_put_:
+    ~12 us a call on the toy, a slice's copy_ ~4). The same values, so the same bits."""
+    s = slots.tolist()
+    return s[0] if pool.is_contiguous() and s == list(range(s[0], s[0] + len(s))) else None
+
+
 # A drafter's linears on a CPU (cpu_draft): a copy of the weight in this dtype (None: the weight's own, as the
 # target's linears). Drafts decide only how many tokens a verify accepts, never which (the target verifies
 # every one), so a drafter needs no fp32 (the CPU runs fp32 for the target's sake: its logits equal
@@ -308,7 +317,8 @@ def _rms_norm_cpu(x, weight, eps):
     D = x.shape[-1]
     w = _derived(weight, "(1+w)x2", lambda w: (1.0 + w.float()).repeat(2))
     xf = x.float()
-    return F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), w, None, eps)[..., :D].to(x.dtype)
+    y = F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), w, None, eps)[..., :D]
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -1540,10 +1550,16 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     R = B * Hv                                                   # bmm entries: (row, value head)
     per_token = lambda t, d: (t.transpose(0, 1).reshape(T, B, Hk, -1, 1, d).expand(T, B, Hk, G, 1, d)
                               .reshape(T, R, 1, d))
-    qf, kf, vf = per_token(qf, Dk), per_token(kf, Dk), per_token(v.float(), Dv)  # [T, R, 1, d]
-    decay = per_token(decay, 1)                                  # [T, R, 1, 1]
-    kbeta = (kf * per_token(beta, 1)).transpose(-1, -2)          # [T, R, d_k, 1]: beta k, a column
-    S = state_pool.index_select(0, slots).float().view(R, Dk, Dv)  # a copy: the pool is written back below
+    per_value = lambda t, d: t.transpose(0, 1).reshape(T, R, 1, d)  # a value head's own (no repeat)
+    qf, kf, vf = per_token(qf, Dk), per_token(kf, Dk), per_value(v.float(), Dv)  # [T, R, 1, d]
+    decay = per_value(decay, 1)                                  # [T, R, 1, 1]
+    kbeta = (kf * per_value(beta, 1)).transpose(-1, -2)          # [T, R, d_k, 1]: beta k, a column
+    in_place = state_pool.dtype == torch.float32 and (keep is None or verify)  # (a commit stops rows early)
+    s0 = _slot_run(slots, state_pool) if in_place else None
+    if s0 is None:
+        S = state_pool.index_select(0, slots).float().view(R, Dk, Dv)  # a copy: the pool is written back below
+    else:  # the pool's own rows: a decode updates them in place, a verify only reads them (into snaps[0])
+        S = state_pool[s0:s0 + B].view(R, Dk, Dv)
     out = torch.empty(T, R, 1, Dv) if outputs else None
     snaps = torch.empty(T, R, Dk, Dv) if verify else None        # a verify's state after each token
     for t in range(steps):
@@ -1558,7 +1574,7 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
                 state_pool[slots[done]] = S.view(B, Hv, Dk, Dv)[done]
     if verify:  # every token's S^T q from its snapshot, one bmm of T R entries (each entry its own product)
         torch.bmm(qf.reshape(T * R, 1, Dk), snaps.view(T * R, Dk, Dv), out=out.view(T * R, 1, Dv))
-    if keep is None:
+    if keep is None and s0 is None:
         state_pool[slots] = S.view(B, Hv, Dk, Dv)
     state_pool._specdec_verify = (q, slots.clone(), snaps.view(T, B, Hv, Dk, Dv)) if verify else None
     return out.view(T, B, Hv, Dv).transpose(0, 1).reshape(B, T, Hv, Dv).to(v.dtype) if outputs else None
@@ -1569,13 +1585,18 @@ def _causal_conv_cpu(x, conv_pool, slots, weight, n_keep):
     moved from the same [window, x] sequence (a verify, n_keep all 0, leaves it)."""
     B, T, C = x.shape
     K = weight.shape[1]
-    seq = torch.cat([conv_pool[slots], x.transpose(1, 2).to(conv_pool.dtype)], dim=2)  # [B, C, K-1+T]
-    w = weight.to(seq.dtype)
-    y = seq[:, :, 0:T] * w[:, 0, None]
+    s0 = _slot_run(slots, conv_pool)                            # the rows as a view of the pool (no gather)
+    past = conv_pool[slots] if s0 is None else conv_pool[s0:s0 + B]
+    seq = torch.cat([past, x.transpose(1, 2).to(conv_pool.dtype)], dim=2)  # [B, C, K-1+T]
+    w = weight.to(seq.dtype).t()[:, :, None].unbind(0)          # K taps [C, 1] (three ops rather than 2 K)
+    u = seq.unfold(2, T, 1).unbind(2)                           # K views seq[:, :, j:j + T] (two ops, not K)
+    y = u[0] * w[0]
     for j in range(1, K):
-        y += seq[:, :, j:j + T] * w[:, j, None]                 # [B, C, T]
+        y += u[j] * w[j]                                        # [B, C, T]
     keep = None if n_keep is None else n_keep.tolist()
-    if keep is None:
+    if keep is None and s0 is not None:
+        conv_pool[s0:s0 + B] = seq[:, :, T:]                    # a slice's copy_ (no scatter)
+    elif keep is None:
         conv_pool[slots] = seq[:, :, T:]
     elif any(keep):
         conv_window_ref(x, conv_pool, slots, n_keep)
@@ -1665,24 +1686,43 @@ def _rope_table(inv_freq, n, dtype):
 
 
 def _attention_prep_cpu(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_cache, slots, pos, plain):
-    """The CPU fast path of attention_prep: the reference's arithmetic in half its ops (116 -> 60 us a call
-    on the toy at T = 1..8, measured on this CI class's CPU): cos / sin looked up in a table of the
-    reference's own values (_rope_table) instead of recomputed in float64 each call, q's and k's heads
-    rotated together, and the fused norm (_rms_norm_cpu; plain: the reference's Qwen3 norm). Element by
-    element the same operations as rope_ref, so a token's bits do not depend on T or the batch."""
+    """The CPU fast path of attention_prep: the reference's arithmetic in fewer ops. First: cos / sin
+    looked up in a table of the reference's own values (_rope_table) instead of recomputed in float64 each
+    call, q's and k's heads rotated together (116 -> 60 us a call on the toy at T = 1..8). Then (session
+    14): q's and k's heads normed together (fp32: one LayerNorm over [x, -x] as _rms_norm_cpu, then each
+    head's weight), and a lone row (B = 1) takes its cos / sin and writes the cache as slices (no index /
+    index_put_: ~12 us a call on the toy, a slice's copy ~4): one process, alternating, medians of 9 on a
+    loaded machine, B = 1 T = 1 82 -> 58 us, T = 4 89 -> 68, B = 4 85 -> 79. Element by element the same
+    operations as rope_ref, and each head normed alone, so a token's bits do not depend on T or B."""
     B, T, nh, _ = qg.shape
-    hd = k.shape[-1]
+    nkv, hd = k.shape[2], k.shape[3]
     rd = 2 * inv_freq.numel()
-    norm = plain_rms_norm_ref if plain else (lambda x, w, eps: _rms_norm_cpu(x.contiguous(), w, eps))
-    qk = torch.cat([norm(qg[..., :hd], q_norm_w, eps), norm(k, k_norm_w, eps)], 2)  # [B, T, nh + nkv, hd]
-    at = pos[:, None] + torch.arange(T, device=k.device)[None]                   # [B, T] positions
-    cos, sin = _rope_table(inv_freq, int(at.max()) + 1, qk.dtype)
-    cos, sin = cos[at][:, :, None], sin[at][:, :, None]                          # [B, T, 1, rd]
+    if qg.dtype == k.dtype == q_norm_w.dtype == k_norm_w.dtype == torch.float32:
+        qk = torch.cat([qg[..., :hd], k], 2)                                      # [B, T, nh + nkv, hd]
+        wq, wk = (w if plain else _derived(w, "1+w", lambda w: 1.0 + w) for w in (q_norm_w, k_norm_w))
+        w = torch.cat([wq.expand(nh, hd), wk.expand(nkv, hd)])                    # [nh + nkv, hd]
+        qk = F.layer_norm(torch.cat([qk, -qk], -1), (2 * hd,), None, None, eps)[..., :hd] * w
+    else:
+        norm = plain_rms_norm_ref if plain else (lambda x, w, eps: _rms_norm_cpu(x.contiguous(), w, eps))
+        qk = torch.cat([norm(qg[..., :hd], q_norm_w, eps), norm(k, k_norm_w, eps)], 2)  # [B, T, nh + nkv, hd]
+    rows = list(zip(slots.tolist(), pos.tolist()))                               # (slot, first position)
+    cos, sin = _rope_table(inv_freq, max(p for _, p in rows) + T, qk.dtype)
+    if B == 1:
+        p = rows[0][1]
+        cos, sin = cos[None, p:p + T, None], sin[None, p:p + T, None]             # [1, T, 1, rd]
+    else:
+        at = pos[:, None] + torch.arange(T, device=k.device)[None]               # [B, T] positions
+        cos, sin = cos[at][:, :, None], sin[at][:, :, None]                      # [B, T, 1, rd]
     xr = qk[..., :rd]
     rot = torch.cat([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
     qk = torch.cat([xr * cos + rot * sin, qk[..., rd:]], -1)
-    k_cache[slots[:, None], at] = qk[:, :, nh:].to(k_cache.dtype)
-    v_cache[slots[:, None], at] = v.to(v_cache.dtype)
+    if B == 1:
+        (s, p), = rows
+        k_cache[s, p:p + T] = qk[0, :, nh:]
+        v_cache[s, p:p + T] = v[0]
+    else:
+        k_cache[slots[:, None], at] = qk[:, :, nh:].to(k_cache.dtype)
+        v_cache[slots[:, None], at] = v.to(v_cache.dtype)
     return qk[:, :, :nh].contiguous()
 
 
@@ -1782,19 +1822,23 @@ def _attention_cpu(q, k_cache, v_cache, slots, pos):
     """The CPU fast path of attention for steps of T <= 32 tokens per row: as the reference, each query alone
     over exactly its own p + t + 1 keys (so its bits do not depend on T or B), in five ops instead of
     fifteen: the query heads of a KV head as the rows of one product with that head's keys (no repeated
-    K / V copies), no mask (the slice is the visible keys)."""
+    K / V copies), no mask (the slice is the visible keys). bmm rather than matmul (the same product without
+    matmul's checks and views: ~1.2 us a call on the toy, two calls per query), the second written straight
+    into the output, and each row's queries and outputs as one unbind: ~11 -> 6 torch calls a query; on the
+    toy (one process, alternating, medians of 9) B = 1 T = 4 88 -> 72 us, T = 8 163 -> 126, B = 4 T = 4
+    343 -> 264, the same bits."""
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty(B, T, nkv, nh // nkv, d)                           # fp32, each query's [n_kv, rep, d]
     qf = q.float().reshape(B, T, nkv, nh // nkv, d) * d ** -0.5     # scaled once (toy, T = 8: 140 -> 120 us)
     for b, (s, p) in enumerate(zip(slots.tolist(), pos.tolist())):
         kb = k_cache[s, :p + T].float().permute(1, 2, 0)                   # [n_kv, d, L] (strides fixed)
         vb = v_cache[s, :p + T].float().transpose(0, 1)                    # [n_kv, L, d]
-        for t in range(T):
+        for t, (q_t, o_t) in enumerate(zip(qf[b].unbind(0), out[b].unbind(0))):
             L = p + t + 1
-            scores = torch.matmul(qf[b, t], kb[..., :L])                   # [n_kv, rep, L]
-            out[b, t] = torch.matmul(scores.softmax(-1), vb[:, :L]).view(nh, d)
-    return out
+            scores = torch.bmm(q_t, kb[..., :L])                           # [n_kv, rep, L]
+            torch.bmm(scores.softmax(-1), vb[:, :L], out=o_t)              # written in place (no copy)
+    return out.view(B, T, nh, d).to(q.dtype)
 
 
 def attention_ref(q, k_cache, v_cache, slots, pos, kv_len):

@@ -7126,11 +7126,13 @@ def test_cpu_dnn_rows_check(monkeypatch):
         assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # row 1 alone == in the step
 
 
-def test_cpu_gdn_and_conv_fast_equal_reference():
+@pytest.mark.parametrize("slot_list", [[3, 1, 4], [1, 2, 3]])
+def test_cpu_gdn_and_conv_fast_equal_reference(slot_list):
     """The CPU fast GDN recurrence and causal conv against the references (fp32: outputs within 1e-5, states
     within 1e-5, conv windows exact), and batch / T invariance bit for bit: a token alone (T = 1, B = 1) ==
     token 0 of a T = 4 verify == its row in a batch of 3; a verify (n_keep 0) writes nothing; a commit
-    (outputs=False) leaves the states the full step would."""
+    (outputs=False) leaves the states the full step would. Slots in any order (a gather and a scatter) and
+    in a run (the pool's rows in place: _slot_run)."""
     g = torch.Generator().manual_seed(5)
     B, T, Hk, Hv, dk, dv, S, C, W = 3, 4, 2, 4, 16, 12, 5, 40, 3
     r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale
@@ -7138,7 +7140,8 @@ def test_cpu_gdn_and_conv_fast_equal_reference():
     q, k, v = (t.reshape(B, T, h, -1) for t, h in zip(y.split([Hk * dk, Hk * dk, Hv * dv], -1), (Hk, Hk, Hv)))
     a, b = r(B, T, Hv, scale=4), r(B, T, Hv, scale=2)
     A_log, dt_bias = r(Hv, scale=0.5), r(Hv)
-    pool, slots = r(S, Hv, dk, dv, scale=0.3), torch.tensor([3, 1, 4])
+    pool, slots = r(S, Hv, dk, dv, scale=0.3), torch.tensor(slot_list)
+    assert (K._slot_run(slots, pool) is None) == (slot_list == [3, 1, 4])
     for n_keep in (None, torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])):
         p1, p2 = pool.clone(), pool.clone()
         o = K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, n_keep, True)
@@ -7162,6 +7165,15 @@ def test_cpu_gdn_and_conv_fast_equal_reference():
         outs[name] = o[rows.index(1), 0]
     assert torch.equal(outs["verify"], outs["alone"]) and torch.equal(outs["batch"], outs["alone"])
     x, wc, cpool = r(B, T, C + 4)[..., 2:2 + C], r(C, W + 1, scale=0.5), r(S, C, W)
+    if slot_list == [1, 2, 3]:  # in place == gathered, bit for bit: the same rows, slots reversed (no run)
+        rev, perm = torch.tensor([3, 2, 1]), [0, 3, 2, 1, 4]
+        for n_keep in (None, torch.zeros(B, dtype=torch.long)):
+            p1, p2, c1, c2 = pool.clone(), pool[perm].clone(), cpool.clone(), cpool[perm].clone()
+            o1 = K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p1, slots, n_keep, True)
+            o2 = K._gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, p2, rev, n_keep, True)
+            assert torch.equal(o1, o2) and torch.equal(p1[slots], p2[rev])
+            y1, y2 = K._causal_conv_cpu(x, c1, slots, wc, n_keep), K._causal_conv_cpu(x, c2, rev, wc, n_keep)
+            assert torch.equal(y1, y2) and torch.equal(c1[slots], c2[rev])
     for n_keep in (None, torch.zeros(B, dtype=torch.long), torch.tensor([0, 2, 4])):
         c1, c2 = cpool.clone(), cpool.clone()
         yc = K._causal_conv_cpu(x, c1, slots, wc, n_keep)
@@ -7241,7 +7253,7 @@ def test_cpu_attention_prep_fast(plain):
     together) against the reference (fp32: q and the cache writes within 2e-6; the table regrown past its
     end), and a token's bits alone == as token 2 of a T = 4 step == as a row of a batch of 3."""
     g = torch.Generator().manual_seed(11)
-    B, T, nh, nkv, hd, S, L = 3, 4, 4, 2, 32, 5, 700
+    B, T, nh, nkv, hd, S, L = 3, 4, 4, 2, 32, 6, 700
     qg, k, v = torch.randn(B, T, nh, 2 * hd, generator=g), *torch.randn(2, B, T, nkv, hd, generator=g)
     qw, kw = torch.randn(hd, generator=g) * 0.1, torch.randn(hd, generator=g) * 0.1
     inv_freq = sd.rope_inv_freq(8, 1e4)
@@ -7257,6 +7269,14 @@ def test_cpu_attention_prep_fast(plain):
                                                       plain)
     alone = prep([1], 2, 3)[0, 0]
     assert torch.equal(prep([1], 0, 4)[0, 2], alone) and torch.equal(prep([0, 1, 2], 2, 3)[1, 0], alone)
+    # more than 4 rows (the cache written by index_put_ rather than row by row): as the reference
+    i = [0, 1, 2, 0, 1, 2]
+    q6 = K._attention_prep_cpu(qg[i, :2], k[i, :2], v[i, :2], qw, kw, 1e-6, inv_freq, *caches[0],
+                               torch.tensor([4, 0, 2, 1, 3, 5]), torch.tensor([7, 0, 20, 3, 9, 1]), plain)
+    q6_ref = K.attention_prep_ref(qg[i, :2], k[i, :2], v[i, :2], qw, kw, 1e-6, inv_freq, *caches[1],
+                                  torch.tensor([4, 0, 2, 1, 3, 5]), torch.tensor([7, 0, 20, 3, 9, 1]), plain)
+    assert (q6 - q6_ref).abs().max() <= 2e-6 and torch.equal(q6[1, 0], prep([1], 0, 1)[0, 0])
+    assert all((a - b).abs().max() <= 2e-6 for a, b in zip(caches[0], caches[1]))
 
 
 def test_cpu_argmax():

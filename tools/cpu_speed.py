@@ -99,7 +99,9 @@ def serve(spec, n, concurrency, dataset=None, temperature=None):
                               str(concurrency), "--gen-len", "64"]
                              + (["--dataset-name", "custom", "--dataset-path", dataset] if dataset else [])
                              + ([] if temperature is None else ["--temperature", str(temperature)]),
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode:  # bench.py's own message (its `error:` line), not a bare CalledProcessError
+            raise SystemExit(f"bench.py serve failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
         res = json.loads(out.stdout.strip().splitlines()[-1])
         return res["output_throughput"], res.get("spec_decode_acceptance_length")
     finally:

@@ -3,6 +3,8 @@
 #   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
 #   bash tools/gpu_benchmarks.sh targets | drafters   (the issues' target rows at 256 tokens; retrain the toy drafters)
 #   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, bf16 beside them)
+#   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
+#                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -34,6 +36,19 @@ fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floo
   timeout 100 python3 bench.py --random-weights 27b -q fp8 --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-fp8-prefill-4096.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 35b-a3b -q fp8 --batch 1 --prompt-len 256 --gen-len 128 --true-floor 2>&1 | tee $OUT/bench-fp8-35b.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 256 --gen-len 128 2>&1 | tee $OUT/bench-bf16-27b.log | grep -v '^{' ;;
+issues)  # issue 18 (ngram / draft_model at 0.82, tight and a user's max_model_len), its toy row, issue 20's rows
+  for L in tight 32768; do
+    a=(); [ $L != tight ] && a=(--max-model-len $L)
+    timeout 250 python3 bench.py --random-weights 27b --cyclic --batch 1 8 --prompt-len 512 --gen-len 128 --no-floor \
+      --random-draft-lm /tmp/draft-lm-27b --ngram-cost 8192 "${a[@]}" --speculative-config off \
+      --speculative-config "{$NG}" --speculative-config "{$DM}" 2>&1 | tee $OUT/bench-issue18-$L.log | grep -v '^{'
+  done
+  timeout 100 python3 tools/eval_toy.py --speed --device cuda --dtype bfloat16 --gen 256 \
+    --methods "ngram k=4" "draft_model k=4" 2>&1 | tee $OUT/eval-toy-issue18.log | grep -v '^{'
+  timeout 190 python3 bench.py --random-weights 35b-a3b --true-floor --batch 1 8 --prompt-len 512 --gen-len 128 \
+    --random-drafter /tmp/drafters-35b --verify-cost 2 4 16 --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-issue20.log | grep -v '^{' ;;
 targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens per request (less acceptance noise)
   timeout 400 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 256 \
     --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \

@@ -604,15 +604,18 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
             text = fh.read()
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    def parse(s, line=None):  # JSON, or the error naming the file's line (line None: the decoder's own count)
+        try:
+            return json.loads(s)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{line or e.lineno}: not JSON (column {e.colno}: {e.msg})") from None
+
     entries = []
     if name == "custom":
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{n}: not JSON (column {e.colno}: {e.msg})") from None
+            obj = parse(line, n)
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise DatasetError(f'{path}:{n}: no "prompt" string')
             out = obj.get("output_tokens")
@@ -620,10 +623,7 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
                 raise DatasetError(f'{path}:{n}: "output_tokens" must be a positive integer, not {out!r}')
             entries.append((obj["prompt"], out))
     elif name == "sharegpt":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{e.lineno}: not JSON (column {e.colno}: {e.msg})") from None
+        data = parse(text)
         if not isinstance(data, list):
             raise DatasetError(f"{path}: not a JSON list of conversations")
         for i, item in enumerate(data):
@@ -646,6 +646,14 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
     if oversample:  # cycle through the file again (vLLM draws the extra requests at random from it)
         entries = [entries[i % len(entries)] for i in range(num_prompts)]
     return entries[:num_prompts]
+
+
+def random_prompts(rng, n, prompt_len, chat):
+    """vllm bench serve's random dataset: [(prompt, None)] of prompt_len random token ids each, or (the chat
+    endpoint, which takes text) prompt_len random words; None: every request's max_tokens is --gen-len."""
+    if chat:
+        return [(" ".join(rng.choice(WORDS) for _ in range(prompt_len)), None) for _ in range(n)]
+    return [([rng.randrange(1000) for _ in range(prompt_len)], None) for _ in range(n)]
 
 
 def summarize(xs):
@@ -688,17 +696,20 @@ def serve_benchmark(argv=None):
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
     a = ap.parse_args(argv)
-    prompts = None  # random: made below; else [(text, max_tokens or None)], read before the server is asked
-    try:
-        if a.dataset_name != "random":
+    chat = "chat" in a.endpoint
+    rng = random.Random(a.seed)  # the random dataset's prompts, then the Poisson arrivals
+    try:  # [(prompt, max_tokens or None)], made or read before the server is asked
+        if a.dataset_name == "random":
+            if a.dataset_path:
+                raise DatasetError("--dataset-path needs --dataset-name custom or sharegpt")
+            prompts = random_prompts(rng, a.num_prompts, a.prompt_len, chat)
+        else:
             prompts = load_dataset(a.dataset_name, a.dataset_path, a.num_prompts, a.seed,
                                    shuffle=not a.disable_shuffle, oversample=not a.no_oversample)
-        elif a.dataset_path:
-            raise DatasetError("--dataset-path needs --dataset-name custom or sharegpt")
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    num = a.num_prompts if prompts is None else len(prompts)  # --no-oversample: maybe fewer
+    num = len(prompts)  # --no-oversample: maybe fewer than --num-prompts
     url = a.url.rstrip("/")
     headers = {"Content-Type": "application/json"}
     if a.api_key:
@@ -708,16 +719,9 @@ def serve_benchmark(argv=None):
     except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
         print(f"error: cannot reach {url}/v1/models: {e}", file=sys.stderr)
         return 1
-    chat = "chat" in a.endpoint
-    rng = random.Random(a.seed)
     bodies = []
-    for i in range(num):  # the bodies vllm bench serve sends (openai / openai-chat backends)
-        if prompts is not None:
-            prompt, max_tokens = prompts[i][0], prompts[i][1] or a.gen_len
-        elif chat:
-            prompt, max_tokens = " ".join(rng.choice(WORDS) for _ in range(a.prompt_len)), a.gen_len
-        else:
-            prompt, max_tokens = [rng.randrange(1000) for _ in range(a.prompt_len)], a.gen_len  # token ids
+    for prompt, max_tokens in prompts:  # the bodies vllm bench serve sends (openai / openai-chat backends)
+        max_tokens = max_tokens or a.gen_len
         if chat:
             body = {"model": model, "messages": [{"role": "user", "content": prompt}],
                     "max_completion_tokens": max_tokens}
@@ -766,7 +770,7 @@ def serve_benchmark(argv=None):
     res = {"bench": "serve", "endpoint": a.endpoint, "model": model, "dataset_name": a.dataset_name,
            "dataset_path": a.dataset_path, "num_prompts": num,
            "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
-           "max_concurrency": a.max_concurrency, "prompt_len": a.prompt_len if prompts is None else None,
+           "max_concurrency": a.max_concurrency, "prompt_len": a.prompt_len if a.dataset_name == "random" else None,
            "gen_len": a.gen_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
            "output_throughput": n_out / duration,

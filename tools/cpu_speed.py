@@ -64,6 +64,11 @@ def many(llm, n):
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
+def spread(xs):
+    """A measurement's rounds as "min-max" tok/s."""
+    return f"{min(xs):.0f}-{max(xs):.0f}"
+
+
 def write_held_out(tok, n, path):
     """tools/eval_toy.py's held-out code prompts (128 tokens each, at most n) as a custom-dataset JSONL of their
     text; -> how many. bench.py serve sends text, which the server encodes again (a window's edge could merge
@@ -151,12 +156,10 @@ def main():
     print("| method | tok/s (median of %d) | rounds (min-max) | vs off | tokens == off |" % a.rounds)
     print("|---|---|---|---|---|")
     for k in llms:
-        lo, hi = min(rates[k]), max(rates[k])
         same = toks[k] == toks["off"]
-        print(f"| {k} | {med[k]:.1f} | {lo:.0f}-{hi:.0f} | {med[k] / med['off']:.2f}x | {same} |")
-    spread = lambda k: f"{min(conc[k]):.0f}-{max(conc[k]):.0f}"
-    print(f"| concurrency {a.concurrency} off | {cmed['off']:.1f} | {spread('off')} | | |")
-    print(f"| concurrency {a.concurrency} mtp k=3 | {cmed['mtp k=3']:.1f} | {spread('mtp k=3')} | "
+        print(f"| {k} | {med[k]:.1f} | {spread(rates[k])} | {med[k] / med['off']:.2f}x | {same} |")
+    print(f"| concurrency {a.concurrency} off | {cmed['off']:.1f} | {spread(conc['off'])} | | |")
+    print(f"| concurrency {a.concurrency} mtp k=3 | {cmed['mtp k=3']:.1f} | {spread(conc['mtp k=3'])} | "
           f"{cmed['mtp k=3'] / cmed['off']:.2f}x | |")
     if served:
         (off, _), (mtp, length) = served["off"], served["mtp k=3"]

@@ -2,7 +2,7 @@
 # The H200 benchmark set behind BENCHMARKS.md, in one device call (outputs under $OUT).
 #   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
 #   bash tools/gpu_benchmarks.sh targets | drafters   (the issues' target rows at 256 tokens; retrain the toy drafters)
-#   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, bf16 beside them)
+#   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, the same rows in bf16)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
 set -o pipefail
@@ -35,7 +35,10 @@ fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floo
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-fp8-27b.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 27b -q fp8 --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-fp8-prefill-4096.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 35b-a3b -q fp8 --batch 1 --prompt-len 256 --gen-len 128 --true-floor 2>&1 | tee $OUT/bench-fp8-35b.log | grep -v '^{'
-  timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 256 --gen-len 128 2>&1 | tee $OUT/bench-bf16-27b.log | grep -v '^{' ;;
+  timeout 200 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 256 --gen-len 128 \
+    --random-drafter /tmp/drafters-27b --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-bf16-27b.log | grep -v '^{' ;;
 issues)  # issue 18 (ngram / draft_model at 0.82, tight and a user's max_model_len), its toy row, issue 20's rows
   for L in tight 32768; do
     a=(); [ $L != tight ] && a=(--max-model-len $L)
@@ -91,3 +94,5 @@ serve)  # bench.py serve against server.py on the toy model, with and without MT
     kill $pid; wait $pid 2>/dev/null
   done 2>&1 | tee $OUT/serve-toy.log ;;
 esac; done
+# the plots of BENCHMARKS.md from whichever of their logs this run wrote (tools/plot_bench.py --all; needs matplotlib)
+if python3 -c "import matplotlib" 2>/dev/null; then python3 tools/plot_bench.py --all $OUT $OUT | grep -v skipped || true; fi

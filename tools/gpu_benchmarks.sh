@@ -17,8 +17,8 @@ NG='"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lo
 DM='"method":"draft_model","num_speculative_tokens":4,"rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.82,0.82,0.82,0.82]'
 for p in $parts; do case $p in
 27b|35b)  # synthetic acceptance at the published rates, concurrency 1-8, every method, transformers in the same run
-  w=$([ $p = 27b ] && echo 27b || echo 35b-a3b)
-  timeout 560 python3 bench.py --random-weights $w --batch 1 2 4 8 --prompt-len 512 --gen-len 64 \
+  w=$([ $p = 27b ] && echo 27b || echo 35b-a3b); tf=(); [ $p = 35b ] && tf=(--true-floor)  # the MoE's real floor
+  timeout 560 python3 bench.py --random-weights $w --batch 1 2 4 8 --prompt-len 512 --gen-len 64 "${tf[@]}" \
     --random-drafter /tmp/drafters-$p --random-draft-lm /tmp/draft-lm-$p --verify-cost 2 4 16 --hf-baseline \
     --speculative-config off \
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
@@ -65,12 +65,16 @@ drafters)  # retrain the toy DFlash / DSpark drafters (tools/train_drafters.py) 
   timeout 420 python3 tools/train_drafters.py --seconds ${DRAFTER_SECONDS:-320} --batch 32 --anchors 16 2>&1 | tee $OUT/train-drafters.log | tail -2
   mkdir -p $OUT/toy-dflash $OUT/toy-dspark; cp models/toy-dflash/* $OUT/toy-dflash/; cp models/toy-dspark/* $OUT/toy-dspark/
   timeout 120 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{' ;;
-sweep)  # TPOT against prompt length, batch 1, speculation off and MTP (27B)
-  timeout 400 python3 bench.py --random-weights 27b --batch 1 --prompt-len 512 2048 8192 32768 --gen-len 32 --no-floor \
-    --speculative-config off \
-    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
-    --speculative-config "{$MTP,\"num_speculative_tokens\":3,\"synthetic_acceptance_rates\":[0.85,0.82,0.82]}" \
-    2>&1 | tee $OUT/bench-sweep.log | grep -v '^{' ;;
+sweep)  # TPOT against prompt length, batch 1: speculation off, MTP k=1 / 3 and DFlash (27B); 131072 apart (its
+        # prefill alone takes a while, and a failure there keeps the shorter rows)
+  for L in "512 2048 8192 32768" 131072; do
+    timeout 400 python3 bench.py --random-weights 27b --batch 1 --prompt-len $L --gen-len 32 --no-floor \
+      --random-drafter /tmp/drafters-27b --speculative-config off \
+      --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+      --speculative-config "{$MTP,\"num_speculative_tokens\":3,\"synthetic_acceptance_rates\":[0.85,0.82,0.82]}" \
+      --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
+      2>&1 | tee $OUT/bench-sweep$([ "$L" = 131072 ] && echo -131072).log | grep -v '^{'
+  done ;;
 toy)  # the shipped model: real acceptance, bf16 on the GPU, and each method's batch-1 speed against off (--speed)
   timeout 300 python3 tools/eval_toy.py --speed --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{'
   timeout 200 python3 bench.py --model models/toy --batch 1 2 4 8 --prompt-len 128 --gen-len 128 \

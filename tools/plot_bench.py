@@ -3,13 +3,15 @@
     python tools/plot_bench.py --all DIR [OUTDIR]                    every plot of BENCHMARKS.md from the logs that
                                                                      `bash tools/gpu_benchmarks.sh` writes in DIR
     python tools/plot_bench.py OUT.png LOG [LOG ...]                 aggregate tok/s against concurrency
-    python tools/plot_bench.py --x prompt OUT.png LOG [LOG ...]      TPOT against prompt length (batch 1)
+    python tools/plot_bench.py --x prompt OUT.png LOG [LOG ...]      TPOT against prompt length (batch 1; the logs'
+                                                                     rows in one panel)
     python tools/plot_bench.py --x speedup OUT.png LOG [LOG ...]     speed-up over off per method and k (batch 1, 8)
     python tools/plot_bench.py --x fp8 OUT.png BF16_LOG FP8_LOG      FP8 against bf16 weights: TPOT per row
 
-Each LOG is bench.py's output (its last JSON line is read); one panel per log (fp8: one panel), one line or bar
-group per method. --all writes, into OUTDIR (default: the repository root, where BENCHMARKS.md links them):
-bench_tok_s_vs_concurrency.png (bench-27b.log, bench-35b.log), bench_tpot_vs_prompt_len.png (bench-sweep.log),
+Each LOG is bench.py's output (its last JSON line is read); one panel per log (prompt, fp8: one panel), one line
+or bar group per method. --all writes, into OUTDIR (default: the repository root, where BENCHMARKS.md links them):
+bench_tok_s_vs_concurrency.png (bench-27b.log, bench-35b.log), bench_tpot_vs_prompt_len.png (bench-sweep.log and,
+if it exists, bench-sweep-131072.log),
 bench_speedup_per_method.png (bench-27b.log, bench-35b.log), bench_fp8_vs_bf16.png (bench-bf16-27b.log,
 bench-fp8-27b.log: the `fp8` part); a plot whose logs are missing is skipped with a line saying so. No tensor
 parallel plot: specdec runs on one GPU (tensor_parallel_size 1 only).
@@ -96,6 +98,12 @@ def main(out, logs, x="batch"):
         prompt = ", ".join(map(str, prompt)) if isinstance(prompt, list) else prompt
         ax.set_title(f"{bf16['model']}: bf16 vs FP8 weights (prompt {prompt}), synthetic acceptance")
         axes = [ax]
+    elif x == "prompt":
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        runs = [result(log) for log in logs]
+        lines(ax, dict(runs[0], rows=[r for res in runs for r in res["rows"]]), x)
+        ax.set_title(title(runs[0]))
+        axes = [ax]
     else:
         fig, grid = plt.subplots(1, len(logs), figsize=(6 * len(logs), 4.2), squeeze=False)
         axes = grid[0]
@@ -112,14 +120,15 @@ def main(out, logs, x="batch"):
 
 
 PLOTS = [("bench_tok_s_vs_concurrency.png", "batch", ["bench-27b.log", "bench-35b.log"]),
-         ("bench_tpot_vs_prompt_len.png", "prompt", ["bench-sweep.log"]),
+         ("bench_tpot_vs_prompt_len.png", "prompt", ["bench-sweep.log", "bench-sweep-131072.log?"]),
          ("bench_speedup_per_method.png", "speedup", ["bench-27b.log", "bench-35b.log"]),
          ("bench_fp8_vs_bf16.png", "fp8", ["bench-bf16-27b.log", "bench-fp8-27b.log"])]
 
 
 def all_plots(logdir, outdir=ROOT):
     for name, x, logs in PLOTS:
-        paths = [os.path.join(logdir, log) for log in logs]
+        paths = [os.path.join(logdir, log.rstrip("?")) for log in logs]         # "?": used if it is there
+        paths = [p for p, log in zip(paths, logs) if not log.endswith("?") or os.path.exists(p)]
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:
             print(f"{name}: skipped (no {', '.join(missing)})")

@@ -4,8 +4,13 @@
     python bench.py --random-weights 27b --speculative-config '{"method":"mtp","num_speculative_tokens":1,
         "rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.85]}'
     python bench.py --model PATH --speculative-config '{"method":"ngram","num_speculative_tokens":4}'
-    python bench.py serve --url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 4
+    python bench.py serve --base-url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 4
     python bench.py serve --dataset-name custom --dataset-path prompts.jsonl    (or sharegpt, a ShareGPT .json)
+
+Serve mode is `vllm bench serve` (its flags and defaults: --host / --port / --base-url, --backend, --random-input-len
+/ --random-output-len / --random-range-ratio / --random-prefix-len, --percentile-metrics / --metric-percentiles,
+--save-result / --result-dir / --result-filename / --metadata, the sampling flags, --num-warmups, --header; its
+result table, peaks included, and result JSON), against any OpenAI-compatible server.
 
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
 and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
@@ -539,7 +544,7 @@ def send(url, endpoint, body, headers, timeout):
     rec = {"ok": False, "ttft": 0.0, "itl": [], "latency": 0.0, "output_tokens": None, "prompt_tokens": None,
            "chunks": 0, "error": ""}
     conn = connect(url, timeout)
-    st = time.perf_counter()
+    st = rec["start"] = time.perf_counter()
     try:
         conn.request("POST", endpoint, body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
@@ -648,115 +653,248 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
     return entries[:num_prompts]
 
 
-def random_prompts(rng, n, prompt_len, chat):
-    """vllm bench serve's random dataset: [(prompt, None)] of prompt_len random token ids each, or (the chat
-    endpoint, which takes text) prompt_len random words; None: every request's max_tokens is --gen-len."""
-    if chat:
-        return [(" ".join(rng.choice(WORDS) for _ in range(prompt_len)), None) for _ in range(n)]
-    return [([rng.randrange(1000) for _ in range(prompt_len)], None) for _ in range(n)]
+def random_prompts(rng, n, prompt_len, chat, output_len=None, range_ratio=0.0, prefix_len=0):
+    """vllm bench serve's random dataset: [(prompt, max_tokens)], each prompt prefix_len tokens shared by all (the
+    same prefix every request) and then its own random ones: token ids, or (the chat endpoint, which takes text)
+    random words. With range_ratio r, each request's own length and its max_tokens are drawn uniformly from
+    [L * (1 - r), L * (1 + r)] (vLLM's --random-range-ratio); at r = 0 they are prompt_len and output_len
+    (output_len None: --gen-len's)."""
+    if not 0 <= range_ratio < 1:
+        raise DatasetError(f"--random-range-ratio must be in [0, 1), not {range_ratio}")
+    pick = (lambda: rng.choice(WORDS)) if chat else (lambda: rng.randrange(1000))
+    span = lambda L: L if range_ratio == 0 else rng.randint(int(L * (1 - range_ratio)), int(L * (1 + range_ratio)))
+    prefix = [pick() for _ in range(prefix_len)]
+    out = []
+    for _ in range(n):
+        toks = prefix + [pick() for _ in range(span(prompt_len))]
+        out.append((" ".join(toks) if chat else toks, None if output_len is None else max(1, span(output_len))))
+    return out
 
 
-def summarize(xs):
-    """mean / median / std / p99 in ms; numpy's linear-interpolation percentile; zeros for an empty list."""
+def peaks(results):
+    """vllm bench serve's peak output token throughput and peak concurrency over successful requests (records of
+    send(): start, ttft, itl, latency, on one clock): the most tokens whose arrival falls in one whole second
+    counted from the first start, and the most requests in flight at once (each over [start, start + latency))."""
+    ok = [r for r in results if r["ok"]]
+    if not ok:
+        return 0.0, 0
+    t0 = min(r["start"] for r in ok)
+    per_second = {}
+    for r in ok:
+        t = r["start"] + r["ttft"]
+        for gap in [0.0] + r["itl"]:
+            t += gap
+            per_second[int(t - t0)] = per_second.get(int(t - t0), 0) + 1
+    events = sorted([(r["start"], 1) for r in ok] + [(r["start"] + r["latency"], -1) for r in ok])
+    now = peak = 0
+    for _, step in events:  # at equal times the end (-1) sorts first: half-open intervals
+        now += step
+        peak = max(peak, now)
+    return float(max(per_second.values())), peak
+
+
+def pct_name(p):
+    """vLLM's name of a percentile in keys and labels: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def summarize(xs, percentiles=(99,)):
+    """mean / median / std / p<each percentile> in ms; numpy's linear-interpolation percentile; zeros for an empty
+    list."""
+    out = {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{pct_name(p)}": 0.0 for p in percentiles}}
     if not xs:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+        return out
     s = sorted(xs)
-    k = (len(s) - 1) * 0.99
-    lo, hi = math.floor(k), min(math.floor(k) + 1, len(s) - 1)
-    p99 = s[lo] + (s[hi] - s[lo]) * (k - lo)
-    return {"mean": 1e3 * statistics.fmean(s), "median": 1e3 * statistics.median(s),
-            "std": 1e3 * statistics.pstdev(s), "p99": 1e3 * p99}
+    for p in percentiles:
+        k = (len(s) - 1) * p / 100
+        lo, hi = math.floor(k), min(math.floor(k) + 1, len(s) - 1)
+        out[f"p{pct_name(p)}"] = 1e3 * (s[lo] + (s[hi] - s[lo]) * (k - lo))
+    out.update(mean=1e3 * statistics.fmean(s), median=1e3 * statistics.median(s), std=1e3 * statistics.pstdev(s))
+    return out
 
 
-def serve_benchmark(argv=None):
+PERCENTILE_METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+                      "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+
+
+def key_values(items, flag):
+    """vLLM's KEY=VALUE list arguments (--header, --metadata) as a dict."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise DatasetError(f"{flag} {item!r}: use KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def serve_args(argv):
+    """vllm bench serve's command line (the options specdec implements, under vLLM's names and defaults; our older
+    names --url, --prompt-len, --gen-len stay as aliases)."""
     ap = argparse.ArgumentParser(prog="bench.py serve", description="vllm bench serve's metrics against a server")
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    ap.add_argument("--backend", choices=["openai", "vllm", "openai-chat"], default="openai",
+                    help="openai / vllm: the completions endpoint; openai-chat: --endpoint /v1/chat/completions")
+    ap.add_argument("--label", default=None, help="the result file's prefix (default: --backend)")
+    ap.add_argument("--base-url", "--url", dest="base_url", default=None,
+                    help="server base URL (default: http://--host:--port)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    ap.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra HTTP headers of every request")
     ap.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
-    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--served-model-name", default=None, help="the model name sent in the requests (default: "
+                                                               "--model)")
+    ap.add_argument("--tokenizer", default=None, help="accepted; prompts are sent as token ids or text, and the "
+                                                      "server's usage counts tokens")
+    ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (inf: all at once)")
+    ap.add_argument("--num-warmups", type=int, default=0, help="requests (the first prompt) sent and waited for "
+                                                                "before the timed run")
+    ap.add_argument("--ready-check-timeout-sec", type=int, default=0,
+                    help="wait up to this long for the server's /v1/models to answer (0: do not wait)")
     ap.add_argument("--dataset-name", choices=["random", "custom", "sharegpt"], default="random",
-                    help="random: --prompt-len random token ids (random words to the chat endpoint); custom: a JSONL "
-                         "file of {\"prompt\": ...} (an optional \"output_tokens\": that request's max_tokens); "
-                         "sharegpt: a ShareGPT JSON file, its first human turns (their max_tokens: --gen-len, not the "
-                         "recorded reply's length). The text is sent as it is, no chat template applied (vLLM's "
-                         "--skip-chat-template); the chat endpoint's server applies its own")
+                    help="random: --random-input-len random token ids (random words to the chat endpoint); custom: "
+                         "a JSONL file of {\"prompt\": ...} (an optional \"output_tokens\": that request's "
+                         "max_tokens); sharegpt: a ShareGPT JSON file, its first human turns (their max_tokens: "
+                         "--random-output-len, not the recorded reply's length). The text is sent as it is, no chat "
+                         "template applied (vLLM's --skip-chat-template); the chat endpoint's server applies its own")
     ap.add_argument("--dataset-path", default=None, help="the file of --dataset-name custom or sharegpt")
     ap.add_argument("--disable-shuffle", action="store_true", help="the file's order (default: shuffled with --seed)")
     ap.add_argument("--no-oversample", action="store_true",
                     help="with fewer entries than --num-prompts, send each once (default: cycle through them again)")
-    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (random dataset)")
-    ap.add_argument("--gen-len", type=int, default=128, help="max_tokens of every request (unless its line sets "
-                                                               "output_tokens)")
+    ap.add_argument("--random-input-len", "--input-len", "--prompt-len", dest="input_len", type=int, default=1024,
+                    help="prompt tokens (random dataset)")
+    ap.add_argument("--random-output-len", "--output-len", "--gen-len", dest="output_len", type=int, default=128,
+                    help="max_tokens of every request (unless its custom line sets output_tokens)")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="random dataset: each prompt's and output's length drawn from [L(1-r), L(1+r)]")
+    ap.add_argument("--random-prefix-len", type=int, default=0, help="random dataset: a prefix of this many tokens "
+                                                                     "shared by every prompt")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--temperature", type=float, default=None, help="sent only if given (else the server default)")
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                    help="send ignore_eos (default: on for the random dataset, as vLLM; off for files)")
+    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
+                       ("frequency-penalty", float), ("presence-penalty", float), ("repetition-penalty", float)):
+        ap.add_argument(f"--{name}", type=kind, default=None, help="sent only if given (else the server default)")
     ap.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    ap.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                    help="comma-separated, of " + ", ".join(PERCENTILE_METRICS) + ": the latencies reported")
+    ap.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles of each, e.g. 25,50,99")
+    ap.add_argument("--save-result", action="store_true", help="write the result JSON to a file")
+    ap.add_argument("--append-result", action="store_true", help="append it as a line to the file")
+    ap.add_argument("--save-detailed", action="store_true", help="with per-request lists (lengths, start times, "
+                                                                 "TTFTs, ITLs, errors)")
+    ap.add_argument("--result-dir", default=None)
+    ap.add_argument("--result-filename", default=None,
+                    help="default: LABEL-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json")
+    ap.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="written into the result file")
+    ap.add_argument("--disable-tqdm", action="store_true", help="accepted (no progress bar is drawn)")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def serve_benchmark(argv=None):
+    """bench.py serve: send a dataset's prompts to an OpenAI-compatible server as vllm bench serve does (streamed,
+    at --request-rate, at most --max-concurrency in flight), print vLLM's result table and then one JSON line
+    (what --save-result writes). Returns the exit status: 1 when no request succeeded or the input is bad."""
+    a = serve_args(argv)
     chat = "chat" in a.endpoint
     rng = random.Random(a.seed)  # the random dataset's prompts, then the Poisson arrivals
     try:  # [(prompt, max_tokens or None)], made or read before the server is asked
+        if a.backend == "openai-chat" and not chat:
+            raise DatasetError(f"--backend openai-chat needs a chat endpoint (--endpoint /v1/chat/completions), "
+                               f"not {a.endpoint}")
+        metrics = [m.strip() for m in a.percentile_metrics.split(",") if m.strip()]
+        if not metrics or any(m not in PERCENTILE_METRICS for m in metrics):
+            raise DatasetError(f"--percentile-metrics {a.percentile_metrics!r}: use some of "
+                               + ",".join(PERCENTILE_METRICS))
+        try:
+            pcts = [float(p) for p in a.metric_percentiles.split(",")]
+        except ValueError:
+            pcts = [-1.0]
+        if not pcts or any(not 0 <= p <= 100 for p in pcts):
+            raise DatasetError(f"--metric-percentiles {a.metric_percentiles!r}: numbers in [0, 100], e.g. 25,50,99")
+        extra_headers, metadata = key_values(a.header, "--header"), key_values(a.metadata, "--metadata")
         if a.dataset_name == "random":
             if a.dataset_path:
                 raise DatasetError("--dataset-path needs --dataset-name custom or sharegpt")
-            prompts = random_prompts(rng, a.num_prompts, a.prompt_len, chat)
+            prompts = random_prompts(rng, a.num_prompts, a.input_len, chat, a.output_len, a.random_range_ratio,
+                                     a.random_prefix_len)
         else:
             prompts = load_dataset(a.dataset_name, a.dataset_path, a.num_prompts, a.seed,
                                    shuffle=not a.disable_shuffle, oversample=not a.no_oversample)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    ignore_eos = a.dataset_name == "random" if a.ignore_eos is None else a.ignore_eos
     num = len(prompts)  # --no-oversample: maybe fewer than --num-prompts
-    url = a.url.rstrip("/")
-    headers = {"Content-Type": "application/json"}
+    url = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
+    headers = {"Content-Type": "application/json", **extra_headers}
     if a.api_key:
         headers["Authorization"] = f"Bearer {a.api_key}"
-    try:
-        model = a.model or json.loads(http_get(url, "/v1/models", headers))["data"][0]["id"]
-    except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
-        print(f"error: cannot reach {url}/v1/models: {e}", file=sys.stderr)
-        return 1
+    deadline = time.perf_counter() + a.ready_check_timeout_sec
+    while True:
+        try:
+            model = a.model or json.loads(http_get(url, "/v1/models", headers))["data"][0]["id"]
+            break
+        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
+            if time.perf_counter() >= deadline:
+                print(f"error: cannot reach {url}/v1/models: {e}", file=sys.stderr)
+                return 1
+            time.sleep(1.0)
+    if a.temperature is None:
+        print("warning: no --temperature: the server's default applies (vLLM's: 1.0, sampled); --temperature 0 "
+              "for greedy", file=sys.stderr)
+    sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k),
+                                  ("min_p", a.min_p), ("frequency_penalty", a.frequency_penalty),
+                                  ("presence_penalty", a.presence_penalty),
+                                  ("repetition_penalty", a.repetition_penalty)) if v is not None}
     bodies = []
     for prompt, max_tokens in prompts:  # the bodies vllm bench serve sends (openai / openai-chat backends)
-        max_tokens = max_tokens or a.gen_len
+        max_tokens = max_tokens or a.output_len
+        name = a.served_model_name or model
         if chat:
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            body = {"model": name, "messages": [{"role": "user", "content": prompt}],
                     "max_completion_tokens": max_tokens}
         else:
-            body = {"model": model, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": max_tokens,
+            body = {"model": name, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": max_tokens,
                     "logprobs": None}
         body.update(stream=True, stream_options={"include_usage": True})
-        if a.ignore_eos:
+        if ignore_eos:
             body["ignore_eos"] = True
-        if a.temperature is not None:
-            body["temperature"] = a.temperature
+        body.update(sampling)
         body.update(json.loads(a.extra_body) if a.extra_body else {})
         bodies.append(body)
 
-    results = [None] * num
-    slots = threading.Semaphore(a.max_concurrency or num)
+    def run(batch):  # send the bodies, at most --max-concurrency at once, at --request-rate; -> records
+        results = [None] * len(batch)
+        slots = threading.Semaphore(a.max_concurrency or len(batch))
 
-    def worker(i):
-        try:
-            results[i] = send(url, a.endpoint, bodies[i], headers, a.timeout)
-        finally:
-            slots.release()
+        def worker(i):
+            try:
+                results[i] = send(url, a.endpoint, batch[i], headers, a.timeout)
+            finally:
+                slots.release()
+        arrival = time.perf_counter()
+        threads = []
+        for i in range(len(batch)):
+            if i and math.isfinite(a.request_rate):  # Poisson process: exponential gaps
+                arrival += rng.expovariate(a.request_rate)
+                time.sleep(max(0.0, arrival - time.perf_counter()))
+            slots.acquire()
+            threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        return results
 
+    if a.num_warmups > 0:
+        run([bodies[0]] * a.num_warmups)
     before = scrape_spec(url, headers)
-    t0 = arrival = time.perf_counter()
-    threads = []
-    for i in range(num):
-        if i and math.isfinite(a.request_rate):  # Poisson process: exponential gaps
-            arrival += rng.expovariate(a.request_rate)
-            time.sleep(max(0.0, arrival - time.perf_counter()))
-        slots.acquire()
-        threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
-        threads[-1].start()
-    for t in threads:
-        t.join()
+    t0 = time.perf_counter()
+    results = run(bodies)
     duration = time.perf_counter() - t0
     after = scrape_spec(url, headers, settle=5.0)  # once the server's snapshot has the run's last step
 
@@ -764,22 +902,27 @@ def serve_benchmark(argv=None):
     # input tokens: the server's usage; else a token-id prompt's length; a text prompt's count only the server's
     # tokenizer knows, so then the total is unknown (None) rather than a guess
     ins = [r["prompt_tokens"] if r["prompt_tokens"] is not None else
-           len(b["prompt"]) if isinstance(b.get("prompt"), list) else None for r, b in zip(results, bodies) if r["ok"]]
-    n_in = None if None in ins else sum(ins)
+           len(b["prompt"]) if isinstance(b.get("prompt"), list) else None for r, b in zip(results, bodies)]
+    ok_ins = [n for n, r in zip(ins, results) if r["ok"]]
+    n_in = None if None in ok_ins else sum(ok_ins)
     n_out = sum(r["output_tokens"] for r in ok)
-    res = {"bench": "serve", "endpoint": a.endpoint, "model": model, "dataset_name": a.dataset_name,
+    peak_tok_s, peak_requests = peaks(results)
+    res = {"bench": "serve", "date": time.strftime("%Y%m%d-%H%M%S"), "backend": a.backend,
+           "label": a.label or a.backend, "endpoint": a.endpoint, "model_id": model, "model": model,
+           "tokenizer_id": a.tokenizer or model, **metadata, "dataset_name": a.dataset_name,
            "dataset_path": a.dataset_path, "num_prompts": num,
-           "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
-           "max_concurrency": a.max_concurrency, "prompt_len": a.prompt_len if a.dataset_name == "random" else None,
-           "gen_len": a.gen_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": 1.0,
+           "max_concurrency": a.max_concurrency, "prompt_len": a.input_len if a.dataset_name == "random" else None,
+           "gen_len": a.output_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
            "output_throughput": n_out / duration,
-           "total_token_throughput": None if n_in is None else (n_in + n_out) / duration}
+           "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,
+           "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests}
     series = {"ttft": [r["ttft"] for r in ok],
               "tpot": [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
-    for name, xs in series.items():
-        for stat, v in summarize(xs).items():
+    for name in metrics:
+        for stat, v in summarize(series[name], pcts).items():
             res[f"{stat}_{name}_ms"] = v
     if before is not None and after is not None and after["drafts"] > before["drafts"]:
         d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
@@ -789,6 +932,10 @@ def serve_benchmark(argv=None):
                    spec_decode_accepted_tokens=int(d["accepted"]),
                    spec_decode_per_position_acceptance_rates=[(after["per_pos"][p] - before["per_pos"].get(p, 0.0))
                                                               / d["drafts"] for p in sorted(after["per_pos"])])
+    if a.save_detailed:
+        res.update(input_lens=ins, output_lens=[r["output_tokens"] if r["ok"] else 0 for r in results],
+                   start_times=[r.get("start", 0.0) - t0 for r in results], ttfts=[r["ttft"] for r in results],
+                   itls=[r["itl"] for r in results], errors=[r["error"] for r in results])
     errors = sorted({r["error"] for r in results if not r["ok"]})
 
     # vLLM's table, then one JSON line
@@ -800,18 +947,21 @@ def serve_benchmark(argv=None):
     line("Failed requests:", res["failed"])
     if a.max_concurrency:
         line("Maximum request concurrency:", a.max_concurrency)
-    line("Request rate configured (RPS):", a.request_rate, ".2f")
+    if math.isfinite(a.request_rate):
+        line("Request rate configured (RPS):", a.request_rate, ".2f")
     line("Benchmark duration (s):", duration, ".2f")
     line("Total input tokens:", "unknown" if n_in is None else n_in)  # a text prompt without usage
     line("Total generated tokens:", n_out)
     line("Request throughput (req/s):", res["request_throughput"], ".2f")
     line("Output token throughput (tok/s):", res["output_throughput"], ".2f")
+    line("Peak output token throughput (tok/s):", peak_tok_s, ".2f")
+    line("Peak concurrent requests:", peak_requests, ".2f")
     if n_in is not None:
         line("Total token throughput (tok/s):", res["total_token_throughput"], ".2f")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        head(title)
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+    for name in metrics:
+        head(PERCENTILE_METRICS[name])
+        for stat, label in [("mean", "Mean"), ("median", "Median")] + [(f"p{pct_name(p)}", f"P{pct_name(p)}")
+                                                                       for p in pcts]:
             line(f"{label} {name.upper()} (ms):", res[f"{stat}_{name}_ms"], ".2f")
     if "spec_decode_num_drafts" in res:
         head("Speculative Decoding")
@@ -826,6 +976,17 @@ def serve_benchmark(argv=None):
     head("", "=")
     for e in errors[:5]:
         print(f"error: {e}", file=sys.stderr)
+    if a.save_result or a.append_result:
+        rate = a.request_rate if math.isfinite(a.request_rate) else "inf"
+        conc = f"-concurrency{a.max_concurrency}" if a.max_concurrency is not None else ""
+        path = a.result_filename or f"{res['label']}-{rate}qps{conc}-{model.split('/')[-1]}-{res['date']}.json"
+        if a.result_dir:
+            os.makedirs(a.result_dir, exist_ok=True)
+            path = os.path.join(a.result_dir, path)
+        with open(path, "a" if a.append_result else "w", encoding="utf-8") as f:
+            if a.append_result and f.tell():
+                f.write("\n")
+            json.dump(res, f)
     print(json.dumps(res), flush=True)
     return 0 if ok else 1  # an exit status; the results are the JSON line
 

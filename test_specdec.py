@@ -3617,7 +3617,8 @@ def test_bench_serve(srv_spec):
     before = wait_idle(srv_spec)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url", srv_spec.url, "--num-prompts",
-                        "8", "--max-concurrency", "4", "--prompt-len", "24", "--gen-len", "12", "--seed", "1"],
+                        "8", "--max-concurrency", "4", "--prompt-len", "24", "--gen-len", "12", "--seed", "1",
+                        "--percentile-metrics", "ttft,tpot,itl,e2el"],
                        capture_output=True, text=True, timeout=120, env=ENV)
     wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr
@@ -3634,6 +3635,7 @@ def test_bench_serve(srv_spec):
     assert res["mean_ttft_ms"] >= server_mean("vllm:time_to_first_token_seconds") > 0
     assert res["mean_e2el_ms"] >= server_mean("vllm:e2e_request_latency_seconds") > 0
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"] and res["median_ttft_ms"] <= res["p99_ttft_ms"]
+    assert 1 <= res["max_concurrent_requests"] <= 4 and 0 < res["max_output_tokens_per_s"] <= 96
     n, acc = d("vllm:spec_decode_num_drafts_total"), d("vllm:spec_decode_num_accepted_tokens_total")
     assert res["spec_decode_num_drafts"] == n > 0 and res["spec_decode_accepted_tokens"] == acc
     assert res["spec_decode_draft_tokens"] == d("vllm:spec_decode_num_draft_tokens_total")
@@ -3737,8 +3739,8 @@ def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
 
     def send(url, endpoint, body, headers, timeout):
         sent.append(body)
-        return {"ok": True, "ttft": 0.01, "itl": [0.01], "latency": 0.02, "output_tokens": 2, "prompt_tokens": None,
-                "chunks": 2, "error": ""}
+        return {"ok": True, "start": time.perf_counter(), "ttft": 0.01, "itl": [0.01], "latency": 0.02,
+                "output_tokens": 2, "prompt_tokens": None, "chunks": 2, "error": ""}
     monkeypatch.setattr(bench, "send", send)
     assert bench.serve_benchmark(["--num-prompts", "3", "--prompt-len", "7"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -3760,6 +3762,85 @@ def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
     assert (sent[0]["messages"][0]["content"], sent[0]["max_completion_tokens"]) in (("def f(x):", 9), ("import os", 4))
 
 
+def test_bench_serve_vllm_flags(tmp_path, monkeypatch, capsys):
+    """bench.py serve under vllm bench serve's flags and defaults (a stubbed server records what is sent): --host /
+    --port / --base-url make the URL, --header the headers; sampling flags go into every body only when given;
+    ignore_eos is on for the random dataset and off for files unless asked; --random-range-ratio and
+    --random-prefix-len shape the prompts; --num-warmups requests are sent but not counted; --percentile-metrics /
+    --metric-percentiles pick the latency keys; --save-result / --append-result / --result-dir write the JSON line
+    (with --metadata) to vLLM's file name; bad values give one `error:` line."""
+    urls, sent = [], []
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: urls.append(url) or
+                        b'{"data": [{"id": "org/m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+
+    def send(url, endpoint, body, headers, timeout):
+        sent.append((url, endpoint, body, dict(headers)))
+        return {"ok": True, "start": time.perf_counter(), "ttft": 0.01, "itl": [0.01, 0.02], "latency": 0.04,
+                "output_tokens": 3, "prompt_tokens": None, "chunks": 3, "error": ""}
+    monkeypatch.setattr(bench, "send", send)
+    run = lambda *argv: (bench.serve_benchmark(list(argv)), capsys.readouterr())
+    code, cap = run("--host", "10.0.0.7", "--port", "9001", "--num-prompts", "4", "--random-input-len", "20",
+                    "--random-output-len", "6", "--header", "x-a=1", "x-b=two=2", "--top-k", "5", "--min-p", "0.1",
+                    "--num-warmups", "2", "--metric-percentiles", "50,99.9", "--percentile-metrics", "ttft,e2el")
+    assert code == 0 and urls[0] == "http://10.0.0.7:9001" and len(sent) == 6        # 2 warm-ups + 4 counted
+    assert all(u == "http://10.0.0.7:9001" and h["x-a"] == "1" and h["x-b"] == "two=2" for u, _, _, h in sent)
+    bodies = [b for _, _, b, _ in sent]
+    assert bodies[0] == bodies[1] == bodies[2] and all(b["ignore_eos"] and b["top_k"] == 5 and b["min_p"] == 0.1
+                                                       and "temperature" not in b and b["max_tokens"] == 6
+                                                       and len(b["prompt"]) == 20 for b in bodies)
+    res = json.loads(cap.out.strip().splitlines()[-1])
+    assert res["completed"] == 4 and res["total_output_tokens"] == 12 and res["model_id"] == "org/m"
+    assert {k for k in res if k.endswith("_ms")} == {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p50", "p99.9")
+                                                     for m in ("ttft", "e2el")}
+    assert "P99.9 TTFT (ms):" in cap.out and "Peak concurrent requests:" in cap.out and "--temperature" in cap.err
+    code, cap = run("--base-url", "http://h:1/", "--num-prompts", "40", "--random-input-len", "10",
+                    "--random-range-ratio", "0.5", "--random-prefix-len", "3", "--random-output-len", "8",
+                    "--temperature", "0", "--no-ignore-eos")
+    bodies = [b for _, _, b, _ in sent[6:]]
+    assert code == 0 and urls[-1] == "http://h:1" and all(b["temperature"] == 0 and "ignore_eos" not in b
+                                                          for b in bodies)
+    assert all(len(b["prompt"]) in range(3 + 5, 3 + 15 + 1) and 4 <= b["max_tokens"] <= 12 for b in bodies)
+    assert len({len(b["prompt"]) for b in bodies}) > 1 and len({tuple(b["prompt"][:3]) for b in bodies}) == 1
+    path = write_lines(tmp_path / "p.jsonl", '{"prompt": "def f(x):"}')
+    sent.clear()
+    common = ("--dataset-name", "custom", "--dataset-path", path, "--num-prompts", "2", "--max-concurrency", "1")
+    code, cap = run(*common, "--save-result", "--result-dir", str(tmp_path / "a"), "--metadata", "gpu=h200",
+                    "--label", "toy")
+    assert code == 0 and not any("ignore_eos" in b for _, _, b, _ in sent)           # a file: vLLM's default, off
+    files = os.listdir(tmp_path / "a")
+    assert len(files) == 1 and re.fullmatch(r"toy-infqps-concurrency1-m-\d{8}-\d{6}\.json", files[0])
+    saved = json.loads((tmp_path / "a" / files[0]).read_text())
+    assert saved == json.loads(cap.out.strip().splitlines()[-1]) and saved["gpu"] == "h200" and "ttfts" not in saved
+    for _ in range(2):
+        code, cap = run(*common, "--append-result", "--result-filename", str(tmp_path / "r.json"), "--save-detailed")
+    saved = [json.loads(x) for x in (tmp_path / "r.json").read_text().splitlines()]
+    assert len(saved) == 2 and saved[1] == json.loads(cap.out.strip().splitlines()[-1])
+    assert saved[1]["ttfts"] == [0.01, 0.01] and saved[1]["output_lens"] == [3, 3] and saved[1]["errors"] == ["", ""]
+    for argv, want in [(["--backend", "openai-chat"], "error: --backend openai-chat needs a chat endpoint "
+                                                      "(--endpoint /v1/chat/completions), not /v1/completions"),
+                       (["--percentile-metrics", "ttft,goodput"], "error: --percentile-metrics 'ttft,goodput': use "
+                                                                  "some of ttft,tpot,itl,e2el"),
+                       (["--metric-percentiles", "99,x"], "error: --metric-percentiles '99,x': numbers in [0, 100], "
+                                                          "e.g. 25,50,99"),
+                       (["--random-range-ratio", "1.5"], "error: --random-range-ratio must be in [0, 1), not 1.5"),
+                       (["--header", "novalue"], "error: --header 'novalue': use KEY=VALUE")]:
+        code, cap = run(*argv)
+        assert (code, cap.out, cap.err) == (1, "", want + "\n")
+
+
+def test_bench_peaks():
+    """bench.peaks, vLLM's peak output tokens in one second and peak concurrency, on a hand-made timeline (exact
+    binary fractions, seconds after the first start): tokens at 0.5, 0.75 | 1.25 | 2.75 (request a), 0.875 | 1,
+    1.125 (b), 1.25 (c); in flight a [0, 2.75), b [0.75, 1.125), c [1.125, 1.25)."""
+    rec = lambda start, ttft, itl: {"ok": True, "start": start, "ttft": ttft, "itl": itl, "latency": ttft + sum(itl)}
+    t0 = 0.5  # the seconds count from the first start, not from the clock's zero
+    a, b, c = rec(t0, 0.5, [0.25, 0.5, 1.5]), rec(t0 + 0.75, 0.125, [0.125, 0.125]), rec(t0 + 1.125, 0.125, [])
+    assert bench.peaks([a, b]) == (3.0, 2)
+    assert bench.peaks([a, b, c, dict(c, ok=False, start=t0 + 1)]) == (4.0, 2)  # c starts as b ends: not 3
+    assert bench.peaks([dict(a, ok=False)]) == (0.0, 0)
+
+
 def test_bench_serve_custom_dataset(srv_spec, tmp_path):
     """bench.py serve --dataset-name custom against server.py: the text prompts go as completion prompts (and as
     the chat user message), oversampled to --num-prompts (or not, with --no-oversample); an output_tokens line
@@ -3773,7 +3854,8 @@ def test_bench_serve_custom_dataset(srv_spec, tmp_path):
         before = wait_idle(srv_spec)
         p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url", srv_spec.url,
                             "--endpoint", endpoint, "--dataset-name", "custom", "--dataset-path", path,
-                            "--num-prompts", "5", "--max-concurrency", "2", "--gen-len", "12", "--seed", "1", *extra],
+                            "--num-prompts", "5", "--max-concurrency", "2", "--gen-len", "12", "--seed", "1",
+                            "--ignore-eos", *extra],
                            capture_output=True, text=True, timeout=120, env=ENV)
         assert p.returncode == 0, p.stderr
         after = wait_idle(srv_spec)

@@ -8,7 +8,8 @@ Each method decodes "def fib(n):" greedily (as `python specdec.py --prompt "def 
 after the first over the time after the first. The methods take turns over --rounds rounds (so a burst of load
 from elsewhere hits all of them) and each keeps its median. Then --concurrency requests at once (four prompts,
 64 tokens each; output tokens over wall time), speculation off against MTP k=3. With --serve N: `bench.py serve`
-(--num-prompts N, --max-concurrency --concurrency, --gen-len 64) against `server.py` on the toy model, started
+(--num-prompts N, --max-concurrency --concurrency, --gen-len 64, --ignore-eos; random prompts of 256 tokens)
+against `server.py` on the toy model, started
 once without speculation and once with MTP k=3 (output token throughput, MTP's mean acceptance length). Its
 prompts: random token ids (bench.py serve's default, vLLM's random dataset), which the toy model was not trained
 on, or with --serve-dataset held-out the code prompts of tools/eval_toy.py (128-token windows of the held-out
@@ -101,7 +102,8 @@ def serve(spec, n, concurrency, dataset=None, temperature=None):
                 time.sleep(0.5)
         out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "serve", "--url",
                               f"http://127.0.0.1:{port}", "--num-prompts", str(n), "--max-concurrency",
-                              str(concurrency), "--gen-len", "64"]
+                              str(concurrency), "--gen-len", "64", "--ignore-eos"]
+                             + ([] if dataset else ["--random-input-len", "256"])  # (bench.py serve's old default)
                              + (["--dataset-name", "custom", "--dataset-path", dataset] if dataset else [])
                              + ([] if temperature is None else ["--temperature", str(temperature)]),
                              capture_output=True, text=True)

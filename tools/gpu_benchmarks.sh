@@ -93,7 +93,7 @@ serve)  # bench.py serve against server.py on the toy model, with and without MT
     for c in 1 4 8; do
       echo "=== serve spec=$spec concurrency=$c"
       timeout 120 python3 bench.py serve --url http://127.0.0.1:8123 --num-prompts $((c * 8)) --max-concurrency $c \
-        --prompt-len 128 --gen-len 128 2>&1 | tail -3
+        --prompt-len 128 --gen-len 128 --percentile-metrics ttft,tpot,itl,e2el 2>&1 | tail -3
     done
     kill $pid; wait $pid 2>/dev/null
   done 2>&1 | tee $OUT/serve-toy.log ;;

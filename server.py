@@ -845,23 +845,35 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-class SpecLog:
-    """vLLM's periodic log line (every VLLM_LOG_STATS_INTERVAL seconds, 10 by default, if there were drafts):
-    the spec-decode counters over the interval, with the accepted and drafted throughputs."""
+class StatsLog:
+    """vLLM's periodic log lines, every VLLM_LOG_STATS_INTERVAL seconds (10 by default; none with
+    --disable-log-stats): the engine's prompt and generation throughput over the interval, the running and
+    waiting requests and the KV-cache usage now (specdec has no prefix cache: its hit rate is 0), then, if the
+    interval had drafts, the spec-decode counters with their accepted and drafted throughputs. An idle interval
+    after an idle one prints nothing (vLLM logs those at debug level)."""
 
     def __init__(self, interval):
-        self.interval, self.t, self.last = interval, time.monotonic(), SpecStats()
+        self.interval, self.t, self.last, self.tokens, self.busy = interval, time.monotonic(), SpecStats(), (0, 0), 0
 
-    def tick(self, stats, now):
+    def tick(self, metrics, stats, now):
         if now - self.t < self.interval:
             return
+        with metrics.lock:
+            tokens = (metrics.prompt_tokens, metrics.generation_tokens)
+            running, waiting, kv = metrics.running, metrics.waiting, metrics.kv_usage
+        prompt, gen = ((a - b) / (now - self.t) for a, b in zip(tokens, self.tokens))
         last, per_pos = self.last, list(stats.accepted_per_pos)
         delta = SpecStats(stats.num_drafts - last.num_drafts, stats.num_draft_tokens - last.num_draft_tokens,
                           stats.num_accepted_tokens - last.num_accepted_tokens,
                           [a - b for a, b in zip(per_pos, last.accepted_per_pos + [0] * len(per_pos))])
-        if delta.num_drafts:
-            print(delta.summary(now - self.t), file=sys.stderr, flush=True)
-        self.t, self.last = now, dataclasses.replace(stats, accepted_per_pos=per_pos)
+        if prompt or gen or self.busy:
+            print(f"Engine 000: Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: {gen:.1f} "
+                  f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: {100 * kv:.1f}%, "
+                  f"Prefix cache hit rate: 0.0%", file=sys.stderr, flush=True)
+            if delta.num_drafts:
+                print(delta.summary(now - self.t), file=sys.stderr, flush=True)
+        self.busy = prompt or gen
+        self.t, self.tokens, self.last = now, tokens, dataclasses.replace(stats, accepted_per_pos=per_pos)
 
 
 # ==============================================================================================
@@ -893,8 +905,8 @@ def device_fault(e):
 
 
 class EngineLoop:
-    def __init__(self, llm, max_queue, metrics, spec_log=None):
-        self.engine, self.metrics, self.max_queue, self.spec_log = llm.engine, metrics, max_queue, spec_log
+    def __init__(self, llm, max_queue, metrics, stats_log=None):
+        self.engine, self.metrics, self.max_queue, self.stats_log = llm.engine, metrics, max_queue, stats_log
         self.t_step = None              # when the current step began (time.perf_counter())
         self.inbox = queue.Queue()      # handler threads -> engine thread: ("add" | "abort", job)
         self.lock = threading.Lock()    # guards inflight and dead
@@ -941,18 +953,18 @@ class EngineLoop:
                         if job.t_scheduled is None and job.req.slot is not None:
                             job.t_scheduled = self.t_step
                 self.metrics.after_step(eng)
-                if self.spec_log is not None:
-                    self.spec_log.tick(eng.stats, time.monotonic())
+                if self.stats_log is not None:
+                    self.stats_log.tick(self.metrics, eng.stats, time.monotonic())
         except BaseException as e:  # a device fault, or a fault of this loop itself: nothing can go on
             self._exit(e)
 
     def commands(self):
         """The handlers' commands: those waiting; idle, the first to come (sleeping on the inbox, but no
-        longer than the spec-decode log's interval, so that its last line gets written)."""
+        longer than the stats log's interval, so that its last lines get written)."""
         if self.engine.has_work():
             return list(drain(self.inbox))
         try:
-            first = self.inbox.get(timeout=None if self.spec_log is None else self.spec_log.interval)
+            first = self.inbox.get(timeout=None if self.stats_log is None else self.stats_log.interval)
         except queue.Empty:
             return []
         return [first] + list(drain(self.inbox))
@@ -1505,7 +1517,7 @@ class App:
     (ChatOptions), the engine loop and the metrics."""
 
     def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64, chat=None,
-                 log_requests=False):
+                 log_requests=False, log_stats=True):
         self.llm, self.tokenizer, self.api_key, self.vocab = llm, llm.tokenizer, api_key, llm.cfg.vocab_size
         names = served_model_name or [llm.model_path]
         self.names = [names] if isinstance(names, str) else list(names)
@@ -1519,7 +1531,7 @@ class App:
         k = llm.spec.num_speculative_tokens if llm.spec else 0
         self.metrics = Metrics(self.name, k)
         interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", 10))
-        self.loop = EngineLoop(llm, max_queue, self.metrics, SpecLog(interval) if k else None)
+        self.loop = EngineLoop(llm, max_queue, self.metrics, StatsLog(interval) if log_stats else None)
 
     def authorized(self, header):
         want = f"Bearer {self.api_key}".encode()
@@ -1605,6 +1617,7 @@ def build_parser():
                     help='JSON object of chat template kwargs for every request, e.g. '
                     '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it)')
     ap.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
+    ap.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / spec-decode lines")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                               "more get 503")
     ap.add_argument("--max-connections", type=int, default=256, help="open connections served at once; one "
@@ -1683,7 +1696,8 @@ def main(argv=None):
             template = ChatTemplate.from_arg(a.chat_template, llm.chat_template.special_tokens)
             chat = chat._replace(template=template)
         llm.warmup()  # every graph captured before the first request (on CUDA)
-        app = App(llm, a.served_model_name, a.api_key, a.max_queue, chat, a.enable_log_requests)
+        app = App(llm, a.served_model_name, a.api_key, a.max_queue, chat, a.enable_log_requests,
+                  not a.disable_log_stats)
         httpd = Server((a.host, a.port), app, a.max_connections, a.request_timeout)
     except Exception as e:  # a bad config or checkpoint, a busy port: one line, no traceback
         msg = " ".join(str(e).split()) or type(e).__name__

@@ -7146,9 +7146,43 @@ def test_the_recipe_command_line(tmp_path):
         s.stop()
     log = open(s.log).read()
     assert "max_model_len 2048 (--max-model-len)" in log and "of system memory available" in log
+    assert re.search(r"Engine 000: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ "
+                     r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [\d.]+%", log), log
     assert re.search(r"SpecDecoding metrics: Mean acceptance length: [\d.]+, Accepted throughput: [\d.]+ tokens/s, "
                      r"Drafted throughput: [\d.]+ tokens/s, Accepted: \d+ tokens, Drafted: \d+ tokens, Per-position "
                      r"acceptance rate: [\d.]+, [\d.]+, Avg Draft acceptance rate: [\d.]+%", log), log
+
+
+def test_server_stats_log(capsys):
+    """server.StatsLog, vLLM's periodic lines: nothing before the interval ends; then the interval's prompt and
+    generation throughput, the running / waiting requests and KV usage now, and the interval's spec-decode counts
+    with their throughputs; an idle interval right after a busy one still prints its zeros, the next one nothing."""
+    m, stats = srvmod.Metrics("m", 2), sd.SpecStats()
+    log = srvmod.StatsLog(10.0)
+    t0 = log.t
+    m.prompt_tokens, m.generation_tokens, m.running, m.waiting, m.kv_usage = 100, 50, 2, 1, 0.25
+    stats.add(2, 2), stats.add(2, 1), stats.add(2, 0), stats.add(2, 1)
+    log.tick(m, stats, t0 + 5)
+    assert capsys.readouterr().err == ""
+    log.tick(m, stats, t0 + 10)
+    assert capsys.readouterr().err.splitlines() == [
+        "Engine 000: Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 2 reqs, "
+        "Waiting: 1 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 0.0%",
+        "SpecDecoding metrics: Mean acceptance length: 2.00, Accepted throughput: 0.40 tokens/s, Drafted throughput: "
+        "0.80 tokens/s, Accepted: 4 tokens, Drafted: 8 tokens, Per-position acceptance rate: 0.750, 0.250, Avg Draft "
+        "acceptance rate: 50.0%"]
+    m.generation_tokens += 20
+    stats.add(2, 2)
+    log.tick(m, stats, t0 + 20)                                       # only this interval's counts
+    assert capsys.readouterr().err.splitlines()[1].startswith("SpecDecoding metrics: Mean acceptance length: 3.00, "
+                                                              "Accepted throughput: 0.20 tokens/s")
+    m.running = m.waiting = 0
+    log.tick(m, stats, t0 + 30)
+    assert capsys.readouterr().err.splitlines() == [
+        "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, "
+        "Waiting: 0 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 0.0%"]
+    log.tick(m, stats, t0 + 40)
+    assert capsys.readouterr().err == ""
 
 
 if __name__ == "__main__":

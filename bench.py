@@ -8,9 +8,9 @@
     python bench.py serve --dataset-name custom --dataset-path prompts.jsonl    (or sharegpt, a ShareGPT .json)
 
 Serve mode is `vllm bench serve` (its flags and defaults: --host / --port / --base-url, --backend, --random-input-len
-/ --random-output-len / --random-range-ratio / --random-prefix-len, --percentile-metrics / --metric-percentiles,
---save-result / --result-dir / --result-filename / --metadata, the sampling flags, --num-warmups, --header; its
-result table, peaks included, and result JSON), against any OpenAI-compatible server.
+/ --random-output-len / --random-range-ratio / --random-prefix-len, --burstiness, --goodput, --percentile-metrics /
+--metric-percentiles, --save-result / --result-dir / --result-filename / --metadata, the sampling flags,
+--num-warmups, --header; its result table, peaks included, and result JSON), against any OpenAI-compatible server.
 
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
 and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
@@ -749,6 +749,11 @@ def serve_args(argv):
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (inf: all at once)")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="with a finite --request-rate: gamma-distributed "
+                    "gaps of this shape (1: Poisson; below 1 burstier, above more even)")
+    ap.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                    help="service-level objectives (ttft, tpot, e2el in ms): request goodput counts the requests "
+                         "within all of them")
     ap.add_argument("--num-warmups", type=int, default=0, help="requests (the first prompt) sent and waited for "
                                                                 "before the timed run")
     ap.add_argument("--ready-check-timeout-sec", type=int, default=0,
@@ -817,6 +822,17 @@ def serve_benchmark(argv=None):
         if not pcts or any(not 0 <= p <= 100 for p in pcts):
             raise DatasetError(f"--metric-percentiles {a.metric_percentiles!r}: numbers in [0, 100], e.g. 25,50,99")
         extra_headers, metadata = key_values(a.header, "--header"), key_values(a.metadata, "--metadata")
+        if not a.burstiness > 0:
+            raise DatasetError(f"--burstiness must be > 0, not {a.burstiness}")
+        slo = {}
+        for pair in a.goodput or []:
+            k, _, v = pair.partition(":")
+            try:
+                slo[k] = float(v)
+            except ValueError:
+                slo[k] = -1.0
+            if k not in ("ttft", "tpot", "e2el") or slo[k] < 0:
+                raise DatasetError(f"--goodput {pair!r}: use KEY:MS with KEY ttft, tpot or e2el and MS >= 0")
         if a.dataset_name == "random":
             if a.dataset_path:
                 raise DatasetError("--dataset-path needs --dataset-name custom or sharegpt")
@@ -880,8 +896,8 @@ def serve_benchmark(argv=None):
         arrival = time.perf_counter()
         threads = []
         for i in range(len(batch)):
-            if i and math.isfinite(a.request_rate):  # Poisson process: exponential gaps
-                arrival += rng.expovariate(a.request_rate)
+            if i and math.isfinite(a.request_rate):  # gamma gaps of mean 1 / rate (burstiness 1: Poisson)
+                arrival += rng.gammavariate(a.burstiness, 1 / (a.request_rate * a.burstiness))
                 time.sleep(max(0.0, arrival - time.perf_counter()))
             slots.acquire()
             threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
@@ -917,7 +933,14 @@ def serve_benchmark(argv=None):
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
            "output_throughput": n_out / duration,
            "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,
-           "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests}
+           "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests,
+           "request_goodput": None}
+    if slo:  # vLLM's: a request is good if each objective holds (its TPOT 0 with one output token)
+        per = {"ttft": lambda r: r["ttft"], "e2el": lambda r: r["latency"],
+               "tpot": lambda r: (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) if r["output_tokens"] > 1
+               else 0.0}
+        good = sum(all(per[k](r) * 1e3 <= v for k, v in slo.items()) for r in ok)
+        res["request_goodput"] = good / duration
     series = {"ttft": [r["ttft"] for r in ok],
               "tpot": [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
@@ -953,6 +976,8 @@ def serve_benchmark(argv=None):
     line("Total input tokens:", "unknown" if n_in is None else n_in)  # a text prompt without usage
     line("Total generated tokens:", n_out)
     line("Request throughput (req/s):", res["request_throughput"], ".2f")
+    if slo:
+        line("Request goodput (req/s):", res["request_goodput"], ".2f")
     line("Output token throughput (tok/s):", res["output_throughput"], ".2f")
     line("Peak output token throughput (tok/s):", peak_tok_s, ".2f")
     line("Peak concurrent requests:", peak_requests, ".2f")

@@ -3829,6 +3829,35 @@ def test_bench_serve_vllm_flags(tmp_path, monkeypatch, capsys):
         assert (code, cap.out, cap.err) == (1, "", want + "\n")
 
 
+def test_bench_serve_goodput_and_burstiness(monkeypatch, capsys):
+    """--goodput: the requests within every objective (TTFT 10 / 20 / 30 / 40 ms here, E2EL 20 ms more) per second;
+    without it request_goodput is None; bad objectives and --burstiness <= 0 are one `error:` line."""
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+    n = iter(range(1, 100))
+
+    def send(url, endpoint, body, headers, timeout):
+        ttft = 0.01 * next(n)
+        return {"ok": True, "start": time.perf_counter(), "ttft": ttft, "itl": [0.01, 0.01], "latency": ttft + 0.02,
+                "output_tokens": 3, "prompt_tokens": None, "chunks": 3, "error": ""}
+    monkeypatch.setattr(bench, "send", send)
+    argv = ["--num-prompts", "4", "--random-input-len", "5", "--max-concurrency", "1", "--request-rate", "1000",
+            "--burstiness", "0.5"]
+    assert bench.serve_benchmark(argv + ["--goodput", "ttft:25", "e2el:50"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["request_goodput"] * res["duration"] == pytest.approx(2) and "Request goodput (req/s):" in out
+    assert bench.serve_benchmark(argv + ["--goodput", "tpot:11"]) == 0               # TPOT 10 ms: all four
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["request_goodput"] * res["duration"] == pytest.approx(4)
+    assert bench.serve_benchmark(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["request_goodput"] is None
+    for bad, want in ((["--goodput", "itl:5"], "error: --goodput 'itl:5': use KEY:MS with KEY ttft, tpot or e2el "
+                                                 "and MS >= 0"),
+                      (["--burstiness", "0"], "error: --burstiness must be > 0, not 0.0")):
+        assert bench.serve_benchmark(argv + bad) == 1 and capsys.readouterr().err == want + "\n"
+
+
 def test_bench_peaks():
     """bench.peaks, vLLM's peak output tokens in one second and peak concurrency, on a hand-made timeline (exact
     binary fractions, seconds after the first start): tokens at 0.5, 0.75 | 1.25 | 2.75 (request a), 0.875 | 1,

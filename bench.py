@@ -927,7 +927,7 @@ def serve_benchmark(argv=None):
            "label": a.label or a.backend, "endpoint": a.endpoint, "model_id": model, "model": model,
            "tokenizer_id": a.tokenizer or model, **metadata, "dataset_name": a.dataset_name,
            "dataset_path": a.dataset_path, "num_prompts": num,
-           "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": 1.0,
+           "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": a.burstiness,
            "max_concurrency": a.max_concurrency, "prompt_len": a.input_len if a.dataset_name == "random" else None,
            "gen_len": a.output_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
@@ -935,14 +935,13 @@ def serve_benchmark(argv=None):
            "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,
            "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests,
            "request_goodput": None}
+    tpot = lambda r: (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1)  # a request of > 1 output token
     if slo:  # vLLM's: a request is good if each objective holds (its TPOT 0 with one output token)
         per = {"ttft": lambda r: r["ttft"], "e2el": lambda r: r["latency"],
-               "tpot": lambda r: (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) if r["output_tokens"] > 1
-               else 0.0}
+               "tpot": lambda r: tpot(r) if r["output_tokens"] > 1 else 0.0}
         good = sum(all(per[k](r) * 1e3 <= v for k, v in slo.items()) for r in ok)
         res["request_goodput"] = good / duration
-    series = {"ttft": [r["ttft"] for r in ok],
-              "tpot": [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
+    series = {"ttft": [r["ttft"] for r in ok], "tpot": [tpot(r) for r in ok if r["output_tokens"] > 1],
               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
     for name in metrics:
         for stat, v in summarize(series[name], pcts).items():
@@ -1002,9 +1001,9 @@ def serve_benchmark(argv=None):
     for e in errors[:5]:
         print(f"error: {e}", file=sys.stderr)
     if a.save_result or a.append_result:
-        rate = a.request_rate if math.isfinite(a.request_rate) else "inf"
         conc = f"-concurrency{a.max_concurrency}" if a.max_concurrency is not None else ""
-        path = a.result_filename or f"{res['label']}-{rate}qps{conc}-{model.split('/')[-1]}-{res['date']}.json"
+        path = a.result_filename or (f"{res['label']}-{res['request_rate']}qps{conc}-{model.split('/')[-1]}-"
+                                     f"{res['date']}.json")
         if a.result_dir:
             os.makedirs(a.result_dir, exist_ok=True)
             path = os.path.join(a.result_dir, path)

@@ -3847,6 +3847,7 @@ def test_bench_serve_goodput_and_burstiness(monkeypatch, capsys):
     out = capsys.readouterr().out
     res = json.loads(out.strip().splitlines()[-1])
     assert res["request_goodput"] * res["duration"] == pytest.approx(2) and "Request goodput (req/s):" in out
+    assert res["burstiness"] == 0.5
     assert bench.serve_benchmark(argv + ["--goodput", "tpot:11"]) == 0               # TPOT 10 ms: all four
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["request_goodput"] * res["duration"] == pytest.approx(4)

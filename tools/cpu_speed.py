@@ -9,8 +9,8 @@ after the first over the time after the first. The methods take turns over --rou
 from elsewhere hits all of them) and each keeps its median. Then --concurrency requests at once (four prompts,
 64 tokens each; output tokens over wall time), speculation off against MTP k=3. With --serve N: `bench.py serve`
 (--num-prompts N, --max-concurrency --concurrency, --gen-len 64, --ignore-eos; random prompts of 256 tokens)
-against `server.py` on the toy model, started
-once without speculation and once with MTP k=3 (output token throughput, MTP's mean acceptance length). Its
+against `server.py` on the toy model, started once without speculation and once with MTP k=3 (output token
+throughput, MTP's mean acceptance length). Its
 prompts: random token ids (bench.py serve's default, vLLM's random dataset), which the toy model was not trained
 on, or with --serve-dataset held-out the code prompts of tools/eval_toy.py (128-token windows of the held-out
 stdlib files in models/train_log.json, as text), written to a temporary JSONL for `--dataset-name custom`.

@@ -119,17 +119,18 @@ def main(out, logs, x="batch"):
     print(out)
 
 
-PLOTS = [("bench_tok_s_vs_concurrency.png", "batch", ["bench-27b.log", "bench-35b.log"]),
-         ("bench_tpot_vs_prompt_len.png", "prompt", ["bench-sweep.log", "bench-sweep-131072.log?"]),
-         ("bench_speedup_per_method.png", "speedup", ["bench-27b.log", "bench-35b.log"]),
-         ("bench_fp8_vs_bf16.png", "fp8", ["bench-bf16-27b.log", "bench-fp8-27b.log"])]
+# (file, --x, the logs it needs, the logs it takes as well where they exist)
+PLOTS = [("bench_tok_s_vs_concurrency.png", "batch", ["bench-27b.log", "bench-35b.log"], []),
+         ("bench_tpot_vs_prompt_len.png", "prompt", ["bench-sweep.log"], ["bench-sweep-131072.log"]),
+         ("bench_speedup_per_method.png", "speedup", ["bench-27b.log", "bench-35b.log"], []),
+         ("bench_fp8_vs_bf16.png", "fp8", ["bench-bf16-27b.log", "bench-fp8-27b.log"], [])]
 
 
 def all_plots(logdir, outdir=ROOT):
-    for name, x, logs in PLOTS:
-        paths = [os.path.join(logdir, log.rstrip("?")) for log in logs]         # "?": used if it is there
-        paths = [p for p, log in zip(paths, logs) if not log.endswith("?") or os.path.exists(p)]
+    for name, x, logs, optional in PLOTS:
+        paths = [os.path.join(logdir, log) for log in logs]
         missing = [p for p in paths if not os.path.exists(p)]
+        paths += [p for p in (os.path.join(logdir, log) for log in optional) if os.path.exists(p)]
         if missing:
             print(f"{name}: skipped (no {', '.join(missing)})")
         else:

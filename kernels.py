@@ -190,23 +190,27 @@ def _slot_run(slots, pool):
 # multiplies bf16 in hardware (AVX512-BF16); elsewhere oneDNN would emulate it, and fp32 stays.
 CPU_DRAFT_DTYPE = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None
 _CPU_DRAFT = False  # inside cpu_draft()
+_DRAFT_BMM = True  # inside cpu_draft(): small weights through the fp32 bmm (_linear_draft_cpu)
 
 
 @contextlib.contextmanager
-def cpu_draft():
+def cpu_draft(bmm=True):
     """Inside: a CPU linear (the small-step path, _linear_cpu) of an fp32 weight computes in CPU_DRAFT_DTYPE,
-    its input rounded to it, on a copy of the weight packed once, and returns fp32 (_linear_draft_cpu). MTP's
-    passes and draft logits run inside it (specdec.MTPProposer): on the toy (AVX512-BF16, one process, MTP k=3
-    alternating with fp32 drafting, 10 rounds) 216 -> 251 tok/s, the mean acceptance length over four prompts
-    2.374 -> 2.357; k=1 220 -> 237. Nothing else changes, and nothing on a GPU (the flag is read by the CPU
-    path only)."""
-    global _CPU_DRAFT
-    old = _CPU_DRAFT
-    _CPU_DRAFT = True
+    its input rounded to it, on a copy of the weight packed once, and returns fp32; a small weight's in fp32
+    by per-row products, cheaper than a oneDNN call (_linear_draft_cpu). MTP's passes and draft logits run
+    inside it (specdec.MTPProposer): on the toy (AVX512-BF16, one process, MTP k=3 alternating with fp32
+    drafting, 10 rounds) 216 -> 251 tok/s, the mean acceptance length over four prompts 2.374 -> 2.357; k=1
+    220 -> 237. draft_model's passes too (specdec.DraftModelProposer), and with bmm=False (every weight through
+    oneDNN in bf16: they run 8 or more rows a request, where the bmm costs more) the block drafters'
+    (specdec.BlockProposer). Nothing else changes, and nothing on a GPU (the flags are read by the CPU path
+    only)."""
+    global _CPU_DRAFT, _DRAFT_BMM
+    old = _CPU_DRAFT, _DRAFT_BMM
+    _CPU_DRAFT, _DRAFT_BMM = True, bmm
     try:
         yield
     finally:
-        _CPU_DRAFT = old
+        _CPU_DRAFT, _DRAFT_BMM = old
 
 
 def argmax(x):
@@ -948,7 +952,7 @@ def _transposed(w):
     return _derived(w, "t", lambda w: w.t().contiguous())
 
 
-_DNN_ROWS = {}  # (out, in, rows, threads) -> does oneDNN's call of so many rows give each row its bits alone?
+_DNN_ROWS = {}  # (how, out, in, rows, threads[, dtype]) -> does one call of so many rows give each row its bits alone?
 
 
 def _dnn_ok(w):
@@ -968,18 +972,30 @@ def _dnn(x, wp):
     return torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
 
 
-def _dnn_rows(w, M, dtype=None):
-    """Does oneDNN's call of M rows give every row the bits of that row's own 1-row call, for w's shape, on
-    the running CPU and thread count (dtype: for w's copy in that dtype)? Checked at first use (M random rows,
-    each against its call alone; the GEMM's arithmetic does not depend on the values) and remembered."""
-    dtype = dtype or w.dtype
-    key = (*w.shape, M, torch.get_num_threads()) + (() if dtype == w.dtype else (dtype,))
+def _bmm(rows, w):
+    """rows [M, in] @ w^T, every row its own (1, in) @ (in, out) product: one bmm of x [M, 1, in] and w^T
+    expanded to [M, in, out], each batch entry its own product. -> [M, out]."""
+    M, (N, Kin) = rows.shape[0], w.shape
+    return torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N)).view(M, N)
+
+
+def _rows_alone(how, w, M, fn, dtype):
+    """Does fn's call of M rows [M, in] (of dtype) give every row the bits of that row's own 1-row call, for w's
+    shape, on the running CPU and thread count? Checked at first use (M random rows, each against its call
+    alone; the GEMM's arithmetic does not depend on the values) and remembered under `how` (the GEMM's name)."""
+    key = (how, *w.shape, M, torch.get_num_threads()) + (() if dtype == w.dtype else (dtype,))
     if key not in _DNN_ROWS:
-        wp = _packed(w, dtype)
         x = torch.randn(M, w.shape[1], generator=torch.Generator().manual_seed(M)).to(dtype)
-        y = _dnn(x, wp)
-        _DNN_ROWS[key] = all(torch.equal(_dnn(x[i:i + 1], wp), y[i:i + 1]) for i in range(M))
+        y = fn(x)
+        _DNN_ROWS[key] = all(torch.equal(fn(x[i:i + 1]), y[i:i + 1]) for i in range(M))
     return _DNN_ROWS[key]
+
+
+def _dnn_rows(w, M, dtype=None):
+    """Does oneDNN's call of M rows give every row the bits of that row's own 1-row call (_rows_alone; dtype:
+    for w's copy in that dtype)?"""
+    wp = _packed(w, dtype)
+    return _rows_alone("dnn", w, M, lambda x: _dnn(x, wp), dtype or w.dtype)
 
 
 def _linear_cpu(x, w):
@@ -1006,17 +1022,30 @@ def _linear_cpu(x, w):
         wp = _packed(w)
         y = _dnn(rows, wp) if M == 1 or _dnn_rows(w, M) else torch.cat([_dnn(r, wp) for r in rows.split(1)])
         return y.view(*x.shape[:-1], N)
-    y = torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N))          # [M, 1, N]
-    return y.view(*x.shape[:-1], N)
+    return _bmm(rows, w).view(*x.shape[:-1], N)
+
+
+# A drafter's weights of at most this many elements take the fp32 bmm (_linear_draft_cpu)
+DRAFT_BMM_SIZE = 1 << 17
 
 
 def _linear_draft_cpu(rows, w):
-    """A drafter's rows [M, in] @ w^T inside cpu_draft(): oneDNN on w's CPU_DRAFT_DTYPE copy (packed once),
-    the rows rounded to that dtype, the result back in w's dtype; one M-row call where _dnn_rows finds it
-    giving each row the bits of its own 1-row call (as _linear_cpu): a draft does not depend on its batch."""
+    """A drafter's rows [M, in] @ w^T inside cpu_draft(), each row's bits those of its own 1-row call (as
+    _linear_cpu: a draft does not depend on its batch). A small weight (out x in <= DRAFT_BMM_SIZE: the toy
+    draft model's, 128 wide, and MTP's 256 x 256 and fc) in fp32 through _bmm: a oneDNN call costs ~20 us on
+    this CPU whatever its size, the bmm 5-16 us at 1..5 rows there (us a call, hot, against oneDNN in bf16:
+    388 x 128 at 1 / 5 rows 5 / 16 against 28 / 39, 768 x 128 8 / 25 against 30 / 27, 256 x 256 6 / 17
+    against 23 / 25; at 8 rows 27-37 against 25-35). One bmm of M rows where _rows_alone finds it giving each
+    row the bits of its own 1-row call, else one per row. The others: oneDNN on w's CPU_DRAFT_DTYPE copy
+    (packed once), the rows rounded to that dtype, the result back in w's dtype; one M-row call where
+    _dnn_rows finds it giving each row its bits alone. Which of the two runs depends on w (and the caller's
+    cpu_draft(bmm)) alone, not on M."""
+    M, (N, Kin) = rows.shape[0], w.shape
+    if _DRAFT_BMM and N * Kin <= DRAFT_BMM_SIZE:
+        ok = M == 1 or _rows_alone("bmm", w, M, lambda x: _bmm(x, w), w.dtype)
+        return _bmm(rows, w) if ok else torch.cat([_bmm(r, w) for r in rows.split(1)])
     dt = CPU_DRAFT_DTYPE
     wp, r = _packed(w, dt), rows.to(dt)
-    M = r.shape[0]
     y = _dnn(r, wp) if M == 1 or _dnn_rows(w, M, dt) else torch.cat([_dnn(x, wp) for x in r.split(1)])
     return y.to(w.dtype)
 
@@ -1536,7 +1565,9 @@ def _gdn_recurrent_cpu(q, k, v, a, b, A_log, dt_bias, state_pool, slots, n_keep,
     dt_b = _derived(dt_bias, "f64", lambda w: w.double())
     decay = torch.exp(neg_A * F.softplus(a.double() + dt_b)).float()            # [B, T, H_v]
     beta = torch.sigmoid(b.double()).float()
-    qk = torch.cat([q, k], 2).float()                            # [B, T, 2 H_k, d_k]: normalised together
+    # [B, T, 2 H_k, d_k], normalised together; contiguous, so that each row's sum of squares takes one order
+    # whatever layout q and k come in (the CPU conv's output has T innermost: a verify row differed by ~5e-9)
+    qk = torch.cat([q, k], 2).float().contiguous()
     qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True).double() + 1e-6).float()
     qf, kf = qk[:, :, :Hk] * Dk ** -0.5, qk[:, :, Hk:]
     # token-major, each key head repeated over its value heads once here, and every (batch row, head) one

@@ -1517,7 +1517,8 @@ class BlockProposer:
     # Drafting and the context write after a verify go through io.call: captured graphs on the GPU (inputs are
     # device tensors, batch first; kv_len is then the cache length), eager elsewhere.
     def _context(self, kv_len, slots, pos, feats):
-        self.net.write_context(feats, Ctx(self.cache, slots, pos, kv_len))
+        with K.cpu_draft(bmm=False):  # as _draft
+            self.net.write_context(feats, Ctx(self.cache, slots, pos, kv_len))
         return ()
 
     def _feats(self, taps):
@@ -1553,7 +1554,8 @@ class BlockProposer:
         return self.logits(self.net(x, Ctx(self.cache, slots, pos, kv_len))[:, self.out])
 
     def _draft(self, kv_len, slots, pos, anchor, temp=None, u=None):
-        U = self.block_logits(kv_len, slots, pos, anchor)                           # [B, K, V_d]
+        with K.cpu_draft(bmm=False):  # on a CPU the drafter's linears in bf16 (kernels.cpu_draft)
+            U = self.block_logits(kv_len, slots, pos, anchor)                       # [B, K, V_d]
         d, q = self._sample(U, anchor, temp, u)
         if self.net.d2t is not None and q is not None:                              # draft -> target vocab
             cols = self._tid(torch.arange(q.shape[-1], device=q.device))
@@ -1673,6 +1675,7 @@ class DraftModelProposer:
     never write the GDN states (over [d1..dj] for a hybrid draft, just d_j for an attention-only one), so
     nothing needs rolling back."""
     taps = ()
+    cpu_passes = True  # on a CPU: shorter passes (_passes; False: the GPU's, as test_cpu_draft_passes's reference)
 
     def __init__(self, spec, io):
         self.io = io
@@ -1715,25 +1718,52 @@ class DraftModelProposer:
         return self.io.call("draft-propose", self._draft, kv_len, inputs)
 
     def _draft(self, kv_len, slots, start, ids, n, temp=None, u=None):
-        with K.drafting():  # small linears load their weights before waiting (kernels.py)
+        # drafting(): on the GPU small linears load their weights before waiting; cpu_draft(): on a CPU the
+        # draft's linears take the drafter's path, fp32 bmm for the small ones, bf16 for the rest (kernels.py)
+        with K.drafting(), K.cpu_draft():
             return self._passes(kv_len, slots, start, ids, n, temp, u)
 
     def _passes(self, kv_len, slots, start, ids, n, temp, u):
-        ctx = Ctx(self.state, slots, start, kv_len, "verify")
-        h = self.model(ids, ctx)                                                     # [B, k+1, H]
-        self.model.commit(ctx, n)                                                    # keep the new tokens
+        cpu = self.cpu_passes and self.io.device.type == "cpu"
+        mode = "verify"
+        if cpu:  # the host knows n at no cost: the first pass over max(n) tokens, and where every row has that
+            m = max(1, int(n.max()))  # many (a lone request always), as a decode (its states advance over all:
+            ids = ids[:, :m]  # no per-token snapshots, no commit; padding rows of a graph have n = 0)
+            mode = "decode" if bool((n == m).all()) else "verify"
+        ctx = Ctx(self.state, slots, start, kv_len, mode)
+        h = self.model(ids, ctx)                                                     # [B, m, H]
+        if mode == "verify":
+            self.model.commit(ctx, n)                                                # keep the new tokens
         h = h[torch.arange(ids.shape[0], device=ids.device), n - 1]                  # [B, H] at each anchor
         p1 = start + n                                                               # [B] position of d1
+        # On a CPU a hybrid draft feeds d_j alone as a decode pass, its GDN states saved first and put back
+        # after (fewer tokens per pass, no snapshots); elsewhere [d1..dj] in verify mode, which writes none
+        saved = self._save(slots) if cpu and self.recurrent else None
         drafts = []
         probs = []
         for j in range(self.k):
             if j > 0:
-                x, pos = (torch.stack(drafts, 1), p1) if self.recurrent else (drafts[-1][:, None], p1 + j - 1)
-                h = self.model(x, Ctx(self.state, slots, pos, kv_len, "verify"))[:, -1]
+                if self.recurrent and saved is None:
+                    h = self.model(torch.stack(drafts, 1), Ctx(self.state, slots, p1, kv_len, "verify"))[:, -1]
+                else:
+                    mode = "verify" if saved is None else "decode"
+                    h = self.model(drafts[-1][:, None], Ctx(self.state, slots, p1 + j - 1, kv_len, mode))[:, -1]
             d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
             drafts.append(d)
             probs.append(q)
+        if saved is not None:
+            self._restore(slots, saved)
         return torch.stack(drafts, 1), None if temp is None else torch.stack(probs, 1)
+
+    def _save(self, slots):
+        """Copies of the slots' GDN conv windows and recurrent states ({layer: (conv, rec)})."""
+        st = self.state
+        return {i: (st.conv[i].index_select(0, slots), st.rec[i].index_select(0, slots)) for i in st.rec}
+
+    def _restore(self, slots, saved):
+        for i, (conv, rec) in saved.items():
+            self.state.conv[i].index_copy_(0, slots, conv)
+            self.state.rec[i].index_copy_(0, slots, rec)
 
     def commit(self, batch, hidden, taps, ids, n_acc, tokens):
         s = batch.slots  # the next propose's first pass consumes the committed tokens it has not cached

@@ -5490,10 +5490,14 @@ def committed(llm, five):
 
 
 @pytest.mark.parametrize("name", ["dflash", "dspark"])
-def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
+def test_block_cache_equals_fresh_prefill_and_zlab(name, ckpts, monkeypatch):
     """After the 48-token batch run (mostly rejected drafts), each slot's context K/V over its committed tokens
-    equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation."""
-    llm, _, five, _ = runs(name)
+    equals a fresh prefill's; and the next block's logits equal z-lab's cache-free formulation. The drafter in
+    the weights' own fp32, as z-lab's (a CPU drafts in bf16 by default: kernels.cpu_draft)."""
+    monkeypatch.setattr(K, "CPU_DRAFT_DTYPE", None)
+    llm = make_llm(ckpts, name)
+    llm.generate(SPEC_PROMPTS[:1], GREEDY)
+    five = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)]
     e, prop = llm.engine.runner, llm.engine.runner.proposer
     free = llm.engine.max_num_seqs - 1                          # a slot the 5 prompts did not use
     with torch.inference_mode():
@@ -5515,10 +5519,49 @@ def test_block_cache_equals_fresh_prefill_and_zlab(name, runs):
 
 
 @pytest.mark.parametrize("name", ["draft_hybrid", "draft_qwen3"])
-def test_draft_model_state_equals_fresh_prefill(name, runs):
+def test_cpu_draft_passes(name, ckpts):
+    """On a CPU draft_model's first pass takes max(n) new tokens (a decode when every row has that many) and a
+    hybrid draft feeds each later pass d_j alone as a decode, its GDN states saved and put back: the same drafts,
+    tokens and acceptance, and after every step the same draft states (GDN conv and recurrent states of every
+    slot, KV up to what each slot consumed) as the GPU's passes (DraftModelProposer.cpu_passes False: k+1 tokens
+    in verify mode, then [d1..dj]): bit for bit alone; in a batch whose rows have different n within 1e-6 (there
+    a GDN verify's q and k arrive with the tokens innermost, the conv's layout, and torch sums their squares in
+    another order than a decode's: ~1e-9 apart)."""
+    llms = [make_llm(ckpts, name) for _ in range(2)]
+    llms[1].engine.runner.proposer.cpu_passes = False
+    sp = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+          SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=3)]
+    for prompts in (SPEC_PROMPTS[:1], SPEC_PROMPTS[:3]):
+        same = torch.equal if len(prompts) == 1 else (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6))
+        reqs = [[llm.engine.add_request(llm.tokenizer.encode(p), sp[i % 2]) for i, p in enumerate(prompts)]
+                for llm in llms]
+        while not all(r.finished for r in reqs[0] + reqs[1]):
+            for llm in llms:
+                llm.engine.step()
+            p0, p1 = (llm.engine.runner.proposer for llm in llms)
+            assert [r.output_ids for r in reqs[0]] == [r.output_ids for r in reqs[1]]
+            assert torch.equal(p0.start, p1.start) and torch.equal(p0.new_n, p1.new_n)
+            for i in p0.state.rec:
+                assert same(p0.state.rec[i], p1.state.rec[i]) and same(p0.state.conv[i], p1.state.conv[i])
+            for r in reqs[0]:
+                if r.slot is not None:
+                    n = int(p0.start[r.slot])
+                    assert all(same(a[r.slot, :n], b[r.slot, :n])
+                               for i in p0.state.kv for a, b in zip(p0.state.kv[i], p1.state.kv[i]))
+    s0, s1 = (llm.engine.stats for llm in llms)
+    assert s0.num_draft_tokens == s1.num_draft_tokens and s0.accepted_per_pos == s1.accepted_per_pos
+    assert s0.num_accepted_tokens > s0.num_drafts > 0
+
+
+@pytest.mark.parametrize("name", ["draft_hybrid", "draft_qwen3"])
+def test_draft_model_state_equals_fresh_prefill(name, ckpts, monkeypatch):
     """A draft's KV (and a hybrid draft's GDN conv/recurrent states) after the batch run == a prefill over the tokens
-    it consumed. The attention-only draft keeps the KV of its accepted drafts from the passes that drafted them."""
-    llm, _, five, _ = runs(name)
+    it consumed. The attention-only draft keeps the KV of its accepted drafts from the passes that drafted them.
+    The draft in the weights' own fp32, as the prefill (a CPU drafts in bf16 by default: kernels.cpu_draft)."""
+    monkeypatch.setattr(K, "CPU_DRAFT_DTYPE", None)
+    llm = make_llm(ckpts, name)
+    llm.generate(SPEC_PROMPTS[:1], GREEDY)
+    five = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, GREEDY)]
     prop = llm.engine.runner.proposer
     m, st = prop.model, prop.state
     free = llm.engine.max_num_seqs - 1
@@ -7272,6 +7315,36 @@ def test_cpu_dnn_rows_check(monkeypatch):
         assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # row 1 alone == in the step
 
 
+def test_cpu_gdn_invariant_to_input_layout():
+    """The CPU GDN recurrence on q, k, v laid out with T innermost (the CPU causal conv's output): token 0 of a
+    T = 4 or 5 verify, alone or in a batch, == the same token decoded alone, bit for bit (the l2 norm of q and k
+    sums each row in one order whatever the layout; before, a verify row differed by ~5e-9)."""
+    g = torch.Generator().manual_seed(3)
+    Hk, Hv, dk, dv = 2, 4, 64, 64
+    r = lambda *s: torch.randn(*s, generator=g)
+    for _ in range(4):  # (a different summation order changes a row's bits only for some values)
+        base = [r(Hk, dk), r(Hk, dk), r(Hv, dv), r(Hv), r(Hv)]
+        A_log, dt_bias, pool = r(Hv), r(Hv), r(8, Hv, dk, dv) * 0.1
+        rows = layout_rows(r, base, A_log, dt_bias, pool, Hk, Hv, dk, dv)
+        assert K._cpu_fast(rows[0]) and all(torch.equal(x, rows[0]) for x in rows[1:])
+
+
+def layout_rows(r, base, A_log, dt_bias, pool, Hk, Hv, dk, dv):
+    """test_cpu_gdn_invariant_to_input_layout's outputs of token 0 (the same inputs and state each time)."""
+    rows = []
+    for B, T in [(1, 1), (1, 4), (2, 4), (4, 5)]:
+        q, k, v = (r(B, h, d, T).permute(0, 3, 1, 2) for h, d in ((Hk, dk), (Hk, dk), (Hv, dv)))  # T innermost
+        a, b = r(B, T, Hv), r(B, T, Hv)
+        for t, x in zip((q, k, v, a, b), base):
+            t[0, 0] = x
+        p = pool.clone()
+        with torch.inference_mode():
+            o = K.gdn_recurrent_gated(q, k, v, a, b, A_log, dt_bias, p, torch.arange(B),
+                                      torch.zeros(B, dtype=torch.long) if T > 1 else None)
+        rows.append(o[0, 0])
+    return rows
+
+
 @pytest.mark.parametrize("slot_list", [[3, 1, 4], [1, 2, 3]])
 def test_cpu_gdn_and_conv_fast_equal_reference(slot_list):
     """The CPU fast GDN recurrence and causal conv against the references (fp32: outputs within 1e-5, states
@@ -7483,22 +7556,33 @@ def test_cpu_greedy_accept(tiny_spec, monkeypatch):
     assert mtp.engine.stats.num_accepted_tokens > 0
 
 
-def test_cpu_draft_linear(monkeypatch):
+@pytest.mark.parametrize("N,Kin,path", [(776, 256, "bf16"), (388, 128, "bmm"), (256, 256, "bmm"),
+                                        (388, 128, "bmm rows alone"), (256, 256, "bf16, bmm=False")])
+def test_cpu_draft_linear(N, Kin, path, monkeypatch):
     """kernels.cpu_draft: inside it a CPU linear of an fp32 weight computes on bf16 copies (the bf16 product
-    of the rounded input and weight, within bf16's rounding of the result), a row alone == the row in steps of
-    2 .. 17 rows bit for bit, and fp32 comes back; outside it (or with CPU_DRAFT_DTYPE None) the fp32 linear,
-    bit for bit."""
+    of the rounded input and weight, within bf16's rounding of the result), or for a small weight (at most
+    DRAFT_BMM_SIZE elements) in fp32 as per-row products (_bmm; within fp32 of F.linear), one call for all rows
+    or, where the check at first use fails, one per row; either way a row alone == the row in steps of 2 .. 17
+    rows bit for bit (which of the two runs depends on the weight, not on the rows), and fp32 comes back;
+    cpu_draft(bmm=False) (the block drafters) takes bf16 for small weights too; outside it (or with
+    CPU_DRAFT_DTYPE None) the fp32 linear, bit for bit."""
     monkeypatch.setattr(K, "CPU_DRAFT_DTYPE", torch.bfloat16)  # (the default where the CPU has AVX512-BF16)
+    if path == "bmm rows alone":
+        monkeypatch.setattr(K, "_rows_alone", lambda *a: False)
     g = torch.Generator().manual_seed(8)
-    w, x = torch.randn(776, 256, generator=g), torch.randn(17, 256, generator=g)
+    w, x = torch.randn(N, Kin, generator=g), torch.randn(17, Kin, generator=g)
     fp32 = K.linear(x, w)
-    with K.cpu_draft():
+    with K.cpu_draft(bmm=path != "bf16, bmm=False"):
         y = K.linear(x, w)
         alone = torch.cat([K.linear(x[i:i + 1], w) for i in range(17)])
         assert all(torch.equal(K.linear(x[:M], w), alone[:M]) for M in (2, 3, 4, 8, 17))
-    ref = x.bfloat16().double() @ w.bfloat16().double().t()
-    assert y.dtype == torch.float32 and not torch.equal(y, fp32)
-    assert ((y - ref).abs() / ref.abs().clamp(min=1.0)).max() <= 2 ** -8
+    assert y.dtype == torch.float32 and torch.equal(y, alone)
+    if path.startswith("bf16"):
+        ref = x.bfloat16().double() @ w.bfloat16().double().t()
+        assert not torch.equal(y, fp32)
+        assert ((y - ref).abs() / ref.abs().clamp(min=1.0)).max() <= 2 ** -8
+    else:
+        assert N * Kin <= K.DRAFT_BMM_SIZE and torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert torch.equal(K.linear(x, w), fp32)                                      # outside: fp32 as before
     monkeypatch.setattr(K, "CPU_DRAFT_DTYPE", None)
     with K.cpu_draft():

@@ -114,13 +114,21 @@ def random_qwen3_layer(prefix, H, nh, nkv, hd, I, rand, norm=lambda n: torch.one
             for n, s in sd.qwen3_layer_tensors(H, nh, nkv, hd, I).items()}
 
 
-def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, sliding=0, window=2048):
-    """A random DFlash (z-lab layout) or DSpark (DeepSpec layout) drafter shaped for the target preset: `layers`
+def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, sliding=0, window=2048, layout="ours",
+                   shape=None):
+    """A random DFlash (z-lab layout) or DSpark (DeepSpec layout) drafter shaped for the target preset; with
+    layout "speculators", a DSpark one in the speculators format instead (speculators_dspark: its own shape
+    table, `shape` overriding it; `layers` and `block` are then not used). Otherwise: `layers`
     Qwen3 layers of the target's hidden size, taps spread over the target's depth, block `block`; the first
     `sliding` layers sliding-window (`window` keys, causal) and the rest full. For the 27B, DFlash with
     sliding=4 is z-lab/Qwen3.6-27B-DFlash's published shape (shared/reference: 5 layers, 4 sliding-window
     2048 + 1 full, 32 / 8 heads of 128, taps [1, 16, 31, 46, 61], mask id 248070; which layer is the full
     one is our guess: the last)."""
+    if layout == "speculators":
+        if method != "dspark":
+            raise sd.ConfigError(f"--drafter-layout speculators writes DSpark drafters only, not {method}: run the "
+                                 f"{method} configs in a separate call with --drafter-layout ours or zlab")
+        return speculators_dspark(path, target, rank, seed, sliding, window, **(shape or {}))
     from safetensors.torch import save_file
     t = PRESETS[target]
     H, L, V = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
@@ -146,6 +154,95 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, s
         w.update(random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r))
     if method == "dspark":
         w.update({"markov_head.markov_w1.weight": r(V, rank), "markov_head.markov_w2.weight": r(V, rank)})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
+SPECULATORS_DSPARK = {  # target preset -> the shape of a speculators-format DSpark drafter for it (see below)
+    # RedHatAI/Qwen3.6-35B-A3B-speculator.dspark, as far as it is known (its config.json is not available to us):
+    #   aux_ids: its training command's --target-layer-ids, which speculators writes unchanged into
+    #     aux_hidden_state_layer_ids (vLLM's ids: the stream entering layer L; the loader takes 1 off)
+    #   layers 5, block 8: the sibling RedHatAI DSpark cards ("5-layer Qwen3-style backbone", max draft 8) [assumed]
+    #   heads 16 / kv_heads 2 / head_dim 256: the verifier's, which speculators' draft config copies [assumed]
+    #   intermediate 6144: the verifier (MoE) has no dense intermediate_size; speculators then falls back to
+    #     3 x hidden (one version seen; another uses the active experts' width, 8 x 512 + 512 = 4608) [assumed]
+    #   draft_vocab 24576 with d2t: a RedHatAI DFlash for Qwen3.5-35B-A3B's reduced vocabulary [assumed]
+    "35b-a3b": dict(aux_ids=[2, 10, 20, 30, 37], layers=5, block=8, heads=16, kv_heads=2, head_dim=256,
+                    intermediate=6144, draft_vocab=24576, verifier="Qwen/Qwen3.6-35B-A3B",
+                    published="RedHatAI/Qwen3.6-35B-A3B-speculator.dspark (shape partly assumed)"),
+    # NOT a published layout (no speculators DSpark for a 27B is known): the same rules on the 27B, the taps
+    # z-lab's 27B DFlash ones ([1, 16, 31, 46, 61], ours) in vLLM's ids, the verifier's dense intermediate size
+    "27b": dict(aux_ids=[2, 17, 32, 47, 62], layers=5, block=8, heads=24, kv_heads=4, head_dim=256,
+                intermediate=17408, draft_vocab=24576, verifier="Qwen/Qwen3.6-27B",
+                published=None),
+    # the tests' tiny target (aux id 4 = its last layer's output, the largest id speculators allows)
+    "tiny": dict(aux_ids=[1, 3, 4], layers=5, block=8, heads=4, kv_heads=2, head_dim=32, intermediate=128,
+                 draft_vocab=512, verifier="tiny", published=None),
+}
+
+
+SHAPE_KEYS = ("aux_ids", "layers", "block", "heads", "kv_heads", "head_dim", "intermediate", "draft_vocab")
+
+
+def speculators_dspark(path, target, rank=256, seed=0, sliding=0, window=2048, **shape):
+    """A random DSpark drafter in the vllm-project/speculators format, for the target preset: config.json with
+    speculators_model_type "dspark", architectures ["DSparkSpeculator"], the Qwen3 layer config nested
+    (transformer_layer_config), aux_hidden_state_layer_ids in vLLM's semantics (specdec takes 1 off),
+    block_size, mask_token_id, draft_vocab_size, target_hidden_size, sample_from_anchor true, a vanilla Markov
+    head of rank `rank`, the confidence head (with Markov) and speculators_config; weights fc, hidden_norm,
+    layers.*, norm, lm_head [draft vocab], d2t (target id = id + d2t[id]), t2d, markov_head.markov_w1 [V, r]
+    / markov_w2 [V_d, r], confidence_head.proj [1, H + r] (no embed_tokens: the target's). The shape is
+    SPECULATORS_DSPARK[target] (its comments say which parts are assumptions), updated by `shape` (keys:
+    aux_ids layers block heads kv_heads head_dim intermediate draft_vocab); the first `sliding` layers
+    sliding-window (`window` keys) and the rest full (assumed all full)."""
+    from safetensors.torch import save_file
+    if target not in SPECULATORS_DSPARK:
+        raise sd.ConfigError(f"--drafter-layout speculators: no shape for target {target!r} "
+                             f"(known: {', '.join(SPECULATORS_DSPARK)})")
+    if set(shape) - set(SHAPE_KEYS):
+        raise sd.ConfigError(f"--drafter-shape: unknown keys {sorted(set(shape) - set(SHAPE_KEYS))} "
+                             f"(known: {' '.join(SHAPE_KEYS)})")
+    c = {**SPECULATORS_DSPARK[target], **shape}
+    t = PRESETS[target]
+    H, L, V, Vd = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"], c["draft_vocab"]
+    n, nh, nkv, hd, I = c["layers"], c["heads"], c["kv_heads"], c["head_dim"], c["intermediate"]
+    aux = list(c["aux_ids"])
+    if not all(0 <= i <= L for i in aux) or Vd > V:
+        raise sd.ConfigError(f"speculators drafter for {target}: aux ids {aux} must lie in 0..{L} and the draft "
+                             f"vocabulary {Vd} must not exceed {V}")
+    layer_cfg = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": n, "num_attention_heads": nh,
+                 "num_key_value_heads": nkv, "head_dim": hd, "intermediate_size": I, "vocab_size": V,
+                 "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000000,
+                 "max_position_embeddings": 262144, "attention_bias": False, "tie_word_embeddings": False,
+                 "layer_types": ["sliding_attention"] * sliding + ["full_attention"] * (n - sliding),
+                 "sliding_window": window if sliding else None}
+    cfg = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+           "transformer_layer_config": layer_cfg, "aux_hidden_state_layer_ids": aux, "block_size": c["block"],
+           "mask_token_id": V - 250, "draft_vocab_size": Vd, "target_hidden_size": H,  # mask: 248070 (Qwen3.5/3.6)
+           "sliding_window_non_causal": False, "sample_from_anchor": True, "markov_rank": rank,
+           "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+           "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": c["block"]}],
+                                  "verifier": {"name_or_path": c["verifier"], "architectures": [
+                                      "Qwen3_5MoeForConditionalGeneration" if "moe" in t["model_type"]
+                                      else "Qwen3_5ForConditionalGeneration"]}}}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+    keep = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values  # draft -> target
+    ones = lambda m: torch.ones(m, dtype=torch.bfloat16)                                  # noqa: E731
+    w = {"fc.weight": r(H, len(aux) * H), "hidden_norm.weight": ones(H), "norm.weight": ones(H),
+         "lm_head.weight": r(Vd, H),                                                       # draft vocab rows
+         "d2t": keep - torch.arange(Vd),                                                   # target id - draft id
+         "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, keep, True),               # training-only: skipped
+         "markov_head.markov_w1.weight": r(V, rank), "markov_head.markov_w2.weight": r(Vd, rank),
+         "confidence_head.proj.weight": r(1, H + rank), "confidence_head.proj.bias": ones(1)}  # loaded, unused
+    for i in range(n):
+        w.update(random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r))
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh)
@@ -1080,11 +1177,22 @@ def main(argv=None):
     ap.add_argument("--no-triton", action="store_true", help="PyTorch references instead of the Triton kernels "
                     "(implies --enforce-eager)")
     ap.add_argument("--random-drafter", default=None, help="with --random-weights: write a random DFlash/DSpark "
-                    "drafter of the target's shape (5 layers, block 16) to this directory first; use it as the "
+                    "drafter of the target's shape (5 layers, block 16; speculators: its own) to this directory first; use it as the "
                     "speculative config's model (its method picks the layout: the first dflash/dspark config)")
-    ap.add_argument("--drafter-layout", default="ours", choices=["ours", "zlab"],
+    ap.add_argument("--drafter-layout", default="ours", choices=["ours", "zlab", "speculators"],
                     help="with --random-drafter: zlab = DFlash drafters with 4 sliding-window (2048) layers and 1 "
-                    "full one, as z-lab's published Qwen3.6-27B-DFlash (ours: 5 full layers)")
+                    "full one, as z-lab's published Qwen3.6-27B-DFlash (ours: 5 full layers); speculators = DSpark "
+                    "drafters in the vllm-project/speculators format (dspark configs only; needs "
+                    "num_speculative_tokens >= its block, 8). For 35b-a3b shaped like "
+                    "RedHatAI/Qwen3.6-35B-A3B-speculator.dspark: its taps from its training command "
+                    "(aux_hidden_state_layer_ids 2 10 20 30 37, vLLM's ids: specdec reads 1 9 19 29 36); assumed "
+                    "(its config.json is not available): 5 layers, block 8, 16 / 2 heads of 256 (the verifier's), "
+                    "intermediate 6144 (3 x hidden), a reduced draft vocabulary of 24576 with d2t; speculators' "
+                    "defaults: Markov rank 256 (vanilla), a confidence head (loaded, unused). For 27b the same "
+                    "rules (taps [2, 17, 32, 47, 62], 24 / 4 heads, intermediate 17408): not a published layout")
+    ap.add_argument("--drafter-shape", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="with --drafter-layout speculators: override the assumed shape, keys "
+                    + " ".join(SHAPE_KEYS) + " (aux_ids comma-separated, vLLM's ids), e.g. intermediate=4608")
     ap.add_argument("--random-draft-lm", default=None, help="with --random-weights: write a random Qwen3-0.6B-shaped "
                     "draft LM with the target's vocabulary to this directory; draft_model configs without a model use it")
     ap.add_argument("--hf-baseline", action="store_true", help="also time Hugging Face transformers' generate on the "
@@ -1105,12 +1213,20 @@ def main(argv=None):
     sd.K.USE_TRITON = not a.no_triton
     a.enforce_eager |= a.no_triton  # the references read positions on the host: not capturable
     raw = [None if c in (None, "off") else json.loads(c) for c in (a.speculative_config or ["off"])]
+    shape = {k: [int(i) for i in v.split(",")] if k == "aux_ids" else int(v)
+             for k, v in (kv.split("=", 1) for kv in a.drafter_shape)}
     if a.random_drafter:
         for c in raw:
             if c and c.get("method") in ("dflash", "dspark"):
                 sliding = 4 if a.drafter_layout == "zlab" and c["method"] == "dflash" else 0
                 c["model"] = random_drafter(os.path.join(a.random_drafter, c["method"] + a.drafter_layout),
-                                            c["method"], a.random_weights, sliding=sliding)
+                                            c["method"], a.random_weights, sliding=sliding, layout=a.drafter_layout,
+                                            shape=shape)
+        if a.drafter_layout == "speculators":  # say what the drafter stands for
+            t = SPECULATORS_DSPARK[a.random_weights]
+            print(f"# speculators DSpark drafter for {a.random_weights}: "
+                  + (f"shaped like {t['published']}" if t["published"] else "NOT a published layout (the same "
+                     "rules as for 35b-a3b)") + (f"; overridden: {shape}" if shape else ""))
     if a.random_draft_lm:
         for c in raw:
             if c and c.get("method") == "draft_model" and "model" not in c:
@@ -1198,6 +1314,8 @@ def main(argv=None):
         print(" | ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}" for v in vals))
     result = {"model": label, "dtype": str(dtype), "quantization": a.quantization, "prompt_len": a.prompt_len,
               "gen_len": a.gen_len, "weight_bytes": wbytes, "rows": rows}
+    if a.random_drafter:
+        result["drafter_layout"] = a.drafter_layout
     if costs is not None:
         print("# target step cost at batch 1: " + ", ".join(f"T={T}: {ms:.2f} ms ({ms / costs[1]:.3f}x)"
                                                               for T, ms in costs.items()))

@@ -5356,6 +5356,76 @@ def test_dspark_layouts_load_to_the_same_drafter(runs):
     assert vars(m_native) == vars(m_spec)                       # same drafts, hence the same acceptance
 
 
+def test_bench_speculators_dspark_drafter(tmp_path):
+    """bench.py --drafter-layout speculators on the tiny preset: the drafter it writes (speculators DSpark: nested
+    layer config, vLLM's aux ids, block 8, a reduced draft vocabulary with d2t, t2d, Markov and confidence heads)
+    loads through specdec's loader as DSpark, and greedy speculation with it equals speculation off. To get drafts
+    accepted, the target is made cyclic (bench.make_cyclic) and the Markov head rewritten to that cycle:
+    W2[d] = W1[the id before d], so the bias picks the previous token's successor when the draft vocabulary (half
+    the ids) has it (measured: 36 of 344 draft tokens accepted, by position 21 9 5 1 0 0 0 0)."""
+    from safetensors.torch import load_file, save_file
+    cpu = torch.device("cpu")
+    with pytest.raises(sd.ConfigError, match="DSpark drafters only"):
+        bench.random_drafter(str(tmp_path / "x"), "dflash", "tiny", layout="speculators")
+    # seed 1: with seed 0 the draft vocabulary would be the cyclic model's first 8 cycles exactly (both draw
+    # randperm(V) from seed 0) and every draft would be accepted
+    path = bench.random_drafter(str(tmp_path / "dspark"), "dspark", "tiny", layout="speculators", seed=1)
+    with open(os.path.join(path, "config.json")) as fh:
+        top = json.load(fh)
+    assert top["speculators_model_type"] == "dspark" and top["aux_hidden_state_layer_ids"] == [1, 3, 4]
+    model, _ = bench.random_model("tiny", torch.float32, cpu)
+    cyc = bench.make_cyclic(model)
+    V = model.cfg.vocab_size
+    before = torch.empty(V, dtype=torch.long)
+    before[cyc.flatten()] = cyc.roll(1, 1).flatten()                        # the id before each in its cycle
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    keep = torch.arange(len(w["d2t"])) + w["d2t"]                           # draft id -> target id
+    w1 = torch.randn(V, 256, generator=torch.Generator().manual_seed(0)) * 0.25
+    w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"] = w1.bfloat16(), w1[before[keep]].bfloat16()
+    save_file(w, f)
+
+    def generate(spec):
+        eng = sd.Engine(model, None, spec, 2, 96, torch.float32, cpu, enforce_eager=True, enable_chunked_prefill=False)
+        sp = sd.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        reqs = [eng.add_request(cyc[i].roll(3 * i).repeat(2)[:24 + i].tolist(), sp) for i in range(2)]  # cyclic text
+        while eng.has_work():
+            eng.step()
+        return eng, [r.output_ids for r in reqs]
+    off = generate(None)[1]
+    eng, out = generate(sd.SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 8,
+                                                        "model": path}))
+    prop = eng.runner.proposer
+    c = prop.cfg
+    assert (c.block_size, c.target_layer_ids, c.from_anchor, c.markov_rank) == (8, [0, 2, 3], True, 256)
+    assert c.draft_vocab_size == prop.net.draft_vocab_size == 512 and prop.net.lm_head.weight.shape == (512, 64)
+    assert torch.equal(prop.net.d2t + torch.arange(512), keep)                          # offsets, loaded as written
+    assert prop.net.confidence_head is not None and prop.net.embed_tokens is None    # the target's embeddings
+    assert "t2d" not in dict(prop.net.named_parameters())                               # training-only: skipped
+    assert out == off
+    s = eng.stats
+    assert s.num_accepted_tokens > 0 and s.accepted_per_pos[1] > 0, vars(s)   # the d2t path committed drafts
+
+
+def test_bench_drafter_layout_speculators_cli(tmp_path, capsys):
+    """bench.py --random-drafter --drafter-layout speculators --drafter-shape: the drafter written with the overrides
+    (aux ids as given: vLLM's), run as the dspark config's model, the layout in the result JSON."""
+    argv = ["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "16", "--gen-len",
+            "8", "--random-drafter", str(tmp_path), "--drafter-layout", "speculators", "--drafter-shape", "layers=2",
+            "aux_ids=2,4", "--speculative-config", '{"method":"dspark","num_speculative_tokens":8}']
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["drafter_layout"] == "speculators" and "NOT a published layout" in out
+    (row,) = res["rows"]
+    path = row["spec"]["model"]
+    assert row["method"] == "dspark" and path == str(tmp_path / "dsparkspeculators")
+    c = sd.read_block_config(path, "dspark")
+    assert (c.num_hidden_layers, c.target_layer_ids, c.block_size) == (2, [1, 3], 8)
+    with pytest.raises(sd.ConfigError, match="unknown keys"):
+        bench.main(argv[:-2] + ["--drafter-shape", "width=3"] + argv[-2:])
+
+
 def llm_stats(d):
     return sd.SpecStats(**d)
 

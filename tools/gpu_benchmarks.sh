@@ -5,6 +5,8 @@
 #   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, the same rows in bf16)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
+#   bash tools/gpu_benchmarks.sh layouts              (published drafter layouts: DSpark in the speculators format
+#                                                      on the 35B-A3B, batch 1 and 8, with its draft time)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -52,6 +54,12 @@ issues)  # issue 18 (ngram / draft_model at 0.82, tight and a user's max_model_l
     --random-drafter /tmp/drafters-35b --verify-cost 2 4 16 --speculative-config off \
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-issue20.log | grep -v '^{' ;;
+layouts)  # issue 27: a random DSpark in the speculators format shaped like RedHatAI/Qwen3.6-35B-A3B-speculator.dspark
+         # (block 8, reduced draft vocab 24576 with d2t; partly assumed: bench.py --help), k = 8 at the same synthetic
+         # acceptance length as the DFlash / DSpark rows; "draft ms" is the drafter's time per step
+  timeout 250 python3 bench.py --random-weights 35b-a3b --batch 1 8 --prompt-len 512 --gen-len 128 \
+    --random-drafter /tmp/drafters-35b --drafter-layout speculators --speculative-config off \
+    --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":8,$SYN}" 2>&1 | tee $OUT/bench-35b-speculators.log | grep -v '^{' ;;
 targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens per request (less acceptance noise)
   timeout 400 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 256 \
     --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \

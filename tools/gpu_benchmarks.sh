@@ -3,6 +3,7 @@
 #   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
 #   bash tools/gpu_benchmarks.sh targets | drafters   (the issues' target rows at 256 tokens; retrain the toy drafters)
 #   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, the same rows in bf16)
+#   bash tools/gpu_benchmarks.sh 27b-fp8 35b-fp8      (the 27b / 35b parts' rows with FP8 weights, no transformers)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
 #   bash tools/gpu_benchmarks.sh layouts              (published drafter layouts: DSpark in the speculators format
@@ -18,10 +19,12 @@ SYN='"rejection_sample_method":"synthetic","synthetic_acceptance_length":6.5'
 NG='"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lookup_max":5,"rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.82,0.82,0.82,0.82]'
 DM='"method":"draft_model","num_speculative_tokens":4,"rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.82,0.82,0.82,0.82]'
 for p in $parts; do case $p in
-27b|35b)  # synthetic acceptance at the published rates, concurrency 1-8, every method, transformers in the same run
-  w=$([ $p = 27b ] && echo 27b || echo 35b-a3b); tf=(); [ $p = 35b ] && tf=(--true-floor)  # the MoE's real floor
-  timeout 560 python3 bench.py --random-weights $w --batch 1 2 4 8 --prompt-len 512 --gen-len 64 "${tf[@]}" \
-    --random-drafter /tmp/drafters-$p --random-draft-lm /tmp/draft-lm-$p --verify-cost 2 4 16 --hf-baseline \
+27b|35b|27b-fp8|35b-fp8)  # synthetic acceptance at the published rates, concurrency 1-8, every method, transformers
+  # in the same run (bf16 only); the -fp8 parts: the same rows with --quantization fp8 (issue 27's FP8 table)
+  m=${p%-fp8}; w=$([ $m = 27b ] && echo 27b || echo 35b-a3b); tf=(); [ $m = 35b ] && tf=(--true-floor)  # MoE floor
+  q=(--hf-baseline); [ $m != $p ] && q=(-q fp8)
+  timeout 560 python3 bench.py --random-weights $w --batch 1 2 4 8 --prompt-len 512 --gen-len 64 "${tf[@]}" "${q[@]}" \
+    --random-drafter /tmp/drafters-$m --random-draft-lm /tmp/draft-lm-$m --verify-cost 2 4 16 \
     --speculative-config off \
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
     --speculative-config "{$MTP,\"num_speculative_tokens\":2,\"synthetic_acceptance_rates\":[0.85,0.82]}" \

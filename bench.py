@@ -114,6 +114,24 @@ def random_qwen3_layer(prefix, H, nh, nkv, hd, I, rand, norm=lambda n: torch.one
             for n, s in sd.qwen3_layer_tensors(H, nh, nkv, hd, I).items()}
 
 
+def random_bf16(seed):
+    """rand(*shape) -> a host bf16 tensor of N(0, 0.02^2) values, from one seeded stream (drawn on the GPU where
+    there is one): the random drafters' weights."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+
+
+def write_checkpoint(path, cfg, w):
+    """config.json (cfg) and model.safetensors (w, {name: tensor}) in directory path -> path."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
 def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, sliding=0, window=2048, layout="ours",
                    shape=None):
     """A random DFlash (z-lab layout) or DSpark (DeepSpec layout) drafter shaped for the target preset; with
@@ -129,7 +147,6 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, s
             raise sd.ConfigError(f"--drafter-layout speculators writes DSpark drafters only, not {method}: run the "
                                  f"{method} configs in a separate call with --drafter-layout ours or zlab")
         return speculators_dspark(path, target, rank, seed, sliding, window, **(shape or {}))
-    from safetensors.torch import save_file
     t = PRESETS[target]
     H, L, V = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
     nh, nkv, hd, I = max(H // 160, 2), max(H // 640, 1), min(128, H // 2), t.get("intermediate_size", 4 * H)
@@ -145,20 +162,14 @@ def random_drafter(path, method, target, layers=5, block=16, rank=256, seed=0, s
     else:
         cfg.update(architectures=["Qwen3DSparkModel"], target_layer_ids=ids, mask_token_id=V - 250, markov_rank=rank,
                    markov_head_type="vanilla", enable_confidence_head=False)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(seed)
-    r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+    r = random_bf16(seed)
     w = {"fc.weight": r(H, len(ids) * H), "hidden_norm.weight": torch.ones(H, dtype=torch.bfloat16),
          "norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     for i in range(layers):
         w.update(random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r))
     if method == "dspark":
         w.update({"markov_head.markov_w1.weight": r(V, rank), "markov_head.markov_w2.weight": r(V, rank)})
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    save_file(w, os.path.join(path, "model.safetensors"))
-    return path
+    return write_checkpoint(path, cfg, w)
 
 
 SPECULATORS_DSPARK = {  # target preset -> the shape of a speculators-format DSpark drafter for it (see below)
@@ -198,7 +209,6 @@ def speculators_dspark(path, target, rank=256, seed=0, sliding=0, window=2048, *
     SPECULATORS_DSPARK[target] (its comments say which parts are assumptions), updated by `shape` (keys:
     aux_ids layers block heads kv_heads head_dim intermediate draft_vocab); the first `sliding` layers
     sliding-window (`window` keys) and the rest full (assumed all full)."""
-    from safetensors.torch import save_file
     if target not in SPECULATORS_DSPARK:
         raise sd.ConfigError(f"--drafter-layout speculators: no shape for target {target!r} "
                              f"(known: {', '.join(SPECULATORS_DSPARK)})")
@@ -230,9 +240,7 @@ def speculators_dspark(path, target, rank=256, seed=0, sliding=0, window=2048, *
                                   "verifier": {"name_or_path": c["verifier"], "architectures": [
                                       "Qwen3_5MoeForConditionalGeneration" if "moe" in t["model_type"]
                                       else "Qwen3_5ForConditionalGeneration"]}}}
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(seed)
-    r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+    r = random_bf16(seed)
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values  # draft -> target
     ones = lambda m: torch.ones(m, dtype=torch.bfloat16)                                  # noqa: E731
     w = {"fc.weight": r(H, len(aux) * H), "hidden_norm.weight": ones(H), "norm.weight": ones(H),
@@ -243,11 +251,7 @@ def speculators_dspark(path, target, rank=256, seed=0, sliding=0, window=2048, *
          "confidence_head.proj.weight": r(1, H + rank), "confidence_head.proj.bias": ones(1)}  # loaded, unused
     for i in range(n):
         w.update(random_qwen3_layer(f"layers.{i}.", H, nh, nkv, hd, I, r))
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    save_file(w, os.path.join(path, "model.safetensors"))
-    return path
+    return write_checkpoint(path, cfg, w)
 
 
 DRAFT_LM = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -256,23 +260,16 @@ DRAFT_LM = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, 
 
 def random_draft_lm(path, target, seed=0):
     """A random plain-Qwen3 draft LM (Qwen3-0.6B shapes, the target preset's vocabulary) for method draft_model."""
-    from safetensors.torch import save_file
     c, V = DRAFT_LM, PRESETS[target]["vocab_size"]
     H, I, nh, nkv, hd = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **c, "vocab_size": V, "hidden_act": "silu",
            "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 262144, "attention_bias": False,
            "tie_word_embeddings": True}
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(seed)
-    r = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(torch.bfloat16).cpu()
+    r = random_bf16(seed)
     w = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     for i in range(c["num_hidden_layers"]):
         w.update(random_qwen3_layer(f"model.layers.{i}.", H, nh, nkv, hd, I, r))
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    save_file(w, os.path.join(path, "model.safetensors"))
-    return path
+    return write_checkpoint(path, cfg, w)
 
 
 def hf_generate_tpot(name, prompt_len, gen_len, device, dtype=torch.bfloat16, seed=0):
@@ -1213,8 +1210,11 @@ def main(argv=None):
     sd.K.USE_TRITON = not a.no_triton
     a.enforce_eager |= a.no_triton  # the references read positions on the host: not capturable
     raw = [None if c in (None, "off") else json.loads(c) for c in (a.speculative_config or ["off"])]
-    shape = {k: [int(i) for i in v.split(",")] if k == "aux_ids" else int(v)
-             for k, v in (kv.split("=", 1) for kv in a.drafter_shape)}
+    try:
+        shape = {k: [int(i) for i in v.split(",")] if k == "aux_ids" else int(v)
+                 for k, v in (kv.split("=", 1) for kv in a.drafter_shape)}
+    except ValueError:
+        ap.error(f"--drafter-shape wants KEY=INTEGER (aux_ids=A,B,...), got {' '.join(a.drafter_shape)}")
     if a.random_drafter:
         for c in raw:
             if c and c.get("method") in ("dflash", "dspark"):

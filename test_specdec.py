@@ -5424,6 +5424,9 @@ def test_bench_drafter_layout_speculators_cli(tmp_path, capsys):
     assert (c.num_hidden_layers, c.target_layer_ids, c.block_size) == (2, [1, 3], 8)
     with pytest.raises(sd.ConfigError, match="unknown keys"):
         bench.main(argv[:-2] + ["--drafter-shape", "width=3"] + argv[-2:])
+    with pytest.raises(SystemExit):                                              # one error line, no traceback
+        bench.main(argv[:-2] + ["--drafter-shape", "layers=two"] + argv[-2:])
+    assert "--drafter-shape wants KEY=INTEGER" in capsys.readouterr().err
 
 
 def llm_stats(d):

@@ -29,6 +29,10 @@ except ImportError:  # no Triton (e.g. macOS): the references serve everywhere
 
     class tl:  # just enough for the kernel signatures below to be defined
         constexpr = None
+try:  # host-side tensor descriptors: the FP8 decode linear's weight tiles by TMA (_fp8_desc)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 try:  # programmatic dependent launch (Hopper and later): see _pdl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
@@ -637,16 +641,18 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
     r = y if residual is None else residual.contiguous()                             # [M, N] rows, like y
     assert M >= 1 and xr.shape[1] == K and w.is_contiguous()
     pdl = _pdl(x)
-    if cfg == "fp8":  # one row tile for every M: the same machine code for decode, verify and batch rows
+    if cfg == "fp8":  # tiles of the weight's shape alone; rows 16 a tile up to 16, _fp8_bm's above
         assert w.dtype == FP8 and scale.dtype == torch.float32 and scale.is_contiguous()
         assert scale.shape == (_cdiv(N, FP8_BLOCK), _cdiv(K, FP8_BLOCK))
-        (BN, SPLIT, stages, warps), BM = _fp8_config(N, K, x.device), 16
+        (BN, SPLIT, stages, warps), BM = _fp8_config(N, K, x.device), _fp8_bm(M)
         grid = (_cdiv(M, BM), _cdiv(N, BN), SPLIT)
         out = y if SPLIT == 1 else _empty((SPLIT, M, N), torch.float32, x.device)
-        _fp8_gemv_kernel[grid](xr, w, scale, out, r, M, N, K, xr.stride(0), scale.shape[1], BM=BM, BN=BN,
-                               SPLIT=SPLIT, EXACT=x.dtype == torch.float32 or not x.is_cuda,
-                               RES=residual is not None and SPLIT == 1, PDL=pdl, num_stages=stages,
-                               num_warps=warps, **_launch(pdl))
+        desc = _fp8_desc(w, BN)
+        _fp8_gemv_kernel[grid](xr, w, w if desc is None else desc, scale, out, r, M, N, K, xr.stride(0),
+                               scale.shape[1], BM=BM, BN=BN, SPLIT=SPLIT,
+                               EXACT=x.dtype == torch.float32 or not x.is_cuda,
+                               RES=residual is not None and SPLIT == 1, TMA=desc is not None, PDL=pdl,
+                               num_stages=stages, num_warps=warps, **_launch(pdl))
     else:
         assert scale is None and w.dtype == x.dtype
         if cfg == "rows":
@@ -812,8 +818,9 @@ def linear_w8a8(x, q, scale, residual=None):
 
 
 @_jit
-def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
-                     SPLIT: tl.constexpr, EXACT: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
+def _fp8_gemv_kernel(p_x, p_w, w_desc, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr, BN: tl.constexpr,
+                     SPLIT: tl.constexpr, EXACT: tl.constexpr, RES: tl.constexpr, TMA: tl.constexpr,
+                     PDL: tl.constexpr):
     # Decode / verify W8A8 (x [M, K] rows, w e4m3 [N, K], s its block scales [*, KB]): program (row tile, N
     # block, K split) sums over its K blocks k0 = split * 128, (split + SPLIT) * 128, ...: (w_tile [BN, 128]
     # @ xq_tile^T [128, BM]) * w_scale * x_scale[row], xq_tile the rows' group of 128 columns quantized in
@@ -821,12 +828,14 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
     # exact product by 1 / s, rounded to e4m3 by the hardware's conversion (to nearest even) on the GPU: the
     # same e4m3 values as fp8_act_quant_ref's, at a multiply per element (the loop is short of bandwidth: an
     # IEEE division per element made the 27B's linears 2.5x slower on the H200). The weight tile is the
-    # dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 rows of x its N), fed to the FP8
-    # tensor cores as it was loaded. EXACT (fp32 rows; the interpreter, whose e4m3 conversion rounds some
+    # dot's first operand (BN = 64 or 128 rows of a wgmma, the BM = 16 or 32 rows of x its N: _fp8_bm), fed
+    # to the FP8 tensor cores as it was loaded. EXACT (fp32 rows; the interpreter, whose e4m3 conversion rounds some
     # values wrongly): fp8_act_quant's rounding in arithmetic and an fp32 dot. Either way the result is
     # linear_w8a8_ref's to fp32 rounding, and a row is quantized alone: its result does not depend on the
-    # other rows. BN divides 128 (a tile lies in one scale block). Writes y [M, N] (SPLIT == 1) or the fp32
-    # partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order).
+    # other rows. BN divides 128 (a tile lies in one scale block). TMA: the weight tiles come through w_desc,
+    # a tensor descriptor of w with [BN, 128] boxes (_fp8_desc; the copy engine fills what lies past N or K
+    # with zeros, as the masked load does): the same tile, so the same bits. Writes y [M, N] (SPLIT == 1) or
+    # the fp32 partials part [SPLIT, M, N] (_gemv_sum_kernel adds them in order).
     _pdl_sync(PDL)
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -837,7 +846,10 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
     for k0 in range(i_k * 128, K, 128 * SPLIT):
         o_k = k0 + tl.arange(0, 128)
         m_k = o_k < K
-        b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)       # [BN, 128] e4m3
+        if TMA:
+            b_w = w_desc.load([i_n * BN, k0])                                                 # [BN, 128] e4m3
+        else:
+            b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)                                               # [BM, 128]
         s_w = tl.load(p_s + (i_n * BN // 128) * KB + k0 // 128)
@@ -856,18 +868,17 @@ def _fp8_gemv_kernel(p_x, p_w, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.constexpr
     tl.store(p_y + i_k * M * N + o_y, b_acc.to(p_y.dtype.element_ty), mask=m_y)
 
 
-# FP8 weights (N, K) -> (BN, SPLIT, num_stages, num_warps) of _fp8_gemv_kernel: the fastest at M = 1 in one
-# sweep on the H200 (session 10, device call 1: us per weight, many copies chained in a CUDA graph; the
-# weight-only kernel it replaced in brackets). 27B: GDN in_proj (qkv | z) 26.4 (28.3), attention qkv 24.3
-# (26.9), o_proj / out_proj 14.2 (18.5), MLP gate_up 50.3 (55.3), down 29.0 (35.0): 7.6 ms of FP8 linears per
-# token against 8.8. Other shapes (the 35B-A3B's): the rule below, not tuned.
+# FP8 weights (N, K) -> (BN, SPLIT, num_stages, num_warps) of _fp8_gemv_kernel: the fastest at M = 1 of
+# tools/tile_sweep.py fp8 on the H200 (session 17, device call 3, weight tiles by TMA: us per weight, many copies
+# chained in a CUDA graph; session 10's tiles with plain loads in brackets). 27B: GDN in_proj (qkv | z) 24.1
+# (26.4), attention qkv 21.9 (24.3), o_proj / out_proj 12.8 (14.2), MLP gate_up 48.2 (50.3), down 26.8 (29.0):
+# 7.1 ms of FP8 linears per token against 7.6. 35B-A3B: GDN in_proj 9.9, qkv 8.5, o_proj 7.4, router | shared
+# gate_up 4.9, shared down 3.4 (4.1 at session 11's tiles). Other shapes: the rule below.
 FP8_ROWS_CONFIG = {
-    (16384, 5120): (128, 2, 5, 8), (14336, 5120): (128, 2, 3, 8), (5120, 6144): (64, 8, 3, 4),
-    (34816, 5120): (128, 4, 3, 8), (5120, 17408): (64, 8, 3, 4),
-    # the 35B-A3B's shared-expert down (tile_sweep.py fp8, session 11: 4.1 us; the rule's (64, 1, 3, 4) slower):
-    # its captured step 3.073 -> 3.037 ms at batch 1, 6.52 -> 6.46 at batch 8, 3.92 -> 3.87 at T = 2 (session 12,
-    # same process). Its other FP8 shapes (512 | 4096 | 8192 x 2048, 2048 x 4096) take the rule.
-    (2048, 512): (64, 1, 5, 8)}
+    (16384, 5120): (128, 2, 4, 4), (14336, 5120): (128, 2, 4, 4), (5120, 6144): (128, 8, 3, 4),
+    (34816, 5120): (128, 4, 3, 4), (5120, 17408): (128, 8, 3, 8),
+    (12288, 2048): (128, 4, 3, 8), (9216, 2048): (128, 4, 3, 4), (2048, 4096): (128, 4, 4, 8),
+    (1024, 2048): (128, 4, 3, 8), (2048, 512): (64, 2, 3, 8)}
 
 
 def _fp8_config(N, K, device):
@@ -883,7 +894,40 @@ def _fp8_config(N, K, device):
     return BN, split, 3, 8 if BN == 128 else 4
 
 
-# Without BATCH_INVARIANT (prefill) steps of more rows take the W8A8 GEMM: each 16-row tile of the GEMV streams
+FP8_TMA = True  # _fp8_gemv_kernel's weight tiles through the tensor memory accelerator where it can: _fp8_desc
+
+
+def _fp8_desc(w, BN):
+    """A tensor descriptor of the e4m3 weight w [N, K] with [BN, 128] boxes (made once per weight and BN), or
+    None where the tiles take plain loads: FP8_TMA off, no Triton descriptors, a GPU without TMA (compute
+    capability < 9), or a row stride or base not on 16 bytes (TMA's rule). The interpreter takes it too, so the
+    CPU tests cover its indexing and its zero fill past N and K. Measured on the H200 (session 17, tools/
+    tile_sweep.py fp8: each FP8 shape at M = 1 chained over distinct weights in a CUDA graph, us, plain loads at
+    the same tiles in brackets): 27B GDN in_proj 24.1 (25.6), attention qkv 21.9 (23.1), o_proj 12.8 (13.2),
+    MLP gate_up 48.2 (49.6), down 26.8 (28.3); 35B-A3B 9.9 (10.2), 8.5 (8.8), 7.4 (8.0), 4.9 (5.3), 3.4 (3.2);
+    the same bits at every shape."""
+    if not FP8_TMA or TensorDescriptor is None or w.shape[1] % 16 or w.data_ptr() % 16:
+        return None
+    return _derived(w, f"tma{BN}", lambda w: TensorDescriptor.from_tensor(w, [BN, FP8_BLOCK])
+                    if not w.is_cuda or torch.cuda.get_device_capability(w.device)[0] >= 9 else None)
+
+
+FP8_BM = 32  # _fp8_gemv_kernel's row tile above 16 rows (16 up to 16): see _fp8_bm
+
+
+def _fp8_bm(M):
+    """Rows per tile of _fp8_gemv_kernel for a step of M rows, as _rows_bm for the bf16 kernel: each row of a
+    tile is quantized alone and its column of the tl.dot sums its products in one order whatever the tile's
+    height, so a row's bits do not depend on it. Measured on the H200 (tools/tile_sweep.py fp8bm, session 16):
+    the same bits with tiles of 16, 32, 64 and 128 rows at every 27B / 35B-A3B FP8 shape, and a row alone ==
+    the row in steps of 17, 40 and 136. Above 16 rows every tile reads the weights again. The 27B's FP8 linears
+    of one step (its 48 GDN, 16 attention and 64 MLP layers' weights from the sweep's times), ms at 17 / 32 / 64
+    / 128 rows: tiles of 16 rows 11.7 / 12.1 / 20.7 / 39.4, of 32 10.7 / 9.7 / 16.2 / 30.6, of 64 15.5 / 15.9 /
+    16.7 / 30.7, of 128 33.9 / 33.8 / 35.0 / 35.6 (7.5 at 1 row)."""
+    return 16 if M <= 16 else FP8_BM
+
+
+# Without BATCH_INVARIANT (prefill) steps of more rows take the W8A8 GEMM: each row tile of the GEMV streams
 # the weights again (27B: ~7.6 ms per tile).
 FP8_KERNEL_ROWS = 48
 
@@ -952,7 +996,7 @@ def _transposed(w):
     return _derived(w, "t", lambda w: w.t().contiguous())
 
 
-_DNN_ROWS = {}  # (how, out, in, rows, threads[, dtype]) -> does one call of so many rows give each row its bits alone?
+_ROWS_ALONE = {}  # (how, out, in, rows, threads[, dtype]) -> does one call of so many rows give each row its bits alone?
 
 
 def _dnn_ok(w):
@@ -984,11 +1028,11 @@ def _rows_alone(how, w, M, fn, dtype):
     shape, on the running CPU and thread count? Checked at first use (M random rows, each against its call
     alone; the GEMM's arithmetic does not depend on the values) and remembered under `how` (the GEMM's name)."""
     key = (how, *w.shape, M, torch.get_num_threads()) + (() if dtype == w.dtype else (dtype,))
-    if key not in _DNN_ROWS:
+    if key not in _ROWS_ALONE:
         x = torch.randn(M, w.shape[1], generator=torch.Generator().manual_seed(M)).to(dtype)
         y = fn(x)
-        _DNN_ROWS[key] = all(torch.equal(fn(x[i:i + 1]), y[i:i + 1]) for i in range(M))
-    return _DNN_ROWS[key]
+        _ROWS_ALONE[key] = all(torch.equal(fn(x[i:i + 1]), y[i:i + 1]) for i in range(M))
+    return _ROWS_ALONE[key]
 
 
 def _dnn_rows(w, M, dtype=None):

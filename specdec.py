@@ -1739,6 +1739,7 @@ class DraftModelProposer:
         # On a CPU a hybrid draft feeds d_j alone as a decode pass, its GDN states saved first and put back
         # after (fewer tokens per pass, no snapshots); elsewhere [d1..dj] in verify mode, which writes none
         saved = self._save(slots) if cpu and self.recurrent else None
+        later = "verify" if saved is None else "decode"  # the mode of the passes after the first
         drafts = []
         probs = []
         for j in range(self.k):
@@ -1746,8 +1747,7 @@ class DraftModelProposer:
                 if self.recurrent and saved is None:
                     h = self.model(torch.stack(drafts, 1), Ctx(self.state, slots, p1, kv_len, "verify"))[:, -1]
                 else:
-                    mode = "verify" if saved is None else "decode"
-                    h = self.model(drafts[-1][:, None], Ctx(self.state, slots, p1 + j - 1, kv_len, mode))[:, -1]
+                    h = self.model(drafts[-1][:, None], Ctx(self.state, slots, p1 + j - 1, kv_len, later))[:, -1]
             d, q = draft_pick(self.model.logits(h), temp, None if u is None else u[:, j])
             drafts.append(d)
             probs.append(q)

@@ -5944,7 +5944,7 @@ def rowwise_dot(monkeypatch):
 
 def linear_rows_case(N, Kin, dtype, sizes=(2, 5, 8, 17, 40, 136), residual=False, seed=0, fp8=False, small=False):
     """(alone, [rows of steps of other sizes at the same row]) of the row-invariant linear: row x0 alone, then as
-    row 0 and as the last row of steps of M rows (up to 16 rows in 16-row tiles, above in 64-row tiles). fp8: the
+    row 0 and as the last row of steps of M rows (in the tiles of kernels._rows_bm, or _fp8_bm). fp8: the
     weight quantized (K.fp8_quantize), through the FP8 kernel; w is then (q, scale). small: kernels._linear_small
     (the drafters') instead."""
     g = gen(seed)
@@ -6289,7 +6289,7 @@ def test_kernel_fp8_dequantize(N, Kin):
 
 @needs_kernels
 @pytest.mark.parametrize("N,Kin", [(70, 200), (130, 300), (24, 400)])
-@pytest.mark.parametrize("M", [1, 5, 17, 40])                                      # 16-row tiles; 64-row tiles
+@pytest.mark.parametrize("M", [1, 5, 17, 40])                                      # 16-row tiles; 32-row tiles
 def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
     """The FP8 decode linear (W8A8: each row quantized per 128-column group inside the GEMV, e4m3 products, block
     scales on each tile's fp32 sums) against its reference (linear_w8a8_ref: both operands dequantized, an fp32
@@ -6313,6 +6313,22 @@ def test_kernel_fp8_linear(M, N, Kin, gemv_calls):
     xb[-1] *= 1e-7
     y, ref = fast(K.linear, xb, q, scale=s), K.linear_w8a8_ref(xb, q, s)
     assert torch.isfinite(y).all() and all(rel(y[i], ref[i]) <= TOL[torch.bfloat16] for i in range(M))
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,Kin", [(24, 400), (130, 256)])                        # N, K past the tiles' edge
+def test_kernel_fp8_tma_equals_plain_loads(N, Kin, monkeypatch):
+    """The FP8 decode linear's weight tiles through a tensor descriptor (TMA on the GPU, kernels._fp8_desc) give
+    the bits of plain masked loads, the tiles past N and K (the copy engine's zero fill) included; a row stride off
+    16 bytes, or FP8_TMA off, takes plain loads."""
+    g = gen(N + Kin)
+    q, s = K.fp8_quantize(randn(N, Kin, g=g, scale=Kin ** -0.5))
+    x, r = randn(5, Kin, g=g), randn(5, N, g=g)
+    assert K._fp8_desc(q, 16) is not None and K._fp8_desc(K.fp8_quantize(randn(8, 200, g=g))[0], 16) is None
+    y = fast(K.linear, x, q, r, scale=s)
+    assert rel(y, K.linear_w8a8_ref(x, q, s, r)) <= TOL[torch.float32]
+    monkeypatch.setattr(K, "FP8_TMA", False)
+    assert K._fp8_desc(q, 16) is None and torch.equal(fast(K.linear, x, q, r, scale=s), y)
 
 
 @needs_kernels
@@ -6413,6 +6429,12 @@ def test_kernel_gpu_fp8_linear(N, Kin):
     assert rel(alone, K.linear_w8a8_ref(x0.float(), q, s, r32)) <= 4e-3
     assert rel(alone, K.linear_fp8_ref(x0.float(), q, s, r32)) <= 0.05
     assert all(torch.equal(y, alone) for y in got)
+    assert K._fp8_desc(q, K._fp8_config(N, Kin, q.device)[0]) is not None      # the weight tiles by TMA ...
+    K.FP8_TMA = False
+    try:                                                                          # ... == plain loads, bit for bit
+        assert torch.equal(K.linear(x0, q, r0, scale=s), alone)
+    finally:
+        K.FP8_TMA = True
     x = randn(8, Kin, g=gen(2), dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     K.linear(x, q, scale=s)
@@ -7382,7 +7404,7 @@ def test_cpu_dnn_rows_check(monkeypatch):
     w, x = torch.randn(64, 32), torch.randn(3, 32)
     for bad in (lambda x, wp: x @ w.t() + torch.arange(x.shape[0])[:, None] * 1e-3,  # row r gets r * 1e-3
                 lambda x, wp: x @ w.t() + x.sum(0, keepdim=True)[:, :1] * 1e-3):   # depends on the others
-        monkeypatch.setattr(K, "_DNN_ROWS", {})
+        monkeypatch.setattr(K, "_ROWS_ALONE", {})
         monkeypatch.setattr(K, "_dnn", bad)
         assert K._dnn_rows(w, 1) and not K._dnn_rows(w, 3)
         assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # row 1 alone == in the step

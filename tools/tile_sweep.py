@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm] [fp8] [w8a8] [pdl]
+    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm[-m]] [fp8] [fp8bm] [w8a8] [pdl]
                                                                                           (default: the first 4)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -12,8 +12,12 @@ stays in L2), timed per launch:
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
           (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 40 rows)
+  rowsbm: the batch-invariant linear's row tiles (kernels._rows_bm: 16, 32, 64, 128 rows) at 1-136 rows: time, and
+          the same bits whatever the tile (rowsbm-27b, rowsbm-35b, rowsbm-toy, rowsbm-0.6b: one model's shapes)
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
-          against a device copy of the same bytes; the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
+          against a device copy of the same bytes and the same tiles with plain loads (kernels.FP8_TMA off: time,
+          bits); the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
+  fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
   pdl:    draft_model's small linears chained in a graph: the row-invariant kernel, _linear_small, and
@@ -192,11 +196,13 @@ def rows(Ms=(1, 16, 128), copies=8, models=None):
 rows_bm_of = K._rows_bm
 
 
-def rows_bm(Ms=(1, 8, 16, 40, 64, 128, 136), copies=8):
+def rows_bm(Ms=(1, 8, 16, 17, 24, 32, 40, 64, 128, 136), copies=8, models=None):
     """The row-invariant linear with row tiles of 16, 32, 64 and 128 rows (kernels._rows_bm; ROWS_CONFIG's tiles
     otherwise), at M rows, against cuBLAS; whether the tiles give the same bits, and whether a row alone equals the
     same row inside steps of 40 and 136 rows, bit for bit."""
     for model, shapes in ROWS_SHAPES.items():
+        if models and model not in models:
+            continue
         for (N, Kd) in shapes:
             n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
             ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
@@ -233,12 +239,44 @@ FP8_SHAPES = {"27b": [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120),
               "35b-a3b": [(12288, 2048), (9216, 2048), (2048, 4096), (1024, 2048), (2048, 512)]}
 
 
+def fp8_bm(Ms=(1, 16, 17, 32, 64, 128, 136), copies=8):
+    """The FP8 decode linear (kernels._fp8_gemv_kernel) with row tiles of 16, 32, 64 and 128 rows (kernels._fp8_bm;
+    FP8_ROWS_CONFIG's tiles otherwise) at M rows, us per weight; whether the tiles give the same bits at M = 136,
+    and whether a row alone (a 16-row tile) equals the same row inside steps of 17, 40 and 136 rows, bit for bit."""
+    for model, shapes in FP8_SHAPES.items():
+        for (N, Kd) in shapes:
+            n = min(64, max(copies, (256 << 20) // (N * Kd) + 1))
+            qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
+            xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
+            print(f"== {model} {N}x{Kd} {K._fp8_config(N, Kd, xs.device)}: us at M = {list(Ms)}", flush=True)
+            run = lambda M: K._gemv_launch(xs[:M], qs[0][0], "fp8", None, qs[0][1])  # noqa: E731
+            outs = {}
+            for bm in (16, 32, 64, 128):
+                K._fp8_bm = lambda M, bm=bm: 16 if M <= 16 else bm
+                try:
+                    outs[bm] = run(136)
+                    ts = [graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, sc) for q, sc in qs]) / n
+                          for M in Ms]
+                    alone = lambda r: K._gemv_launch(xs[r:r + 1], qs[0][0], "fp8", None, qs[0][1])  # noqa: E731
+                    inv = all(torch.equal(run(M)[r:r + 1], alone(r)) for M in (17, 40, 136) for r in (0, M - 1))
+                    print(f"  BM {bm:3d}   " + " ".join(f"{t:7.1f}" for t in ts) + f"   row alone == in step {inv}"
+                          + f"; bits == BM 16 at M = 136: {torch.equal(outs[16], outs[bm])}", flush=True)
+                except Exception as e:  # noqa  (shared memory / registers)
+                    outs[bm] = None
+                    print(f"  BM {bm:3d}   {type(e).__name__}: {str(e)[:200]}", flush=True)
+            K._fp8_bm = fp8_bm_of
+            del qs
+
+
+fp8_bm_of = K._fp8_bm
+
+
 def fp8(Ms=(1, 8, 16, 64)):
     """Every tile candidate (BN, SPLIT, stages, warps) of the FP8 decode linear (kernels._fp8_gemv_kernel) at M = 1
     over enough distinct weights to defeat L2 (us per weight); the best, its time at larger M, the bf16
     row-invariant kernel at M = 1 and a copy of the FP8 bytes (read + write, so its GB/s counts both). Prints the
     table for kernels.FP8_ROWS_CONFIG."""
-    cands = [(BN, S, st, wp) for BN in (64, 128) for S in (1, 2, 4, 8) for st in (3, 5) for wp in (4, 8)]
+    cands = [(BN, S, st, wp) for BN in (64, 128) for S in (1, 2, 4, 8) for st in (3, 4, 6) for wp in (4, 8)]
     best_all = {}
     for model, shapes in FP8_SHAPES.items():
         for (N, Kd) in shapes:
@@ -265,10 +303,16 @@ def fp8(Ms=(1, 8, 16, 64)):
             ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(min(n, 32))]
             tb = graph_time(lambda: [K._gemv_launch(xs[:1], w, "rows") for w in ws]) / len(ws)
             tM = [graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, s) for q, s in qs]) / n for M in Ms]
+            y = K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1])
+            K.FP8_TMA = False  # plain loads at the same tiles: time and bits
+            tp = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
+            same = torch.equal(y, K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1]))
+            K.FP8_TMA = True
             print(f"== {model} {N}x{Kd}: best {c} {t:.1f} us ({byts / t / 1e3:.0f} GB/s); next "
                   + ", ".join(f"{c2} {t2:.1f}" for t2, c2 in res[1:4])
                   + f"; at M = {list(Ms)}: " + " ".join(f"{x:.1f}" for x in tM)
-                  + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us", flush=True)
+                  + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us"
+                  + f"; plain loads (FP8_TMA off) {tp:.1f} us, same bits {same}", flush=True)
             del qs, ws, dst
     print("FP8_ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best_all.items()) + "}")
     E, I, H, k = 256, 512, 2048, 8
@@ -378,10 +422,15 @@ def main():
         rows()
     if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8)
         rows(Ms=(1, 8, 40), models=["0.6b"])
-    if "rowsbm" in parts:
+    if "rowsbm" in parts:  # rowsbm-27b etc.: one model's shapes
         rows_bm()
+    for m in ROWS_SHAPES:
+        if f"rowsbm-{m}" in parts:
+            rows_bm(models=[m])
     if "fp8" in parts:
         fp8()
+    if "fp8bm" in parts:
+        fp8_bm()
     if "w8a8" in parts:
         w8a8()
     if "pdl" in parts:

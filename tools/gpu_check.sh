@@ -11,10 +11,19 @@
 #    batched and every model-free / random-drafter method alone and batched == speculation off alone;
 # 5. FP8 weights (--quantization fp8): the sweep of 3 on the FP8 toy model, the check of 4 on the FP8 27B and 35B-A3B.
 # On success it writes GPU_VERIFIED: date, GPU, versions, the summary lines, sha256 of kernels.py and specdec.py.
+# The GPU image has no xgrammar (the sweeps' JSON-schema requests need it): `bash tools/fetch_wheels.sh` here
+# downloads its wheels into .whl/, and the device call carries .whl; this script installs them first.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+if ! python3 -c "import xgrammar" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python3 -c "import xgrammar" 2>/dev/null; then  # fail at once, not after the tests (README, "Development")
+  echo "FAIL: xgrammar cannot be imported: run 'bash tools/fetch_wheels.sh' on the CPU machine and carry .whl"; exit 1
+fi
 hashes=$(sha256sum kernels.py specdec.py)             # the files as checked (before anything runs)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 versions=$(python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')")

@@ -7,7 +7,9 @@
 --kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25; a kernel
              launched with PDL, kernels._pdl, counts its wait for the kernel before it).
 --gemms M:   every weight shape the step multiplies by, all weights of that shape chained in one CUDA graph:
-             cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s.
+             cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s (bf16 weights only).
+-q fp8:      the weights quantized as --quantization fp8 does; --no-pdl: every kernel launched without
+             programmatic dependent launch, so that --kernels gives each kernel's own time.
 --draft-lm B [B ...]: instead, draft_model's propose step (k = 4, a random Qwen3-0.6B-shaped draft LM): graph
              replay time and an eager step's kernels, at these batch sizes.
 Not part of the engine: a measuring tool for deciding which kernels to write next.
@@ -159,13 +161,18 @@ def main():
     ap.add_argument("--steps", nargs="*", default=["1x1", "8x1", "1x2", "1x16"])
     ap.add_argument("--kernels", nargs="*", default=["1x1"])
     ap.add_argument("--gemms", type=int, nargs="*", default=[])
+    ap.add_argument("-q", "--quantization", default=None, choices=["fp8"], help="the weights in FP8, as bench.py -q")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="kernels without programmatic dependent launch: each kernel's time in --kernels is its own")
     ap.add_argument("--draft-lm", type=int, nargs="*", default=None, metavar="B",
                     help="only draft_model's propose step (Qwen3-0.6B shapes) at these batch sizes")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.draft_lm:
         return draft_lm(a.draft_lm, a.random_weights)
-    model, cfg = bench.random_model(a.random_weights, torch.bfloat16, torch.device("cuda"))
+    if a.no_pdl:
+        sd.K._PDL_DEVICES[torch.device("cuda", torch.cuda.current_device())] = False
+    model, cfg = bench.random_model(a.random_weights, torch.bfloat16, torch.device("cuda"), quantization=a.quantization)
     ws = bench.linear_weights(model, cfg.num_experts_per_tok)
     print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "
           f"{bench.gemm_floor(ws, 1):.2f} ms; fused weights as the engine runs them "

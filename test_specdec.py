@@ -6420,7 +6420,7 @@ FP8_SHAPES = [(16384, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 
 
 @needs_cuda
 @pytest.mark.parametrize("N,Kin", FP8_SHAPES)
-def test_kernel_gpu_fp8_linear(N, Kin):
+def test_kernel_gpu_fp8_linear(N, Kin, monkeypatch):
     """bf16 activations, FP8 weights at the real FP8 shapes: as close to the W8A8 reference as the output's
     bf16 rounding allows (the same e4m3 values, fp32 sums per 128-column block), and to the weight-only
     product as e4m3 activations allow; a row alone == the row in steps of 2 .. 136 rows; CUDA-graph safe."""
@@ -6430,11 +6430,9 @@ def test_kernel_gpu_fp8_linear(N, Kin):
     assert rel(alone, K.linear_fp8_ref(x0.float(), q, s, r32)) <= 0.05
     assert all(torch.equal(y, alone) for y in got)
     assert K._fp8_desc(q, K._fp8_config(N, Kin, q.device)[0]) is not None      # the weight tiles by TMA ...
-    K.FP8_TMA = False
-    try:                                                                          # ... == plain loads, bit for bit
-        assert torch.equal(K.linear(x0, q, r0, scale=s), alone)
-    finally:
-        K.FP8_TMA = True
+    monkeypatch.setattr(K, "FP8_TMA", False)                                      # ... == plain loads, bit for bit
+    assert torch.equal(K.linear(x0, q, r0, scale=s), alone)
+    monkeypatch.undo()
     x = randn(8, Kin, g=gen(2), dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     K.linear(x, q, scale=s)

@@ -168,10 +168,10 @@ def main():
                     help="only draft_model's propose step (Qwen3-0.6B shapes) at these batch sizes")
     a = ap.parse_args()
     torch.manual_seed(0)
-    if a.draft_lm:
-        return draft_lm(a.draft_lm, a.random_weights)
     if a.no_pdl:
         sd.K._PDL_DEVICES[torch.device("cuda", torch.cuda.current_device())] = False
+    if a.draft_lm:
+        return draft_lm(a.draft_lm, a.random_weights)
     model, cfg = bench.random_model(a.random_weights, torch.bfloat16, torch.device("cuda"), quantization=a.quantization)
     ws = bench.linear_weights(model, cfg.num_experts_per_tok)
     print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "

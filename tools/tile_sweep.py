@@ -305,9 +305,11 @@ def fp8(Ms=(1, 8, 16, 64)):
             tM = [graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, s) for q, s in qs]) / n for M in Ms]
             y = K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1])
             K.FP8_TMA = False  # plain loads at the same tiles: time and bits
-            tp = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
-            same = torch.equal(y, K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1]))
-            K.FP8_TMA = True
+            try:
+                tp = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
+                same = torch.equal(y, K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1]))
+            finally:
+                K.FP8_TMA = True
             print(f"== {model} {N}x{Kd}: best {c} {t:.1f} us ({byts / t / 1e3:.0f} GB/s); next "
                   + ", ".join(f"{c2} {t2:.1f}" for t2, c2 in res[1:4])
                   + f"; at M = {list(Ms)}: " + " ".join(f"{x:.1f}" for x in tM)

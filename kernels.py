@@ -872,8 +872,8 @@ def _fp8_gemv_kernel(p_x, p_w, w_desc, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.c
 # tools/tile_sweep.py fp8 on the H200 (session 17, device call 3, weight tiles by TMA: us per weight, many copies
 # chained in a CUDA graph; session 10's tiles with plain loads in brackets). 27B: GDN in_proj (qkv | z) 24.1
 # (26.4), attention qkv 21.9 (24.3), o_proj / out_proj 12.8 (14.2), MLP gate_up 48.2 (50.3), down 26.8 (29.0):
-# 7.1 ms of FP8 linears per token against 7.6. 35B-A3B: GDN in_proj 9.9, qkv 8.5, o_proj 7.4, router | shared
-# gate_up 4.9, shared down 3.4 (4.1 at session 11's tiles). Other shapes: the rule below.
+# 7.1 ms of FP8 linears per token against 7.6. 35B-A3B: GDN in_proj 9.9, qkv 8.5, o_proj 7.4, shared expert's
+# gate | up 4.9, shared down 3.4 (4.1 at session 11's tiles). Other shapes: the rule below.
 FP8_ROWS_CONFIG = {
     (16384, 5120): (128, 2, 4, 4), (14336, 5120): (128, 2, 4, 4), (5120, 6144): (128, 8, 3, 4),
     (34816, 5120): (128, 4, 3, 4), (5120, 17408): (128, 8, 3, 8),
@@ -2067,13 +2067,15 @@ def _attention_combine_kernel(p_part, p_ml, p_o, p_pos, T, NH, NSPLIT, CHUNK: tl
     tl.store(p_o + i_r * D + o_d, (b_acc / b_l).to(p_o.dtype.element_ty), mask=o_d < D)
 
 
-ATTN_CHUNK = 512  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many
+ATTN_CHUNK = 128  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many (512 before
+                  # session 17: at short contexts one program per KV head read nearly all keys in one loop; the
+                  # 27B FP8 step at context 512, H200, no PDL: attention 414 -> 135 us, the step 9.224 -> 8.958 ms)
 DRAFT_ATTN_CHUNK = 128  # the drafters' layers: few KV heads at short contexts, so a 512-key piece is one
                         # program's long serial loop; 128-key pieces spread it (draft_model: 5.5 -> 4.6 ms)
 ATTN_PROGRAMS = 64  # BATCH_INVARIANT: at most this many programs (>= 2) along a row's keys, program i taking
                    # pieces i, i + 64, ...: a graph's kv_len is the cache length (max_model_len), and a grid and
-                   # a combine of one piece each made every step pay for the whole cache (131072 positions: 256
-                   # pieces of 512 keys a layer, 1024 of the drafters' 128)
+                   # a combine of one piece each made every step pay for the whole cache (131072 positions: 1024
+                   # pieces of 128 keys a layer)
 
 
 def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None, window=None):

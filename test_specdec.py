@@ -6057,8 +6057,8 @@ def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):
 
 
 @needs_kernels
-@pytest.mark.parametrize("pos", [5, 300, 1100])                      # 1, 1, 3 pieces of 512 keys (1, 3, 9 of 128)
-@pytest.mark.parametrize("chunk", [None, 128])                                      # ATTN_CHUNK; the drafters'
+@pytest.mark.parametrize("pos", [5, 300, 1100])                      # 1, 3, 9 pieces of 128 keys (1, 1, 3 of 512)
+@pytest.mark.parametrize("chunk", [None, 512])                                      # ATTN_CHUNK (128); 512
 def test_kernel_attention_invariant(pos, chunk, rowwise_dot):
     alone, got = attention_rows_case(4, 2, 32, torch.float32, pos=pos, seed=pos, chunk=chunk)
     assert torch.isfinite(alone).all() and all(torch.equal(y, alone) for y in got)

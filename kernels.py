@@ -630,10 +630,63 @@ def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr
     tl.store(p_y + o, b_y.to(p_y.dtype.element_ty), mask=m)
 
 
-def _gemv_launch(x, w, cfg, residual=None, scale=None):
+@_jit
+def _gemv_sum_swiglu_kernel(p_part, p_y, M, I, SPLIT: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+    # y [M, I] = silu(g) * up, g and up the split-K sums of columns j and I + j of the partials [SPLIT, M, 2I]:
+    # each summed in order and rounded as _gemv_sum_kernel writes it, then _silu_mul_kernel's arithmetic
+    _pdl_sync(PDL)
+    o = tl.program_id(0) * BS + tl.arange(0, BS)                                      # over M * I
+    m = o < M * I
+    o_g = (o // I) * (2 * I) + o % I
+    b_g = tl.zeros([BS], dtype=tl.float32)
+    b_u = tl.zeros([BS], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        b_g += tl.load(p_part + s * M * 2 * I + o_g, mask=m, other=0.0)
+        b_u += tl.load(p_part + s * M * 2 * I + I + o_g, mask=m, other=0.0)
+    dt = p_y.dtype.element_ty
+    b_g, b_u = b_g.to(dt).to(tl.float32), b_u.to(dt).to(tl.float32)
+    tl.store(p_y + o, (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt), mask=m)
+
+
+@_jit
+def _gemv_sum_norm_kernel(p_part, p_r, p_w, p_h, p_y, M, N, eps, SPLIT: tl.constexpr, BD: tl.constexpr,
+                          RES: tl.constexpr, PDL: tl.constexpr):
+    # program (row): h = [r +] the split-K sum of the row's partials [SPLIT, M, N], in order, rounded once (what
+    # _gemv_sum_kernel writes), and y = rms_norm(h) with a zero-centred weight, as _rms_norm_kernel computes it
+    # from h: the GEMM's last step, the skip connection and the next RMSNorm in one launch
+    _pdl_sync(PDL)
+    i_r = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)[None, :]                                                   # [1, BD]: one row
+    m = o_d < N
+    b_x = tl.zeros([1, BD], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        b_x += tl.load(p_part + (s * M + i_r) * N + o_d, mask=m, other=0.0)
+    if RES:
+        b_x += tl.load(p_r + i_r * N + o_d, mask=m, other=0.0).to(tl.float32)
+    b_x = b_x.to(p_h.dtype.element_ty)
+    tl.store(p_h + i_r * N + o_d, b_x, mask=m)
+    b_x = b_x.to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps)                                # [1]
+    b_w = tl.load(p_w + o_d, mask=m, other=0.0).to(tl.float32)
+    tl.store(p_y + i_r * N + o_d, (b_x * b_rstd[:, None] * (1.0 + b_w)).to(p_y.dtype.element_ty), mask=m)
+
+
+def apply_then(y, then):
+    """What a linear's output goes through next, unfused: then None (nothing), "swiglu" (silu_mul: y [..., 2I]
+    = [gate | up] -> [..., I]) or (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y))."""
+    if then is None:
+        return y
+    if then == "swiglu":
+        return silu_mul(y)
+    return rms_norm(y, *then), y
+
+
+def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     """x [..., K] (M rows), w [N, K] contiguous of x's dtype (or e4m3 with its block scales `scale`), cfg from
     _gemv_config ("rows": _rows_config's tiles, any M in 16-row tiles; "fp8": _fp8_gemv_kernel with _fp8_config's
-    tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N]."""
+    tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N], through `then` (_then): where the K
+    split needs a second launch to add its partials, that launch also does `then` (_gemv_sum_swiglu_kernel,
+    _gemv_sum_norm_kernel)."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
@@ -666,11 +719,28 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None):
         _gemv_kernel[grid](xr, w, out, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot,
                            PREC="ieee" if dot == tl.float32 else "tf32", RES=residual is not None and SPLIT == 1,
                            PDL=pdl, num_stages=stages, num_warps=warps, **_launch(pdl))
-    if SPLIT > 1:
-        BS = min(1024, _p2(M * N))
-        _gemv_sum_kernel[(_cdiv(M * N, BS),)](out, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
-                                              PDL=pdl, num_warps=4, **_launch(pdl))
-    return y
+    if SPLIT == 1:
+        return apply_then(y, then)
+    if then == "swiglu" and residual is None:  # (the partials hold [gate | up] rows: N = 2I)
+        I = N // 2
+        y = _empty((*x.shape[:-1], I), x.dtype, x.device)
+        BS = min(1024, _p2(M * I))
+        _gemv_sum_swiglu_kernel[(_cdiv(M * I, BS),)](out, y, M, I, SPLIT=SPLIT, BS=BS, PDL=pdl, num_warps=4,
+                                                     **_launch(pdl))
+        return y
+    if then is not None and then != "swiglu" and then[0].shape == (N,):
+        nw, eps = then
+        h = y
+        y = _empty(h.shape, x.dtype, x.device)
+        BD = _p2(N)
+        _gemv_sum_norm_kernel[(M,)](out, r, nw.contiguous(), h, y, M, N, eps, SPLIT=SPLIT, BD=BD,
+                                    RES=residual is not None, PDL=pdl, num_warps=min(8, max(1, BD // 256)),
+                                    **_launch(pdl))
+        return y, h
+    BS = min(1024, _p2(M * N))
+    _gemv_sum_kernel[(_cdiv(M * N, BS),)](out, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
+                                          PDL=pdl, num_warps=4, **_launch(pdl))
+    return apply_then(y, then)
 
 
 def linear_fp8_ref(x, q, scale, residual=None):
@@ -932,7 +1002,7 @@ def _fp8_bm(M):
 FP8_KERNEL_ROWS = 48
 
 
-def _linear_fp8(x, q, scale, residual):
+def _linear_fp8(x, q, scale, residual, then=None):
     """x @ (q * scale)^T [+ residual], W8A8 on the GPU: decode and verify steps (up to INVARIANT_ROWS rows;
     FP8_KERNEL_ROWS without BATCH_INVARIANT, as in prefill) through the GEMV that quantizes its rows as it
     reads them (_fp8_gemv_kernel), longer bf16 / fp16 steps through the W8A8 GEMM (linear_w8a8), fp32 steps
@@ -943,15 +1013,15 @@ def _linear_fp8(x, q, scale, residual):
     if (_fast(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (residual is None or residual.dtype == x.dtype)):
         if 1 <= M and (M <= (INVARIANT_ROWS if BATCH_INVARIANT else FP8_KERNEL_ROWS) or x.dtype == torch.float32):
-            return _gemv_launch(x, q, "fp8", residual, scale)        # decode, verify; fp32 (EXACT) any step
-        return linear_w8a8(x, q, scale, residual)                                   # prefill
+            return _gemv_launch(x, q, "fp8", residual, scale, then)  # decode, verify; fp32 (EXACT) any step
+        return apply_then(linear_w8a8(x, q, scale, residual), then)                      # prefill
     if not x.is_cuda:  # the CPU: the dequantized weight made once (the toy models are small)
         w = _derived(q, f"fp8_{x.dtype}", lambda q: fp8_dequantize_ref(q, scale, x.dtype))
-        return linear(x, w, residual)
-    return linear(x, fp8_dequantize(q, scale, x.dtype), residual)
+        return apply_then(linear(x, w, residual), then)
+    return apply_then(linear(x, fp8_dequantize(q, scale, x.dtype), residual), then)
 
 
-def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
+def linear(x, w, residual=None, scale=None, norm=None, then=None):
     """x @ w^T, x [..., in], w [out, in]; with residual [..., out]: residual + x @ w^T (a skip connection,
     added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of
     up to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it,
@@ -960,27 +1030,27 @@ def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
     result does not depend on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1):
     spec-on logprobs then equal spec-off's. The CPU fast path (CPU_FAST) gets the same property without a
     Python loop per row: see _linear_cpu. An FP8 weight (e4m3, with its block scales `scale`): _linear_fp8.
-    What x goes through first: norm = (weight, eps), Qwen3's RMSNorm (plain_rms_norm); swiglu, x [..., 2I] =
-    [gate | up] and silu(gate) * up (silu_mul). Inside drafting() a small linear (_linear_small) does that as
-    it loads x, with the same roundings: one kernel instead of two."""
+    What x goes through first: norm = (weight, eps), Qwen3's RMSNorm (plain_rms_norm). What the output goes
+    through next (apply_then): then = "swiglu", w = [gate | up] [2I, in] and silu(gate) * up [..., I] is returned
+    (silu_mul); then = (weight, eps), a zero-centred RMSNorm, and (rms_norm(y), y) is returned (y: the output
+    with the residual, the layer's new residual stream). Fused where it saves a launch, with the roundings of
+    the kernels it replaces: the Triton GEMV's split-K sum does `then` (_gemv_launch), and inside drafting() a
+    small linear (_linear_small) does the norm as it loads x and the SwiGLU as it writes."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    assert norm is None or not swiglu, "linear: norm or swiglu, not both (one thing goes through first)"
-    if norm is not None or swiglu:
-        if (DRAFTING and _fast(x) and w.dtype != FP8 and _small_linear(M, w, x, residual, 2 if swiglu else 1)
-                and (norm is None or norm[0].dtype == x.dtype)):
-            return _linear_small(x, w, residual, norm, swiglu)
-        x = plain_rms_norm(x, *norm) if norm is not None else silu_mul(x)
+    if (DRAFTING and _fast(x) and w.dtype != FP8 and then in (None, "swiglu") and _small_linear(M, w, x, residual)
+            and (norm is None or norm[0].dtype == x.dtype) and (then is None or residual is None)):
+        return _linear_small(x, w, residual, norm, then == "swiglu")
+    if norm is not None:
+        x = plain_rms_norm(x, *norm)
     if w.dtype == FP8:
         assert scale is not None, "an FP8 weight needs its block scales"
-        return _linear_fp8(x, w, scale, residual)
-    if DRAFTING and _fast(x) and _small_linear(M, w, x, residual):
-        return _linear_small(x, w, residual)
+        return _linear_fp8(x, w, scale, residual, then)
     if (_fast(x) and 1 <= M <= max(32, INVARIANT_ROWS) and w.dim() == 2 and w.is_contiguous()
             and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and w.device == x.device and (residual is None or residual.dtype == x.dtype)):
         cfg = _gemv_config(M, w.shape[0], w.shape[1], x.is_cuda, x.dtype)
         if cfg is not None and (cfg == "rows" or M <= 32):
-            return _gemv_launch(x, w, cfg, residual)
+            return _gemv_launch(x, w, cfg, residual, then=then)
     if x.is_cuda or x.numel() // x.shape[-1] > 256:
         y = F.linear(x, w)
     elif _cpu_fast(x) and w.dim() == 2 and (_dnn_ok(w) or w.shape[0] % 16 == 0):
@@ -988,7 +1058,7 @@ def linear(x, w, residual=None, scale=None, norm=None, swiglu=False):
     else:
         rows = x.reshape(-1, x.shape[-1])
         y = torch.stack([F.linear(r, w) for r in rows]).view(*x.shape[:-1], w.shape[0])
-    return y if residual is None else residual + y
+    return apply_then(y if residual is None else residual + y, then)
 
 
 def _transposed(w):
@@ -1101,25 +1171,25 @@ SMALL_ROWS = 2
 SMALL_K = 4096
 
 
-def _small_linear(M, w, x, residual, per_k=1):
-    """Does x [M rows] @ w^T take _linear_small (inside drafting())? per_k: x's values per input (2: SwiGLU's
-    [gate | up])."""
+def _small_linear(M, w, x, residual):
+    """Does x [M rows] @ w^T take _linear_small (inside drafting())?"""
     N, K = w.shape
     return (1 <= M <= SMALL_ROWS and w.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype
-            and x.shape[-1] == per_k * K
+            and x.shape[-1] == K
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and K <= SMALL_K
             and N * K <= 1 << 24 and (residual is None or residual.dtype == x.dtype))
 
 
 @_jit_any_M
 def _linear_small_kernel(p_x, p_w, p_y, p_r, p_n, M, N, K, s_x, eps, BN: tl.constexpr, BK: tl.constexpr,
-                         RES: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                         RES: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
     # program (block of BN outputs): its weight rows [BN, K] whole (BK >= K), loaded before the wait for the
     # kernel before it (weights are never written inside a step), then each of the M rows on its own: the same
     # products and the same sum for a row whatever M is (M is not specialised), so rows do not depend on each
-    # other; residual added in fp32 before the one rounding. PRE: what x's row goes through first, with the
-    # roundings of the kernel it replaces: 1 Qwen3's RMSNorm with weight p_n (_rms_norm_kernel, PLAIN), 2
-    # SwiGLU, the row being [gate | up] of 2K (_silu_mul_kernel)
+    # other; residual added in fp32 before the one rounding. NORM: x's row goes through Qwen3's RMSNorm (weight
+    # p_n) first, with _rms_norm_kernel's roundings (PLAIN). SWIGLU: w is [gate | up] (2N rows), the program
+    # also holds the up rows of its BN outputs, and writes silu(gate) * up, each half rounded to the
+    # activation dtype first (the GEMM's output), then _silu_mul_kernel's arithmetic
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
@@ -1127,34 +1197,38 @@ def _linear_small_kernel(p_x, p_w, p_y, p_r, p_n, M, N, K, s_x, eps, BN: tl.cons
     dt = p_y.dtype.element_ty
     if PDL:
         gdc_launch_dependents()
-    b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                  other=0.0)
-    if PRE == 1:
+    p_wb = p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :]
+    b_w = tl.load(p_wb, mask=m_n[:, None] & m_k[None, :], other=0.0)
+    if SWIGLU:
+        b_wu = tl.load(p_wb + N * K, mask=m_n[:, None] & m_k[None, :], other=0.0)
+    if NORM:
         b_n = tl.load(p_n + o_k, mask=m_k, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
     for m in range(M):
-        if PRE == 2:
-            b_g = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_u = tl.load(p_x + m * s_x + K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_x = (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt).to(tl.float32)
-        else:
-            b_x = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-        if PRE == 1:
+        b_x = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if NORM:
             b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 0) / K + eps)
             b_x = ((b_x * b_rstd).to(dt).to(tl.float32) * b_n).to(dt).to(tl.float32)
         b_y = tl.sum(b_w.to(tl.float32) * b_x[None, :], 1)                               # [BN]
+        if SWIGLU:
+            b_u = tl.sum(b_wu.to(tl.float32) * b_x[None, :], 1).to(dt).to(tl.float32)
+            b_y = b_y.to(dt).to(tl.float32)
+            b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
         if RES:
             b_y += tl.load(p_r + m * N + o_n, mask=m_n, other=0.0).to(tl.float32)
         tl.store(p_y + m * N + o_n, b_y.to(p_y.dtype.element_ty), mask=m_n)
 
 
 def _linear_small(x, w, residual=None, norm=None, swiglu=False):
-    """[residual +] pre(x) @ w^T for a small weight w [N, K] and a few rows x [..., K] (a drafter's pass,
+    """[residual +] norm(x) @ w^T for a small weight w [N, K] and a few rows x [..., K] (a drafter's pass,
     drafting()): one kernel whose programs each hold BN whole weight rows. BN = 8: on the H200 a GEMV of this
-    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with 4 rows and 3.3 with 16. pre: as
-    linear's norm / swiglu, applied to each row as it is loaded (x [..., 2K] with swiglu)."""
+    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with 4 rows and 3.3 with 16. norm: as
+    linear's, applied to each row as it is loaded; swiglu: linear's then = "swiglu" (w [2I, K] -> [..., I]), on
+    the way out."""
     N, K = w.shape
+    assert not (swiglu and residual is not None), "_linear_small: SwiGLU's output takes no residual"
+    N = N // 2 if swiglu else N
     xr = _rows(x)
     M = xr.shape[0]
     y = _empty((*x.shape[:-1], N), x.dtype, x.device)
@@ -1163,8 +1237,9 @@ def _linear_small(x, w, residual=None, norm=None, swiglu=False):
     BN, BK = 8, _p2(K)
     pdl = _pdl(x)
     _linear_small_kernel[(_cdiv(N, BN),)](xr, w, y, r, nw, M, N, K, xr.stride(0), eps, BN=BN, BK=BK,
-                                          RES=residual is not None, PRE=1 if norm else 2 if swiglu else 0,
-                                          PDL=pdl, num_warps=8 if BN * BK > 16384 else 4, **_launch(pdl))
+                                          RES=residual is not None, NORM=norm is not None, SWIGLU=swiglu,
+                                          PDL=pdl, num_warps=8 if (2 if swiglu else 1) * BN * BK > 16384 else 4,
+                                          **_launch(pdl))
     return y
 
 

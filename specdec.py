@@ -288,8 +288,8 @@ class Linear(nn.Linear):
         super().__init__(n_in, n_out, bias=False)
         self.register_parameter("weight_scale_inv", None)                           # None: not FP8
 
-    def forward(self, x, residual=None, swiglu=False):
-        return K.linear(x, self.weight, residual, scale=self.weight_scale_inv, swiglu=swiglu)
+    def forward(self, x, residual=None, then=None):
+        return K.linear(x, self.weight, residual, scale=self.weight_scale_inv, then=then)
 
 
 class RMSNorm(nn.Module):
@@ -303,6 +303,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return (K.plain_rms_norm if self.plain else K.rms_norm)(x, self.weight, self.eps)
+
+    @property
+    def args(self):
+        """(weight, eps): what kernels.linear's norm / then take."""
+        return self.weight, self.eps
 
 
 def project(x, mod, attr, *linears):
@@ -349,7 +354,8 @@ class Attention(nn.Module):
         self.rope_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta                # partial RoPE
         self.register_buffer("inv_freq", rope_inv_freq(self.rope_dim, self.rope_theta), persistent=False)
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, residual=None, then=None):
+        """o_proj(attention(x)) [+ residual], through then (kernels.linear's: the next RMSNorm)."""
         B, T, _ = x.shape
         qg, k, v = project(x, self, "qkv", self.q_proj, self.k_proj, self.v_proj)  # fused after loading
         qg = qg.view(B, T, self.nh, 2 * self.hd)                                     # per head [query | gate]
@@ -359,7 +365,8 @@ class Attention(nn.Module):
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
                              k_cache, v_cache, ctx.slots, ctx.pos)                   # [B, T, nh, hd]
         o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
-        return self.o_proj(K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1))   # output gate: sigmoid(gate)
+        o = K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1)                      # output gate: sigmoid(gate)
+        return self.o_proj(o, residual, then)
 
 
 class GatedDeltaNet(nn.Module):
@@ -387,7 +394,8 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(B, T, c.linear_num_key_heads, -1), k.reshape(B, T, c.linear_num_key_heads, -1),
                 v.reshape(B, T, c.linear_num_value_heads, -1))
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, residual=None, then=None):
+        """out_proj(the gated delta rule over x) [+ residual], through then (the next RMSNorm)."""
         B, T, _ = x.shape
         st = ctx.state
         c = self.cfg
@@ -419,7 +427,7 @@ class GatedDeltaNet(nn.Module):
             # 5.7x fewer bytes for replay at T = 16. Hence replay.
             st.stash[self.layer_id] = (mixed, q, k, v, a, b)
         o = K.gated_rms_norm(o, z, self.norm.weight, self.cfg.rms_norm_eps)
-        return self.out_proj(o.reshape(B, T, -1))
+        return self.out_proj(o.reshape(B, T, -1), residual, then)
 
     def commit(self, ctx, n_keep):
         """After a verify: advance the conv window and recurrent state by the first n_keep[b] tokens."""
@@ -437,15 +445,16 @@ class MLP(nn.Module):
         self.up_proj = Linear(H, I, bias=False)
         self.down_proj = Linear(I, H, bias=False)
 
-    def forward(self, x, residual=None, norm=None):
+    def forward(self, x, residual=None, norm=None, then=None):
         """down(silu(gate x) * up x) [+ residual: the layer's skip connection, added by the down GEMM]; norm:
-        (weight, eps) of a Qwen3 RMSNorm to apply to x first (inside the gate/up GEMM: kernels.linear)."""
+        (weight, eps) of a Qwen3 RMSNorm to apply to x first (inside the gate/up GEMM: kernels.linear); then:
+        the next RMSNorm's (weight, eps), done with down's last step (returns (its output, the sum))."""
         if hasattr(self, "gate_up"):  # fused after loading (fuse_projections): one GEMM, one activation
-            h = K.linear(x, self.gate_up, scale=self.gate_up_scale, norm=norm)            # [.., 2I]
-            return self.down_proj(h, residual, swiglu=True)                       # silu(gate) * up, then down
+            h = K.linear(x, self.gate_up, scale=self.gate_up_scale, norm=norm, then="swiglu")  # silu(g) * up
+            return self.down_proj(h, residual, then)
         x = x if norm is None else K.plain_rms_norm(x, *norm)
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return y if residual is None else residual + y
+        return K.apply_then(y if residual is None else residual + y, then)
 
 
 class MoE(nn.Module):
@@ -463,8 +472,9 @@ class MoE(nn.Module):
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1, bias=False)
 
-    def forward(self, x, residual=None):
-        """The routed experts plus the gated shared expert [+ residual], as one output (a fused epilogue)."""
+    def forward(self, x, residual=None, then=None):
+        """The routed experts plus the gated shared expert [+ residual], as one output (a fused epilogue);
+        then: the next RMSNorm, as MLP's (a launch of its own here)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
         if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up
@@ -479,7 +489,7 @@ class MoE(nn.Module):
         ex = self.experts
         y = K.moe_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, shared, sg, res,
                           gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv)
-        return y.view(shape)
+        return K.apply_then(y.view(shape), then)
 
 
 class DecoderLayer(nn.Module):
@@ -493,11 +503,13 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, layer_id)
         self.mlp = MoE(cfg) if cfg.moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, ctx):
+    def forward(self, h, x, ctx, next_norm):
+        """h = input_layernorm(x), x the residual stream -> (next_norm(x'), x'), x' = x + mixer(h) + mlp(...):
+        each skip connection and the RMSNorm after it are done with the GEMM before them (kernels.linear's
+        then: one launch with its split-K sum), so the layer before made h, and this one makes the next's."""
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        y, x = K.add_rms_norm(mixer(self.input_layernorm(x), ctx), x, self.post_attention_layernorm.weight,
-                              self.post_attention_layernorm.eps)                     # x + mixer, and its norm
-        return self.mlp(y, residual=x)                                               # x + mlp(y)
+        y, x = mixer(h, ctx, residual=x, then=self.post_attention_layernorm.args)  # x + mixer(h), its norm
+        return self.mlp(y, residual=x, then=next_norm.args)                      # x + mlp(y), next norm
 
 
 class MTPHead(nn.Module):
@@ -514,7 +526,8 @@ class MTPHead(nn.Module):
 
     def forward(self, emb, hidden, ctx):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], -1))
-        return self.norm(self.layers[0](x, ctx))
+        layer = self.layers[0]
+        return layer(layer.input_layernorm(x), x, ctx, self.norm)[0]
 
 
 class Qwen36(nn.Module):
@@ -535,11 +548,13 @@ class Qwen36(nn.Module):
         embeddings) also the list of those layers' outputs, for drafters that read them (DFlash, DSpark)."""
         x = self.embed_tokens(ids)                                                   # [B, T, H]
         aux = [x] if -1 in taps else []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx)
+        L = self.layers
+        h = L[0].input_layernorm(x)                        # the others' come with the layer before (next_norm)
+        for i, layer in enumerate(L):
+            h, x = layer(h, x, ctx, L[i + 1].input_layernorm if i + 1 < len(L) else self.norm)
             if i in taps:
                 aux.append(x)
-        return (self.norm(x), aux) if taps else self.norm(x)
+        return (h, aux) if taps else h
 
     def logits(self, h):
         return (K.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)).float()

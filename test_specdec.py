@@ -5792,7 +5792,8 @@ def gemv(x, w, always=True, residual=None):
 def gemv_calls(monkeypatch):
     """The configs of the _gemv_launch calls made (each a (BN, BK, SPLIT, stages, warps) tuple)."""
     calls, launch = [], K._gemv_launch
-    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg, r=None, s=None: calls.append(cfg) or launch(x, w, cfg, r, s))
+    monkeypatch.setattr(K, "_gemv_launch", lambda x, w, cfg, r=None, s=None, then=None: calls.append(cfg)
+                        or launch(x, w, cfg, r, s, then))
     return calls
 
 
@@ -6004,31 +6005,101 @@ def test_kernel_linear_small(N, Kin, residual):
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("pre", ["norm", "swiglu"])
 def test_kernel_linear_small_pre(pre, dt, monkeypatch):
-    """A drafter's small linear with Qwen3's RMSNorm or SwiGLU in its load of x (linear's norm / swiglu, fused
-    inside drafting() only; one kernel): the same bits as the norm or SwiGLU kernel followed by the linear (it
-    repeats their roundings), 1 and 2 rows, odd sizes, a residual; in fp32 within rounding of the reference."""
+    """A drafter's small linear with Qwen3's RMSNorm in its load of x (linear's norm) or SwiGLU on its output
+    (linear's then = "swiglu", w = [gate | up]), fused inside drafting() only (one kernel): the same bits as the
+    linear and the norm or SwiGLU kernel (it repeats their roundings), 1 and 2 rows, odd sizes, a residual (with
+    the norm); in fp32 within rounding of the reference."""
     g = gen(3)
     N, Kin, eps = 70, 200, 1e-6
-    w = randn(N, Kin, g=g, dtype=dt)
+    w = randn(2 * N if pre == "swiglu" else N, Kin, g=g, dtype=dt)
     nw = randn(Kin, g=g, dtype=dt)
     calls, real = [], K._linear_small
     monkeypatch.setattr(K, "_linear_small", lambda *a: calls.append(len(a)) or real(*a))
     for M in (1, 2):
-        x = randn(M, 2 * Kin if pre == "swiglu" else Kin, g=g, dtype=dt)
-        r = randn(M, N, g=g, dtype=dt)
-        kw = dict(norm=(nw, eps)) if pre == "norm" else dict(swiglu=True)
+        x = randn(M, Kin, g=g, dtype=dt)
+        r = randn(M, N, g=g, dtype=dt) if pre == "norm" else None
+        kw = dict(norm=(nw, eps)) if pre == "norm" else dict(then="swiglu")
+        if pre == "norm":
+            two = lambda: fast(K.linear, fast(K.plain_rms_norm, x, nw, eps), w, r)
+        else:
+            two = lambda: fast(K.silu_mul, fast(K.linear, x, w))
         calls.clear()
         with K.drafting():
             got = fast(K.linear, x, w, r, **kw)
             assert calls == [5]                                                     # fused: one kernel
-            first = fast(K.plain_rms_norm, x, nw, eps) if pre == "norm" else fast(K.silu_mul, x)
-            assert torch.equal(got, fast(K.linear, first, w, r))                  # == two kernels
+            assert torch.equal(got, two())                                          # == two kernels
         calls.clear()
         outside = fast(K.linear, x, w, r, **kw)                                    # outside: two kernels
-        assert calls == [] and torch.equal(outside, fast(K.linear, first, w, r))
+        assert calls == [] and torch.equal(outside, two())
         if dt == torch.float32:
-            ref = K.plain_rms_norm_ref(x, nw, eps) if pre == "norm" else K.silu_mul_ref(x)
-            assert rel(got, ref.double() @ w.double().t() + r.double()) <= TOL[dt]
+            if pre == "norm":
+                ref = K.plain_rms_norm_ref(x, nw, eps).double() @ w.double().t() + r.double()
+            else:
+                ref = K.silu_mul_ref((x.double() @ w.double().t()))
+            assert rel(got, ref) <= TOL[dt]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("then", ["swiglu", "norm", "norm+residual"])
+def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
+    """linear's then fused into the split-K sum of the Triton GEMV (_gemv_sum_swiglu_kernel,
+    _gemv_sum_norm_kernel: the GEMM's last step, the skip connection and the SwiGLU or the next RMSNorm in one
+    launch): the bits of the unfused kernels (the linear, then silu_mul or rms_norm), bf16 and fp32, the bf16 and
+    the FP8 GEMV; a row's bits do not depend on the other rows (alone, and rows 0 and M-1 of M = 5, 17, 40); the
+    same through linear(), which also applies then where nothing is split (N > K: no split here)."""
+    g = gen(7)
+    N, Kin, eps = 24, 600, 1e-6                                           # tall: K split 2 (4 in FP8) ways
+    for dt in DTYPES:
+        w = randn(N, Kin, g=g, dtype=dt, scale=Kin ** -0.5)
+        cfg, scale = "fp8" if fp8 else "rows", None
+        if fp8:
+            w, scale = K.fp8_quantize(w.float())
+        nw = randn(N, g=g, dtype=dt, scale=0.1)
+        arg = "swiglu" if then == "swiglu" else (nw, eps)
+        run = lambda x, r, t: fast(K._gemv_launch, x, w, cfg, r, scale, t)
+        x0 = randn(1, Kin, g=g, dtype=dt)
+        r0 = randn(1, N, g=g, dtype=dt) if then == "norm+residual" else None
+
+        def two(x, r):
+            y = run(x, r, None)
+            return fast(K.silu_mul, y) if then == "swiglu" else (fast(K.rms_norm, y, nw, eps), y)
+        alone = run(x0, r0, arg)
+        want = two(x0, r0)
+        if then == "swiglu":
+            assert alone.shape == (1, N // 2) and torch.equal(alone, want)
+        else:
+            assert torch.equal(alone[1], want[1]) and torch.equal(alone[0], want[0])
+        for M in (5, 17, 40):
+            xs = randn(M, Kin, g=g, dtype=dt)
+            rs = randn(M, N, g=g, dtype=dt) if r0 is not None else None
+            for at in (0, M - 1):
+                xs[at] = x0[0]
+                if rs is not None:
+                    rs[at] = r0[0]
+                got = run(xs, rs, arg)
+                for a, b in zip(got if then != "swiglu" else [got], alone if then != "swiglu" else [alone]):
+                    assert torch.equal(a[at:at + 1], b)
+        assert (K._fp8_config if fp8 else K._rows_config)(N, Kin, x0.device)[1 if fp8 else 2] > 1  # K is split
+        if dt == torch.float32:  # within rounding of the reference
+            y = (K.linear_w8a8_ref(x0, w, scale) if fp8 else x0 @ w.t()) + (r0 if r0 is not None else 0)
+            ref = K.silu_mul_ref(y) if then == "swiglu" else K.rms_norm_ref(y, nw, eps)
+            assert rel(alone if then == "swiglu" else alone[0], ref) <= TOL[dt]
+    K.GEMV_ALWAYS, old = True, K.GEMV_ALWAYS
+    try:  # through linear(): then fused (this tall weight) or after it (a wide one: no split), the same bits
+        wide = randn(2 * Kin, 48, g=g)
+        for wt, sc, xt, nt in [(w, scale, randn(3, Kin, g=g, dtype=dt), nw), (wide, None, randn(3, 48, g=g),
+                                                                           randn(2 * Kin, g=g, scale=0.1))]:
+            t = "swiglu" if then == "swiglu" else (nt, eps)
+            rt = randn(3, wt.shape[0], g=g, dtype=xt.dtype) if then == "norm+residual" else None
+            n0 = len(gemv_calls)
+            out = fast(K.linear, xt, wt, rt, scale=sc, then=t)
+            y = fast(K.linear, xt, wt, rt, scale=sc)
+            want = fast(K.silu_mul, y) if then == "swiglu" else (fast(K.rms_norm, y, nt, eps), y)
+            assert len(gemv_calls) == n0 + 2
+            assert all(torch.equal(a, b) for a, b in zip(*([out, want] if then != "swiglu" else [[out], [want]])))
+    finally:
+        K.GEMV_ALWAYS = old
 
 
 def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):

@@ -506,10 +506,14 @@ def not_invariant():
 # (550.9, 590.0); 35B-A3B: in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5),
 # shared down 3.2 (2.6), lm_head 223.7 (221.1). Above 16 rows every 64-row tile reads the weights again: at
 # M = 128 (8 x 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x): invariance's price for big
-# verifies.
+# verifies. The 27B's o_proj / out_proj and down split K 8 ways since session 18, when their split-K sum took the
+# skip connection and the next RMSNorm (linear's then): each linear and its epilogue chained over 8 distinct
+# weights in a CUDA graph, M = 1, us at K split 2 / 4 / 8: o_proj 21.6 / 21.2 / 20.9, down 50.8 / 50.1 / 47.8;
+# split 3, the tiles before, with the sum and the norm as two launches: 24.7 and 59.7 (.scratch/s18/epi.py, device
+# call 3; the FP8 tiles' splits measured best as they were).
 ROWS_CONFIG = {
-    (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 3, 4, 4),
-    (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 3, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
+    (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 8, 4, 4),
+    (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 8, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
     (12352, 2048): (32, 128, 1, 4, 4), (9216, 2048): (32, 128, 1, 4, 4), (2048, 4096): (32, 128, 4, 4, 4),
     (1281, 2048): (32, 256, 1, 4, 4), (2048, 512): (16, 256, 1, 4, 4), (248320, 2048): (64, 256, 1, 3, 4),
     (776, 256): (16, 256, 1, 4, 4), (768, 256): (16, 256, 1, 4, 4), (256, 256): (16, 256, 1, 4, 4),
@@ -671,6 +675,10 @@ def _gemv_sum_norm_kernel(p_part, p_r, p_w, p_h, p_y, M, N, eps, SPLIT: tl.const
     tl.store(p_y + i_r * N + o_d, (b_x * b_rstd[:, None] * (1.0 + b_w)).to(p_y.dtype.element_ty), mask=m)
 
 
+SWIGLU_BS = 256  # _gemv_sum_swiglu_kernel's outputs per program
+NORM_WARPS = 8   # _gemv_sum_norm_kernel's warps (one program per row)
+
+
 def apply_then(y, then):
     """What a linear's output goes through next, unfused: then None (nothing), "swiglu" (silu_mul: y [..., 2I]
     = [gate | up] -> [..., I]) or (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y))."""
@@ -724,7 +732,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     if then == "swiglu" and residual is None:  # (the partials hold [gate | up] rows: N = 2I)
         I = N // 2
         y = _empty((*x.shape[:-1], I), x.dtype, x.device)
-        BS = min(1024, _p2(M * I))
+        BS = min(SWIGLU_BS, _p2(M * I))
         _gemv_sum_swiglu_kernel[(_cdiv(M * I, BS),)](out, y, M, I, SPLIT=SPLIT, BS=BS, PDL=pdl, num_warps=4,
                                                      **_launch(pdl))
         return y
@@ -734,7 +742,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
         y = _empty(h.shape, x.dtype, x.device)
         BD = _p2(N)
         _gemv_sum_norm_kernel[(M,)](out, r, nw.contiguous(), h, y, M, N, eps, SPLIT=SPLIT, BD=BD,
-                                    RES=residual is not None, PDL=pdl, num_warps=min(8, max(1, BD // 256)),
+                                    RES=residual is not None, PDL=pdl, num_warps=min(NORM_WARPS, max(1, BD // 256)),
                                     **_launch(pdl))
         return y, h
     BS = min(1024, _p2(M * N))

@@ -6049,7 +6049,7 @@ def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
     the FP8 GEMV; a row's bits do not depend on the other rows (alone, and rows 0 and M-1 of M = 5, 17, 40); the
     same through linear(), which also applies then where nothing is split (N > K: no split here)."""
     g = gen(7)
-    N, Kin, eps = 24, 600, 1e-6                                           # tall: K split 2 (4 in FP8) ways
+    N, Kin, eps = 24, 1024, 1e-6                                  # tall: K split 2-4 ways (CPU and GPU rules)
     for dt in DTYPES:
         w = randn(N, Kin, g=g, dtype=dt, scale=Kin ** -0.5)
         cfg, scale = "fp8" if fp8 else "rows", None

@@ -244,11 +244,6 @@ def plain_rms_norm_ref(x, weight, eps):
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def add_rms_norm_ref(x, residual, weight, eps):
-    h = x + residual
-    return rms_norm_ref(h, weight, eps), h
-
-
 def gated_rms_norm_ref(x, z, weight, eps):
     xf = x.float().contiguous()  # (x may be a transposed view: torch then sums the rows in an order set by T)
     y = (xf * exact(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -257,8 +252,8 @@ def gated_rms_norm_ref(x, z, weight, eps):
 
 
 @_jit
-def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z, NZ, s_z1,
-                     BR: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr,
+def _rms_norm_kernel(p_x, p_w, p_y, p_z, N, D, eps, s_x, s_z, NZ, s_z1,
+                     BR: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
                      ROUND_MID: tl.constexpr, PLAIN: tl.constexpr, PDL: tl.constexpr):
     # one program normalises BR rows of length D (BD >= D); all statistics in fp32
     _pdl_sync(PDL)
@@ -267,11 +262,6 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z, NZ,
     o_d = tl.arange(0, BD)
     m = (o_r < N)[:, None] & (o_d < D)[None, :]
     b_x = tl.load(p_x + o_r[:, None] * s_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    if ADD:  # residual stream h = x + residual, rounded to the activation dtype like torch's add
-        b_x += tl.load(p_r + o_r[:, None] * s_r + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-        b_x = b_x.to(p_h.dtype.element_ty)
-        tl.store(p_h + o_r[:, None] * D + o_d[None, :], b_x, mask=m)
-        b_x = b_x.to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)                               # [BR]
     b_w = tl.load(p_w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
     if GATED:  # w * norm(x).to(dtype) * silu(z), with the reference's roundings
@@ -288,16 +278,13 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, p_z, N, D, eps, s_x, s_r, s_z, NZ,
     tl.store(p_y + o_r[:, None] * D + o_d[None, :], b_y.to(p_y.dtype.element_ty), mask=m)
 
 
-def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
+def _norm_launch(x, weight, eps, z=None, plain=False):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), "weight must be a contiguous [D] vector"
     xr = _rows(x)
     N = xr.shape[0]
     y = _empty(x.shape, x.dtype, x.device)
-    h = rr = zr = None
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual must match"
-        rr, h = _rows(residual), _empty(x.shape, x.dtype, x.device)
+    zr = None
     if z is not None:  # z [R, NZ, D], row r at (r // NZ) * s_z + (r % NZ) * s_z1: GDN's gate heads, sliced
         assert z.shape == x.shape, "x and z must have the same shape"  # from in_proj's output, need no copy
         zr = (z if z.stride(-1) == 1 else z.contiguous()).reshape(-1, *([D] if z.dim() < 2 else z.shape[-2:]))
@@ -307,12 +294,11 @@ def _norm_launch(x, weight, eps, residual=None, z=None, plain=False):
     mid_round = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     pdl = _pdl(x)
     _rms_norm_kernel[(_cdiv(N, BR),)](
-        xr, rr if rr is not None else xr, weight, y, h if h is not None else y, zr if zr is not None else xr,
-        N, D, eps, xr.stride(0), rr.stride(0) if rr is not None else 0, zr.stride(0) if zr is not None else 0,
-        zr.shape[1] if zr is not None else 1, zr.stride(1) if zr is not None else 0, BR=BR, BD=BD,
-        ADD=residual is not None, GATED=z is not None, ROUND_MID=mid_round, PLAIN=plain, PDL=pdl,
-        num_warps=min(8, max(1, BR * BD // 256)), **_launch(pdl))
-    return y, h
+        xr, weight, y, zr if zr is not None else xr, N, D, eps, xr.stride(0),
+        zr.stride(0) if zr is not None else 0, zr.shape[1] if zr is not None else 1,
+        zr.stride(1) if zr is not None else 0, BR=BR, BD=BD, GATED=z is not None, ROUND_MID=mid_round,
+        PLAIN=plain, PDL=pdl, num_warps=min(8, max(1, BR * BD // 256)), **_launch(pdl))
+    return y
 
 
 def _rms_norm_cpu(x, weight, eps):
@@ -334,7 +320,7 @@ def rms_norm(x, weight, eps):
     x [..., D] (any strides with a unit last stride, e.g. the query half of q_proj's output), weight [D].
     Returns a new contiguous [..., D] tensor in x's dtype."""
     if _fast(x):
-        return _norm_launch(x, weight, eps)[0]
+        return _norm_launch(x, weight, eps)
     if _cpu_fast(x):
         return _rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -344,26 +330,15 @@ def plain_rms_norm(x, weight, eps):
     """Qwen3's RMSNorm (plain weight): w * (x_f32 * rsqrt(mean(x^2) + eps)).to(dtype). x [..., D], weight [D]
     of x's dtype (another dtype: the reference, whose product then promotes). Returns [..., D]."""
     if _fast(x) and weight.dtype == x.dtype:
-        return _norm_launch(x, weight, eps, plain=True)[0]
+        return _norm_launch(x, weight, eps, plain=True)
     return plain_rms_norm_ref(x, weight, eps)
-
-
-def add_rms_norm(x, residual, weight, eps):
-    """The residual add fused with the next RMSNorm: h = x + residual (in x's dtype), returns
-    (rms_norm(h, weight, eps), h). x, residual [..., D] of one dtype; weight [D]."""
-    if _fast(x):
-        return _norm_launch(x, weight, eps, residual=residual)
-    if _cpu_fast(x):
-        h = x + residual
-        return _rms_norm_cpu(h, weight, eps), h
-    return add_rms_norm_ref(x, residual, weight, eps)
 
 
 def gated_rms_norm(x, z, weight, eps):
     """GDN output norm (plain weight, gate after the norm): w * norm(x).to(dtype) * silu(z_f32).
     x, z [..., d_v], weight [d_v]. Returns [..., d_v] in x's dtype."""
     if _fast(x):
-        return _norm_launch(x, weight, eps, z=z)[0]
+        return _norm_launch(x, weight, eps, z=z)
     if _cpu_fast(x):  # (x contiguous first: as the reference says, torch sums a transposed view's rows in
         # an order set by T)
         y = F.rms_norm(x.float().contiguous(), (x.shape[-1],), None, eps).to(x.dtype)
@@ -692,7 +667,7 @@ def apply_then(y, then):
 def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     """x [..., K] (M rows), w [N, K] contiguous of x's dtype (or e4m3 with its block scales `scale`), cfg from
     _gemv_config ("rows": _rows_config's tiles, any M in 16-row tiles; "fp8": _fp8_gemv_kernel with _fp8_config's
-    tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N], through `then` (_then): where the K
+    tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N], through `then` (apply_then): where the K
     split needs a second launch to add its partials, that launch also does `then` (_gemv_sum_swiglu_kernel,
     _gemv_sum_norm_kernel)."""
     N, K = w.shape
@@ -1074,7 +1049,8 @@ def _transposed(w):
     return _derived(w, "t", lambda w: w.t().contiguous())
 
 
-_ROWS_ALONE = {}  # (how, out, in, rows, threads[, dtype]) -> does one call of so many rows give each row its bits alone?
+_ROWS_ALONE = {}  # (how, out, in, rows, threads[, dtype]) -> does one call of so many rows give each row
+                  # its bits alone?
 
 
 def _dnn_ok(w):

@@ -1109,8 +1109,10 @@ def _linear_cpu(x, w):
     / 2.04 / 2.47 / 3.18 ms, where 1-row products (the bmm below) take 1.99 / 3.65 / 5.47 / 9.27 (MKL's own
     GEMM, not invariant, 4 rows of lm_head 8256 x 256: 336 us, oneDNN 116). Without oneDNN (or another
     dtype): every row its own (1, in) @ (in, out) product, all rows in one bmm(x [M, 1, in], w^T expanded to
-    [M, in, out]), each batch entry its own product; only for out a multiple of 16 (on the AVX2 EPYC of
-    session 10, out = 70 or 250 rounded every other row differently; such widths take the reference's loop).
+    [M, in, out]), each batch entry its own product, where a check at first use (_rows_alone, as for oneDNN)
+    finds that each row gets its 1-row bits (on session 18's Xeon it did not at two threads), else one bmm per
+    row; only for out a multiple of 16 (on the AVX2 EPYC of session 10, out = 70 or 250 rounded every other row
+    differently; such widths take the reference's loop).
     test_cpu_linear_row_invariant pins the three paths, test_cpu_dnn_rows_check the check."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
@@ -1120,7 +1122,9 @@ def _linear_cpu(x, w):
         wp = _packed(w)
         y = _dnn(rows, wp) if M == 1 or _dnn_rows(w, M) else torch.cat([_dnn(r, wp) for r in rows.split(1)])
         return y.view(*x.shape[:-1], N)
-    return _bmm(rows, w).view(*x.shape[:-1], N)
+    ok = M == 1 or _rows_alone("bmm", w, M, lambda x: _bmm(x, w), w.dtype)
+    y = _bmm(rows, w) if ok else torch.cat([_bmm(r, w) for r in rows.split(1)])
+    return y.view(*x.shape[:-1], N)
 
 
 # A drafter's weights of at most this many elements take the fp32 bmm (_linear_draft_cpu)

@@ -7468,10 +7468,10 @@ def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch, one_thread):
 
 
 def test_cpu_dnn_rows_check(monkeypatch):
-    """_dnn_rows, the check at first use that lets a CPU step's rows share one oneDNN call: it refuses a GEMM
-    whose row bits depend on the row's place in the call or on the other rows (stand-ins for oneDNN that do
-    so on purpose, so the test does not depend on this CPU), and linear() then computes each row alone, with
-    the bits of a 1-row step. (On this CI class's CPU, AMD EPYC Zen 5, oneDNN itself passes at the toy's
+    """_dnn_rows, the check at first use that lets a CPU step's rows share one oneDNN call (and _rows_alone's
+    for the bmm without oneDNN): it refuses a GEMM whose row bits depend on the row's place in the call or on
+    the other rows (stand-ins for oneDNN / the bmm that do so on purpose, so the test does not depend on this
+    CPU), and linear() then computes each row alone, with the bits of a 1-row step. (On this CI class's CPU, AMD EPYC Zen 5, oneDNN itself passes at the toy's
     shapes: test_cpu_linear_row_invariant runs whichever path the check picks.)"""
     w, x = torch.randn(64, 32), torch.randn(3, 32)
     for bad in (lambda x, wp: x @ w.t() + torch.arange(x.shape[0])[:, None] * 1e-3,  # row r gets r * 1e-3
@@ -7480,6 +7480,14 @@ def test_cpu_dnn_rows_check(monkeypatch):
         monkeypatch.setattr(K, "_dnn", bad)
         assert K._dnn_rows(w, 1) and not K._dnn_rows(w, 3)
         assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])             # row 1 alone == in the step
+    monkeypatch.setattr(K, "_dnn_ok", lambda w: False)                           # without oneDNN: the bmm
+    real = K._bmm
+    for bad in (lambda r, w: real(r, w) + torch.arange(r.shape[0])[:, None] * 1e-3,
+                lambda r, w: real(r, w) + r.sum(0, keepdim=True)[:, :1] * 1e-3):
+        monkeypatch.setattr(K, "_ROWS_ALONE", {})
+        monkeypatch.setattr(K, "_bmm", bad)
+        assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2])
+        assert [v for k, v in K._ROWS_ALONE.items() if k[0] == "bmm"] == [False]
 
 
 def test_cpu_gdn_invariant_to_input_layout():

@@ -14,7 +14,8 @@ Serve mode is `vllm bench serve` (its flags and defaults: --host / --port / --ba
 
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
 and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
-chained in one CUDA graph as in h200-anchors.md) with our TPOT as a ratio of it. A table first, then one JSON line last.
+chained in one CUDA graph as in h200-anchors.md) with our TPOT as a ratio of it. Each row as a `# measured:` line
+as soon as it is measured (a run cut short keeps those), then a table, then one JSON line last.
 For a MoE, --true-floor adds what that GEMM chain is not: the bytes a step reads, with the distinct experts of its
 actual routing (routed_experts), at the copy rate measured in the same run (true_floor_ms).
 """
@@ -1288,6 +1289,11 @@ def main(argv=None):
                 r["speedup_vs_off"] = off["tpot_ms"] / r["tpot_ms"] if off else None
                 r["weight_GBps"] = wbytes / (r["tpot_ms"] * 1e-3) / 1e9
                 rows.append(r)
+                extra = "".join(f", {name} {r[key]:.2f}" for name, key in (
+                    ("x off", "speedup_vs_off"), ("accept len", "mean_acceptance_length"),
+                    ("draft ms", "draft_ms_per_step")) if r.get(key) is not None)
+                print(f"# measured: {r['method']} k={k} batch {B} prompt {P}: TTFT {r['ttft_ms']:.1f} ms, TPOT "
+                      f"{r['tpot_ms']:.2f} ms{extra}", flush=True)
     costs = verify_costs(model, sorted(set([1] + a.verify_cost)), device, dtype) \
         if a.verify_cost and device.type == "cuda" else None
     if a.ngram_cost and device.type == "cuda":

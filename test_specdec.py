@@ -1738,7 +1738,7 @@ def test_bench_true_floor(monkeypatch, capsys):
     """bench.py --true-floor on a MoE: routed_experts counts the distinct experts of the target's actual routing per
     decode / verify step (between top_k and min(E, rows x top_k); a verify of k+1 tokens routes to at least as many
     as a decode step of one), and true_floor_ms is the step's bytes (linear_weights' plus that many experts per MoE
-    layer) at the given rate."""
+    layer) at the given rate; the command line prints each row as it is measured, then the table and the JSON."""
     cfg = dict(tiny_text_config(moe=True), num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
                shared_expert_intermediate_size=32)
     monkeypatch.setitem(bench.PRESETS, "tiny-moe", cfg)
@@ -1758,8 +1758,12 @@ def test_bench_true_floor(monkeypatch, capsys):
     capsys.readouterr()
     bench.main(["--random-weights", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--batch", "1", "2",
                 "--prompt-len", "8", "--gen-len", "4", "--enforce-eager", "--true-floor"])   # the command line's rows
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])["rows"]
     assert [r["experts_per_layer"] for r in rows][0] == k and all(r["tpot_over_true_floor"] > 0 for r in rows)
+    # each row also printed as soon as it was measured, before the table (a run cut short keeps those)
+    assert [line.split(":")[1] for line in out if line.startswith("# measured:")] == [
+        f" off k=0 batch {r['batch']} prompt 8" for r in rows]
 
 
 def test_bench_random_model_fp8():

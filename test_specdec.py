@@ -6042,8 +6042,8 @@ def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
     _gemv_sum_norm_kernel: the GEMM's last step, the skip connection and the SwiGLU or the next RMSNorm in one
     launch): the bits of the unfused kernels (the linear, then silu_mul or rms_norm), bf16 and fp32, the bf16 and
     the FP8 GEMV; a row's bits do not depend on the other rows (alone, and rows 0 and M-1 of M = 5 and 17: both
-    row tiles); the
-    same through linear(), which also applies then where nothing is split (N > K: no split here)."""
+    row tiles); the same through linear(), which also applies then where nothing is split (N > K: no split
+    here)."""
     g = gen(7)
     N, Kin, eps = 24, 1024, 1e-6                                  # tall: K split 2-4 ways (CPU and GPU rules)
     for dt in DTYPES:

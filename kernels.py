@@ -1077,6 +1077,15 @@ def _bmm(rows, w):
     return torch.bmm(rows[:, None], _transposed(w).expand(M, Kin, N)).view(M, N)
 
 
+def _bmm_rows(rows, w):
+    """_bmm of rows [M, in], each row with the bits of its own 1-row call: one bmm where _rows_alone finds that
+    it gives them (for w's shape, M and the thread count), else one bmm per row."""
+    M = rows.shape[0]
+    if M == 1 or _rows_alone("bmm", w, M, lambda x: _bmm(x, w), w.dtype):
+        return _bmm(rows, w)
+    return torch.cat([_bmm(r, w) for r in rows.split(1)])
+
+
 def _rows_alone(how, w, M, fn, dtype):
     """Does fn's call of M rows [M, in] (of dtype) give every row the bits of that row's own 1-row call, for w's
     shape, on the running CPU and thread count? Checked at first use (M random rows, each against its call
@@ -1109,10 +1118,10 @@ def _linear_cpu(x, w):
     / 2.04 / 2.47 / 3.18 ms, where 1-row products (the bmm below) take 1.99 / 3.65 / 5.47 / 9.27 (MKL's own
     GEMM, not invariant, 4 rows of lm_head 8256 x 256: 336 us, oneDNN 116). Without oneDNN (or another
     dtype): every row its own (1, in) @ (in, out) product, all rows in one bmm(x [M, 1, in], w^T expanded to
-    [M, in, out]), each batch entry its own product, where a check at first use (_rows_alone, as for oneDNN)
-    finds that each row gets its 1-row bits (on session 18's Xeon it did not at two threads), else one bmm per
-    row; only for out a multiple of 16 (on the AVX2 EPYC of session 10, out = 70 or 250 rounded every other row
-    differently; such widths take the reference's loop).
+    [M, in, out]), each batch entry its own product, where a check at first use finds that each row gets its
+    1-row bits (_bmm_rows; on session 18's Xeon it did not at two threads), else one bmm per row; only for out a
+    multiple of 16 (on the AVX2 EPYC of session 10, out = 70 or 250 rounded every other row differently; such
+    widths take the reference's loop).
     test_cpu_linear_row_invariant pins the three paths, test_cpu_dnn_rows_check the check."""
     rows = x.reshape(-1, x.shape[-1])
     M, (N, Kin) = rows.shape[0], w.shape
@@ -1122,9 +1131,7 @@ def _linear_cpu(x, w):
         wp = _packed(w)
         y = _dnn(rows, wp) if M == 1 or _dnn_rows(w, M) else torch.cat([_dnn(r, wp) for r in rows.split(1)])
         return y.view(*x.shape[:-1], N)
-    ok = M == 1 or _rows_alone("bmm", w, M, lambda x: _bmm(x, w), w.dtype)
-    y = _bmm(rows, w) if ok else torch.cat([_bmm(r, w) for r in rows.split(1)])
-    return y.view(*x.shape[:-1], N)
+    return _bmm_rows(rows, w).view(*x.shape[:-1], N)
 
 
 # A drafter's weights of at most this many elements take the fp32 bmm (_linear_draft_cpu)
@@ -1137,15 +1144,14 @@ def _linear_draft_cpu(rows, w):
     draft model's, 128 wide, and MTP's 256 x 256 and fc) in fp32 through _bmm: a oneDNN call costs ~20 us on
     this CPU whatever its size, the bmm 5-16 us at 1..5 rows there (us a call, hot, against oneDNN in bf16:
     388 x 128 at 1 / 5 rows 5 / 16 against 28 / 39, 768 x 128 8 / 25 against 30 / 27, 256 x 256 6 / 17
-    against 23 / 25; at 8 rows 27-37 against 25-35). One bmm of M rows where _rows_alone finds it giving each
-    row the bits of its own 1-row call, else one per row. The others: oneDNN on w's CPU_DRAFT_DTYPE copy
+    against 23 / 25; at 8 rows 27-37 against 25-35), as _bmm_rows (one bmm of M rows where that gives each row
+    the bits of its own 1-row call, else one per row). The others: oneDNN on w's CPU_DRAFT_DTYPE copy
     (packed once), the rows rounded to that dtype, the result back in w's dtype; one M-row call where
     _dnn_rows finds it giving each row its bits alone. Which of the two runs depends on w (and the caller's
     cpu_draft(bmm)) alone, not on M."""
     M, (N, Kin) = rows.shape[0], w.shape
     if _DRAFT_BMM and N * Kin <= DRAFT_BMM_SIZE:
-        ok = M == 1 or _rows_alone("bmm", w, M, lambda x: _bmm(x, w), w.dtype)
-        return _bmm(rows, w) if ok else torch.cat([_bmm(r, w) for r in rows.split(1)])
+        return _bmm_rows(rows, w)
     dt = CPU_DRAFT_DTYPE
     wp, r = _packed(w, dt), rows.to(dt)
     y = _dnn(r, wp) if M == 1 or _dnn_rows(w, M, dt) else torch.cat([_dnn(x, wp) for x in r.split(1)])
@@ -2261,17 +2267,20 @@ def moe_route(router_logits, top_k):
     return moe_route_ref(router_logits, top_k)
 
 
-# The N*k (token, expert) pairs are first grouped by expert on the device (a counting sort, no host
-# sync): order [P] lists the pairs expert by expert, pairs of expert e at order[off[e] : off[e+1]].
-# With many pairs (P > E: prefill, big batches) each expert kernel program takes one expert and a block
-# of its output features and runs its pairs BT at a time through tl.dot, so an expert's weights are read
-# once however many tokens chose it. With few pairs (P <= E: decode and verify) the grid runs over pairs
-# and only the first pair of each expert (its leader) works, one token at a time, GEMV-style: a step
-# reads k experts' weights, bandwidth-bound. Tiles measured on the H200 (35B: E 256, I 512, H 2048, k 8; us
-# per layer at 1 token / 2 tokens): gate_up 16 x 512 blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8
-# warps: 20.1 / 38.0); down 4 x 256, 2 warps: 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). A grid straight over the
-# experts without the leader lookups (valid only for distinct experts; a one-off variant, not kept) was
-# 0.3-0.6 us faster: the lookups stay. tools/tile_sweep.py reruns the tile comparison.
+# Two ways through the N*k (token, expert) pairs. With many pairs (P > E: prefill, big batches) they are
+# first grouped by expert on the device (a counting sort, no host sync: order [P] lists the pairs expert by
+# expert, pairs of expert e at order[off[e] : off[e+1]]), and each expert kernel program takes one expert and a
+# block of its output features and runs its pairs BT at a time through tl.dot, so an expert's weights are read
+# once however many tokens chose it. Decode and verify (P <= E, and every step under BATCH_INVARIANT) take a
+# grid over the pairs, no grouping: each program runs one token through one expert, GEMV-style, so an expert
+# two tokens chose is read twice, the second time mostly from L2. Measured on the H200 (session 20, 35B-A3B
+# bf16 random weights, graph replay of a whole target step, tools/profile_step.py) against the expert's first
+# pair (its leader) running all of its pairs one after another: batch 1, T = 1 / 2 / 4 / 16: 2.91 / 3.64 /
+# 4.56 / 9.77 ms -> 2.82 / 3.40 / 4.15 / 8.39; batch 8, T = 1 / 2: 6.16 / 9.53 -> 5.43 / 8.03 (a leader's
+# serial loop over its pairs was the step's straggler, and the grouping its own launch). Tiles measured on the
+# H200 (35B: E 256, I 512, H 2048, k 8; us per layer at 1 token / 2 tokens, with leaders): gate_up 16 x 512
+# blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8 warps: 20.1 / 38.0); down 4 x 256, 2 warps:
+# 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). tools/tile_sweep.py reruns the tile comparison.
 _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
 
 
@@ -2365,69 +2374,58 @@ def _moe_down_kernel(p_h, p_order, p_off, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr
 
 
 @_jit
-def _moe_leader(p_idx, p_order, p_off, i_p):
-    # pair i_p's expert e and its pairs order[start:end]; only the expert's first pair (its leader) works
-    e = tl.load(p_idx + i_p).to(tl.int64)
-    start, end = tl.load(p_off + e), tl.load(p_off + e + 1)
-    return e, start, tl.where(tl.load(p_order + start) == i_p, end, start)
-
-
-@_jit
-def _moe_gate_up_pair_kernel(p_x, p_idx, p_order, p_off, p_gu, p_sc, p_h, H, I, s_x, s_ge, s_gr, s_se, IB, HB,
+def _moe_gate_up_pair_kernel(p_x, p_idx, p_gu, p_sc, p_h, H, I, s_x, s_ge, s_gr, s_se, IB, HB,
                              TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, SCALED: tl.constexpr):
-    # decode (P <= E pairs): program (pair, I block); the leader pair of an expert runs its pairs one token at
-    # a time like the GEMV at M = 1: products of [BI, BH] gate and up weight tiles with x, summed over BH
-    # after the loop. SCALED (FP8; BI divides 128): x times each column's block scale, for gate and for up.
+    # decode and verify: program (pair, I block), one token through one expert like the GEMV at M = 1: products
+    # of [BI, BH] gate and up weight tiles with x, summed over BH after the loop. SCALED (FP8; BI divides 128):
+    # x times each column's block scale, for gate and for up.
     i_p, i_i = tl.program_id(0), tl.program_id(1)
-    e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
+    pair = i_p.to(tl.int64)
+    e = tl.load(p_idx + pair)
     p_sg = p_sc + e * s_se + (i_i * BI // 128) * HB                                # gate's scale row
     p_su = p_sg + IB * HB                                                           # up's
     o_i = i_i * BI + tl.arange(0, BI)
     m_i = o_i < I
     p_g = p_gu + e * s_ge + o_i[:, None].to(tl.int64) * s_gr                        # [BI, 1] gate rows
     p_u = p_gu + e * s_ge + (I + o_i)[:, None].to(tl.int64) * s_gr                  # [BI, 1] up rows
-    for r in range(start, end):
-        pair = tl.load(p_order + r).to(tl.int64)
-        b_g = tl.zeros([BI, BH], dtype=tl.float32)
-        b_u = tl.zeros([BI, BH], dtype=tl.float32)
-        for h0 in range(0, H, BH):
-            o_h = h0 + tl.arange(0, BH)
-            m_h = o_h < H
-            b_x = tl.load(p_x + (pair // TOPK) * s_x + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
-            b_xg, b_xu = b_x, b_x
-            if SCALED:
-                b_xg = b_x * tl.load(p_sg + o_h // 128, mask=m_h, other=0.0)[None, :]
-                b_xu = b_x * tl.load(p_su + o_h // 128, mask=m_h, other=0.0)[None, :]
-            m_w = m_i[:, None] & m_h[None, :]
-            b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xg
-            b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xu
-        g, u = tl.sum(b_g, 1), tl.sum(b_u, 1)
-        tl.store(p_h + pair * I + o_i, (g * tl.sigmoid(g) * u).to(p_h.dtype.element_ty), mask=m_i)
+    b_g = tl.zeros([BI, BH], dtype=tl.float32)
+    b_u = tl.zeros([BI, BH], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        o_h = h0 + tl.arange(0, BH)
+        m_h = o_h < H
+        b_x = tl.load(p_x + (pair // TOPK) * s_x + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+        b_xg, b_xu = b_x, b_x
+        if SCALED:
+            b_xg = b_x * tl.load(p_sg + o_h // 128, mask=m_h, other=0.0)[None, :]
+            b_xu = b_x * tl.load(p_su + o_h // 128, mask=m_h, other=0.0)[None, :]
+        m_w = m_i[:, None] & m_h[None, :]
+        b_g += tl.load(p_g + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xg
+        b_u += tl.load(p_u + o_h[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xu
+    g, u = tl.sum(b_g, 1), tl.sum(b_u, 1)
+    tl.store(p_h + pair * I + o_i, (g * tl.sigmoid(g) * u).to(p_h.dtype.element_ty), mask=m_i)
 
 
 @_jit
-def _moe_down_pair_kernel(p_h, p_idx, p_order, p_off, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr, s_se, IB,
+def _moe_down_pair_kernel(p_h, p_idx, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr, s_se, IB,
                           BO: tl.constexpr, BI: tl.constexpr, SCALED: tl.constexpr):
-    # decode (P <= E pairs): program (pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T),
-    # GEMV-style. SCALED (FP8; BO divides 128): h times each column's block scale.
+    # decode and verify: program (pair, H block): y[pair, H block] = w_pair * (h[pair] W_down^T), GEMV-style.
+    # SCALED (FP8; BO divides 128): h times each column's block scale.
     i_p, i_o = tl.program_id(0), tl.program_id(1)
-    e, start, end = _moe_leader(p_idx, p_order, p_off, i_p)
+    pair = i_p.to(tl.int64)
+    e = tl.load(p_idx + pair)
     p_sd = p_sc + e * s_se + (i_o * BO // 128) * IB                                # the H block's scale row
     o_o = i_o * BO + tl.arange(0, BO)
     m_o = o_o < H
     p_d = p_dn + e * s_de + o_o[:, None].to(tl.int64) * s_dr                        # [BO, 1] down rows
-    for r in range(start, end):
-        pair = tl.load(p_order + r).to(tl.int64)
-        b_y = tl.zeros([BO, BI], dtype=tl.float32)
-        for i0 in range(0, I, BI):
-            o_i = i0 + tl.arange(0, BI)
-            m_i = o_i < I
-            b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
-            if SCALED:
-                b_h = b_h * tl.load(p_sd + o_i // 128, mask=m_i, other=0.0)[None, :]
-            b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :],
-                           other=0.0).to(tl.float32) * b_h
-        tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
+    b_y = tl.zeros([BO, BI], dtype=tl.float32)
+    for i0 in range(0, I, BI):
+        o_i = i0 + tl.arange(0, BI)
+        m_i = o_i < I
+        b_h = tl.load(p_h + pair * I + o_i, mask=m_i, other=0.0).to(tl.float32)[None, :]
+        if SCALED:
+            b_h = b_h * tl.load(p_sd + o_i // 128, mask=m_i, other=0.0)[None, :]
+        b_y += tl.load(p_d + o_i[None, :], mask=m_o[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_h
+    tl.store(p_y + pair * H + o_o, tl.sum(b_y, 1) * tl.load(p_w + pair), mask=m_o)
 
 
 @_jit
@@ -2472,22 +2470,22 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
     for s in range(0, N, _MOE_CHUNK):
         e_ = min(N, s + _MOE_CHUNK)
         xs, ids, ws, P = x[s:e_], idx[s:e_], w[s:e_], (e_ - s) * k
-        order = _empty((P,), torch.int32, x.device)                         # pairs, grouped by expert
-        off = _empty((E + 1,), torch.int32, x.device)                       # expert e: order[off[e]:off[e+1]]
         h = _empty((P, I), x.dtype, x.device)                               # [P, I]
         y = _empty((P, H), torch.float32, x.device)                         # [P, H]
-        BP = _p2(P)
-        _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
-        # decode: grid over pairs, GEMV-style tiles (measured, 35B at 1-2 tokens: see the note above); with
+        # decode and verify: grid over pairs, GEMV-style tiles (measured, 35B: see the note above); with
         # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
         if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
             _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
-                xs, ids, order, off, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1),
-                gss, IB, HB, TOPK=k, BI=16, BH=min(512, _p2(H)), SCALED=scaled, num_warps=4, num_stages=3)
+                xs, ids, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss, IB, HB,
+                TOPK=k, BI=16, BH=min(512, _p2(H)), SCALED=scaled, num_warps=4, num_stages=3)
             _moe_down_pair_kernel[(P, _cdiv(H, 4))](
-                h, ids, order, off, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
+                h, ids, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
                 BO=4, BI=min(256, _p2(I)), SCALED=scaled, num_warps=2, num_stages=3)
         else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
+            order = _empty((P,), torch.int32, x.device)                     # pairs, grouped by expert
+            off = _empty((E + 1,), torch.int32, x.device)                   # expert e: order[off[e]:off[e+1]]
+            BP = _p2(P)
+            _moe_group_kernel[(E,)](ids, order, off, P, BP=BP, num_warps=4 if BP <= 2048 else 8)
             _moe_gate_up_kernel[(E, _cdiv(I, 16))](
                 xs, order, off, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss,
                 IB, HB, TOPK=k, BT=16, BI=16, BH=min(128 if scaled else 256, max(16, _p2(H))), DOT=dot,

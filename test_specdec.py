@@ -4711,15 +4711,19 @@ def test_kernel_moe_route(E, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [1, 3, 5, 17])
-def test_kernel_moe_experts(dtype, N):
-    E, k, H, I = 6, 2, 40, 24                    # N=1, 3: by pair (N=3: experts shared by tokens); else by expert
+def test_kernel_moe_experts(dtype, N, invariant, monkeypatch):
+    """Both ways through the pairs: one program per pair (decode and verify: N = 1, 3, and every N under
+    BATCH_INVARIANT), and grouped by expert through tl.dot (N = 5, 17 without it, as prefill runs)."""
+    monkeypatch.setattr(K, "BATCH_INVARIANT", invariant)
+    E, k, H, I = 6, 2, 40, 24
     g = gen(N)
     x = randn(N, H, g=g, dtype=dtype)
     gate_up, down = randn(E, 2 * I, H, g=g, dtype=dtype, scale=0.2), randn(E, H, I, g=g, dtype=dtype, scale=0.2)
     w, idx = K.moe_route_ref(randn(N, E, g=g), k)
-    assert N != 3 or idx.unique().numel() < idx.numel()                          # a leader with several pairs
+    assert N != 3 or idx.unique().numel() < idx.numel()                          # an expert two tokens chose
     ref = K.moe_experts_ref(x, w, idx, gate_up, down)
     tol = TOL[dtype] * (3 if dtype == torch.bfloat16 else 1)                      # the reference rounds more often
     assert rel(fast(K.moe_experts, x, w, idx, gate_up, down), ref) <= tol

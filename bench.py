@@ -86,19 +86,21 @@ def random_model(name, dtype, device, seed=0, quantization=None):
 
 def make_cyclic(model, period=64, seed=0):
     """Make a random-weight model continue cyclic text, as a real model continues repeated text: the vocabulary
-    split into cycles of `period` ids, every mixer's and MLP's output projection scaled by 1e-4 (the final hidden
-    state is then the normed embedding of the last token, nearly), and the lm_head row of each id's successor in
-    its cycle tilted toward that hidden state (its logit ~ sqrt(hidden_size), the others' ~ 1). Greedy text then
-    walks the cycle of the prompt's last token: prompt lookup finds drafts as on real text, and a rejected draft
-    is followed by the cycle's next id. Speed is unchanged (dense GEMMs do not depend on values). Returns the
-    cycles [V // period, period]."""
+    split into cycles of `period` ids, every mixer's and MLP's output projection (a MoE's routed experts' too)
+    scaled by 1e-4 (FP8 weights: their block scales), so that the final hidden state is the normed embedding of the
+    last token, nearly, and the lm_head row of each id's successor in its cycle tilted toward that hidden state
+    (its logit ~ sqrt(hidden_size), the others' ~ 1). Greedy text then walks the cycle of the prompt's last token:
+    prompt lookup finds drafts as on real text, and a rejected draft is followed by the cycle's next id. Speed is
+    unchanged for dense GEMMs (they do not depend on values); a MoE's routing, and so its speed, follows the
+    hidden states, which differ here. Returns the cycles [V // period, period]."""
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
     cyc = torch.randperm(V, generator=g)[:V // period * period].view(-1, period)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                p.mul_(1e-4)
+        params = dict(model.named_parameters())
+        for name, p in params.items():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+                (params[name + "_scale_inv"] if p.dtype == sd.FP8 else p).mul_(1e-4)
         assert model.lm_head is not None, "a cyclic model needs its own lm_head"
         dev, head = model.embed_tokens.weight.device, model.lm_head.weight
         src, dst = cyc.flatten().to(dev), cyc.roll(-1, 1).flatten().to(dev)

@@ -1734,6 +1734,30 @@ def test_quantization_fp8_at_load_equals_fp8_checkpoint(moe, tmp_path):
     assert st.kv[3][0].dtype == st.conv[0].dtype == torch.float32 and st.rec[0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-fp8"])
+def test_bench_make_cyclic(kind, monkeypatch):
+    """bench.make_cyclic (bench.py --cyclic, the ngram rows of tools/gpu_benchmarks.sh): greedy text continues the
+    cycle of its prompt, which is what lets ngram find drafts on random weights; on a MoE only once its routed
+    experts' down projections are scaled too, and with FP8 weights by their block scales."""
+    cfg = dict(tiny_text_config(moe=kind != "dense"), vocab_size=512)
+    monkeypatch.setitem(bench.PRESETS, "tiny-cyc", cfg)
+    model, c = bench.random_model("tiny-cyc", torch.float32, torch.device("cpu"),
+                                  quantization="fp8" if "fp8" in kind else None)
+    with torch.no_grad():  # routed experts whose outputs outweigh the embeddings, as at the real shapes
+        for name, p in model.named_parameters():
+            if name.endswith("experts.down_proj_scale_inv" if "fp8" in kind else "experts.down_proj"):
+                p.mul_(100)
+    cyc = bench.make_cyclic(model, period=16)
+    eng = sd.Engine(model, None, None, 2, 96, torch.float32, torch.device("cpu"))
+    sp = sd.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reqs = [eng.add_request(cyc[i].roll(5 * i).repeat(3)[:40 + i].tolist(), sp) for i in range(2)]
+    while eng.has_work():
+        eng.step()
+    for i, r in enumerate(reqs):
+        want = cyc[i].roll(5 * i).repeat(6)[40 + i:40 + i + 24].tolist()
+        assert r.output_ids == want, (kind, i)
+
+
 def test_bench_true_floor(monkeypatch, capsys):
     """bench.py --true-floor on a MoE: routed_experts counts the distinct experts of the target's actual routing per
     decode / verify step (between top_k and min(E, rows x top_k); a verify of k+1 tokens routes to at least as many

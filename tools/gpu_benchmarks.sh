@@ -20,9 +20,10 @@ NG='"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lo
 DM='"method":"draft_model","num_speculative_tokens":4,"rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.82,0.82,0.82,0.82]'
 for p in $parts; do case $p in
 27b|35b|27b-fp8|35b-fp8)  # synthetic acceptance at the published rates, concurrency 1-8, every method, transformers
-  # in the same run (bf16 only); the -fp8 parts: the same rows with --quantization fp8 (issue 27's FP8 table)
+  # in the same run (bf16 only); the -fp8 parts: the same rows with --quantization fp8 (issue 27's FP8 table); ngram
+  # in a second run (bench-<part>-ngram.log, below)
   m=${p%-fp8}; w=$([ $m = 27b ] && echo 27b || echo 35b-a3b); tf=(); [ $m = 35b ] && tf=(--true-floor)  # MoE floor
-  q=(--hf-baseline); [ $m != $p ] && q=(-q fp8)
+  q=(--hf-baseline); qn=(); [ $m != $p ] && q=(-q fp8) && qn=(-q fp8)
   timeout 560 python3 bench.py --random-weights $w --batch 1 2 4 8 --prompt-len 512 --gen-len 64 "${tf[@]}" "${q[@]}" \
     --random-drafter /tmp/drafters-$m --random-draft-lm /tmp/draft-lm-$m --verify-cost 2 4 16 \
     --speculative-config off \
@@ -31,7 +32,12 @@ for p in $parts; do case $p in
     --speculative-config "{$MTP,\"num_speculative_tokens\":3,\"synthetic_acceptance_rates\":[0.85,0.82,0.82]}" \
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" \
     --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":16,$SYN}" \
-    --speculative-config "{$NG}" --speculative-config "{$DM}" 2>&1 | tee $OUT/bench-$p.log | grep -v '^{' ;;
+    --speculative-config "{$DM}" 2>&1 | tee $OUT/bench-$p.log | grep -v '^{'
+  # ngram on the model made cyclic (bench --cyclic): a random-weight model never repeats its random prompts, so there
+  # ngram finds nothing to draft; with its own off row for the same-run ratio (the 35B's routing differs there)
+  timeout 300 python3 bench.py --random-weights $w --cyclic --batch 1 2 4 8 --prompt-len 512 --gen-len 64 --no-floor \
+    "${tf[@]}" "${qn[@]}" --speculative-config off --speculative-config "{$NG}" 2>&1 | tee $OUT/bench-$p-ngram.log \
+    | grep -v '^{' ;;
 fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floor is every FP8 matrix through the FP8
       # kernel plus the bf16 ones through cuBLAS, in one CUDA graph (bench.gemm_floor)
   timeout 330 python3 bench.py --random-weights 27b -q fp8 --batch 1 8 --prompt-len 256 --gen-len 128 \

@@ -10,8 +10,9 @@
 
 Each LOG is bench.py's output (its last JSON line is read); one panel per log (prompt, fp8: one panel), one line
 or bar group per method. --all writes, into OUTDIR (default: the repository root, where BENCHMARKS.md links them):
-bench_tok_s_vs_concurrency.png (bench-27b.log, bench-35b.log), bench_tpot_vs_prompt_len.png (bench-sweep.log and,
-if it exists, bench-sweep-131072.log),
+bench_tok_s_vs_concurrency.png (bench-27b.log, bench-35b.log, with the ngram rows of bench-27b-ngram.log and
+bench-35b-ngram.log where they exist), bench_tpot_vs_prompt_len.png (bench-sweep.log and, if it exists,
+bench-sweep-131072.log),
 bench_speedup_per_method.png (bench-27b.log, bench-35b.log), bench_fp8_vs_bf16.png (bench-bf16-27b.log,
 bench-fp8-27b.log: the `fp8` part); a plot whose logs are missing is skipped with a line saying so. No tensor
 parallel plot: specdec runs on one GPU (tensor_parallel_size 1 only).
@@ -30,6 +31,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def result(log):
     """bench.py's last JSON line of a log: the run's settings and its rows."""
     return json.loads([line for line in open(log) if line.startswith("{")][-1])
+
+
+def with_ngram(log):
+    """A part's result, with the ngram rows of its run on the cyclic model (bench-<part>-ngram.log beside it, from
+    gpu_benchmarks.sh) where that log exists; their "x off" is against that run's own off row."""
+    res = result(log)
+    extra = log[:-len(".log")] + "-ngram.log"
+    if os.path.exists(extra):
+        res = dict(res, rows=res["rows"] + [r for r in result(extra)["rows"] if r["method"] != "off"])
+    return res
 
 
 def label(r):
@@ -108,7 +119,7 @@ def main(out, logs, x="batch"):
         fig, grid = plt.subplots(1, len(logs), figsize=(6 * len(logs), 4.2), squeeze=False)
         axes = grid[0]
         for ax, log in zip(axes, logs):
-            res = result(log)
+            res = with_ngram(log)
             speedup(ax, res) if x == "speedup" else lines(ax, res, x)
             ax.set_title(title(res))
     for ax in axes:

@@ -72,13 +72,13 @@ def moe(N=1, L=12):
     for (BI, BH, nw, ns) in [(8, 1024, 8, 4), (8, 512, 4, 4), (8, 512, 4, 2), (4, 512, 2, 4), (16, 256, 4, 4), (8, 256, 2, 4),
                              (16, 512, 4, 3), (8, 1024, 4, 2), (4, 1024, 2, 2), (16, 512, 8, 3), (32, 128, 4, 4)]:
         f = lambda: [K._moe_gate_up_pair_kernel[(P, K._cdiv(I, BI))](x, idx, gus[l], gus[l], h, H, I, x.stride(0),
-                     gus[l].stride(0), gus[l].stride(1), 0, 1, 1, TOPK=k, BI=BI, BH=BH, SCALED=False, num_warps=nw,
+                     gus[l].stride(0), gus[l].stride(1), s_se=0, IB=1, HB=1, TOPK=k, BI=BI, BH=BH, SCALED=False, num_warps=nw,
                      num_stages=ns) for l in range(L)]
         t = graph_time(f); res[f"gate/up BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
     for (BO, BI, nw, ns) in [(8, 512, 8, 4), (4, 512, 4, 2), (8, 256, 4, 3), (32, 256, 8, 2), (16, 512, 4, 2), (8, 512, 4, 2),
                              (2, 512, 2, 2), (4, 512, 2, 2), (4, 256, 2, 3), (16, 128, 2, 3), (32, 512, 8, 1), (16, 256, 4, 2)]:
         f = lambda: [K._moe_down_pair_kernel[(P, K._cdiv(H, BO))](h, idx, w, dns[l], dns[l], y, H, I,
-                     dns[l].stride(0), dns[l].stride(1), 0, 1, BO=BO, BI=BI, SCALED=False, num_warps=nw,
+                     dns[l].stride(0), dns[l].stride(1), s_se=0, IB=1, BO=BO, BI=BI, SCALED=False, num_warps=nw,
                      num_stages=ns) for l in range(L)]
         t = graph_time(f); res[f"down BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
     print(f"== MoE N={N} (35B: E=256 I=512 H=2048 k=8): us per layer, TB/s of expert weights")

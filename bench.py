@@ -1112,24 +1112,58 @@ def serve_benchmark(argv=None):
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
 
-def target_graph(runner, B, T, pos):
-    """The captured graph record of the target step over B rows of T tokens at position pos (rows in slots 0..B-1):
-    replaying .graph (and .then after a verify, the commit) re-runs it."""
+def step_ids(model, B, T, seed=0):
+    """Random token ids [B, T] for a measured step. Not all equal: a MoE routes each token by its hidden state,
+    and B x T copies of one token choose the same top-k experts, so such a step reads 8 experts a layer where
+    real text's B x T tokens read many more (35B-A3B: ~15 at T = 2, ~78 at T = 16)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.cfg.vocab_size, (B, T), generator=g)
+
+
+def target_graph(runner, B, T, pos, seed=0):
+    """The captured graph record of the target step over B rows of T random tokens (step_ids) at position pos
+    (rows in slots 0..B-1): replaying .graph (and .then after a verify, the commit) re-runs it."""
     mode = "verify" if T > 1 else "decode"
     fn, then = runner.steps[mode]
     dev = runner.device
-    inputs = dict(ids=torch.zeros(B, T, dtype=torch.long, device=dev),
+    inputs = dict(ids=step_ids(runner.model, B, T, seed).to(dev),
                   pos=torch.full((B,), pos, dtype=torch.long, device=dev), slots=torch.arange(B, device=dev))
     return runner.graphs.run(mode, fn, inputs, then)
 
 
+def step_experts(runner, B, T, pos, seed=0):
+    """Distinct routed experts per MoE layer of the step target_graph(runner, B, T, pos, seed) runs (an eager
+    forward of the same ids, a hook on each MoE layer as routed_experts'); None for a dense model."""
+    model, dev = runner.model, runner.device
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, sd.MoE)]
+    if not moes:
+        return None
+    counts = []
+
+    def hook(mod, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        counts.append(sd.K.moe_route(sd.K.linear(x, mod.gate.weight), mod.top_k)[1].unique().numel())
+    hooks = [m.register_forward_hook(hook) for m in moes]
+    try:
+        ctx = sd.Ctx(runner.state, torch.arange(B, device=dev), torch.full((B,), pos, device=dev), pos + T,
+                     "verify" if T > 1 else "decode")
+        with torch.inference_mode():
+            model(step_ids(model, B, T, seed).to(dev), ctx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(counts) / len(counts)
+
+
 def verify_costs(model, Ts, device, dtype):
-    """ms per target step over T tokens at batch 1 (captured graph, mode verify for T > 1, decode for T = 1)."""
+    """ms per target step over T random tokens at batch 1 (captured graph, mode verify for T > 1, decode for
+    T = 1), and for a MoE the distinct experts per layer that step reads: {T: (ms, experts or None)}."""
     runner = sd.ModelRunner(model, None, 1, 1024, dtype, device)
     out = {}
     for T in Ts:
         g = target_graph(runner, 1, T, 0)
-        out[T] = replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
+        ms = replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
+        out[T] = (ms, step_experts(runner, 1, T, 0))
     del runner
     return out
 
@@ -1325,9 +1359,12 @@ def main(argv=None):
     if a.random_drafter:
         result["drafter_layout"] = a.drafter_layout
     if costs is not None:
-        print("# target step cost at batch 1: " + ", ".join(f"T={T}: {ms:.2f} ms ({ms / costs[1]:.3f}x)"
-                                                              for T, ms in costs.items()))
-        result["verify_cost_ms"] = costs
+        print("# target step cost at batch 1 (random tokens): " + ", ".join(
+            f"T={T}: {ms:.2f} ms ({ms / costs[1][0]:.3f}x" + (f", {e:.1f} experts a layer)" if e else ")")
+            for T, (ms, e) in costs.items()))
+        result["verify_cost_ms"] = {T: ms for T, (ms, e) in costs.items()}
+        if costs[1][1] is not None:
+            result["verify_cost_experts"] = {T: e for T, (ms, e) in costs.items()}
     if hf is not None:
         print(f"# transformers {hf['transformers']} generate (greedy, batch 1, prompt {hf['prompt_len']}, same shapes, "
               f"random weights): TTFT {hf['ttft_ms']:.1f} ms, TPOT {hf['tpot_ms']:.1f} ms; ours "

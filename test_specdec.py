@@ -1790,6 +1790,26 @@ def test_bench_true_floor(monkeypatch, capsys):
         f" off k=0 batch {r['batch']} prompt 8" for r in rows]
 
 
+def test_bench_step_ids_route_like_text(monkeypatch):
+    """The steps bench.py's verify cost and tools/profile_step.py time run random token ids (step_ids), so a MoE
+    verify of T tokens routes to more than one token's top-k experts, as on real text (with all-zero ids, as
+    before, every token chose the same k experts: the 35B-A3B's T = 16 verify then read 8 experts a layer, not
+    ~78); step_experts counts them for the step the graph runs."""
+    cfg = dict(tiny_text_config(moe=True), num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    monkeypatch.setitem(bench.PRESETS, "tiny-moe", cfg)
+    cpu = torch.device("cpu")
+    model, c = bench.random_model("tiny-moe", torch.float32, cpu)
+    ids = bench.step_ids(model, 2, 8)
+    assert ids.shape == (2, 8) and ids.unique().numel() > 1 and torch.equal(ids, bench.step_ids(model, 2, 8))
+    runner = sd.ModelRunner(model, None, 2, 64, torch.float32, cpu)
+    k = c.num_experts_per_tok
+    assert bench.step_experts(runner, 1, 1, 8) == k                                # one token: its k experts
+    assert k < bench.step_experts(runner, 1, 8, 8) <= c.num_experts               # eight tokens: more
+    dense, _ = bench.random_model("tiny", torch.float32, cpu)
+    assert bench.step_experts(sd.ModelRunner(dense, None, 1, 64, torch.float32, cpu), 1, 4, 8) is None
+
+
 def test_bench_random_model_fp8():
     """bench.py --random-weights --quantization fp8: the FP8_WEIGHTS in FP8, the rest as made; logits near the
     unquantized model's (block-FP8 keeps ~2 significant digits per weight)."""

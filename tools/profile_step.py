@@ -3,7 +3,8 @@
     python tools/profile_step.py --random-weights 27b --steps 1x1 8x1 1x2 1x16 --kernels 1x1 8x1 --gemms 1 8
 
 --steps BxT: captured-graph replay time of one target step (B sequences, T tokens each; T > 1 = verify + commit)
-             at context length --ctx.
+             at context length --ctx, random tokens (bench.step_ids: a MoE routes them as text; for a MoE the
+             distinct experts a layer they read).
 --kernels BxT: one eager step under torch.profiler, CUDA time summed per kernel name (top 25; a kernel
              launched with PDL, kernels._pdl, counts its wait for the kernel before it).
 --gemms M:   every weight shape the step multiplies by, all weights of that shape chained in one CUDA graph:
@@ -183,7 +184,9 @@ def main():
             B, T = map(int, s.split("x"))
             g = bench.target_graph(runner, B, T, a.ctx)
             ms = bench.replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
-            print(f"step B={B} T={T}: {ms:.3f} ms (graph replay)", flush=True)
+            e = bench.step_experts(runner, B, T, a.ctx)
+            print(f"step B={B} T={T}: {ms:.3f} ms (graph replay)" + (f", {e:.1f} experts a layer" if e else ""),
+                  flush=True)
         for s in a.kernels:
             B, T = map(int, s.split("x"))
             ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")

@@ -1105,6 +1105,15 @@ def _dnn_rows(w, M, dtype=None):
     return _rows_alone("dnn", w, M, lambda x: _dnn(x, wp), dtype or w.dtype)
 
 
+def _dnn_rows_call(rows, w, dtype=None):
+    """oneDNN's GEMM of rows [M, in] (in dtype, default w's) with w's packed copy in that dtype, each row with the
+    bits of its own 1-row call: one call where _dnn_rows finds that it gives them, else one call per row."""
+    wp = _packed(w, dtype)
+    if rows.shape[0] == 1 or _dnn_rows(w, rows.shape[0], dtype):
+        return _dnn(rows, wp)
+    return torch.cat([_dnn(r, wp) for r in rows.split(1)])
+
+
 def _linear_cpu(x, w):
     """x @ w^T for a small CPU step (<= 256 rows), a row's bits the same whatever the step's other rows and
     size. F.linear's own GEMM (MKL) does not give that: on this CI class's CPU (AMD EPYC Zen 5, MKL 2024.2) it
@@ -1124,14 +1133,11 @@ def _linear_cpu(x, w):
     widths take the reference's loop).
     test_cpu_linear_row_invariant pins the three paths, test_cpu_dnn_rows_check the check."""
     rows = x.reshape(-1, x.shape[-1])
-    M, (N, Kin) = rows.shape[0], w.shape
     if _CPU_DRAFT and CPU_DRAFT_DTYPE is not None and _dnn_ok(w):
-        return _linear_draft_cpu(rows, w).view(*x.shape[:-1], N)
-    if _dnn_ok(w):
-        wp = _packed(w)
-        y = _dnn(rows, wp) if M == 1 or _dnn_rows(w, M) else torch.cat([_dnn(r, wp) for r in rows.split(1)])
-        return y.view(*x.shape[:-1], N)
-    return _bmm_rows(rows, w).view(*x.shape[:-1], N)
+        y = _linear_draft_cpu(rows, w)
+    else:
+        y = _dnn_rows_call(rows, w) if _dnn_ok(w) else _bmm_rows(rows, w)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 # A drafter's weights of at most this many elements take the fp32 bmm (_linear_draft_cpu)
@@ -1149,13 +1155,9 @@ def _linear_draft_cpu(rows, w):
     (packed once), the rows rounded to that dtype, the result back in w's dtype; one M-row call where
     _dnn_rows finds it giving each row its bits alone. Which of the two runs depends on w (and the caller's
     cpu_draft(bmm)) alone, not on M."""
-    M, (N, Kin) = rows.shape[0], w.shape
-    if _DRAFT_BMM and N * Kin <= DRAFT_BMM_SIZE:
+    if _DRAFT_BMM and w.numel() <= DRAFT_BMM_SIZE:
         return _bmm_rows(rows, w)
-    dt = CPU_DRAFT_DTYPE
-    wp, r = _packed(w, dt), rows.to(dt)
-    y = _dnn(r, wp) if M == 1 or _dnn_rows(w, M, dt) else torch.cat([_dnn(x, wp) for x in r.split(1)])
-    return y.to(w.dtype)
+    return _dnn_rows_call(rows.to(CPU_DRAFT_DTYPE), w, CPU_DRAFT_DTYPE).to(w.dtype)
 
 
 # _linear_small takes at most SMALL_ROWS rows (its programs take them one after another: on the H200 2.9 us
@@ -1217,7 +1219,8 @@ def _linear_small_kernel(p_x, p_w, p_y, p_r, p_n, M, N, K, s_x, eps, BN: tl.cons
 def _linear_small(x, w, residual=None, norm=None, swiglu=False):
     """[residual +] norm(x) @ w^T for a small weight w [N, K] and a few rows x [..., K] (a drafter's pass,
     drafting()): one kernel whose programs each hold BN whole weight rows. BN = 8: on the H200 a GEMV of this
-    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with 4 rows and 3.3 with 16. norm: as
+    form took 2.8 us per linear of Qwen3-0.6B's chain with PDL, 3.0 with BN = 4 and 3.3 with BN = 16 (one
+    activation row; at 8 rows: SMALL_ROWS). norm: as
     linear's, applied to each row as it is loaded; swiglu: linear's then = "swiglu" (w [2I, K] -> [..., I]), on
     the way out."""
     N, K = w.shape
@@ -2277,11 +2280,20 @@ def moe_route(router_logits, top_k):
 # bf16 random weights, graph replay of a whole target step, tools/profile_step.py) against the expert's first
 # pair (its leader) running all of its pairs one after another: batch 1, T = 1 / 2 / 4 / 16: 2.91 / 3.64 /
 # 4.56 / 9.77 ms -> 2.82 / 3.40 / 4.15 / 8.39; batch 8, T = 1 / 2: 6.16 / 9.53 -> 5.43 / 8.03 (a leader's
-# serial loop over its pairs was the step's straggler, and the grouping its own launch). Tiles measured on the
-# H200 (35B: E 256, I 512, H 2048, k 8; us per layer at 1 token / 2 tokens, with leaders): gate_up 16 x 512
-# blocks, 4 warps: 12.0 / 20.4 (the GEMV's 8 x 1024 with 8 warps: 20.1 / 38.0); down 4 x 256, 2 warps:
-# 7.8 / 11.9 (8 x 1024: 10.4 / 17.1). tools/tile_sweep.py reruns the tile comparison.
+# serial loop over its pairs was the step's straggler, and the grouping its own launch). (Those steps' tokens
+# were all one id, so they all chose the same experts; with random ids, session 21: 2.83 / 3.53 / 4.54 / 9.86
+# and 6.41 / 9.73 ms, 8 / 16 / 31 / 101 and 58 / 103 experts a layer.) The pair kernels' tiles, per weight
+# dtype (MOE_PAIR_TILES): a pair's bits depend on the sums' widths (gate_up's BH, down's BI) and layouts, so
+# one tile serves every step, decode and verify alike.
 _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
+# {FP8 experts?: ((gate_up BI, BH, warps, stages), (down BO, BI, warps, stages))}, measured on the H200 (35B: E 256,
+# I 512, H 2048, k 8, random routing; python tools/tile_sweep.py moe-fp8 moe-bf16, session 21), us per layer at
+# 1 / 2 / 8 / 16 tokens. bf16: gate_up 16 x 512, 4 warps 11.8 / 19.8 / 63.7 / 113.8 (the best at 1 and 2 tokens;
+# 128 x 128, 8 warps: 20.9 / 23.5 / 59.7 / 107.8); down 4 x 128, 1 warp 6.8 / 11.0 / 32.3 / 56.7 (4 x 256, 2
+# warps, before: 7.3 / 11.2 / 33.8 / 61.4). FP8: gate_up 32 x 256, 8 warps 10.0 / 12.3 / 39.9 / 73.7 (bf16's
+# tile, before: 9.8 / 17.1 / 56.4 / 105.2: e4m3 halves a tile's bytes, so it takes more rows); down 32 x 256, 4
+# warps 5.5 / 8.7 / 26.3 / 48.0 (before: 7.9 / 12.6 / 40.2 / 76.9).
+MOE_PAIR_TILES = {False: ((16, 512, 4, 3), (4, 128, 1, 3)), True: ((32, 256, 8, 3), (32, 256, 4, 3))}
 
 
 @_jit
@@ -2475,12 +2487,13 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         # decode and verify: grid over pairs, GEMV-style tiles (measured, 35B: see the note above); with
         # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
         if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
-            _moe_gate_up_pair_kernel[(P, _cdiv(I, 16))](
+            (gBI, gBH, gw, gs_), (dBO, dBI, dw, ds_) = MOE_PAIR_TILES[scaled]
+            _moe_gate_up_pair_kernel[(P, _cdiv(I, gBI))](
                 xs, ids, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss, IB, HB,
-                TOPK=k, BI=16, BH=min(512, _p2(H)), SCALED=scaled, num_warps=4, num_stages=3)
-            _moe_down_pair_kernel[(P, _cdiv(H, 4))](
+                TOPK=k, BI=gBI, BH=min(gBH, _p2(H)), SCALED=scaled, num_warps=gw, num_stages=gs_)
+            _moe_down_pair_kernel[(P, _cdiv(H, dBO))](
                 h, ids, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
-                BO=4, BI=min(256, _p2(I)), SCALED=scaled, num_warps=2, num_stages=3)
+                BO=dBO, BI=min(dBI, _p2(I)), SCALED=scaled, num_warps=dw, num_stages=ds_)
         else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
             order = _empty((P,), torch.int32, x.device)                     # pairs, grouped by expert
             off = _empty((E + 1,), torch.int32, x.device)                   # expert e: order[off[e]:off[e+1]]

@@ -7502,7 +7502,7 @@ def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch, one_thread):
     differently), and == F.linear within fp32. At one thread, the engine's: at two the bmm path's rows round
     differently on session 18's Xeon, which the test saw only when run without the tests that set one first."""
     if path == "dnn rows alone":
-        monkeypatch.setattr(K, "_dnn_rows", lambda w, M: False)
+        monkeypatch.setattr(K, "_dnn_rows", lambda w, M, dtype=None: False)
     if path == "bmm":
         monkeypatch.setattr(K, "_dnn_ok", lambda w: False)
     g = torch.Generator().manual_seed(N + Kin)

@@ -1,11 +1,12 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm[-m]] [fp8] [fp8bm] [w8a8] [pdl]
+    python tools/tile_sweep.py [moe] [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm[-m]] [fp8] [fp8bm] [w8a8] [pdl]
                                                                                           (default: the first 4)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
   moe:    the 35B MoE decode pair kernels (gate/up, down) over tile configs at 1 and 2 tokens
+  moe-fp8, moe-bf16: the pair kernels' tiles (kernels.MOE_PAIR_TILES) with FP8 experts / bf16, at 1, 2, 8, 16 tokens
   gdn:    the GDN recurrent kernel (27B heads) over value blocks x warps, at B x T = 1x1, 8x1, 1x2, 1x16, 8x2 and the
           state-only commit
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
@@ -333,6 +334,65 @@ def fp8(Ms=(1, 8, 16, 64)):
         print(f"== 35b-a3b experts, {N} token(s): bf16 {tb:.1f} us, fp8 {tf:.1f} us per layer")
 
 
+MOE_GU = [(16, 512, 4, 3), (8, 512, 2, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 3),
+          (32, 256, 4, 3), (32, 256, 8, 3), (64, 256, 8, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 3),
+          (128, 128, 8, 3), (64, 512, 8, 3), (8, 256, 2, 3)]
+MOE_DN = [(4, 256, 2, 3), (8, 256, 2, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 4, 3), (4, 128, 1, 3),
+          (8, 128, 2, 3), (16, 128, 2, 3), (32, 256, 4, 3), (8, 256, 4, 3), (32, 512, 8, 2)]
+
+
+def moe_tiles(N=1, fp8=True, L=12):
+    """The 35B MoE pair kernels, FP8 experts (SCALED, block scales) or bf16: tile candidates for gate/up (BI, BH,
+    warps, stages) and down (BO, BI, warps, stages) at N tokens (random routing, a token's k experts distinct), us
+    per layer and TB/s of the distinct experts' bytes; the whole layer at the current tiles
+    (kernels._moe_experts_launch) first. (BH of gate/up and BI of down are the sums' widths: a pair's bits depend
+    on them, so one tile serves every N.)"""
+    E, I, H, k = 256, 512, 2048, 8
+    ws = []
+    for _ in range(L):
+        gu, dn = torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.02, torch.randn(E, H, I, device=dev, dtype=bf) * 0.02
+        if fp8:
+            (gq, gs), (uq, us), (dq, ds) = K.fp8_quantize(gu[:, :I]), K.fp8_quantize(gu[:, I:]), K.fp8_quantize(dn)
+            ws.append((torch.cat([gq, uq], 1), dq, torch.cat([gs, us], 1).contiguous(), ds))
+        else:
+            ws.append((gu, dn, None, None))
+        del gu, dn
+    x = torch.randn(N, H, device=dev, dtype=bf)
+    idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(N)])
+    w = torch.rand(N, k, device=dev).softmax(-1)
+    P = N * k
+    h = torch.empty(P, I, device=dev, dtype=bf); y = torch.empty(P, H, device=dev)
+    ne = len(set(idx.flatten().tolist()))
+    es = 1 if fp8 else 2
+    gb, db = 2 * I * H * ne * es, I * H * ne * es                                   # expert bytes per layer
+    IB, HB = K._cdiv(I, 128), K._cdiv(H, 128)
+    tf = graph_time(lambda: [K._moe_experts_launch(x, w, idx, a, b, None, None, None, c, d) for a, b, c, d in ws]) / L
+    print(f"== MoE pairs {'FP8' if fp8 else 'bf16'}, N={N} ({ne} experts a layer): whole layer {tf:.1f} us "
+          f"(current tiles)", flush=True)
+    res = []
+    for (BI, BH, nw, ns) in MOE_GU:
+        f = lambda: [K._moe_gate_up_pair_kernel[(P, K._cdiv(I, BI))](
+            x, idx, a, a if c is None else c, h, H, I, x.stride(0), a.stride(0), a.stride(1),
+            0 if c is None else c.stride(0), IB, HB, TOPK=k, BI=BI, BH=BH, SCALED=fp8, num_warps=nw, num_stages=ns)
+            for a, b, c, d in ws]
+        try:
+            t = graph_time(f) / L
+            res.append((t, f"gate/up BI{BI} BH{BH} w{nw} s{ns}", gb / t / 1e6))
+        except Exception as e:  # noqa  (resources)
+            print(f"  gate/up BI{BI} BH{BH} w{nw} s{ns}: {type(e).__name__}")
+    for (BO, BI, nw, ns) in MOE_DN:
+        f = lambda: [K._moe_down_pair_kernel[(P, K._cdiv(H, BO))](
+            h, idx, w, b, b if d is None else d, y, H, I, b.stride(0), b.stride(1), 0 if d is None else d.stride(0),
+            IB, BO=BO, BI=BI, SCALED=fp8, num_warps=nw, num_stages=ns) for a, b, c, d in ws]
+        try:
+            t = graph_time(f) / L
+            res.append((t, f"down BO{BO} BI{BI} w{nw} s{ns}", db / t / 1e6))
+        except Exception as e:  # noqa
+            print(f"  down BO{BO} BI{BI} w{nw} s{ns}: {type(e).__name__}")
+    for t, name, tbs in res:
+        print(f"  {name:32s} {t:7.1f} us  {tbs:5.2f} TB/s", flush=True)
+
+
 def w8a8(M=2048):
     """The W8A8 prefill GEMM's tiles at M rows: us per weight for each candidate, the best, cuBLAS bf16 and
     dequantize + cuBLAS on the same shape (the activation quantization timed apart)."""
@@ -439,6 +499,10 @@ def main():
     if "moe" in parts:
         moe(1)
         moe(2)
+    for name, fp8 in (("moe-fp8", True), ("moe-bf16", False)):
+        if name in parts:
+            for N in (1, 2, 8, 16):
+                moe_tiles(N, fp8)
     if "gdn" in parts:
         for B, T, keep, out in [(1, 1, None, True), (8, 1, None, True), (1, 2, None, True), (1, 16, None, True),
                                 (8, 2, None, True), (1, 2, 2, False), (1, 16, 7, False)]:

@@ -40,7 +40,9 @@ METHODS = {
     "off": None,
     "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
     "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
-    "dflash": {"method": "dflash", "model": os.path.join(M, "toy-dflash"), "num_speculative_tokens": 7},
+    "dflash k=7": {"method": "dflash", "model": os.path.join(M, "toy-dflash"), "num_speculative_tokens": 7},
+    # its block's first 3 drafts: on "def fib(n):" drafts 4-7 are never accepted, and a CPU verify costs by the row
+    "dflash k=3": {"method": "dflash", "model": os.path.join(M, "toy-dflash"), "num_speculative_tokens": 3},
     "dspark": {"method": "dspark", "model": os.path.join(M, "toy-dspark"), "num_speculative_tokens": 8},
     "draft_model k=4": {"method": "draft_model", "model": os.path.join(M, "toy-draft"), "num_speculative_tokens": 4},
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},

@@ -1,12 +1,12 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe] [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm[-m]] [fp8] [fp8bm] [w8a8] [pdl]
-                                                                                          (default: the first 4)
+    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm[-m]] [fp8] [fp8bm] [w8a8] [pdl]
+                                                                                          (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
 stays in L2), timed per launch:
-  moe:    the 35B MoE decode pair kernels (gate/up, down) over tile configs at 1 and 2 tokens
-  moe-fp8, moe-bf16: the pair kernels' tiles (kernels.MOE_PAIR_TILES) with FP8 experts / bf16, at 1, 2, 8, 16 tokens
+  moe-fp8, moe-bf16 (or moe): the 35B MoE decode / verify pair kernels' tiles (kernels.MOE_PAIR_TILES), FP8
+          experts / bf16, at 1, 2, 8 and 16 tokens, random routing
   gdn:    the GDN recurrent kernel (27B heads) over value blocks x warps, at B x T = 1x1, 8x1, 1x2, 1x16, 8x2 and the
           state-only commit
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
@@ -54,37 +54,6 @@ def graph_time(fn, reps=20):
         g.replay()
     b.record(); torch.cuda.synchronize()
     return a.elapsed_time(b) / reps * 1000  # us per replay
-
-
-def moe(N=1, L=12):
-    E, I, H, k = 256, 512, 2048, 8
-    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
-    dns = [torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
-    x = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
-    idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(N)])
-    w = torch.rand(N, k, device=dev).softmax(-1)
-    P = N * k
-    h = torch.empty(P, I, device=dev, dtype=torch.bfloat16); y = torch.empty(P, H, device=dev)
-    gb = 2 * I * H * 2 * len(set(idx.flatten().tolist()))                        # gate/up bytes per layer
-    db = gb / 2                                                                   # down bytes per layer
-    res = {}
-    t = graph_time(lambda: [K._moe_experts_launch(x, w, idx, gus[l], dns[l]) for l in range(L)])
-    res["full current (gu+dn+sum)"] = t / L
-    for (BI, BH, nw, ns) in [(8, 1024, 8, 4), (8, 512, 4, 4), (8, 512, 4, 2), (4, 512, 2, 4), (16, 256, 4, 4), (8, 256, 2, 4),
-                             (16, 512, 4, 3), (8, 1024, 4, 2), (4, 1024, 2, 2), (16, 512, 8, 3), (32, 128, 4, 4)]:
-        f = lambda: [K._moe_gate_up_pair_kernel[(P, K._cdiv(I, BI))](x, idx, gus[l], gus[l], h, H, I, x.stride(0),
-                     gus[l].stride(0), gus[l].stride(1), s_se=0, IB=1, HB=1, TOPK=k, BI=BI, BH=BH, SCALED=False, num_warps=nw,
-                     num_stages=ns) for l in range(L)]
-        t = graph_time(f); res[f"gate/up BI{BI} BH{BH} w{nw} s{ns}"] = (t / L, gb * L / t / 1e6)
-    for (BO, BI, nw, ns) in [(8, 512, 8, 4), (4, 512, 4, 2), (8, 256, 4, 3), (32, 256, 8, 2), (16, 512, 4, 2), (8, 512, 4, 2),
-                             (2, 512, 2, 2), (4, 512, 2, 2), (4, 256, 2, 3), (16, 128, 2, 3), (32, 512, 8, 1), (16, 256, 4, 2)]:
-        f = lambda: [K._moe_down_pair_kernel[(P, K._cdiv(H, BO))](h, idx, w, dns[l], dns[l], y, H, I,
-                     dns[l].stride(0), dns[l].stride(1), s_se=0, IB=1, BO=BO, BI=BI, SCALED=False, num_warps=nw,
-                     num_stages=ns) for l in range(L)]
-        t = graph_time(f); res[f"down BO{BO} BI{BI} w{nw} s{ns}"] = (t / L, db * L / t / 1e6)
-    print(f"== MoE N={N} (35B: E=256 I=512 H=2048 k=8): us per layer, TB/s of expert weights")
-    for kk, v in res.items():
-        print(f"  {kk:40s} {v}")
 
 
 def gdn(B, T, keep=None, L=48, out=True):
@@ -477,7 +446,7 @@ def markov(B=1, Kq=16, V=248320, R=256):
 
 
 def main():
-    parts = sys.argv[1:] or ["moe", "gdn", "gemv", "markov"]
+    parts = sys.argv[1:] or ["moe-bf16", "gdn", "gemv", "markov"]
     if "rows" in parts:
         rows()
     if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8)
@@ -496,10 +465,7 @@ def main():
     if "pdl" in parts:
         pdl()
     torch.manual_seed(0)
-    if "moe" in parts:
-        moe(1)
-        moe(2)
-    for name, fp8 in (("moe-fp8", True), ("moe-bf16", False)):
+    for name, fp8 in (("moe-fp8", True), ("moe-bf16", False), ("moe", False)):  # moe: moe-bf16's old name
         if name in parts:
             for N in (1, 2, 8, 16):
                 moe_tiles(N, fp8)

@@ -377,21 +377,33 @@ def copy_gbps(device, nbytes=1 << 30):
     return 2 * nbytes / (graph_ms(lambda: torch.bitwise_not(src, out=dst)) * 1e-3) / 1e9
 
 
-def routed_experts(model, spec, B, prompt_len, device, dtype, steps=8, seed=1):
-    """Distinct routed experts per MoE layer per decode / verify step, counted from the actual routing: B
-    requests of random prompts decoded eagerly for `steps` steps (speculation as in `spec`), a hook on each of
-    the target's MoE layers recomputing the router's top-k of the rows it gets (steps of at most B * (k+1) rows:
-    prefill and the drafter's layers are not counted). Returns the mean over layers and steps."""
-    k = spec.num_speculative_tokens if spec else 0
+def expert_counts(model, run, max_rows=None):
+    """Distinct routed experts of each MoE layer call while run() runs the model (calls of more than max_rows rows
+    left out): a hook on each MoE layer recomputes the router's top-k of the rows it gets, as the model routes
+    them. Returns the counts, one per layer call ([] for a dense model)."""
     counts = []
 
     def hook(mod, args, out):
         x = args[0].reshape(-1, args[0].shape[-1])
-        if x.shape[0] <= B * (k + 1):
-            idx = sd.K.moe_route(sd.K.linear(x, mod.gate.weight), mod.top_k)[1]          # the model's routing
-            counts.append(idx.unique().numel())
+        if max_rows is None or x.shape[0] <= max_rows:
+            counts.append(sd.K.moe_route(sd.K.linear(x, mod.gate.weight), mod.top_k)[1].unique().numel())
     hooks = [layer.mlp.register_forward_hook(hook) for layer in model.layers if isinstance(layer.mlp, sd.MoE)]
     try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def routed_experts(model, spec, B, prompt_len, device, dtype, steps=8, seed=1):
+    """Distinct routed experts per MoE layer per decode / verify step, counted from the actual routing: B
+    requests of random prompts decoded eagerly for `steps` steps (speculation as in `spec`), expert_counts over
+    the target's MoE layers (steps of at most B * (k+1) rows: prefill and the drafter's layers are not counted).
+    Returns the mean over layers and steps."""
+    k = spec.num_speculative_tokens if spec else 0
+
+    def run():
         eng = sd.Engine(model, None, spec, B, prompt_len + 2 * steps * (k + 1) + 8, dtype, device, seed, True,
                         enable_chunked_prefill=False)
         g = torch.Generator().manual_seed(seed)
@@ -401,9 +413,7 @@ def routed_experts(model, spec, B, prompt_len, device, dtype, steps=8, seed=1):
         for _ in range(steps + 1):
             if eng.has_work():
                 eng.step()
-    finally:
-        for h in hooks:
-            h.remove()
+    counts = expert_counts(model, run, B * (k + 1))
     return sum(counts) / max(len(counts), 1)
 
 
@@ -1132,27 +1142,17 @@ def target_graph(runner, B, T, pos, seed=0):
 
 
 def step_experts(runner, B, T, pos, seed=0):
-    """Distinct routed experts per MoE layer of the step target_graph(runner, B, T, pos, seed) runs (an eager
-    forward of the same ids, a hook on each MoE layer as routed_experts'); None for a dense model."""
+    """Distinct routed experts per MoE layer of the step target_graph(runner, B, T, pos, seed) runs (expert_counts
+    over an eager forward of the same ids); None for a dense model."""
     model, dev = runner.model, runner.device
-    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, sd.MoE)]
-    if not moes:
-        return None
-    counts = []
+    ctx = sd.Ctx(runner.state, torch.arange(B, device=dev), torch.full((B,), pos, device=dev), pos + T,
+                 "verify" if T > 1 else "decode")
 
-    def hook(mod, args, out):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        counts.append(sd.K.moe_route(sd.K.linear(x, mod.gate.weight), mod.top_k)[1].unique().numel())
-    hooks = [m.register_forward_hook(hook) for m in moes]
-    try:
-        ctx = sd.Ctx(runner.state, torch.arange(B, device=dev), torch.full((B,), pos, device=dev), pos + T,
-                     "verify" if T > 1 else "decode")
+    def run():
         with torch.inference_mode():
             model(step_ids(model, B, T, seed).to(dev), ctx)
-    finally:
-        for h in hooks:
-            h.remove()
-    return sum(counts) / len(counts)
+    counts = expert_counts(model, run) if any(isinstance(layer.mlp, sd.MoE) for layer in model.layers) else []
+    return sum(counts) / len(counts) if counts else None
 
 
 def verify_costs(model, Ts, device, dtype):

@@ -17,7 +17,7 @@ stays in L2), timed per launch:
           the same bits whatever the tile (rowsbm-27b, rowsbm-35b, rowsbm-toy, rowsbm-0.6b: one model's shapes)
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
           against a device copy of the same bytes and the same tiles with plain loads (kernels.FP8_TMA off: time,
-          bits); the FP8 MoE pair kernels against bf16's at 1 and 2 tokens
+          bits) (the FP8 MoE pair kernels: moe-fp8, each with its whole layer beside bf16's in moe-bf16)
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -285,22 +285,6 @@ def fp8(Ms=(1, 8, 16, 64)):
                   + f"; plain loads (FP8_TMA off) {tp:.1f} us, same bits {same}", flush=True)
             del qs, ws, dst
     print("FP8_ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best_all.items()) + "}")
-    E, I, H, k = 256, 512, 2048, 8
-    L = 12
-    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.02 for _ in range(L)]
-    dns = [torch.randn(E, H, I, device=dev, dtype=bf) * 0.02 for _ in range(L)]
-    q8 = []
-    for gu, dn in zip(gus, dns):
-        (gq, gs), (uq, us), (dq, ds) = K.fp8_quantize(gu[:, :I]), K.fp8_quantize(gu[:, I:]), K.fp8_quantize(dn)
-        q8.append((torch.cat([gq, uq], 1), dq, torch.cat([gs, us], 1).contiguous(), ds))
-    for N in (1, 2):
-        x = torch.randn(N, H, device=dev, dtype=bf)
-        idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(N)])
-        w = torch.rand(N, k, device=dev).softmax(-1)
-        tb = graph_time(lambda: [K._moe_experts_launch(x, w, idx, gus[l], dns[l]) for l in range(L)]) / L
-        tf = graph_time(lambda: [K._moe_experts_launch(x, w, idx, a, b, None, None, None, c, d)
-                                 for a, b, c, d in q8]) / L
-        print(f"== 35b-a3b experts, {N} token(s): bf16 {tb:.1f} us, fp8 {tf:.1f} us per layer")
 
 
 MOE_GU = [(16, 512, 4, 3), (8, 512, 2, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 3),
@@ -310,7 +294,7 @@ MOE_DN = [(4, 256, 2, 3), (8, 256, 2, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 
           (8, 128, 2, 3), (16, 128, 2, 3), (32, 256, 4, 3), (8, 256, 4, 3), (32, 512, 8, 2)]
 
 
-def moe_tiles(N=1, fp8=True, L=12):
+def moe_tiles(N=1, scaled=True, L=12):
     """The 35B MoE pair kernels, FP8 experts (SCALED, block scales) or bf16: tile candidates for gate/up (BI, BH,
     warps, stages) and down (BO, BI, warps, stages) at N tokens (random routing, a token's k experts distinct), us
     per layer and TB/s of the distinct experts' bytes; the whole layer at the current tiles
@@ -320,7 +304,7 @@ def moe_tiles(N=1, fp8=True, L=12):
     ws = []
     for _ in range(L):
         gu, dn = torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.02, torch.randn(E, H, I, device=dev, dtype=bf) * 0.02
-        if fp8:
+        if scaled:
             (gq, gs), (uq, us), (dq, ds) = K.fp8_quantize(gu[:, :I]), K.fp8_quantize(gu[:, I:]), K.fp8_quantize(dn)
             ws.append((torch.cat([gq, uq], 1), dq, torch.cat([gs, us], 1).contiguous(), ds))
         else:
@@ -332,17 +316,17 @@ def moe_tiles(N=1, fp8=True, L=12):
     P = N * k
     h = torch.empty(P, I, device=dev, dtype=bf); y = torch.empty(P, H, device=dev)
     ne = len(set(idx.flatten().tolist()))
-    es = 1 if fp8 else 2
+    es = 1 if scaled else 2
     gb, db = 2 * I * H * ne * es, I * H * ne * es                                   # expert bytes per layer
     IB, HB = K._cdiv(I, 128), K._cdiv(H, 128)
     tf = graph_time(lambda: [K._moe_experts_launch(x, w, idx, a, b, None, None, None, c, d) for a, b, c, d in ws]) / L
-    print(f"== MoE pairs {'FP8' if fp8 else 'bf16'}, N={N} ({ne} experts a layer): whole layer {tf:.1f} us "
+    print(f"== MoE pairs {'FP8' if scaled else 'bf16'}, N={N} ({ne} experts a layer): whole layer {tf:.1f} us "
           f"(current tiles)", flush=True)
     res = []
     for (BI, BH, nw, ns) in MOE_GU:
         f = lambda: [K._moe_gate_up_pair_kernel[(P, K._cdiv(I, BI))](
             x, idx, a, a if c is None else c, h, H, I, x.stride(0), a.stride(0), a.stride(1),
-            0 if c is None else c.stride(0), IB, HB, TOPK=k, BI=BI, BH=BH, SCALED=fp8, num_warps=nw, num_stages=ns)
+            0 if c is None else c.stride(0), IB, HB, TOPK=k, BI=BI, BH=BH, SCALED=scaled, num_warps=nw, num_stages=ns)
             for a, b, c, d in ws]
         try:
             t = graph_time(f) / L
@@ -352,7 +336,7 @@ def moe_tiles(N=1, fp8=True, L=12):
     for (BO, BI, nw, ns) in MOE_DN:
         f = lambda: [K._moe_down_pair_kernel[(P, K._cdiv(H, BO))](
             h, idx, w, b, b if d is None else d, y, H, I, b.stride(0), b.stride(1), 0 if d is None else d.stride(0),
-            IB, BO=BO, BI=BI, SCALED=fp8, num_warps=nw, num_stages=ns) for a, b, c, d in ws]
+            IB, BO=BO, BI=BI, SCALED=scaled, num_warps=nw, num_stages=ns) for a, b, c, d in ws]
         try:
             t = graph_time(f) / L
             res.append((t, f"down BO{BO} BI{BI} w{nw} s{ns}", db / t / 1e6))
@@ -465,10 +449,10 @@ def main():
     if "pdl" in parts:
         pdl()
     torch.manual_seed(0)
-    for name, fp8 in (("moe-fp8", True), ("moe-bf16", False), ("moe", False)):  # moe: moe-bf16's old name
+    for name, scaled in (("moe-fp8", True), ("moe-bf16", False), ("moe", False)):  # moe: moe-bf16's old name
         if name in parts:
             for N in (1, 2, 8, 16):
-                moe_tiles(N, fp8)
+                moe_tiles(N, scaled)
     if "gdn" in parts:
         for B, T, keep, out in [(1, 1, None, True), (8, 1, None, True), (1, 2, None, True), (1, 16, None, True),
                                 (8, 2, None, True), (1, 2, 2, False), (1, 16, 7, False)]:

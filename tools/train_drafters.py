@@ -1,6 +1,7 @@
-"""Train DFlash and DSpark block drafters (block 8) against the shipped toy target.
+"""Train the toy target's drafters by self-distillation: the DFlash and DSpark block drafters (block 8) and the
+plain-Qwen3 draft LM of method draft_model.
 
-    python tools/train_drafters.py --target models/toy --out models --seconds 320      # what shipped: H200, 6781 steps + 33 s of greedy corpus
+    python tools/train_drafters.py --target models/toy --out models    # what shipped (session 22): H200, ~8 minutes
 
 Needs models/toy (tools/train_toy.py) and its train_log.json (the held-out files are left out here too).
 The drafters are built and loaded by the engine's own code (read_block_config / BlockDrafter / load_weights)
@@ -9,6 +10,10 @@ from a checkpoint written in the published layout, trained through the engine's 
   toy-dflash/   z-lab DFlashDraftModel: 2 Qwen3 layers, taps = outputs of target layers 1, 3, 5
   toy-dspark/   DeepSpec Qwen3DSparkModel: the same backbone, the anchor also predicts, Markov head rank 64,
                 confidence head
+  toy-draft/    a plain Qwen3 LM (model_type qwen3; --draft-layers layers, the target's hidden size, 4 / 2
+                heads of 64, MLP 2 x hidden, tied embeddings initialised from the target's), next-token loss on
+                the generated part of each sequence: it learns to predict the target's own greedy tokens, which
+                is what draft_model's acceptance measures (--draft-layers 0: not trained)
 Data (self-distillation, as in the DFlash paper): random stdlib windows of --distill-prompt tokens, each
 extended by the target's own greedy continuation (--distill-gen tokens, the engine's prefill + decode forward),
 generated once up front; anchors lie in the generated part, so every label is the target's greedy token
@@ -67,6 +72,56 @@ def init_weights(cfg, method, seed):
         w.update({"markov_head.markov_w1.weight": r(V, RANK), "markov_head.markov_w2.weight": torch.zeros(V, RANK),
                   "confidence_head.proj.weight": r(1, H + RANK), "confidence_head.proj.bias": torch.zeros(1)})
     return w
+
+
+def lm_config(tcfg, layers, eos):
+    """The draft LM's config.json: plain Qwen3 (attention only: on a CPU a pass is a few hundred ops fewer than
+    a GDN layer's, and a commit needs no state replay)."""
+    H = tcfg.hidden_size
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": H,
+            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "intermediate_size": 2 * H, "vocab_size": tcfg.vocab_size, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+            "rope_theta": tcfg.rope_theta, "max_position_embeddings": 4096, "attention_bias": False,
+            "tie_word_embeddings": True, "eos_token_id": eos}
+
+
+def lm_init(cfg, target, seed):
+    """Random layers (std 0.02, norms 1), the embedding (tied: the lm_head too) copied from the target's."""
+    g = torch.Generator().manual_seed(seed)
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    r = lambda *s: torch.randn(*s, generator=g) * 0.02
+    w = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu(),
+         "model.norm.weight": torch.ones(H)}
+    for i in range(cfg["num_hidden_layers"]):
+        w.update(bench.random_qwen3_layer(f"model.layers.{i}.", H, cfg["num_attention_heads"],
+                                          cfg["num_key_value_heads"], cfg["head_dim"], I, r, torch.ones))
+    return w
+
+
+def build_lm(path, device):
+    """The draft LM through the engine's loader (specdec.load_draft_lm's steps, unfused), trainable fp32."""
+    top = sd.read_config(path, "draft_model")
+    fields, types = sd.qwen3_fields(top, f"draft_model {path}")
+    c = sd.DraftConfig(**fields, windows=[None] * len(types), causal=[True] * len(types))
+    with torch.device("meta"):
+        net = sd.Qwen3LM(c)
+    sources = sd.checkpoint_sources(sd.checkpoint_tensors(path), lambda n: n[len("model."):] if n.startswith("model.") else n)
+    net = sd.load_weights(net, sources, torch.float32, device, path)
+    for p in net.parameters():
+        p.requires_grad_(True)
+    return net.train(), c
+
+
+def lm_loss(net, c, ids, lo):
+    """Next-token cross-entropy of the draft LM over ids [B, L] at the positions that predict ids[:, lo:] (the
+    target's greedy tokens when distilling) -> (loss, accuracy)."""
+    B, L = ids.shape
+    dev = ids.device
+    cache = sd.KVCache(c, B, L, torch.float32, dev)
+    h = net(ids, sd.Ctx(cache, torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev), L, "prefill"))
+    logits, labels = net.logits(h[:, lo - 1:-1]), ids[:, lo:]
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    return loss, (logits.argmax(-1) == labels).float().mean()
 
 
 def save(path, cfg, tensors, dtype):
@@ -170,7 +225,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models", "toy"))
     ap.add_argument("--out", default=os.path.join(ROOT, "models"))
-    ap.add_argument("--seconds", type=float, default=300, help="training time for both drafters together")
+    ap.add_argument("--seconds", type=float, default=420, help="training time for the drafters together")
     ap.add_argument("--seq-len", type=int, default=None, help="training sequence length (default 256; when "
                     "distilling it is --distill-prompt + --distill-gen, and must equal that if given)")
     ap.add_argument("--batch", type=int, default=32)
@@ -178,13 +233,15 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-files", type=int, default=None)
-    ap.add_argument("--distill-seqs", type=int, default=4096, help="sequences of the target's greedy "
+    ap.add_argument("--distill-seqs", type=int, default=32768, help="sequences of the target's greedy "
                     "continuations to train on (self-distillation); 0: raw data windows as labels")
-    ap.add_argument("--distill-prompt", type=int, default=64, help="data tokens of prompt per distilled sequence")
-    ap.add_argument("--distill-gen", type=int, default=192, help="greedy target tokens generated per sequence")
-    ap.add_argument("--distill-batch", type=int, default=256, help="sequences generated at once")
+    ap.add_argument("--distill-prompt", type=int, default=16, help="data tokens of prompt per distilled sequence")
+    ap.add_argument("--distill-gen", type=int, default=240, help="greedy target tokens generated per sequence")
+    ap.add_argument("--distill-batch", type=int, default=2048, help="sequences generated at once")
     ap.add_argument("--distill-refresh", type=int, default=0, help="every this many steps, regenerate "
                     "--distill-batch random rows of the corpus (0: never)")
+    ap.add_argument("--draft-layers", type=int, default=2, help="layers of the plain-Qwen3 draft LM written to "
+                    "OUT/toy-draft (0: none)")
     a = ap.parse_args(argv)
     distill = a.distill_seqs > 0
     if distill:
@@ -197,6 +254,7 @@ def main(argv=None):
     elif a.seq_len is None:
         a.seq_len = 256
     K.USE_TRITON = False  # differentiable references for the drafters (the frozen target runs the kernels)
+    K.CPU_FAST = False  # on a CPU too: the fast paths (oneDNN's packed linears) have no backward
     sd.block_attention = masked_block_attention
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     dev = torch.device(a.device)
@@ -220,8 +278,19 @@ def main(argv=None):
         cfg = draft_config(method, tcfg, mask_id)
         save(path, cfg, init_weights(cfg, method, seed=i), torch.float32)
         nets[method] = build(path, method, dev) + (path, cfg)
+    lm = None
+    if a.draft_layers > 0:
+        path = os.path.join(a.out, "toy-draft")
+        cfg = lm_config(tcfg, a.draft_layers, tok.id_of("<|endoftext|>"))
+        save(path, cfg, lm_init(cfg, target, seed=2), torch.float32)
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # a runnable model dir
+            with open(os.path.join(a.target, f)) as src, open(os.path.join(path, f), "w") as dst:
+                dst.write(src.read())
+        lm = build_lm(path, dev) + (path, cfg)
     opts = {m: torch.optim.AdamW([p for p in n[0].parameters() if p.is_floating_point()], lr=a.lr,
                                  betas=(0.9, 0.95), weight_decay=0.0) for m, n in nets.items()}
+    if lm is not None:
+        opts["draft"] = torch.optim.AdamW(lm[0].parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     L, B = a.seq_len, a.batch
     corpus, lo = None, 1  # lo: the first position an anchor may take
@@ -262,12 +331,24 @@ def main(argv=None):
             opts[m].step()
             row[m] = round(loss.item(), 3)
             row[m + "-acc"] = [round(x, 2) for x in acc.tolist()]
+        if lm is not None:  # the draft LM: the target's next tokens from the tokens alone
+            for pg in opts["draft"].param_groups:
+                pg["lr"] = lr
+            loss, acc = lm_loss(lm[0], lm[1], ids, max(lo, 1))
+            opts["draft"].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lm[0].parameters(), 1.0)
+            opts["draft"].step()
+            row["draft"], row["draft-acc"] = round(loss.item(), 3), round(acc.item(), 3)
         if step % 20 == 0:
             print(f"[train] {row}", flush=True)
         step += 1
     for m, (net, c, path, cfg) in nets.items():
         save(path, cfg, dict(net.named_parameters()), torch.bfloat16)
-    print(f"[done] {step} steps in {time.time() - t0:.0f}s; wrote " + ", ".join(n[2] for n in nets.values()), flush=True)
+    if lm is not None:  # the checkpoint's names (model.*; the tied lm_head is the embedding)
+        save(lm[2], lm[3], {"model." + n: p for n, p in lm[0].named_parameters()}, torch.bfloat16)
+    wrote = [n[2] for n in nets.values()] + ([lm[2]] if lm is not None else [])
+    print(f"[done] {step} steps in {time.time() - t0:.0f}s; wrote " + ", ".join(wrote), flush=True)
 
 
 if __name__ == "__main__":

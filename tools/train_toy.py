@@ -1,17 +1,17 @@
 """Train the small Qwen3.6-architecture model family that ships in models/ (one H200, a few minutes).
 
-    python tools/train_toy.py --out models --seconds 330 --drafter-seconds 320     # everything in models/
+    python tools/train_toy.py --out models --seconds 330 --drafter-seconds 420     # everything in models/
 
 Data: the Python standard library's source on this machine (sysconfig stdlib, site-packages excluded), split
 by a hash of each file's path: 2% of files are held out for evaluation. Tokenizer: an 8k byte-level BPE in
 the Qwen tokenizer.json layout (tools/make_tokenizer.py) with <|endoftext|>, <|im_start|>, <|im_end|> and a
-<|mask|> token for block drafters. Models, trained together for --seconds:
+<|mask|> token for block drafters. Trained for --seconds:
   toy/        the target: Qwen3.6 dense hybrid (GDN + gated attention 3:1), ~11.7M parameters, with an MTP head
               trained jointly (loss on x_{t+2} from (h_t, x_{t+1})); multimodal layout, bf16 safetensors
-  toy-draft/  a ~1M-parameter model of the same family for method draft_model
-then, against the finished target, the DFlash and DSpark block drafters (tools/train_drafters.py, --drafter-seconds;
+then, against the finished target, its drafters by self-distillation (tools/train_drafters.py, --drafter-seconds;
 0 skips them):
-  toy-dflash/, toy-dspark/
+  toy-dflash/, toy-dspark/, toy-draft/ (method draft_model: a 2-layer plain Qwen3 LM; until session 22 a
+  ~1M-parameter hybrid of the target's family trained here beside it on the raw data)
 The engine's own modules are trained (through its inference forward with a fresh State per batch, PyTorch
 reference kernels), so what ships is exactly what runs.
 """
@@ -37,9 +37,6 @@ from make_tokenizer import make_tiny_tokenizer  # noqa: E402
 TARGET = dict(hidden_size=256, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=64, linear_value_head_dim=64, mtp_num_hidden_layers=1)
-DRAFT = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=384, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
-             linear_key_head_dim=64, linear_value_head_dim=64, mtp_num_hidden_layers=0)
 
 
 def text_config(shape, vocab, eos):
@@ -123,7 +120,7 @@ def main():
     ap.add_argument("--max-files", type=int, default=None, help="use only this many training files (smoke tests)")
     ap.add_argument("--drafter-args", default="", help="more tools/train_drafters.py arguments, e.g. a small "
                     "'--distill-seqs 8 --distill-gen 32' for a CPU smoke run")
-    ap.add_argument("--drafter-seconds", type=float, default=320, help="then train the DFlash / DSpark drafters "
+    ap.add_argument("--drafter-seconds", type=float, default=420, help="then train the drafters "
                     "(tools/train_drafters.py) this long; 0: skip")
     a = ap.parse_args()
     K.USE_TRITON = False  # training runs the differentiable PyTorch references
@@ -149,7 +146,7 @@ def main():
     vocab = (tok.vocab_size + 63) // 64 * 64
     print(f"[data] {len(train_f)} train files, {len(held_f)} held-out; {len(data) / 1e6:.1f}M train tokens, "
           f"{len(held) / 1e3:.0f}k held-out; vocab {tok.vocab_size} -> {vocab} rows; {time.time() - t0:.0f}s", flush=True)
-    cfgs = {"toy": text_config(TARGET, vocab, eos), "toy-draft": text_config(DRAFT, vocab, eos)}
+    cfgs = {"toy": text_config(TARGET, vocab, eos)}
     models = {n: init_model(sd.ModelConfig.from_dict(c), dev, seed=i) for i, (n, c) in enumerate(cfgs.items())}
     for n, m in models.items():
         print(f"[model] {n}: {sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters", flush=True)
@@ -195,7 +192,7 @@ def main():
         json.dump({"steps": step, "seconds": a.seconds, "seq_len": L, "batch": B, "held_out_loss": ev,
                    "train_tokens": len(data), "held_out_tokens": len(held), "held_out_files":
                    [os.path.relpath(f, root) for f in held_f], "log": log}, fh, indent=1)
-    print(f"[done] {step} steps in {time.time() - t0:.0f}s total; wrote {a.out}/toy and {a.out}/toy-draft", flush=True)
+    print(f"[done] {step} steps in {time.time() - t0:.0f}s total; wrote {a.out}/toy", flush=True)
     if a.drafter_seconds > 0:
         import train_drafters
         train_drafters.main(["--target", os.path.join(a.out, "toy"), "--out", a.out, "--seconds", str(a.drafter_seconds),

@@ -124,6 +124,61 @@ def lm_loss(net, c, ids, lo):
     return loss, (logits.argmax(-1) == labels).float().mean()
 
 
+def build_mtp(path, tcfg, device):
+    """The target checkpoint's MTP head alone, unfused and trainable fp32 (the target itself stays frozen)."""
+    sources = sd.checkpoint_sources(sd.checkpoint_tensors(path), lambda n: sd.internal_name(n, path))
+    with torch.device("meta"):
+        head = sd.MTPHead(tcfg)
+    head = sd.load_weights(head, {n[4:]: v for n, v in sources.items() if n.startswith("mtp.")}, torch.float32,
+                           device, path)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head.train()
+
+
+def mtp_loss(head, target, tcfg, st, h, ids, lo, anchors, depth):
+    """The MTP head chained as MTPProposer runs it, teacher-forced on the target's greedy tokens -> (loss,
+    per-depth accuracy). Depth 1 over every position t (as prefill and the commit pass write its cache):
+    u_t = MTP(h_t, x_{t+1}) at t predicts x_{t+2}. Depth j >= 2 at anchors a: u = MTP(u_prev, x_{a+j}) at a+j-1
+    predicts x_{a+j+1}, its attention over depth 1's cache below a + 1 and the chain's own entries (each row its
+    own slot): on the accepted path the drafts fed back are the true tokens, so this is the chain's exact input.
+    st: the target's State (mtp=True), h [B, L, H] its final hidden (no grad); labels only past lo."""
+    B, L = ids.shape
+    dev = ids.device
+    slots, zero = torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
+    emb = target.embed_tokens(ids)                                                   # frozen
+    u1 = head(emb[:, 1:-1], h[:, :-2], sd.Ctx(st, slots, zero, L, "decode"))         # [B, L-2, H]
+    s0 = max(lo - 2, 0)
+    logits = target.logits(u1[:, s0:])
+    labels = ids[:, s0 + 2:]
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    acc = [(logits.argmax(-1) == labels).float().mean()]
+    m = anchors.shape[1]
+    S = B * m
+    rows, a = torch.arange(B, device=dev).repeat_interleave(m), anchors.reshape(-1)
+    st2 = sd.State(tcfg, S, L, torch.float32, dev, mtp=True)
+    st2.kv["mtp"] = tuple(c[rows].detach().clone() for c in st.kv["mtp"])           # depth 1's entries, per anchor
+    u = u1[rows, a]                                                                  # [S, H]
+    for j in range(2, depth + 1):
+        pos = a + j - 1
+        u = head(emb[rows, a + j][:, None], u[:, None], sd.Ctx(st2, torch.arange(S, device=dev), pos,
+                                                                int(pos.max()) + 1, "decode"))[:, 0]
+        lg, lab = target.logits(u), ids[rows, a + j + 1]
+        loss = loss + F.cross_entropy(lg, lab)
+        acc.append((lg.argmax(-1) == lab).float().mean())
+    return loss / depth, acc
+
+
+def save_mtp(head, path):
+    """The trained head's tensors back into the target checkpoint (names mtp.*, dtypes as stored)."""
+    from safetensors.torch import load_file, save_file
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    for n, p in head.named_parameters():
+        w["mtp." + n] = p.detach().to(w["mtp." + n].dtype).cpu().contiguous()
+    save_file(w, f)
+
+
 def save(path, cfg, tensors, dtype):
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
@@ -242,6 +297,11 @@ def main(argv=None):
                     "--distill-batch random rows of the corpus (0: never)")
     ap.add_argument("--draft-layers", type=int, default=2, help="layers of the plain-Qwen3 draft LM written to "
                     "OUT/toy-draft (0: none)")
+    ap.add_argument("--train", default="dflash,dspark,draft,mtp", help="which drafters to train (comma-separated); "
+                    "mtp fine-tunes the target's MTP head in place (TARGET/model.safetensors, its mtp.* tensors)")
+    ap.add_argument("--mtp-depth", type=int, default=3, help="MTP chain steps trained (1: the head alone, as "
+                    "tools/train_toy.py trains it)")
+    ap.add_argument("--mtp-lr", type=float, default=5e-4, help="the MTP head's peak learning rate (fine-tuning)")
     a = ap.parse_args(argv)
     distill = a.distill_seqs > 0
     if distill:
@@ -272,14 +332,17 @@ def main(argv=None):
             stream += tok.encode(t, allow_special=False) + [tok.id_of("<|endoftext|>")]
     data = torch.tensor(stream)
     print(f"[data] {len(train_f)} files, {len(data) / 1e6:.2f}M tokens", flush=True)
+    which = set(a.train.split(","))
+    if which - {"dflash", "dspark", "draft", "mtp"}:
+        ap.error(f"--train: unknown {sorted(which - {'dflash', 'dspark', 'draft', 'mtp'})}")
     nets = {}
-    for i, method in enumerate(("dflash", "dspark")):
+    for i, method in enumerate(m for m in ("dflash", "dspark") if m in which):
         path = os.path.join(a.out, f"toy-{method}")
         cfg = draft_config(method, tcfg, mask_id)
         save(path, cfg, init_weights(cfg, method, seed=i), torch.float32)
         nets[method] = build(path, method, dev) + (path, cfg)
     lm = None
-    if a.draft_layers > 0:
+    if a.draft_layers > 0 and "draft" in which:
         path = os.path.join(a.out, "toy-draft")
         cfg = lm_config(tcfg, a.draft_layers, tok.id_of("<|endoftext|>"))
         save(path, cfg, lm_init(cfg, target, seed=2), torch.float32)
@@ -291,6 +354,9 @@ def main(argv=None):
                                  betas=(0.9, 0.95), weight_decay=0.0) for m, n in nets.items()}
     if lm is not None:
         opts["draft"] = torch.optim.AdamW(lm[0].parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    mtp = build_mtp(a.target, tcfg, dev) if "mtp" in which else None
+    if mtp is not None:
+        opts["mtp"] = torch.optim.AdamW(mtp.parameters(), lr=a.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     L, B = a.seq_len, a.batch
     corpus, lo = None, 1  # lo: the first position an anchor may take
@@ -314,8 +380,8 @@ def main(argv=None):
             ids = torch.stack([data[s:s + L] for s in starts]).to(dev)
         with torch.no_grad():
             K.USE_TRITON = dev.type == "cuda"
-            st = sd.State(tcfg, B, L, torch.float32, dev)
-            _, aux = target(ids, sd.Ctx(st, torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
+            st = sd.State(tcfg, B, L, torch.float32, dev, mtp=mtp is not None)
+            h, aux = target(ids, sd.Ctx(st, torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
                                         L, "prefill"), tuple(TAPS))
             feats = torch.cat(aux, -1)                                               # taps in layer order = TAPS
             K.USE_TRITON = False
@@ -340,6 +406,16 @@ def main(argv=None):
             torch.nn.utils.clip_grad_norm_(lm[0].parameters(), 1.0)
             opts["draft"].step()
             row["draft"], row["draft-acc"] = round(loss.item(), 3), round(acc.item(), 3)
+        if mtp is not None:  # the target's MTP head, chained a.mtp_depth steps
+            for pg in opts["mtp"].param_groups:
+                pg["lr"] = lr * a.mtp_lr / a.lr
+            at = torch.randint(max(lo - 2, 0), L - a.mtp_depth - 1, (B, a.anchors), generator=g).to(dev)
+            loss, acc = mtp_loss(mtp, target, tcfg, st, h, ids, lo, at, a.mtp_depth)
+            opts["mtp"].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
+            opts["mtp"].step()
+            row["mtp"], row["mtp-acc"] = round(loss.item(), 3), [round(x.item(), 3) for x in acc]
         if step % 20 == 0:
             print(f"[train] {row}", flush=True)
         step += 1
@@ -347,7 +423,9 @@ def main(argv=None):
         save(path, cfg, dict(net.named_parameters()), torch.bfloat16)
     if lm is not None:  # the checkpoint's names (model.*; the tied lm_head is the embedding)
         save(lm[2], lm[3], {"model." + n: p for n, p in lm[0].named_parameters()}, torch.bfloat16)
-    wrote = [n[2] for n in nets.values()] + ([lm[2]] if lm is not None else [])
+    if mtp is not None:
+        save_mtp(mtp, a.target)
+    wrote = [n[2] for n in nets.values()] + ([lm[2]] if lm is not None else []) + ([a.target] if mtp is not None else [])
     print(f"[done] {step} steps in {time.time() - t0:.0f}s; wrote " + ", ".join(wrote), flush=True)
 
 

@@ -204,6 +204,22 @@ def build(path, method, device):
 
 
 _block_attention = sd.block_attention
+_attention = K.attention
+
+
+def batched_attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None):
+    """K.attention's causal GQA for training: every row at once under a mask (its reference loops over the rows
+    on the host: the MTP chain's 512 rows a step), the kernel where it runs (the frozen target)."""
+    if K._fast(q):
+        return _attention(q, k_cache, v_cache, slots, pos, kv_len, chunk, window)
+    B, T, nh, d = q.shape
+    rep = nh // k_cache.shape[2]
+    k, v = (c[slots, :kv_len].float().repeat_interleave(rep, 2).transpose(1, 2) for c in (k_cache, v_cache))
+    s = (q.float().transpose(1, 2) @ k.transpose(-1, -2)) * d ** -0.5                # [B, nh, T, L]
+    qp = pos[:, None] + torch.arange(T, device=q.device)                             # [B, T]
+    seen = torch.arange(kv_len, device=q.device) <= qp[..., None]                    # [B, T, L]
+    p = s.masked_fill(~seen[:, None], float("-inf")).softmax(-1)
+    return (p @ v).transpose(1, 2).contiguous().to(q.dtype)                         # [B, T, nh, d]
 
 
 def masked_block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
@@ -316,6 +332,7 @@ def main(argv=None):
     K.USE_TRITON = False  # differentiable references for the drafters (the frozen target runs the kernels)
     K.CPU_FAST = False  # on a CPU too: the fast paths (oneDNN's packed linears) have no backward
     sd.block_attention = masked_block_attention
+    K.attention = batched_attention
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     dev = torch.device(a.device)
     target, tcfg, tok = sd.load_model(a.target, torch.float32, dev)

@@ -1,7 +1,9 @@
 """Train the toy target's drafters by self-distillation: the DFlash and DSpark block drafters (block 8) and the
 plain-Qwen3 draft LM of method draft_model.
 
-    python tools/train_drafters.py --target models/toy --out models    # what shipped (session 22): H200, ~8 minutes
+    python tools/train_drafters.py --target models/toy --out models --train dflash,dspark,draft   # H200: 475 s
+    python tools/train_drafters.py --target models/toy --out models --train mtp --seconds 180     # H200: 235 s
+(what shipped, session 22: two device calls; the defaults train all four in one 420 s loop, not run as such)
 
 Needs models/toy (tools/train_toy.py) and its train_log.json (the held-out files are left out here too).
 The drafters are built and loaded by the engine's own code (read_block_config / BlockDrafter / load_weights)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 benchmark set behind BENCHMARKS.md, in one device call (outputs under $OUT).
 #   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
-#   bash tools/gpu_benchmarks.sh targets | drafters   (the issues' target rows at 256 tokens; retrain the toy drafters)
+#   bash tools/gpu_benchmarks.sh targets | drafters | mtp   (the issues' target rows at 256 tokens; retrain the toy's
+#                                                           drafters, its MTP head: one device call each)
 #   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, the same rows in bf16)
 #   bash tools/gpu_benchmarks.sh 27b-fp8 35b-fp8      (the 27b / 35b parts' rows with FP8 weights, no transformers)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
@@ -79,10 +80,16 @@ targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens 
   timeout 100 python3 bench.py --random-weights 27b --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-prefill-4096.log | grep -v '^{'
   timeout 150 python3 bench.py --random-weights 35b-a3b --batch 1 --prompt-len 512 --gen-len 256 --true-floor 2>&1 | tee $OUT/bench-targets-35b.log | grep -v '^{'
   timeout 90 python3 tools/profile_step.py --draft-lm 1 8 2>&1 | tee $OUT/draft-lm.log | grep -v '^loading' ;;
-drafters)  # retrain the toy DFlash / DSpark drafters (tools/train_drafters.py) and evaluate every method on the GPU
-  timeout 420 python3 tools/train_drafters.py --seconds ${DRAFTER_SECONDS:-320} --batch 32 --anchors 16 2>&1 | tee $OUT/train-drafters.log | tail -2
-  mkdir -p $OUT/toy-dflash $OUT/toy-dspark; cp models/toy-dflash/* $OUT/toy-dflash/; cp models/toy-dspark/* $OUT/toy-dspark/
+drafters)  # retrain the toy's DFlash / DSpark drafters and its draft LM (tools/train_drafters.py, as shipped in
+           # session 22; ~8 min) and evaluate every method on the GPU; the models come back under $OUT/m
+  timeout 560 python3 tools/train_drafters.py --train dflash,dspark,draft 2>&1 | tee $OUT/train-drafters.log | tail -2
+  for d in toy-dflash toy-dspark toy-draft; do mkdir -p $OUT/m/$d; cp models/$d/config.json models/$d/model.safetensors $OUT/m/$d/; done
   timeout 120 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 2>&1 | tee $OUT/eval-toy-gpu.log | grep -v '^{' ;;
+mtp)  # fine-tune the toy's MTP head chained (tools/train_drafters.py --train mtp, as shipped in session 22; ~4 min):
+      # its mtp.* tensors come back as $OUT/mtp.safetensors (the whole checkpoint is over the 16 MiB a file)
+  timeout 330 python3 tools/train_drafters.py --train mtp --seconds 180 2>&1 | tee $OUT/train-mtp.log | tail -2
+  python3 -c "from safetensors.torch import load_file, save_file; import sys; w = load_file('models/toy/model.safetensors'); save_file({k: v for k, v in w.items() if k.startswith('mtp.')}, sys.argv[1])" $OUT/mtp.safetensors
+  timeout 120 python3 tools/eval_toy.py --device cuda --dtype bfloat16 --prompts 8 --gen 256 --methods "mtp k=1" "mtp k=3" 2>&1 | tee $OUT/eval-toy-mtp.log | grep -v '^{' ;;
 sweep)  # TPOT against prompt length, batch 1: speculation off, MTP k=1 / 3 and DFlash (27B); 131072 apart (its
         # prefill alone takes a while, and a failure there keeps the shorter rows)
   for L in "512 2048 8192 32768" 131072; do

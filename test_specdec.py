@@ -4411,6 +4411,22 @@ def test_toy_model_acceptance_and_lossless():
         assert dflash >= 2.5 and dspark >= dflash
 
 
+def test_train_drafters_batched_attention_is_the_reference():
+    """tools/train_drafters.py trains the MTP chain through a batched masked attention (the reference loops over
+    rows on the host): equal to kernels.attention_ref, each row at its own position and slot, decode and prefill
+    lengths, GQA."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import train_drafters
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 40, 2, 64, generator=g), torch.randn(6, 40, 2, 64, generator=g)
+    for T in (1, 5, 33):
+        q = torch.randn(3, T, 4, 64, generator=g)
+        slots, pos = torch.tensor([4, 0, 2]), torch.tensor([2, 5, 0])
+        ref = K.attention_ref(q, kc, vc, slots, pos, 38)
+        torch.testing.assert_close(train_drafters.batched_attention(q, kc, vc, slots, pos, 38), ref,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_default_model_is_the_shipped_toy():
     if not os.path.isdir(TOY):
         pytest.skip("models/toy not present")

@@ -189,7 +189,7 @@ def main():
                   flush=True)
         for s in a.kernels:
             B, T = map(int, s.split("x"))
-            ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+            ids = bench.step_ids(runner.model, B, T).cuda()
             ctx = sd.Ctx(runner.state, torch.arange(B, device="cuda"), torch.full((B,), a.ctx, device="cuda"),
                          a.ctx + T, "verify" if T > 1 else "decode")
 

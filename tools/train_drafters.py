@@ -209,25 +209,19 @@ _block_attention = sd.block_attention
 _attention = K.attention
 
 
-def batched_attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None):
-    """K.attention's causal GQA for training: every row at once under a mask (its reference loops over the rows
-    on the host: the MTP chain's 512 rows a step), the kernel where it runs (the frozen target)."""
-    if K._fast(q):
-        return _attention(q, k_cache, v_cache, slots, pos, kv_len, chunk, window)
-    B, T, nh, d = q.shape
-    rep = nh // k_cache.shape[2]
-    k, v = (c[slots, :kv_len].float().repeat_interleave(rep, 2).transpose(1, 2) for c in (k_cache, v_cache))
-    s = (q.float().transpose(1, 2) @ k.transpose(-1, -2)) * d ** -0.5                # [B, nh, T, L]
-    qp = pos[:, None] + torch.arange(T, device=q.device)                             # [B, T]
-    seen = torch.arange(kv_len, device=q.device) <= qp[..., None]                    # [B, T, L]
-    p = s.masked_fill(~seen[:, None], float("-inf")).softmax(-1)
-    return (p @ v).transpose(1, 2).contiguous().to(q.dtype)                         # [B, T, nh, d]
-
-
 def masked_block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=False, window=None):
     """sd.block_attention through its batched masked path (a window wider than any sequence): the same result
     as the kernel's, without the reference's per-row host loop over thousands of training blocks."""
     return _block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal, window or 1 << 30)
+
+
+def batched_attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None):
+    """K.attention for training: the kernel where it runs (the frozen target), else sd.block_attention's batched
+    masked path, causal (every row at once; the reference loops over the rows on the host: the MTP chain's 512
+    rows a step)."""
+    if K._fast(q):
+        return _attention(q, k_cache, v_cache, slots, pos, kv_len, chunk, window)
+    return masked_block_attention(q, k_cache, v_cache, slots, pos, kv_len, causal=True).contiguous()
 
 
 def block_loss(net, c, method, target, ids, feats, anchors, mask_id):

@@ -134,11 +134,13 @@ def _pdl(x):
     writes anything that kernel touches; every such kernel lets its successor start at once
     (gdc_launch_dependents): a chain stays correct because each kernel writes only after the wait, by which
     time all kernels before it have finished. It changes when kernels start, not what they compute (the same
-    bits). The kernels that take it: norms, SwiGLU, attention and its prep, the linears. Measured on the
-    H200 (session 11, the target's captured step, random weights): 35B-A3B 3.30 -> 2.96 ms at batch 1, 27B
-    FP8 9.47 -> 9.32, 27B bf16 14.18 -> 14.11. Not kept: PDL on the MoE experts' kernels (their many early
-    programs crowd the kernel before them: 35B batch 8 6.17 -> 7.15 ms), and on the causal conv, the GDN
-    recurrence, the sigmoid gate and the router (a few % better at T = 2..4, worse at T = 1 and batch 8)."""
+    bits). The kernels that take it: norms, SwiGLU, attention and its prep, the linears, the MoE's sum of
+    experts (since session 23). Measured on the H200 (session 11, the target's captured step, random weights):
+    35B-A3B 3.30 -> 2.96 ms at batch 1, 27B FP8 9.47 -> 9.32, 27B bf16 14.18 -> 14.11. Not kept: PDL on the
+    MoE experts' pair kernels (their many early programs crowd the kernel before them: 35B batch 8 6.17 -> 7.15
+    ms in session 11; session 23, at most 8 pairs only: 35B bf16 batch 1 2.81 ms, but 2.98 together with the
+    sum's PDL, 2.81 with the sum's alone), and on the causal conv, the GDN recurrence, the sigmoid gate and the
+    router (a few % better at T = 2..4, worse at T = 1 and batch 8)."""
     if not (x.is_cuda and gdc_wait is not None):
         return False
     if x.device not in _PDL_DEVICES:
@@ -2294,6 +2296,7 @@ _MOE_CHUNK = 1024  # tokens per launch (a host loop only for long prefills)
 # tile, before: 9.8 / 17.1 / 56.4 / 105.2: e4m3 halves a tile's bytes, so it takes more rows); down 32 x 256, 4
 # warps 5.5 / 8.7 / 26.3 / 48.0 (before: 7.9 / 12.6 / 40.2 / 76.9).
 MOE_PAIR_TILES = {False: ((16, 512, 4, 3), (4, 128, 1, 3)), True: ((32, 256, 8, 3), (32, 256, 4, 3))}
+MOE_SUM_NORM = True  # the next RMSNorm done by _moe_sum_kernel (moe_experts' then; False: its own launch)
 
 
 @_jit
@@ -2441,14 +2444,18 @@ def _moe_down_pair_kernel(p_h, p_idx, p_w, p_dn, p_sc, p_y, H, I, s_de, s_dr, s_
 
 
 @_jit
-def _moe_sum_kernel(p_y, p_out, p_sh, p_g, p_res, H, s_g, TOPK: tl.constexpr, BH: tl.constexpr,
-                    SHARED: tl.constexpr, RES: tl.constexpr):
+def _moe_sum_kernel(p_y, p_out, p_sh, p_g, p_res, p_nw, p_nrm, H, s_g, eps, TOPK: tl.constexpr, BH: tl.constexpr,
+                    SHARED: tl.constexpr, RES: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     # out[n] = sum_j y[n, j] in a fixed order (deterministic, unlike atomics)
-    #          [+ sigmoid(g[n]) * shared[n]] [+ residual[n]], all in fp32, rounded once
+    #          [+ sigmoid(g[n]) * shared[n]] [+ residual[n]], all in fp32, rounded once;
+    # NORM (one program a row, BH >= H): also nrm[n] = the next zero-centred RMSNorm of out[n], as
+    # _rms_norm_kernel computes it from out (at the real widths, one [1, BH] row and its warps there too: the
+    # same bits; at narrow widths its programs take 16 rows, whose fp32 sums may round differently)
+    _pdl_sync(PDL)
     i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o_h = i_h * BH + tl.arange(0, BH)
+    o_h = i_h * BH + tl.arange(0, BH)[None, :]                                       # [1, BH]: one row's piece
     m = o_h < H
-    b_o = tl.zeros([BH], dtype=tl.float32)
+    b_o = tl.zeros([1, BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         b_o += tl.load(p_y + (i_n * TOPK + j) * H + o_h, mask=m, other=0.0)
     if SHARED:
@@ -2456,11 +2463,17 @@ def _moe_sum_kernel(p_y, p_out, p_sh, p_g, p_res, H, s_g, TOPK: tl.constexpr, BH
         b_o += tl.load(p_sh + i_n * H + o_h, mask=m, other=0.0).to(tl.float32) / (1.0 + tl.exp(-g))
     if RES:
         b_o += tl.load(p_res + i_n * H + o_h, mask=m, other=0.0).to(tl.float32)
-    tl.store(p_out + i_n * H + o_h, b_o.to(p_out.dtype.element_ty), mask=m)
+    b_o = b_o.to(p_out.dtype.element_ty)
+    tl.store(p_out + i_n * H + o_h, b_o, mask=m)
+    if NORM:
+        b_x = b_o.to(tl.float32)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / H + eps)                           # [1]
+        b_w = tl.load(p_nw + o_h, mask=m, other=0.0).to(tl.float32)
+        tl.store(p_nrm + i_n * H + o_h, (b_x * b_rstd[:, None] * (1.0 + b_w)).to(p_nrm.dtype.element_ty), mask=m)
 
 
 def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None, gu_scale=None,
-                        dn_scale=None):
+                        dn_scale=None, norm=None):
     N, H = x.shape
     E, I2, _ = gate_up.shape
     I, k = I2 // 2, idx.shape[1]
@@ -2477,8 +2490,11 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
     x = x if x.stride(1) == 1 else x.contiguous()
     idx, w = idx.contiguous(), w.float().contiguous()
     out = _empty(x.shape, x.dtype, x.device)
+    nrm = out if norm is None else _empty(x.shape, x.dtype, x.device)               # the next RMSNorm's output
+    nw, eps = (out, 0.0) if norm is None else norm
     dot = _dot_dtype(x)
     prec = "ieee" if dot == tl.float32 else "tf32"
+    pdl = _pdl(x)
     for s in range(0, N, _MOE_CHUNK):
         e_ = min(N, s + _MOE_CHUNK)
         xs, ids, ws, P = x[s:e_], idx[s:e_], w[s:e_], (e_ - s) * k
@@ -2507,10 +2523,13 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
                 h, order, off, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
                 BT=16, BO=32, BI=min(128, max(16, _p2(I))), DOT=dot, PREC=prec, SCALED=scaled, num_warps=4)
         sh, gt, res = (out if t is None else t[s:e_] for t in (shared, shared_gate, residual))
-        _moe_sum_kernel[(e_ - s, _cdiv(H, 512))](y, out[s:e_], sh, gt, res, H, gt.stride(0), TOPK=k, BH=512,
-                                                  SHARED=shared is not None, RES=residual is not None,
-                                                  num_warps=4)
-    return out
+        BH = 512 if norm is None else _p2(H)                                        # NORM: a row a program
+        _moe_sum_kernel[(e_ - s, _cdiv(H, BH))](y, out[s:e_], sh, gt, res, nw, nrm[s:e_], H, gt.stride(0), eps,
+                                                TOPK=k, BH=BH, SHARED=shared is not None, RES=residual is not None,
+                                                NORM=norm is not None, PDL=pdl,
+                                                num_warps=4 if norm is None else min(NORM_WARPS, max(1, BH // 256)),
+                                                **_launch(pdl))
+    return out if norm is None else (nrm, out)
 
 
 def moe_experts_fp8_ref(x, w, idx, gate_up, down, gu_scale, dn_scale):
@@ -2524,7 +2543,7 @@ def moe_experts_fp8_ref(x, w, idx, gate_up, down, gu_scale, dn_scale):
 
 
 def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None, gate_up_scale=None,
-                down_scale=None):
+                down_scale=None, then=None):
     """sum_k w_k * down_e(silu(gate_e x) * up_e x) for each token's chosen experts.
     x [N, H]; w, idx [N, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns [N, H].
     The MoE layer's epilogue rides along: with `shared` [N, H] and `shared_gate` [N, 1] (the shared expert's
@@ -2533,7 +2552,9 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
     round once (one launch); the reference rounds to x's dtype after each product and each op, as the unfused
     model does, and accumulates the experts in x's dtype (and syncs with the host).
     FP8 experts (e4m3 gate_up / down): gate_up_scale [E, 2 ceil(I/128), ceil(H/128)] (gate's block rows, then
-    up's) and down_scale [E, ceil(H/128), ceil(I/128)]; the kernels scale each block's products in fp32."""
+    up's) and down_scale [E, ceil(H/128), ceil(I/128)]; the kernels scale each block's products in fp32.
+    then: what the output goes through next (apply_then): the next layer's RMSNorm (weight, eps) returns
+    (rms_norm(out), out), done by the kernel that sums the experts (MOE_SUM_NORM) as rms_norm does it."""
     if _fast(x):
         if shared is not None:
             shared = (shared if shared.stride(1) == 1 and shared.stride(0) == shared.shape[1]
@@ -2541,15 +2562,18 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
         if residual is not None:
             residual = (residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1]
                         else residual.contiguous())
-        return _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual, gate_up_scale,
-                                   down_scale)
+        norm = (then if MOE_SUM_NORM and then is not None and then != "swiglu" and then[0].shape == x.shape[-1:]
+                and then[0].is_contiguous() else None)
+        y = _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual, gate_up_scale,
+                                down_scale, norm)
+        return y if norm is not None else apply_then(y, then)
     if gate_up_scale is not None:
         out = moe_experts_fp8_ref(x, w, idx, gate_up, down, gate_up_scale, down_scale)
     else:
         out = moe_experts_ref(x, w, idx, gate_up, down)
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
-    return out if residual is None else residual + out
+    return apply_then(out if residual is None else residual + out, then)
 
 
 # ----------------------------------------------------------------------------------------------

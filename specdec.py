@@ -474,7 +474,7 @@ class MoE(nn.Module):
 
     def forward(self, x, residual=None, then=None):
         """The routed experts plus the gated shared expert [+ residual], as one output (a fused epilogue);
-        then: the next RMSNorm, as MLP's (a launch of its own here)."""
+        then: the next RMSNorm, as MLP's (done by the launch that sums the experts: kernels.moe_experts)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
         if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up
@@ -488,8 +488,8 @@ class MoE(nn.Module):
         res = None if residual is None else residual.reshape(-1, shape[-1])
         ex = self.experts
         y = K.moe_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, shared, sg, res,
-                          gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv)
-        return K.apply_then(y.view(shape), then)
+                          gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv, then=then)
+        return y.view(shape) if then is None else tuple(t.view(shape) for t in y)
 
 
 class DecoderLayer(nn.Module):

@@ -4808,6 +4808,39 @@ def test_kernel_moe_experts(dtype, N, invariant, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [1, 3, 17])
+def test_kernel_moe_experts_then_norm(dtype, N, monkeypatch):
+    """The next RMSNorm done by the launch that sums the experts (MOE_SUM_NORM): (rms_norm(out), out) as the
+    experts' sum and a separate rms_norm launch give them, decode / verify pairs and the grouped path alike (bit
+    for bit on the interpreter and in bf16; fp32 on the H200 within 1e-6: a row's program there reduces its
+    squares in another layout than _rms_norm_kernel's 16-row programs at this width)."""
+    monkeypatch.setattr(K, "BATCH_INVARIANT", False)
+    E, k, H, I = 6, 2, 40, 24
+    g = gen(N + 100)
+    x, sh, res = (randn(N, H, g=g, dtype=dtype) for _ in range(3))
+    gate_up, down = randn(E, 2 * I, H, g=g, dtype=dtype, scale=0.2), randn(E, H, I, g=g, dtype=dtype, scale=0.2)
+    gate = randn(N, 3, g=g, dtype=dtype)[:, 1:2]
+    w, idx = K.moe_route_ref(randn(N, E, g=g), k)
+    nw = randn(H, g=g, dtype=dtype, scale=0.1)
+    for args in ((None, None, None), (sh, gate, res)):
+        monkeypatch.setattr(K, "MOE_SUM_NORM", False)
+        out0 = fast(K.moe_experts, x, w, idx, gate_up, down, *args)
+        n0 = fast(K.rms_norm, out0, nw, 1e-6)
+        monkeypatch.setattr(K, "MOE_SUM_NORM", True)
+        n1, out1 = fast(K.moe_experts, x, w, idx, gate_up, down, *args, then=(nw, 1e-6))
+        if dtype == torch.float32 and CUDA:
+            assert rel(out1, out0) <= 1e-6 and rel(n1, n0) <= 1e-6
+        else:
+            assert torch.equal(out1, out0) and torch.equal(n1, n0)
+        assert rel(n1, K.rms_norm_ref(out0, nw, 1e-6)) <= TOL[dtype]
+        monkeypatch.setattr(K, "USE_TRITON", False)                                # the reference path
+        n2, out2 = K.moe_experts(x, w, idx, gate_up, down, *args, then=(nw, 1e-6))
+        assert torch.equal(n2, K.rms_norm(out2, nw, 1e-6))
+        monkeypatch.setattr(K, "USE_TRITON", True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("B,V", [(1, 100), (3, 1000)])
 def test_kernel_markov_greedy(B, V):
     """DSpark's greedy Markov stage: the fused kernels' drafts == the reference loop's; ties to the first maximum."""

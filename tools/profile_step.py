@@ -11,11 +11,15 @@
              cuBLAS (what the engine runs) against a split-K Triton GEMV, in GB/s (bf16 weights only).
 -q fp8:      the weights quantized as --quantization fp8 does; --no-pdl: every kernel launched without
              programmatic dependent launch, so that --kernels gives each kernel's own time.
+--ab NAME=V1,V2[,...]: instead of --kernels / --gemms, an A/B of a kernels.py switch in one process: --steps timed
+             with kernels.NAME set to each value in turn (a fresh ModelRunner each, its graphs captured under it),
+             the values' rows interleaved over --rounds rounds, e.g. --ab MOE_SUM_NORM=False,True.
 --draft-lm B [B ...]: instead, draft_model's propose step (k = 4, a random Qwen3-0.6B-shaped draft LM): graph
              replay time and an eager step's kernels, at these batch sizes.
 Not part of the engine: a measuring tool for deciding which kernels to write next.
 """
 import argparse
+import ast
 import collections
 import os
 import sys
@@ -155,6 +159,31 @@ def draft_lm(batches, target="27b", k=4, ctx=512):
             kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)
 
 
+def ab(model, steps, ctx, switch, rounds):
+    """--ab: the captured steps under each value of a kernels.py switch, the values' rows interleaved by round."""
+    name, values = switch.split("=", 1)
+    values = [ast.literal_eval(v) for v in values.split(",")]
+    assert hasattr(sd.K, name), f"kernels.py has no {name}"
+    steps = [tuple(map(int, s.split("x"))) for s in steps]
+    old = getattr(sd.K, name)
+    built = []  # per value: its runner (the graphs' memory) and its graphs, one a step
+    try:
+        for v in values:
+            setattr(sd.K, name, v)
+            runner = sd.ModelRunner(model, None, max(8, *(B for B, _ in steps)), ctx + 64, torch.bfloat16,
+                                    torch.device("cuda"))
+            with torch.inference_mode():
+                built.append((runner, [bench.target_graph(runner, B, T, ctx) for B, T in steps]))
+    finally:
+        setattr(sd.K, name, old)
+    for r in range(rounds):
+        for v, (_, graphs) in zip(values, built):
+            ms = [bench.replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None),
+                                  iters=100) for g in graphs]
+            print(f"round {r} {name}={v!r}: " + "  ".join(f"B={B} T={T} {t:.3f} ms" for (B, T), t in zip(steps, ms)),
+                  flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--random-weights", default="27b", choices=list(bench.PRESETS))
@@ -165,6 +194,9 @@ def main():
     ap.add_argument("-q", "--quantization", default=None, choices=["fp8"], help="the weights in FP8, as bench.py -q")
     ap.add_argument("--no-pdl", action="store_true",
                     help="kernels without programmatic dependent launch: each kernel's time in --kernels is its own")
+    ap.add_argument("--ab", default=None, metavar="NAME=V1,V2",
+                    help="time --steps under each value of the kernels.py switch NAME, interleaved (an A/B)")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds over the values")
     ap.add_argument("--draft-lm", type=int, nargs="*", default=None, metavar="B",
                     help="only draft_model's propose step (Qwen3-0.6B shapes) at these batch sizes")
     a = ap.parse_args()
@@ -178,6 +210,8 @@ def main():
     print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "
           f"{bench.gemm_floor(ws, 1):.2f} ms; fused weights as the engine runs them "
           f"{bench.gemm_floor(step_weights(model), 1):.2f} ms", flush=True)
+    if a.ab:
+        return ab(model, a.steps, a.ctx, a.ab, a.rounds)
     runner = sd.ModelRunner(model, None, 8, a.ctx + 64, torch.bfloat16, torch.device("cuda"))
     with torch.inference_mode():
         for s in a.steps:

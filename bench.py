@@ -1141,6 +1141,11 @@ def target_graph(runner, B, T, pos, seed=0):
     return runner.graphs.run(mode, fn, inputs, then)
 
 
+def step_ms(g, iters=20):
+    """Median ms of one target step's replay: a target_graph record's graph and, after a verify, its commit's."""
+    return replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None), iters)
+
+
 def step_experts(runner, B, T, pos, seed=0):
     """Distinct routed experts per MoE layer of the step target_graph(runner, B, T, pos, seed) runs (expert_counts
     over an eager forward of the same ids); None for a dense model."""
@@ -1162,7 +1167,7 @@ def verify_costs(model, Ts, device, dtype):
     out = {}
     for T in Ts:
         g = target_graph(runner, 1, T, 0)
-        ms = replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
+        ms = step_ms(g)
         out[T] = (ms, step_experts(runner, 1, T, 0))
     del runner
     return out

@@ -4837,7 +4837,6 @@ def test_kernel_moe_experts_then_norm(dtype, N, monkeypatch):
         monkeypatch.setattr(K, "USE_TRITON", False)                                # the reference path
         n2, out2 = K.moe_experts(x, w, idx, gate_up, down, *args, then=(nw, 1e-6))
         assert torch.equal(n2, K.rms_norm(out2, nw, 1e-6))
-        monkeypatch.setattr(K, "USE_TRITON", True)
 
 
 @needs_kernels

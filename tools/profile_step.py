@@ -178,8 +178,7 @@ def ab(model, steps, ctx, switch, rounds):
         setattr(sd.K, name, old)
     for r in range(rounds):
         for v, (_, graphs) in zip(values, built):
-            ms = [bench.replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None),
-                                  iters=100) for g in graphs]
+            ms = [bench.step_ms(g, iters=100) for g in graphs]
             print(f"round {r} {name}={v!r}: " + "  ".join(f"B={B} T={T} {t:.3f} ms" for (B, T), t in zip(steps, ms)),
                   flush=True)
 
@@ -217,7 +216,7 @@ def main():
         for s in a.steps:
             B, T = map(int, s.split("x"))
             g = bench.target_graph(runner, B, T, a.ctx)
-            ms = bench.replay_ms(lambda: (g.graph.replay(), g.then.replay() if g.then is not None else None))
+            ms = bench.step_ms(g)
             e = bench.step_experts(runner, B, T, a.ctx)
             print(f"step B={B} T={T}: {ms:.3f} ms (graph replay)" + (f", {e:.1f} experts a layer" if e else ""),
                   flush=True)

@@ -206,6 +206,16 @@ def build(path, method, device):
 
 
 _block_attention = sd.block_attention
+def opt_step(opt, net, loss, lr):
+    """One optimiser step of net on loss at learning rate lr (gradients clipped to norm 1)."""
+    for pg in opt.param_groups:
+        pg["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+
+
 _attention = K.attention
 
 
@@ -401,33 +411,18 @@ def main(argv=None):
         anchors = torch.randint(lo, L - BLOCK - 1, (B, a.anchors), generator=g).to(dev)
         row = {"step": step}
         for m, (net, c, _, _) in nets.items():
-            for pg in opts[m].param_groups:
-                pg["lr"] = lr
             loss, acc = block_loss(net, c, m, target, ids, feats, anchors, mask_id)
-            opts[m].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opts[m].step()
+            opt_step(opts[m], net, loss, lr)
             row[m] = round(loss.item(), 3)
             row[m + "-acc"] = [round(x, 2) for x in acc.tolist()]
         if lm is not None:  # the draft LM: the target's next tokens from the tokens alone
-            for pg in opts["draft"].param_groups:
-                pg["lr"] = lr
             loss, acc = lm_loss(lm[0], lm[1], ids, max(lo, 1))
-            opts["draft"].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(lm[0].parameters(), 1.0)
-            opts["draft"].step()
+            opt_step(opts["draft"], lm[0], loss, lr)
             row["draft"], row["draft-acc"] = round(loss.item(), 3), round(acc.item(), 3)
         if mtp is not None:  # the target's MTP head, chained a.mtp_depth steps
-            for pg in opts["mtp"].param_groups:
-                pg["lr"] = lr * a.mtp_lr / a.lr
             at = torch.randint(max(lo - 2, 0), L - a.mtp_depth - 1, (B, a.anchors), generator=g).to(dev)
             loss, acc = mtp_loss(mtp, target, tcfg, st, h, ids, lo, at, a.mtp_depth)
-            opts["mtp"].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
-            opts["mtp"].step()
+            opt_step(opts["mtp"], mtp, loss, lr * a.mtp_lr / a.lr)
             row["mtp"], row["mtp-acc"] = round(loss.item(), 3), [round(x.item(), 3) for x in acc]
         if step % 20 == 0:
             print(f"[train] {row}", flush=True)

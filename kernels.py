@@ -2144,8 +2144,10 @@ def _attention_combine_kernel(p_part, p_ml, p_o, p_pos, T, NH, NSPLIT, CHUNK: tl
 ATTN_CHUNK = 128  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many (512 before
                   # session 17: at short contexts one program per KV head read nearly all keys in one loop; the
                   # 27B FP8 step at context 512, H200, no PDL: attention 414 -> 135 us, the step 9.224 -> 8.958 ms)
-DRAFT_ATTN_CHUNK = 128  # the drafters' layers: few KV heads at short contexts, so a 512-key piece is one
-                        # program's long serial loop; 128-key pieces spread it (draft_model: 5.5 -> 4.6 ms)
+DRAFT_ATTN_CHUNK = 64  # the drafters' layers: few KV heads at short contexts, so a 512-key piece is one
+                       # program's long serial loop; 128-key pieces spread it (draft_model: 5.5 -> 4.6 ms), 64-key
+                       # pieces (one key tile each) more (session 24, H200, 3 interleaved rounds: draft_model's
+                       # propose graph 3.35 -> 3.22 ms at batch 1, 5.59 -> 5.18 at batch 8; 32: 3.32 / 5.27)
 ATTN_PROGRAMS = 64  # BATCH_INVARIANT: at most this many programs (>= 2) along a row's keys, program i taking
                    # pieces i, i + 64, ...: a graph's kv_len is the cache length (max_model_len), and a grid and
                    # a combine of one piece each made every step pay for the whole cache (131072 positions: 1024
@@ -2491,7 +2493,7 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
     idx, w = idx.contiguous(), w.float().contiguous()
     out = _empty(x.shape, x.dtype, x.device)
     nrm = out if norm is None else _empty(x.shape, x.dtype, x.device)               # the next RMSNorm's output
-    nw, eps = (out, 0.0) if norm is None else norm
+    nw, eps = (out, 0.0) if norm is None else norm                                 # (unused without a norm)
     dot = _dot_dtype(x)
     prec = "ieee" if dot == tl.float32 else "tf32"
     pdl = _pdl(x)
@@ -2503,13 +2505,15 @@ def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None,
         # decode and verify: grid over pairs, GEMV-style tiles (measured, 35B: see the note above); with
         # BATCH_INVARIANT every decode / verify step (each pair's products do not depend on the other pairs)
         if P <= E or (BATCH_INVARIANT and e_ - s <= INVARIANT_ROWS):
-            (gBI, gBH, gw, gs_), (dBO, dBI, dw, ds_) = MOE_PAIR_TILES[scaled]
+            (gBI, gBH, g_warps, g_stages), (dBO, dBI, d_warps, d_stages) = MOE_PAIR_TILES[scaled]
             _moe_gate_up_pair_kernel[(P, _cdiv(I, gBI))](
                 xs, ids, gate_up, gs, h, H, I, xs.stride(0), gate_up.stride(0), gate_up.stride(1), gss, IB, HB,
-                TOPK=k, BI=gBI, BH=min(gBH, _p2(H)), SCALED=scaled, num_warps=gw, num_stages=gs_)
+                TOPK=k, BI=gBI, BH=min(gBH, _p2(H)), SCALED=scaled, num_warps=g_warps,
+                num_stages=g_stages)
             _moe_down_pair_kernel[(P, _cdiv(H, dBO))](
                 h, ids, ws, down, ds, y, H, I, down.stride(0), down.stride(1), dss, IB,
-                BO=dBO, BI=min(dBI, _p2(I)), SCALED=scaled, num_warps=dw, num_stages=ds_)
+                BO=dBO, BI=min(dBI, _p2(I)), SCALED=scaled, num_warps=d_warps,
+                num_stages=d_stages)
         else:  # many pairs: grid over experts, each expert's weights read once for all its pairs (tl.dot)
             order = _empty((P,), torch.int32, x.device)                     # pairs, grouped by expert
             off = _empty((E + 1,), torch.int32, x.device)                   # expert e: order[off[e]:off[e+1]]

@@ -105,7 +105,7 @@ def _sm_count(device):
     return _SM_COUNT[device]
 
 
-DRAFTING = False  # inside drafting(): small linears through _linear_small
+DRAFTING = False  # inside drafting(): small linears through _linear_small, the others' GEMV with PRE (GEMV_PREFETCH)
 _PDL_DEVICES = {}
 
 
@@ -429,6 +429,12 @@ def fp8_dequantize(q, scale, dtype):
 # (the MLP's skip connection) the last kernel adds it before its one rounding: y = r + x @ w^T.
 
 GEMV_ALWAYS = False  # tests: take the Triton GEMV for every eligible shape (the interpreter: any M <= 32)
+GEMV_PREFETCH = True  # inside drafting(): _gemv_kernel's PRE, its first weight tile loaded before the PDL wait
+# for the kernel before. Measured on the H200 (session 25, one device call, A/B rounds interleaved; BENCHMARKS.md):
+# draft_model's propose graph (Qwen3-0.6B shapes, k = 4) 3.21 / 4.15 / 5.05 / 5.12 -> 3.21 / 4.10 / 4.87 / 4.98 ms
+# at batch 1 / 2 / 4 / 8; the 27B's target steps slower with it (13.99 -> 14.51 ms at batch 1, 15.28 -> 15.67 at
+# batch 8: a big GEMV's programs, started early, crowd the kernel before them), the 35B-A3B's level (2.80 ms):
+# so a drafter's step only
 
 # Batch invariance (the default). Speculation is lossless only if a verify row (T = k+1) computes exactly what
 # the same token's decode row (T = 1) would, and concurrency changes no token only if a row's result does not
@@ -560,14 +566,29 @@ def _gemv_config(M, N, K, cuda, dtype):
 
 
 @_jit
+def _gemv_tile(p_x, b_acc, b_acc1, b_w, o_m, o_k, m_k, M, s_x, BM: tl.constexpr, DOT: tl.constexpr,
+               PREC: tl.constexpr):
+    # one K tile of _gemv_kernel: its products added to the running sums (b_acc1: M == 1, elementwise)
+    if BM == 1:
+        b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_acc1 += b_w.to(tl.float32) * b_x[None, :]
+    else:
+        b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :], other=0.0)
+        b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
+    return b_acc, b_acc1
+
+
+@_jit
 def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
+                 SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
+                 PRE: tl.constexpr):
     # program (row tile, N block, K split): y[row tile, N block] (SPLIT == 1) or
     # part[split, row tile, N block] (SPLIT > 1) = x[row tile, K slice] @ w[N block, K slice]^T, K slice =
     # columns k0 .. k0 + BK - 1 for k0 = split * BK, (split + SPLIT) * BK, ... in fp32. Row tiles are the
     # fastest grid axis: the programs that read one weight tile run side by side (the repeats come from L2).
-    # PDL: see _pdl.
-    _pdl_sync(PDL)
+    # PDL: see _pdl. PRE: the first K tile taken before the loop, its weights loaded before the PDL wait (weights
+    # are never written inside a step), so that they stream while the kernel before finishes; the same products
+    # in the same order as without it, so the same bits
     i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_bn = tl.arange(0, BN)
     o_n = i_n * BN + o_bn
@@ -576,17 +597,24 @@ def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.cons
     p_wb = p_w + (i_n * BN).to(tl.int64) * K + o_bn[:, None] * K                       # [BN, 1] weight rows
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
     b_acc1 = tl.zeros([BN, BK], dtype=tl.float32)  # M == 1: products, summed over BK only after the loop
-    for k0 in range(i_k * BK, K, BK * SPLIT):
+    k_first = i_k * BK
+    if PRE:
+        if PDL:
+            gdc_launch_dependents()
+        o_k = k_first + tl.arange(0, BK)
+        m_k = o_k < K
+        b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        if PDL:
+            gdc_wait()
+        b_acc, b_acc1 = _gemv_tile(p_x, b_acc, b_acc1, b_w, o_m, o_k, m_k, M, s_x, BM, DOT, PREC)
+        k_first += BK * SPLIT
+    else:
+        _pdl_sync(PDL)
+    for k0 in range(k_first, K, BK * SPLIT):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
-        if BM == 1:
-            b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_acc1 += b_w.to(tl.float32) * b_x[None, :]
-        else:
-            b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=(o_m < M)[:, None] & m_k[None, :],
-                          other=0.0)
-            b_acc += tl.dot(b_x.to(DOT), tl.trans(b_w.to(DOT)), input_precision=PREC)
+        b_acc, b_acc1 = _gemv_tile(p_x, b_acc, b_acc1, b_w, o_m, o_k, m_k, M, s_x, BM, DOT, PREC)
     if BM == 1:
         b_acc = tl.sum(b_acc1, 1)[None, :]
     m_y = (o_m < M)[:, None] & m_n[None, :]
@@ -703,7 +731,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
         out = y if SPLIT == 1 else _empty((SPLIT, M, N), torch.float32, x.device)
         _gemv_kernel[grid](xr, w, out, r, M, N, K, xr.stride(0), BM=BM, BN=BN, BK=BK, SPLIT=SPLIT, DOT=dot,
                            PREC="ieee" if dot == tl.float32 else "tf32", RES=residual is not None and SPLIT == 1,
-                           PDL=pdl, num_stages=stages, num_warps=warps, **_launch(pdl))
+                           PDL=pdl, PRE=GEMV_PREFETCH and DRAFTING, num_stages=stages, num_warps=warps, **_launch(pdl))
     if SPLIT == 1:
         return apply_then(y, then)
     if then == "swiglu" and residual is None:  # (the partials hold [gate | up] rows: N = 2I)

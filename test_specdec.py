@@ -6195,6 +6195,29 @@ def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
         K.GEMV_ALWAYS = old
 
 
+@needs_kernels
+@pytest.mark.parametrize("N,Kin", [(70, 48), (24, 1024)])                         # one K tile; tall: split-K
+def test_kernel_gemv_prefetch(N, Kin, monkeypatch):
+    """_gemv_kernel's PRE (GEMV_PREFETCH inside drafting(): its first K tile before the loop, on the GPU loaded
+    before the PDL wait) adds the same products in the same order as the plain loop: the same bits at every row tile (M = 1,
+    16, 17 rows), with and without the skip connection and a K split, bf16 and fp32, the row-invariant tiles
+    and the GEMV's own."""
+    g = gen(N + Kin)
+    for dt in DTYPES:
+        w = randn(N, Kin, g=g, dtype=dt, scale=Kin ** -0.5)
+        for M in (1, 16, 17):
+            x, r = randn(M, Kin, g=g, dtype=dt), randn(M, N, g=g, dtype=dt)
+            for cfg in ("rows", (16, 32, 4 if Kin >= 3 * N else 1, 1, 4)):
+                outs = []
+                for pre in (False, True):
+                    monkeypatch.setattr(K, "GEMV_PREFETCH", pre)
+                    with K.drafting():                                           # (PRE: a drafter's step only)
+                        outs.append([fast(K._gemv_launch, x, w, cfg, res) for res in (None, r)])
+                assert all(torch.equal(a, b) for a, b in zip(*outs)), (dt, M, cfg)
+                assert rel(outs[1][1], r.float() + x.float() @ w.float().t()) <= TOL[dt]
+    assert (K._rows_config(N, Kin, w.device)[2] > 1) == (Kin >= 3 * N)             # the tall weight's K is split
+
+
 def attention_rows_case(nh, nkv, d, dtype, pos=300, L=1500, seed=0, chunk=None):
     """The attention of one query row at position pos: alone (T = 1) with kv_len pos + 1 and the cache length L, as
     token 0 of a T = 4 verify, and as row 3 / 7 of batches of 5 / 8 sequences at other positions (key pieces of

@@ -15,13 +15,17 @@
              with kernels.NAME set to each value in turn (a fresh ModelRunner each, its graphs captured under it),
              the values' rows interleaved over --rounds rounds, e.g. --ab MOE_SUM_NORM=False,True.
 --draft-lm B [B ...]: instead, draft_model's propose step (k = 4, a random Qwen3-0.6B-shaped draft LM): graph
-             replay time and an eager step's kernels, at these batch sizes.
+             replay time and an eager step's kernels, at these batch sizes; with --ab, the graph's time under each
+             value (captured afresh for each, interleaved over --rounds rounds) and each value's median, e.g.
+             --draft-lm 1 2 4 8 --ab GEMV_PREFETCH=False,True.
 Not part of the engine: a measuring tool for deciding which kernels to write next.
 """
 import argparse
 import ast
 import collections
+import contextlib
 import os
+import statistics
 import sys
 
 import torch
@@ -133,10 +137,12 @@ def kernel_table(fn, title, reps=1, top=25):
         print(f"{us:9.1f} us {100 * us / total:5.1f}% {n // reps:5d}x  {name[:110]}")
 
 
-def draft_lm(batches, target="27b", k=4, ctx=512):
+def draft_lm(batches, target="27b", k=4, ctx=512, switch=None, rounds=3):
     """draft_model's propose step (a random Qwen3-0.6B-shaped draft, bench.random_draft_lm, with the target's
     vocabulary; no target loaded): its CUDA graph's replay time, then one eager step's kernels (with PDL,
-    kernels._pdl, a kernel's time includes its wait for the one before)."""
+    kernels._pdl, a kernel's time includes its wait for the one before). switch ("NAME=V1,V2", --ab): instead,
+    the graph's time under each value of that kernels.py switch, captured afresh for each, the values
+    interleaved over rounds, and each value's median."""
     import types
     dev = torch.device("cuda")
     path = bench.random_draft_lm("/tmp/profile-draft-lm", target)
@@ -150,32 +156,56 @@ def draft_lm(batches, target="27b", k=4, ctx=512):
             ids = torch.randint(0, 1000, (1, ctx), device=dev)
             pr.model(ids, sd.Ctx(pr.state, torch.tensor([s], device=dev), torch.zeros(1, dtype=torch.long,
                                                                                       device=dev), ctx, "prefill"))
-        for B in batches:
-            slots, start = torch.arange(B, device=dev), torch.full((B,), ctx, device=dev)
-            ids = torch.randint(0, 1000, (B, pr.width), device=dev)  # the first pass's tokens, as propose
-            n = torch.full((B,), pr.width, device=dev)
-            run = lambda: pr._draft(pr.state.max_len, slots, start, ids, n)  # noqa: E731  (a graph's kv_len)
-            print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)", flush=True)
-            kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)
+        name, values = parse_switch(switch) if switch else (None, [None])
+        times = {}  # (B, value) -> ms per round
+        for r in range(rounds if switch else 1):
+            for B in batches:
+                slots, start = torch.arange(B, device=dev), torch.full((B,), ctx, device=dev)
+                ids = torch.randint(0, 1000, (B, pr.width), device=dev)  # the first pass's tokens, as propose
+                n = torch.full((B,), pr.width, device=dev)
+                run = lambda: pr._draft(pr.state.max_len, slots, start, ids, n)  # noqa: E731  (a graph's kv_len)
+                if not switch:
+                    print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)",
+                          flush=True)
+                    kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)
+                    continue
+                for v in values:
+                    with kernels_switch(name, v):
+                        times.setdefault((B, v), []).append(bench.graph_ms(run, iters=50))
+                    print(f"round {r} batch {B} {name}={v!r}: {times[B, v][-1]:.3f} ms", flush=True)
+        for (B, v), ts in times.items():
+            print(f"draft_model propose, batch {B}, k={k}, {name}={v!r}: {statistics.median(ts):.3f} ms (graph "
+                  f"replay, median of {len(ts)})")
+
+
+def parse_switch(switch):
+    """"NAME=V1,V2" -> (NAME, [V1, V2]): a kernels.py switch and its values (Python literals)."""
+    name, values = switch.split("=", 1)
+    assert hasattr(sd.K, name), f"kernels.py has no {name}"
+    return name, [ast.literal_eval(v) for v in values.split(",")]
+
+
+@contextlib.contextmanager
+def kernels_switch(name, value):
+    """kernels.NAME set to value inside the block, restored after."""
+    old = getattr(sd.K, name)
+    setattr(sd.K, name, value)
+    try:
+        yield
+    finally:
+        setattr(sd.K, name, old)
 
 
 def ab(model, steps, ctx, switch, rounds):
     """--ab: the captured steps under each value of a kernels.py switch, the values' rows interleaved by round."""
-    name, values = switch.split("=", 1)
-    values = [ast.literal_eval(v) for v in values.split(",")]
-    assert hasattr(sd.K, name), f"kernels.py has no {name}"
+    name, values = parse_switch(switch)
     steps = [tuple(map(int, s.split("x"))) for s in steps]
-    old = getattr(sd.K, name)
     built = []  # per value: its runner (the graphs' memory) and its graphs, one a step
-    try:
-        for v in values:
-            setattr(sd.K, name, v)
+    for v in values:
+        with kernels_switch(name, v), torch.inference_mode():
             runner = sd.ModelRunner(model, None, max(8, *(B for B, _ in steps)), ctx + 64, torch.bfloat16,
                                     torch.device("cuda"))
-            with torch.inference_mode():
-                built.append((runner, [bench.target_graph(runner, B, T, ctx) for B, T in steps]))
-    finally:
-        setattr(sd.K, name, old)
+            built.append((runner, [bench.target_graph(runner, B, T, ctx) for B, T in steps]))
     for r in range(rounds):
         for v, (_, graphs) in zip(values, built):
             ms = [bench.step_ms(g, iters=100) for g in graphs]
@@ -194,7 +224,8 @@ def main():
     ap.add_argument("--no-pdl", action="store_true",
                     help="kernels without programmatic dependent launch: each kernel's time in --kernels is its own")
     ap.add_argument("--ab", default=None, metavar="NAME=V1,V2",
-                    help="time --steps under each value of the kernels.py switch NAME, interleaved (an A/B)")
+                    help="time --steps (or --draft-lm's propose graph) under each value of the kernels.py "
+                    "switch NAME, interleaved (an A/B)")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds over the values")
     ap.add_argument("--draft-lm", type=int, nargs="*", default=None, metavar="B",
                     help="only draft_model's propose step (Qwen3-0.6B shapes) at these batch sizes")
@@ -203,7 +234,7 @@ def main():
     if a.no_pdl:
         sd.K._PDL_DEVICES[torch.device("cuda", torch.cuda.current_device())] = False
     if a.draft_lm:
-        return draft_lm(a.draft_lm, a.random_weights)
+        return draft_lm(a.draft_lm, a.random_weights, switch=a.ab, rounds=a.rounds)
     model, cfg = bench.random_model(a.random_weights, torch.bfloat16, torch.device("cuda"), quantization=a.quantization)
     ws = bench.linear_weights(model, cfg.num_experts_per_tok)
     print(f"# {a.random_weights}: GEMM floor (per-projection weights, as bench.py) M=1 "

@@ -6199,9 +6199,9 @@ def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
 @pytest.mark.parametrize("N,Kin", [(70, 48), (24, 1024)])                         # one K tile; tall: split-K
 def test_kernel_gemv_prefetch(N, Kin, monkeypatch):
     """_gemv_kernel's PRE (GEMV_PREFETCH inside drafting(): its first K tile before the loop, on the GPU loaded
-    before the PDL wait) adds the same products in the same order as the plain loop: the same bits at every row tile (M = 1,
-    16, 17 rows), with and without the skip connection and a K split, bf16 and fp32, the row-invariant tiles
-    and the GEMV's own."""
+    before the PDL wait) adds the same products in the same order as the plain loop: the same bits at every row
+    tile (M = 1, 16, 17 rows), with and without the skip connection and a K split, bf16 and fp32, the
+    row-invariant tiles and the GEMV's own."""
     g = gen(N + Kin)
     for dt in DTYPES:
         w = randn(N, Kin, g=g, dtype=dt, scale=Kin ** -0.5)

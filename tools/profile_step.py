@@ -24,6 +24,7 @@ import argparse
 import ast
 import collections
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -156,26 +157,29 @@ def draft_lm(batches, target="27b", k=4, ctx=512, switch=None, rounds=3):
             ids = torch.randint(0, 1000, (1, ctx), device=dev)
             pr.model(ids, sd.Ctx(pr.state, torch.tensor([s], device=dev), torch.zeros(1, dtype=torch.long,
                                                                                       device=dev), ctx, "prefill"))
-        name, values = parse_switch(switch) if switch else (None, [None])
-        times = {}  # (B, value) -> ms per round
-        for r in range(rounds if switch else 1):
-            for B in batches:
-                slots, start = torch.arange(B, device=dev), torch.full((B,), ctx, device=dev)
-                ids = torch.randint(0, 1000, (B, pr.width), device=dev)  # the first pass's tokens, as propose
-                n = torch.full((B,), pr.width, device=dev)
-                run = lambda: pr._draft(pr.state.max_len, slots, start, ids, n)  # noqa: E731  (a graph's kv_len)
-                if not switch:
-                    print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)",
-                          flush=True)
-                    kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)
-                    continue
+        runs = {}  # batch size -> the propose step over its first pass's tokens (as propose), a graph's kv_len
+        for B in batches:
+            slots, start = torch.arange(B, device=dev), torch.full((B,), ctx, device=dev)
+            ids = torch.randint(0, 1000, (B, pr.width), device=dev)
+            runs[B] = functools.partial(pr._draft, pr.state.max_len, slots, start, ids,
+                                        torch.full((B,), pr.width, device=dev))
+        if not switch:
+            for B, run in runs.items():
+                print(f"draft_model propose, batch {B}, k={k}: {bench.graph_ms(run):.3f} ms (graph replay)",
+                      flush=True)
+                kernel_table(run, f"kernels of one eager propose, batch {B}", top=10)
+            return
+        name, values = parse_switch(switch)
+        times = collections.defaultdict(list)  # (B, value) -> ms per round
+        for r in range(rounds):
+            for B, run in runs.items():
                 for v in values:
                     with kernels_switch(name, v):
-                        times.setdefault((B, v), []).append(bench.graph_ms(run, iters=50))
+                        times[B, v].append(bench.graph_ms(run, iters=50))
                     print(f"round {r} batch {B} {name}={v!r}: {times[B, v][-1]:.3f} ms", flush=True)
-        for (B, v), ts in times.items():
-            print(f"draft_model propose, batch {B}, k={k}, {name}={v!r}: {statistics.median(ts):.3f} ms (graph "
-                  f"replay, median of {len(ts)})")
+    for (B, v), ts in times.items():
+        print(f"draft_model propose, batch {B}, k={k}, {name}={v!r}: {statistics.median(ts):.3f} ms (graph replay, "
+              f"median of {len(ts)})")
 
 
 def parse_switch(switch):

@@ -566,6 +566,14 @@ def _gemv_config(M, N, K, cuda, dtype):
 
 
 @_jit
+def _gemv_w(p_wb, k0, K, m_n, BK: tl.constexpr):
+    # the weight tile [BN, BK] of _gemv_kernel's K tile at k0, its columns and their mask
+    o_k = k0 + tl.arange(0, BK)
+    m_k = o_k < K
+    return tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0), o_k, m_k
+
+
+@_jit
 def _gemv_tile(p_x, b_acc, b_acc1, b_w, o_m, o_k, m_k, M, s_x, BM: tl.constexpr, DOT: tl.constexpr,
                PREC: tl.constexpr):
     # one K tile of _gemv_kernel: its products added to the running sums (b_acc1: M == 1, elementwise)
@@ -601,9 +609,7 @@ def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.cons
     if PRE:
         if PDL:
             gdc_launch_dependents()
-        o_k = k_first + tl.arange(0, BK)
-        m_k = o_k < K
-        b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        b_w, o_k, m_k = _gemv_w(p_wb, k_first, K, m_n, BK)
         if PDL:
             gdc_wait()
         b_acc, b_acc1 = _gemv_tile(p_x, b_acc, b_acc1, b_w, o_m, o_k, m_k, M, s_x, BM, DOT, PREC)
@@ -611,9 +617,7 @@ def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.cons
     else:
         _pdl_sync(PDL)
     for k0 in range(k_first, K, BK * SPLIT):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        b_w = tl.load(p_wb + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        b_w, o_k, m_k = _gemv_w(p_wb, k0, K, m_n, BK)
         b_acc, b_acc1 = _gemv_tile(p_x, b_acc, b_acc1, b_w, o_m, o_k, m_k, M, s_x, BM, DOT, PREC)
     if BM == 1:
         b_acc = tl.sum(b_acc1, 1)[None, :]

@@ -464,7 +464,7 @@ class TimedProposer:
 
 
 def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager, seed=0, async_steps=None,
-              max_model_len=None):
+              max_model_len=None, draft_time=True):
     """B concurrent requests of random prompts; returns per-request timings and acceptance stats. For ngram the
     prompt is a random 64-token segment repeated, so that prompt lookup finds matches. max_model_len: the
     engine's (its caches' length, which its CUDA graphs' attention is sized for); None: just what the rows need."""
@@ -511,7 +511,7 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     n_out = sum(len(r.output_ids) for r in reqs)
     st = eng.stats
     draft_ms = None
-    if spec is not None:  # the drafter's time per step, in a separate short run: timing it syncs the device
+    if spec is not None and draft_time:  # the drafter's time per step, in a separate short run (it syncs the device)
         timed = eng.runner.proposer = TimedProposer(eng.runner.proposer, device)
         eng.runner.whole_steps = False  # steps by pieces: a step captured whole has no propose() to time
         for _ in range(2):  # the first round untimed: the pieces' graphs are captured, and kernels compiled, lazily
@@ -1210,6 +1210,8 @@ def main(argv=None):
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="asynchronous steps (default: on with CUDA graphs)")
     ap.add_argument("--no-floor", action="store_true", help="skip the GEMM-only floor")
+    ap.add_argument("--no-draft-time", action="store_true", help="skip the drafter's time per step (its own "
+                    "run of B prompts twice: at long prompts most of a row's time is their prefills)")
     ap.add_argument("--true-floor", action="store_true", help="MoE models: also the bytes a step reads (the "
                     "distinct experts of its actual routing, routed_experts) at the same run's copy rate; per token "
                     "for speculative rows (the target's step only, over the mean acceptance length)")
@@ -1308,7 +1310,8 @@ def main(argv=None):
             k = spec.num_speculative_tokens if spec else 0
             for B in a.batch:
                 r = run_batch(model, spec, B, P, a.gen_len, device, dtype, a.enforce_eager,
-                              async_steps=a.async_scheduling, max_model_len=a.max_model_len)
+                              async_steps=a.async_scheduling, max_model_len=a.max_model_len,
+                              draft_time=not a.no_draft_time)
                 gc.collect()  # the engine's caches (it holds reference cycles) before the next row's
                 torch.cuda.empty_cache() if device.type == "cuda" else None
                 r.update(batch=B, prompt_len=P, method=spec.method if spec else "off", k=k,

@@ -8,7 +8,8 @@
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
 #   bash tools/gpu_benchmarks.sh layouts              (published drafter layouts: DSpark in the speculators format
-#                                                      on the 35B-A3B, batch 1 and 8, with its draft time)
+#                                                      on the 35B-A3B and DFlash in z-lab's on the 27B, batch 1
+#                                                      and 8, with their draft time)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -70,7 +71,12 @@ layouts)  # issue 27: a random DSpark in the speculators format shaped like RedH
          # acceptance length as the DFlash / DSpark rows; "draft ms" is the drafter's time per step
   timeout 250 python3 bench.py --random-weights 35b-a3b --batch 1 8 --prompt-len 512 --gen-len 128 \
     --random-drafter /tmp/drafters-35b --drafter-layout speculators --speculative-config off \
-    --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":8,$SYN}" 2>&1 | tee $OUT/bench-35b-speculators.log | grep -v '^{' ;;
+    --speculative-config "{\"method\":\"dspark\",\"num_speculative_tokens\":8,$SYN}" 2>&1 | tee $OUT/bench-35b-speculators.log | grep -v '^{'
+  # and a random DFlash in z-lab's layout shaped like z-lab/Qwen3.6-27B-DFlash (4 sliding-window layers of 2048
+  # keys and 1 full, block 16), beside the 27B's off row
+  timeout 250 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 128 \
+    --random-drafter /tmp/drafters-27b --drafter-layout zlab --speculative-config off \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-27b-zlab.log | grep -v '^{' ;;
 targets)  # the rows the GPU and drafter issues set targets on, with 256 tokens per request (less acceptance noise)
   timeout 400 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 512 --gen-len 256 \
     --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \
@@ -93,7 +99,8 @@ mtp)  # fine-tune the toy's MTP head chained (tools/train_drafters.py --train mt
 sweep)  # TPOT against prompt length, batch 1: speculation off, MTP k=1 / 3 and DFlash (27B); 131072 apart (its
         # prefill alone takes a while, and a failure there keeps the shorter rows)
   for L in "512 2048 8192 32768" 131072; do
-    timeout 400 python3 bench.py --random-weights 27b --batch 1 --prompt-len $L --gen-len 32 --no-floor \
+    d=(); [ "$L" = 131072 ] && d=(--no-draft-time)  # (each 131072-token prefill takes ~38 s: two a row, not four)
+    timeout 400 python3 bench.py --random-weights 27b --batch 1 --prompt-len $L --gen-len 32 --no-floor "${d[@]}" \
       --random-drafter /tmp/drafters-27b --speculative-config off \
       --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
       --speculative-config "{$MTP,\"num_speculative_tokens\":3,\"synthetic_acceptance_rates\":[0.85,0.82,0.82]}" \

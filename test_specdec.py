@@ -467,6 +467,44 @@ def test_prompt_logprobs_equal_a_whole_forward(tiny):
                for x in range(0, 1024, 97))
 
 
+def test_logprob_rows_against_a_sorted_reference():
+    g = torch.Generator().manual_seed(28)
+    T, V = 4, 9
+    logits = torch.randn(T, V, generator=g) * 2
+    lp = logits.double().log_softmax(-1)
+    order = lp.argsort(-1, descending=True).tolist()
+    toks = [order[0][0], order[1][1], order[2][5], order[3][8]]                # 1st, 2nd, 6th and last
+    for n_top in (2, 0, -1):
+        m = V if n_top == -1 else n_top
+        for t, row in enumerate(sd.logprob_rows(logits, toks, n_top)):
+            want = [(order[t][r], r + 1) for r in range(m)]
+            if toks[t] not in order[t][:m]:
+                want.append((toks[t], order[t].index(toks[t]) + 1))
+            assert [(i, r) for i, _, r in row] == want, (n_top, t)
+            assert all(abs(v - float(lp[t, i])) < 1e-5 for i, v, _ in row)
+
+
+class OneDevice(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails every op whose tensor arguments (0-dim ones aside: Python scalars) are on more than one device, which
+    CUDA refuses and the meta device does not always; a meta tensor read back to the host (.tolist()) reads as
+    zeros, so a host-side loop runs on."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        devices = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+        assert len(devices) <= 1, f"{func} mixes {devices}"
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device") == torch.device("cpu"):
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+def test_logprob_rows_stays_on_the_logits_device():
+    meta = torch.device("meta")
+    with OneDevice():
+        rows = sd.logprob_rows(torch.randn(3, 10, device=meta), [4, 5, 6], 2)
+    assert len(rows) == 3
+
+
 def test_truncate_prompt_tokens(tiny):
     """truncate_prompt_tokens keeps the prompt's last N tokens (-1: max_model_len of them), as vLLM: the
     output equals generating from those tokens alone; vLLM's messages for bad values and N > max_model_len."""
@@ -1168,6 +1206,89 @@ def test_logits_processors_per_position_match_hand_reference():
     assert torch.equal(got[4], logits[4])
 
 
+def processor_rows(rows):
+    """(params, prompt, output, bad words' ids) per row -> the row objects process_logits reads."""
+    return [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw) for p, pr, out, bw in rows]
+
+
+def assert_processed_as_reference(got, logits, rows, drafts, stop_ids):
+    for b, (p, prompt, out, bw) in enumerate(rows):
+        for i in range(logits.shape[1]):
+            history = out + [t for t in drafts[b][:i] if t >= 0]
+            want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
+            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6, msg=f"row {b} pos {i}")
+
+
+def test_bad_words_of_three_and_four_tokens_per_position():
+    g = torch.Generator().manual_seed(21)
+    V, k = 10, 3
+    words = [[1, 2, 3], [4, 5, 6, 7]]
+    SP = SamplingParams
+    rows = [(SP(bad_words=["x"]), [0], [8, 1], words),     # d1 = 2 completes 1 2: position 1 bans 3
+            (SP(bad_words=["x"]), [0], [4], words),        # d1 d2 = 5 6 complete 4 5 6: position 2 bans 7
+            (SP(bad_words=["x"]), [0], [1, 2], words)]     # position 0 bans 3; d2 d3 = 1 2: position 3 too
+    drafts = [[2, 9, 9], [5, 6, 0], [0, 1, 2]]
+    logits = torch.randn(len(rows), k + 1, V, generator=g) * 3
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [9], h2d)
+    assert_processed_as_reference(got, logits, rows, drafts, [9])
+    banned = {(b, i, t) for b in range(3) for i in range(k + 1) for t in range(V) if got[b, i, t] == float("-inf")}
+    assert banned == {(0, 1, 3), (1, 2, 7), (2, 0, 3), (2, 3, 3)}
+
+
+def test_penalties_count_the_draft_in_a_one_draft_verify():
+    g = torch.Generator().manual_seed(22)
+    V = 8
+    p = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
+    rows = [(p, [0], [1, 1], []), (p, [0], [2], [])]
+    drafts = [[3], [2]]                                  # a new token; the output's token again
+    logits = torch.randn(2, 2, V, generator=g) * 2
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], h2d)
+    assert_processed_as_reference(got, logits, rows, drafts, [7])
+
+
+def test_allowed_token_ids_on_every_row():
+    g = torch.Generator().manual_seed(23)
+    V = 9
+    SP = SamplingParams
+    rows = [(SP(allowed_token_ids=[1, 4]), [0], [], []), (SP(allowed_token_ids=[0, 2, 3]), [0], [5], [])]
+    logits = torch.randn(2, 1, V, generator=g)
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    got = sd.process_logits(logits, None, processor_rows(rows), [8], h2d)
+    assert_processed_as_reference(got, logits, rows, [[], []], [8])
+    as_bools = [(SP(allowed_token_ids=[False, True]), [0], [], [])]  # ids pass the check as ints (bool is one)
+    as_ints = [(SP(allowed_token_ids=[0, 1]), [0], [], [])]
+    assert torch.equal(sd.process_logits(logits[:1], None, processor_rows(as_bools), [], h2d),
+                       sd.process_logits(logits[:1], None, processor_rows(as_ints), [], h2d))
+
+
+def test_integer_penalties_of_any_size_act_as_their_values():
+    g = torch.Generator().manual_seed(24)
+    V, k = 8, 2
+    rows = [(SamplingParams(repetition_penalty=2 ** 70, frequency_penalty=1, presence_penalty=-2), [1], [2, 2], [])]
+    drafts = [[3, 2]]
+    logits = torch.randn(1, k + 1, V, generator=g) * 2
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], h2d)
+    assert_processed_as_reference(got, logits, rows, drafts, [7])
+
+
+def test_logits_processors_stay_on_the_logits_device():
+    meta = torch.device("meta")
+    B, k, V = 2, 2, 11
+    SP = SamplingParams
+    rows = processor_rows([(SP(logit_bias={3: 1.0}, allowed_token_ids=[1, 3, 5], min_tokens=4,
+                               repetition_penalty=1.3, presence_penalty=0.5), [1, 2], [3], [[6]]),
+                           (SP(frequency_penalty=0.7, bad_words=["x"]), [4], [5, 5], [[0, 7]])])
+    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype, device=meta)
+    masks = torch.ones(B, k + 1, V, dtype=torch.bool, device=meta)
+    for T, drafts in ((k + 1, torch.zeros(B, k, dtype=torch.long, device=meta)), (1, None)):
+        with OneDevice():
+            x = sd.process_logits(torch.randn(B, T, V, device=meta), drafts, rows, [9], h2d, masks[:, :T])
+        assert x.device == meta and x.shape == (B, T, V)
+
+
 def test_min_p_and_top_k_zero_filters():
     """target_probs' min_p drops the tokens below min_p x the top probability (after temperature), then top-k
     and top-p apply (vLLM's order); top_k 0 keeps every token, as -1 does."""
@@ -1187,6 +1308,63 @@ def test_min_p_and_top_k_zero_filters():
         torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)
     off = sd.target_probs(logits, temp, torch.zeros(4, dtype=torch.long), torch.ones(4))
     torch.testing.assert_close(off, sd.target_probs(logits, temp, torch.full((4,), -1), torch.ones(4)))
+
+
+def test_top_k_one_keeps_only_the_argmax():
+    g = torch.Generator().manual_seed(25)
+    logits = torch.randn(3, 9, generator=g)
+    want = F.one_hot(logits.argmax(-1), 9).float()
+    for filtered in (None, True):
+        got = sd.target_probs(logits, torch.ones(3), torch.ones(3, dtype=torch.long), torch.ones(3), filtered)
+        assert torch.equal(got, want), filtered
+
+
+def test_top_k_off_and_top_p_one_keep_every_token():
+    g = torch.Generator().manual_seed(26)
+    N, V = 64, 1000
+    logits = torch.randn(N, V, generator=g) * 3
+    for top_k in (0, -1):
+        got = sd.target_probs(logits, torch.ones(N), torch.full((N,), top_k), torch.ones(N))
+        assert bool((got > 0).all()), top_k
+        torch.testing.assert_close(got.double(), logits.double().softmax(-1), rtol=1e-5, atol=0)
+
+
+def test_temperature_at_the_greedy_bound_is_sampled_at_it():
+    logits = torch.tensor([[0.0, 1e-5, 2e-5, 3e-5, -1e-5]])
+    got = sd.target_probs(logits, torch.tensor([1e-5]), torch.zeros(1, dtype=torch.long), torch.ones(1))
+    torch.testing.assert_close(got.double(), (logits.double() / 1e-5).softmax(-1), rtol=1e-5, atol=1e-7)
+
+
+def test_min_p_one_keeps_only_the_most_likely_tokens():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0], [3.0, 0.0, 1.0, 2.0, -2.0]])
+    got = sd.target_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2), None,
+                          torch.ones(2))
+    assert torch.equal(got, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_target_probs_stays_on_the_logits_device():
+    meta = torch.device("meta")
+    N, V = 3, 11
+    full = lambda v: torch.full((N,), v, device=meta)
+    with OneDevice():
+        p = sd.target_probs(torch.randn(N, V, device=meta), full(0.8), full(4), full(0.9), True, full(0.1))
+    assert p.device == meta and p.shape == (N, V)
+
+
+def test_sample_from_draws_only_tokens_with_mass():
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    below_one = float(torch.tensor(1.0).nextafter(torch.tensor(0.0)))
+    assert sd.sample_from(probs, torch.zeros(2)).tolist() == [2, 1]                # u = 0: the first with mass
+    assert sd.sample_from(probs, torch.full((2,), below_one)).tolist() == [4, 1]   # u < 1: the last with mass
+
+
+def test_sample_from_returns_a_token_id_when_the_mass_is_subnormal():
+    tiny = torch.tensor(1e-45)                                                     # u x mass rounds to the mass
+    assert float(tiny) > 0 and float(tiny * 0.9) == float(tiny)
+    probs = torch.zeros(2, 5)
+    probs[0, 1], probs[1, 4] = tiny, tiny
+    idx = sd.sample_from(probs, torch.full((2,), 0.9))
+    assert bool(((idx >= 0) & (idx < 5)).all()), idx
 
 
 def processed_law(logits, prompt, history, p, stop_ids):
@@ -2094,6 +2272,24 @@ def check_synthetic_acceptance(tiny, device):
     return llm.engine.runner
 
 
+def test_synthetic_sample_accepts_by_rate_within_the_real_drafts():
+    g = torch.Generator().manual_seed(27)
+    B, k, V = 4, 3, 12
+    logits = torch.randn(B, k + 1, V, generator=g)
+    drafts = torch.tensor([[0, 5, 0], [3, -1, -1], [0, 0, 0], [7, 8, 9]])      # id 0 is a real draft
+    real = [3, 1, 3, 3]
+    cases = [([1.0, 1.0, 0.0], [0.0, 0.0, 0.0], 2),                               # rate 0: never, even at u = 0
+             ([1.0, 1.0, 0.0], [0.5, 0.5, 0.5], 2), ([1.0, 0.5, 0.0], [0.3, 0.7, 0.0], 1)]
+    for rates, u, accepted in cases:
+        tokens, n = sd.synthetic_sample(logits, drafts, torch.tensor(rates), torch.tensor([u] * B))
+        assert n.tolist() == [min(accepted, r) for r in real]
+        assert tokens.shape == (B, k + 1)
+        for b in range(B):
+            m = int(n[b])
+            assert tokens[b, :m].tolist() == drafts[b, :m].tolist()
+            assert int(tokens[b, m]) == int(logits[b, m].argmax())
+
+
 def test_mtp_without_head_fails_at_load(tmp_path):
     path = write_tiny_checkpoint(str(tmp_path / "nomtp"), mtp=False)
     with pytest.raises(ConfigError, match="no mtp.\\* tensors \\(the MTP head is missing\\)"):
@@ -2110,6 +2306,22 @@ def test_request_errors(tiny):
                      (dict(top_k=-2), "top_k must be 0 \\(disable\\), or at least 1, got -2")):
         with pytest.raises(ConfigError, match=msg):
             SamplingParams(**bad)
+
+
+def test_sampling_params_cross_field_checks():
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+    assert SamplingParams(min_tokens=100, max_tokens=None).max_tokens is None
+    with pytest.raises(ConfigError, match=re.escape("min_tokens must be less than or equal to max_tokens=4, got 5.")):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert SamplingParams(n=3, best_of=3).best_of == 3
+    with pytest.raises(ConfigError, match=re.escape("best_of must be greater than or equal to n, got n=3 and "
+                                                    "best_of=2.")):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ConfigError, match=re.escape("n must be 1 when using greedy sampling, got 2.")):
+        SamplingParams(n=2, temperature=0)
+    assert SamplingParams(temperature=0, best_of=1).greedy
+    with pytest.raises(ConfigError, match=re.escape("best_of must be 1 when using greedy sampling, got 2.")):
+        SamplingParams(temperature=0, best_of=2)
 
 
 def emit_reference(tok, stream, params, eos, room):

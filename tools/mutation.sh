@@ -13,8 +13,9 @@
 # layer's per-token inputs, the commits that replay the accepted prefix, ModelRunner._spec_step that calls them,
 # and the replay itself on the CPU: kernels.gdn_recurrent_gated / gdn_recurrent_ref / conv_window_ref), stops
 # (Engine._emit, Engine._finish), ngram (ngram_lookup, NgramProposer.propose), mtp (the MTP chain, its commit,
-# draft_noise / draft_pick) and config (the speculative config's validation). Each group has its own selection of
-# fast, relevant tests (a -k expression): mutmut records which of them call which function, then runs each mutant
+# draft_noise / draft_pick), config (the speculative config's validation) and sampling (the logits processors,
+# target_probs' filters, sample_from, greedy / synthetic verification, logprob_rows, SamplingParams.check). Each
+# group has its own selection of fast, relevant tests (a -k expression): mutmut records which of them call which function, then runs each mutant
 # against the tests that call its function, stopping at the first failure, two mutants at a time. A group's
 # results stay in WORK/GROUP, so a group that was run is usable while the others run.
 #

@@ -47,6 +47,19 @@ GROUPS = {
                                "xǁSpeculativeConfigǁ_method", "xǁSpeculativeConfigǁ_lookup_window",  # mutmut
                                "xǁSpeculativeConfigǁconditional_rates", "x__positive_int"]},  # skips them)
         tests="spec_config"),
+    "sampling": dict(                                # token sampling and the logits processors: the per-position
+        functions={"specdec": ["x_per_row", "x_banned_tokens", "x_process_logits",  # processors, the target
+                               "x_target_probs", "x_sample_from", "x_greedy_verify",  # distribution, the draws,
+                               "x_synthetic_sample", "x_logprob_rows",  # greedy / synthetic verification,
+                               "xǁSamplingParamsǁcheck"]},      # logprobs, SamplingParams' validation
+        tests="top_k_top_p_masks or min_p_and_top_k_zero or rejection_sampler or logits_processors "
+              "or bad_words_of or one_draft_verify or allowed_token_ids_on_every_row or integer_penalties "
+              "or top_k_one or top_k_off or greedy_bound or min_p_one or target_probs or sample_from "
+              "or synthetic_sample or sampling_params_cross or logprob_rows "
+              "or cpu_greedy_accept or test_synthetic_acceptance_rates "
+              "or greedy_spec_equals_plain_with_processors or n_samples_and_best_of "
+              "or stops_inside_runs_match or truncate_prompt_tokens or test_request_errors "
+              "or seeded_sampling or prompt_logprobs_equal"),
 }
 MODULES = ("specdec", "kernels")
 

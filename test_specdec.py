@@ -5,6 +5,7 @@ written here in the real published layouts. Run: python -m pytest -q test_specde
 Also a tool: `python test_specdec.py make-tiny DIR [--moe]` writes a tiny random checkpoint.
 """
 import dataclasses
+import functools
 import http.client
 import json
 import math
@@ -1148,6 +1149,9 @@ def test_rejection_sampler_mixed_greedy_and_sampled_rows():
 # Logits processors (issue 24): each against a reference written out by hand, per verify position
 # ==============================================================================================
 
+cpu_h2d = functools.partial(sd.h2d, torch.device("cpu"))  # process_logits' h2d for host tensors
+
+
 def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
     """One position's logits after vLLM's processors, token by token in plain Python (history: the tokens
     emitted before this position, i.e. the output so far and the drafts before it). logits: V floats."""
@@ -1192,8 +1196,7 @@ def test_logits_processors_per_position_match_hand_reference():
     reqs = [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw)
             for p, pr, out, d, bw in rows]
     drafts = torch.tensor([d for _, _, _, d, _ in rows])
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
-    got = sd.process_logits(logits, drafts, reqs, stop_ids, h2d)
+    got = sd.process_logits(logits, drafts, reqs, stop_ids, cpu_h2d)
     for b, (p, prompt, out, d, bw) in enumerate(rows):
         for i in range(k + 1):
             history = out + [t for t in d[:i] if t >= 0]
@@ -1229,8 +1232,7 @@ def test_bad_words_of_three_and_four_tokens_per_position():
             (SP(bad_words=["x"]), [0], [1, 2], words)]     # position 0 bans 3; d2 d3 = 1 2: position 3 too
     drafts = [[2, 9, 9], [5, 6, 0], [0, 1, 2]]
     logits = torch.randn(len(rows), k + 1, V, generator=g) * 3
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
-    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [9], h2d)
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [9], cpu_h2d)
     assert_processed_as_reference(got, logits, rows, drafts, [9])
     banned = {(b, i, t) for b in range(3) for i in range(k + 1) for t in range(V) if got[b, i, t] == float("-inf")}
     assert banned == {(0, 1, 3), (1, 2, 7), (2, 0, 3), (2, 3, 3)}
@@ -1243,8 +1245,7 @@ def test_penalties_count_the_draft_in_a_one_draft_verify():
     rows = [(p, [0], [1, 1], []), (p, [0], [2], [])]
     drafts = [[3], [2]]                                  # a new token; the output's token again
     logits = torch.randn(2, 2, V, generator=g) * 2
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
-    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], h2d)
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], cpu_h2d)
     assert_processed_as_reference(got, logits, rows, drafts, [7])
 
 
@@ -1254,13 +1255,12 @@ def test_allowed_token_ids_on_every_row():
     SP = SamplingParams
     rows = [(SP(allowed_token_ids=[1, 4]), [0], [], []), (SP(allowed_token_ids=[0, 2, 3]), [0], [5], [])]
     logits = torch.randn(2, 1, V, generator=g)
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
-    got = sd.process_logits(logits, None, processor_rows(rows), [8], h2d)
+    got = sd.process_logits(logits, None, processor_rows(rows), [8], cpu_h2d)
     assert_processed_as_reference(got, logits, rows, [[], []], [8])
     as_bools = [(SP(allowed_token_ids=[False, True]), [0], [], [])]  # ids pass the check as ints (bool is one)
     as_ints = [(SP(allowed_token_ids=[0, 1]), [0], [], [])]
-    assert torch.equal(sd.process_logits(logits[:1], None, processor_rows(as_bools), [], h2d),
-                       sd.process_logits(logits[:1], None, processor_rows(as_ints), [], h2d))
+    assert torch.equal(sd.process_logits(logits[:1], None, processor_rows(as_bools), [], cpu_h2d),
+                       sd.process_logits(logits[:1], None, processor_rows(as_ints), [], cpu_h2d))
 
 
 def test_integer_penalties_of_any_size_act_as_their_values():
@@ -1269,8 +1269,7 @@ def test_integer_penalties_of_any_size_act_as_their_values():
     rows = [(SamplingParams(repetition_penalty=2 ** 70, frequency_penalty=1, presence_penalty=-2), [1], [2, 2], [])]
     drafts = [[3, 2]]
     logits = torch.randn(1, k + 1, V, generator=g) * 2
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
-    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], h2d)
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], cpu_h2d)
     assert_processed_as_reference(got, logits, rows, drafts, [7])
 
 
@@ -1281,7 +1280,7 @@ def test_logits_processors_stay_on_the_logits_device():
     rows = processor_rows([(SP(logit_bias={3: 1.0}, allowed_token_ids=[1, 3, 5], min_tokens=4,
                                repetition_penalty=1.3, presence_penalty=0.5), [1, 2], [3], [[6]]),
                            (SP(frequency_penalty=0.7, bad_words=["x"]), [4], [5, 5], [[0, 7]])])
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype, device=meta)
+    h2d = functools.partial(sd.h2d, meta)
     masks = torch.ones(B, k + 1, V, dtype=torch.bool, device=meta)
     for T, drafts in ((k + 1, torch.zeros(B, k, dtype=torch.long, device=meta)), (1, None)):
         with OneDevice():
@@ -1398,8 +1397,7 @@ def test_rejection_sampler_distribution_with_processors(drafting):
                        min_p=0.05, logit_bias={5: 1.5, 2: -1.0})
     prompt, out, stop_ids = [1, 2], [3, 0, 3], [7]
     row = types.SimpleNamespace(params=p, prompt_ids=prompt, output_ids=out, bad_words_ids=[])
-    h2d = lambda data, dtype=None: torch.tensor(data, dtype=dtype)
-    x = sd.process_logits(logits.expand(N, k + 1, V), drafts, [row] * N, stop_ids, h2d)
+    x = sd.process_logits(logits.expand(N, k + 1, V), drafts, [row] * N, stop_ids, cpu_h2d)
     temp, top_k, top_p = torch.full((N,), p.temperature), torch.zeros(N, dtype=torch.long), torch.ones(N)
     tok, n = sd.rejection_sample(x, drafts, draft_probs, temp, top_k, top_p, torch.rand(N, k, generator=g),
                                  torch.rand(N, k + 1, generator=g), min_p=torch.full((N,), p.min_p))

@@ -15,8 +15,9 @@
 # (Engine._emit, Engine._finish), ngram (ngram_lookup, NgramProposer.propose), mtp (the MTP chain, its commit,
 # draft_noise / draft_pick), config (the speculative config's validation) and sampling (the logits processors,
 # target_probs' filters, sample_from, greedy / synthetic verification, logprob_rows, SamplingParams.check). Each
-# group has its own selection of fast, relevant tests (a -k expression): mutmut records which of them call which function, then runs each mutant
-# against the tests that call its function, stopping at the first failure, two mutants at a time. A group's
+# group has its own selection of fast, relevant tests (a -k expression): mutmut records which of them call which
+# function, then runs each mutant against the tests that call its function, stopping at the first failure, two
+# mutants at a time. A group's
 # results stay in WORK/GROUP, so a group that was run is usable while the others run.
 #
 # The work is done in a copy of the tracked files (not the checkout): mutmut needs its own directory layout. In

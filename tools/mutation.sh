@@ -17,8 +17,7 @@
 # target_probs' filters, sample_from, greedy / synthetic verification, logprob_rows, SamplingParams.check). Each
 # group has its own selection of fast, relevant tests (a -k expression): mutmut records which of them call which
 # function, then runs each mutant against the tests that call its function, stopping at the first failure, two
-# mutants at a time. A group's
-# results stay in WORK/GROUP, so a group that was run is usable while the others run.
+# mutants at a time. A group's results stay in WORK/GROUP, so a group that was run is usable while the others run.
 #
 # The work is done in a copy of the tracked files (not the checkout): mutmut needs its own directory layout. In
 # that copy every function outside the group gets "# pragma: no mutate block" on its header line (a comment), so

@@ -1822,6 +1822,7 @@ SAMPLING_CHECKS = [
     ("top_k", lambda v: v >= -1, "top_k must be 0 (disable), or at least 1, got {v}."),
     ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1], got {v}."),
     ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}."),
+    ("min_tokens", lambda v: isinstance(v, int), "min_tokens must be an integer, got {v!r}"),
     ("min_tokens", lambda v: v >= 0, "min_tokens must be greater than or equal to 0, got {v}."),
     ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}."),
     ("prompt_logprobs", lambda v: v is None or (isinstance(v, int) and v >= -1),
@@ -2139,7 +2140,9 @@ def target_probs(logits, temperature, top_k, top_p, filtered=None, min_p=None):
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
         drop = rank >= k[:, None]                                                    # top-k
         p = srt.masked_fill(drop, float("-inf")).softmax(-1)
-        drop |= (p.cumsum(-1) - p) > top_p[:, None]                        # top-p: keep the set reaching p
+        # top-p (vLLM's rule): drop a token once the tokens ranked above it hold top_p of the mass; rows with
+        # top_p 1 drop nothing (a float cumsum can pass 1.0 and would cut their tail)
+        drop |= ((p.cumsum(-1) - p) >= top_p[:, None]) & (top_p < 1)[:, None]
         drop[:, 0] = False
         x = x.scatter(-1, order, srt.masked_fill(drop, float("-inf")))
     return x.softmax(-1)

@@ -1288,6 +1288,33 @@ def test_logits_processors_stay_on_the_logits_device():
         assert x.device == meta and x.shape == (B, T, V)
 
 
+def test_top_p_drops_a_token_once_the_mass_above_it_reaches_p():
+    # equal tokens (sums exact in float): vLLM keeps the fewest tokens whose mass reaches top_p, as target_law
+    for V, top_p, n_kept in ((4, 0.5, 2), (4, 0.75, 3), (8, 0.25, 2), (8, 0.5, 4)):
+        logits = torch.zeros(1, V)
+        got = sd.target_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([top_p]))
+        assert int((got[0] > 0).sum()) == n_kept, (V, top_p)
+        torch.testing.assert_close(got[0].double(), target_law(logits[0], 1.0, -1, top_p))
+
+
+def test_a_row_without_filters_keeps_every_token_beside_filtered_rows():
+    # a row's law does not depend on its batch mates: with top_k 0 and top_p 1 it is the plain softmax, also when
+    # another row's top-k sends the batch through the filters (a float cumsum over 1000 tokens passes 1.0)
+    x = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    top_k = torch.zeros(64, dtype=torch.long)
+    top_k[-1] = 5
+    got = sd.target_probs(x, torch.ones(64), top_k, torch.ones(64))
+    assert torch.equal(got[:63], sd.target_probs(x[:63], torch.ones(63), top_k[:63], torch.ones(63)))
+    assert bool((got[:63] > 0).all())
+    assert int((got[63] > 0).sum()) == 5
+
+
+def test_min_tokens_must_be_an_integer():
+    with pytest.raises(sd.ConfigError, match="min_tokens must be an integer, got 2.5"):
+        SamplingParams(min_tokens=2.5)
+    assert SamplingParams(min_tokens=3).min_tokens == 3
+
+
 def test_min_p_and_top_k_zero_filters():
     """target_probs' min_p drops the tokens below min_p x the top probability (after temperature), then top-k
     and top-p apply (vLLM's order); top_k 0 keeps every token, as -1 does."""

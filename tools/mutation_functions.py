@@ -59,7 +59,8 @@ GROUPS = {
               "or cpu_greedy_accept or test_synthetic_acceptance_rates "
               "or greedy_spec_equals_plain_with_processors or n_samples_and_best_of "
               "or stops_inside_runs_match or truncate_prompt_tokens or test_request_errors "
-              "or seeded_sampling or prompt_logprobs_equal"),
+              "or seeded_sampling or prompt_logprobs_equal or top_p_drops or row_without_filters "
+              "or min_tokens_must"),
 }
 MODULES = ("specdec", "kernels")
 

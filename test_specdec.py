@@ -1174,6 +1174,19 @@ def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
     return x
 
 
+def processor_rows(rows):
+    """(params, prompt, output, bad words' ids) per row -> the row objects process_logits reads."""
+    return [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw) for p, pr, out, bw in rows]
+
+
+def assert_processed_as_reference(got, logits, rows, drafts, stop_ids):
+    for b, (p, prompt, out, bw) in enumerate(rows):
+        for i in range(logits.shape[1]):
+            history = out + [t for t in drafts[b][:i] if t >= 0]
+            want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
+            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6, msg=f"row {b} pos {i}")
+
+
 def test_logits_processors_per_position_match_hand_reference():
     """process_logits on a verify step (k = 3, V = 10) against processed_reference at every position, with
     the history = output + d1..di: repetition (prompt + output), frequency and presence penalties (output
@@ -1193,33 +1206,14 @@ def test_logits_processors_per_position_match_hand_reference():
     ]
     stop_ids = [9]
     logits = torch.randn(len(rows), k + 1, V, generator=g) * 3
-    reqs = [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw)
-            for p, pr, out, d, bw in rows]
-    drafts = torch.tensor([d for _, _, _, d, _ in rows])
-    got = sd.process_logits(logits, drafts, reqs, stop_ids, cpu_h2d)
-    for b, (p, prompt, out, d, bw) in enumerate(rows):
-        for i in range(k + 1):
-            history = out + [t for t in d[:i] if t >= 0]
-            want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
-            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6,
-                                       msg=f"row {b} pos {i}")
+    without_drafts = [(p, pr, out, bw) for p, pr, out, d, bw in rows]
+    drafts = [d for _, _, _, d, _ in rows]
+    got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(without_drafts), stop_ids, cpu_h2d)
+    assert_processed_as_reference(got, logits, without_drafts, drafts, stop_ids)
     inf = float("-inf")
     assert [bool(got[3, i, 5] == inf) for i in range(k + 1)] == [False, True, False, False]  # d1 = 4: bad 5
     assert [bool(got[1, i, 8] == inf) for i in range(k + 1)] == [True, True, True, False]  # output 2 + i < 5
     assert torch.equal(got[4], logits[4])
-
-
-def processor_rows(rows):
-    """(params, prompt, output, bad words' ids) per row -> the row objects process_logits reads."""
-    return [types.SimpleNamespace(params=p, prompt_ids=pr, output_ids=out, bad_words_ids=bw) for p, pr, out, bw in rows]
-
-
-def assert_processed_as_reference(got, logits, rows, drafts, stop_ids):
-    for b, (p, prompt, out, bw) in enumerate(rows):
-        for i in range(logits.shape[1]):
-            history = out + [t for t in drafts[b][:i] if t >= 0]
-            want = processed_reference(logits[b, i].tolist(), prompt, history, p, stop_ids, bw)
-            torch.testing.assert_close(got[b, i], torch.tensor(want), rtol=1e-6, atol=1e-6, msg=f"row {b} pos {i}")
 
 
 def test_bad_words_of_three_and_four_tokens_per_position():
@@ -1423,7 +1417,7 @@ def test_rejection_sampler_distribution_with_processors(drafting):
     p = SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.7,
                        min_p=0.05, logit_bias={5: 1.5, 2: -1.0})
     prompt, out, stop_ids = [1, 2], [3, 0, 3], [7]
-    row = types.SimpleNamespace(params=p, prompt_ids=prompt, output_ids=out, bad_words_ids=[])
+    row, = processor_rows([(p, prompt, out, [])])
     x = sd.process_logits(logits.expand(N, k + 1, V), drafts, [row] * N, stop_ids, cpu_h2d)
     temp, top_k, top_p = torch.full((N,), p.temperature), torch.zeros(N, dtype=torch.long), torch.ones(N)
     tok, n = sd.rejection_sample(x, drafts, draft_probs, temp, top_k, top_p, torch.rand(N, k, generator=g),

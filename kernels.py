@@ -442,9 +442,9 @@ GEMV_PREFETCH = True  # inside drafting(): _gemv_kernel's PRE, its first weight 
 # greedy token (the losslessness sweep of tools/lossless_sweep.py saw it at T = 2 on the toy model). So with
 # BATCH_INVARIANT every decode / verify row gets one arithmetic whatever M, T and the batch are:
 #   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose tiles and K
-#     split are a function of the weight's shape alone (_rows_config), rows in tl.dot tiles of 16 rows (64
-#     above 16 rows: _rows_bm; a row's products do not depend on the other rows of its tile, nor on its
-#     height); cuBLAS picks its algorithm by M and is left to prefill;
+#     split are a function of the weight's shape alone (_rows_config), rows in tl.dot tiles of 16 rows (32
+#     up to 32 rows, 64 above: _rows_bm; a row's products do not depend on the other rows of its tile, nor
+#     on its height); cuBLAS picks its algorithm by M and is left to prefill;
 #   - attention: keys split at fixed multiples of ATTN_CHUNK, the splits merged in order, one query-tile
 #     shape;
 #   - the GDN recurrence: one value-block size and warp count.
@@ -453,7 +453,7 @@ GEMV_PREFETCH = True  # inside drafting(): _gemv_kernel's PRE, its first weight 
 BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"  # vLLM's variable; here on unless "0"
 INVARIANT_ROWS = 256  # decode and verify steps (max_num_seqs x (k+1) rows); prefill runs under
                       # not_invariant()
-ROWS_BM = 64  # the row-invariant linear's row tile above 16 rows (16 up to 16): see _rows_bm
+ROWS_BM = 64  # the row-invariant linear's row tile above 32 rows (16 up to 16, 32 up to 32): see _rows_bm
 
 
 def _rows_bm(M):
@@ -461,10 +461,13 @@ def _rows_bm(M):
     tile's height: tl.dot computes each row of a tile alone, adding its K products in the same order (BK
     chunks, k16 steps) whatever the tile. Measured on the H200 (tools/tile_sweep.py rowsbm): the same bits
     with tiles of 16, 32, 64 and 128 rows at the 27B shapes; the `gpu` invariance tests check a row alone
-    (a 16-row tile) against it in steps of 17, 40 and 136 rows (64-row tiles) at every real shape. 16-row
-    tiles are the fastest up to 16 rows; above, every tile reads the weights again, and 64-row tiles read
-    them 4x less (27B, 128 rows: MLP gate_up 321 -> 174 us, lm_head 2535 -> 1049 us; cuBLAS 93 / 643)."""
-    return 16 if M <= 16 else ROWS_BM
+    (a 16-row tile) against it in steps of 17, 40 and 136 rows (32- and 64-row tiles) at every real shape.
+    16-row tiles are the fastest up to 16 rows; above, every tile reads the weights again, and 64-row tiles
+    read them 4x less (27B, 128 rows: MLP gate_up 321 -> 174 us, lm_head 2535 -> 1049 us; cuBLAS 93 / 643).
+    Steps of 17 to 32 rows (DSpark's 17-token verify, MTP k=3 at batch 8) take 32-row tiles: one tile reads
+    the weights once either way, and a 32-row one holds half the rows in registers and shared memory
+    (BENCHMARKS.md, session 28: the target's 17- to 32-token steps against 64-row tiles)."""
+    return 16 if M <= 16 else 32 if M <= 32 else ROWS_BM
 
 
 @contextlib.contextmanager
@@ -506,6 +509,14 @@ ROWS_CONFIG = {
     (4096, 1024): (32, 256, 1, 4, 4), (1024, 2048): (32, 256, 4, 4, 4), (6144, 1024): (32, 128, 1, 4, 4),
     (1024, 3072): (32, 128, 4, 4, 4), (248320, 1024): (64, 128, 1, 4, 4)}
 
+# (N, K) -> (BN, num_stages, num_warps) at the 32-row tile height (steps of 17-32 rows, _rows_bm) where faster
+# than ROWS_CONFIG's: BK and the K split, which fix the order of a row's sums, stay the shape's (_rows_tiles).
+# tools/tile_sweep.py rows17 on the H200 (session 28; us at 17 rows, ROWS_CONFIG's tiles in brackets; a row's bits the
+# same as alone): 27B GDN in_proj 40.8 (51.2), qkv 37.8 (45.2), gate_up 91.3 (102.4), down 50.5 (52.1), lm_head 573.5
+# (580.0).
+ROWS_CONFIG_32 = {(16480, 5120): (128, 4, 4), (14336, 5120): (128, 4, 4), (34816, 5120): (32, 2, 4),
+                  (5120, 17408): (128, 2, 4), (248320, 5120): (128, 3, 8)}
+
 
 def _rows_config(N, K, device):
     """(BN, BK, SPLIT, num_stages, num_warps) of the row-invariant skinny GEMM for w [N, K]: a function of the
@@ -518,6 +529,17 @@ def _rows_config(N, K, device):
     blocks = _cdiv(N, BN)
     split = max(1, min(8, (2 * _sm_count(device)) // blocks, K // (2 * BK)))
     return BN, BK, split, 4 if K >= 4096 else 3, 4
+
+
+def _rows_tiles(N, K, M, device):
+    """((BN, BK, SPLIT, num_stages, num_warps), BM) of the row-invariant linear for a step of M rows: the row
+    tile's height (_rows_bm) and the shape's tiles (_rows_config), with ROWS_CONFIG_32's BN, stages and warps at
+    the 32-row height; BK and SPLIT are the shape's at every height, so a row's products and sums are the same,
+    in the same order."""
+    (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, device), _rows_bm(M)
+    if BM == 32 and (N, K) in ROWS_CONFIG_32:
+        BN, stages, warps = ROWS_CONFIG_32[(N, K)]
+    return (BN, BK, SPLIT, stages, warps), BM
 
 
 def _gemv_config(M, N, K, cuda, dtype):
@@ -726,7 +748,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     else:
         assert scale is None and w.dtype == x.dtype
         if cfg == "rows":
-            (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, x.device), _rows_bm(M)
+            (BN, BK, SPLIT, stages, warps), BM = _rows_tiles(N, K, M, x.device)
         else:
             (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
             assert M <= 32

@@ -2149,10 +2149,14 @@ def target_probs(logits, temperature, top_k, top_p, filtered=None, min_p=None):
 
 
 def sample_from(probs, u):
-    """Inverse-CDF sampling: one uniform u [N] in [0, 1) per row of probs [N, V] (need not sum to 1)."""
+    """Inverse-CDF sampling: one uniform u [N] in [0, 1) per row of probs [N, V] (need not sum to 1). The
+    point u x mass is kept strictly below the mass: rounded up to it (u near 1, or a subnormal mass) it would
+    pass every entry of the CDF and land on the last token, whatever its probability."""
     cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    mass = cdf[:, -1]
+    x = torch.minimum(u * mass, mass.nextafter(torch.zeros_like(mass)))
+    idx = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[-1] - 1)                                       # an all-zero row
 
 
 def greedy_verify(logits, drafts):

@@ -1378,13 +1378,22 @@ def test_sample_from_draws_only_tokens_with_mass():
     assert sd.sample_from(probs, torch.full((2,), below_one)).tolist() == [4, 1]   # u < 1: the last with mass
 
 
-def test_sample_from_returns_a_token_id_when_the_mass_is_subnormal():
+def test_sample_from_draws_only_tokens_with_mass_when_the_mass_is_subnormal():
     tiny = torch.tensor(1e-45)                                                     # u x mass rounds to the mass
     assert float(tiny) > 0 and float(tiny * 0.9) == float(tiny)
     probs = torch.zeros(2, 5)
     probs[0, 1], probs[1, 4] = tiny, tiny
-    idx = sd.sample_from(probs, torch.full((2,), 0.9))
-    assert bool(((idx >= 0) & (idx < 5)).all()), idx
+    assert sd.sample_from(probs, torch.full((2,), 0.9)).tolist() == [1, 4]
+    # subnormal masses spread over several tokens, the last token without mass (a normal mass cannot round up:
+    # for u <= 1 - 2^-24, u x mass stays below it in fp32)
+    g = torch.Generator().manual_seed(0)
+    probs = torch.randint(0, 4, (512, 7), generator=g).float() * float(tiny)
+    probs[:, -1] = 0
+    probs[:, 0] += float(tiny)                                                     # every row has some mass
+    mass, u = probs.sum(-1), torch.rand(512, generator=g)
+    assert bool(((u * mass) == mass).any())                                        # the case this test is for
+    idx = sd.sample_from(probs, u)
+    assert bool((probs.gather(1, idx[:, None]) > 0).all())
 
 
 def processed_law(logits, prompt, history, p, stop_ids):
@@ -6303,6 +6312,22 @@ def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
 
 
 @needs_kernels
+def test_kernel_rows_linear_tall_tiles(monkeypatch, rowwise_dot):
+    """kernels.ROWS_CONFIG_32: other BN, stages and warps at the 32-row tile height (steps of 17-32 rows), BK and
+    the K split the shape's, keep a row's bits those of the row alone."""
+    N, Kin = 70, 300
+    cpu = torch.device("cpu")
+    base = K._rows_config(N, Kin, cpu)
+    monkeypatch.setitem(K.ROWS_CONFIG_32, (N, Kin), (32, 2, 4))                     # 3 N blocks instead of 2
+    assert K._rows_tiles(N, Kin, 17, cpu) == ((32, base[1], base[2], 2, 4), 32)
+    assert K._rows_tiles(N, Kin, 16, cpu) == (base, 16)
+    assert K._rows_tiles(N, Kin, 33, cpu) == (base, 64)
+    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, (17, 32), residual=True, seed=1)
+    assert rel(alone, F.linear(x0, w) + r0) <= TOL[torch.float32]
+    assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_kernels
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (9, 300)])                 # ragged N blocks and K
 def test_kernel_linear_small(N, Kin, residual):
@@ -6557,7 +6582,8 @@ def test_kernel_gdn_invariant():
                                    (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
 def test_kernel_gpu_invariance_linear(N, Kin):
     """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 136 rows (a 16-row
-    tile alone; 64-row tiles from 17 rows)."""
+    tile alone; a 32-row tile at 17 rows, with ROWS_CONFIG_32's tiles where it has the shape; 64-row tiles at 40
+    and 136)."""
     _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
     assert all(torch.equal(y, alone) for y in got)
 

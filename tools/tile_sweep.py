@@ -1,6 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rowsbm[-m]] [fp8] [fp8bm] [w8a8] [pdl]
+    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17] [rowsbm[-m]] [fp8]
+        [fp8bm] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -13,6 +14,8 @@ stays in L2), timed per launch:
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
           (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 40 rows)
+  rows17: the batch-invariant linear at 17 rows in 32-row tiles (27B shapes): ROWS_CONFIG's tiles against variants
+          of BN, stages and warps with its BK and K split (kernels.ROWS_CONFIG_32), and the same bits as a row alone
   rowsbm: the batch-invariant linear's row tiles (kernels._rows_bm: 16, 32, 64, 128 rows) at 1-136 rows: time, and
           the same bits whatever the tile (rowsbm-27b, rowsbm-35b, rowsbm-toy, rowsbm-0.6b: one model's shapes)
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
@@ -159,6 +162,42 @@ def rows(Ms=(1, 16, 128), copies=8, models=None):
                 print(f"  {str(name):28s} " + "  ".join(row))
             del ws
     print("ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
+
+
+def rows_tall(M=17, model="27b", copies=8):
+    """The row-invariant linear at M rows (17-32: the 32-row tile height) per shape: ROWS_CONFIG's tiles against
+    every BN / stages / warps with the same BK and K split (what a row's sums depend on), us per weight; whether
+    row 0 equals the row alone (ROWS_CONFIG's tiles, a 16-row tile) bit for bit; the three fastest, and the
+    ROWS_CONFIG_32 entries (BN, stages, warps) of those faster than ROWS_CONFIG's tiles."""
+    best = {}
+    for (N, Kd) in ROWS_SHAPES[model]:
+        K.ROWS_CONFIG_32.pop((N, Kd), None)
+        base = K._rows_config(N, Kd, torch.device(dev))
+        n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
+        ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+        x = torch.randn(M, Kd, device=dev, dtype=bf)
+        alone = K._gemv_launch(x[:1], ws[0], "rows")
+        res = []
+        for BN in (16, 32, 64, 128):
+            for st in (2, 3, 4):
+                for nw in (4, 8):
+                    cfg = (BN, base[1], base[2], st, nw)
+                    K.ROWS_CONFIG_32[(N, Kd)] = (BN, st, nw)
+                    try:
+                        t = graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+                        res.append((t, cfg, torch.equal(K._gemv_launch(x, ws[0], "rows")[:1], alone)))
+                    except Exception as e:  # noqa  (out of shared memory)
+                        print(f"  {cfg}: {type(e).__name__}")
+                    K.ROWS_CONFIG_32.pop((N, Kd))
+        tb = next(t for t, c, same in res if c == base)
+        res.sort()
+        print(f"== {model} {N}x{Kd} ROWS_CONFIG {base}: {tb:.1f} us at M={M}; fastest: "
+              + "; ".join(f"{c} {t:.1f} us, same bits {same}" for t, c, same in res[:3]))
+        if res[0][1] != base and res[0][2]:
+            BN, _, _, st, nw = res[0][1]
+            best[(N, Kd)] = (BN, st, nw)
+        del ws
+    print("ROWS_CONFIG_32 = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
 
 
 rows_bm_of = K._rows_bm
@@ -435,6 +474,8 @@ def main():
         rows()
     if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8)
         rows(Ms=(1, 8, 40), models=["0.6b"])
+    if "rows17" in parts:
+        rows_tall()
     if "rowsbm" in parts:  # rowsbm-27b etc.: one model's shapes
         rows_bm()
     for m in ROWS_SHAPES:

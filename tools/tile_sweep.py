@@ -1,7 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
     python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17] [rowsbm[-m]] [fp8]
-        [fp8bm] [w8a8] [pdl]
+        [fp8bm] [fp8rows] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -21,6 +21,8 @@ stays in L2), timed per launch:
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
           against a device copy of the same bytes and the same tiles with plain loads (kernels.FP8_TMA off: time,
           bits) (the FP8 MoE pair kernels: moe-fp8, each with its whole layer beside bf16's in moe-bf16)
+  fp8rows: the FP8 decode linear at 8 and 16 rows (27B shapes): FP8_ROWS_CONFIG's tiles (chosen at one row)
+          against every BN / stages / warps with its K split, and which of them keep a row's bits
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -278,6 +280,40 @@ def fp8_bm(Ms=(1, 16, 17, 32, 64, 128, 136), copies=8):
 fp8_bm_of = K._fp8_bm
 
 
+def fp8_rows(Ms=(8, 16), model="27b"):
+    """The FP8 decode linear at M rows (2-16: one 16-row tile, as one row) per shape: FP8_ROWS_CONFIG's tiles
+    (chosen at M = 1) against every BN / stages / warps with its K split, us per weight; whether rows 0 and M-1
+    equal the rows alone under FP8_ROWS_CONFIG's tiles, bit for bit; the three fastest, and every variant whose
+    bits differ (a tile that depended on the step's rows would have to avoid those)."""
+    for (N, Kd) in FP8_SHAPES[model]:
+        base = K._fp8_config(N, Kd, torch.device(dev))
+        n = min(64, max(8, (256 << 20) // (N * Kd) + 1))
+        qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
+        xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
+        alone = [K._gemv_launch(xs[r:r + 1], qs[0][0], "fp8", None, qs[0][1]) for r in range(max(Ms))]
+        for M in Ms:
+            res = []
+            for BN in (32, 64, 128):
+                for st in (2, 3, 4):
+                    for nw in (4, 8):
+                        cfg = (BN, base[1], st, nw)
+                        K.FP8_ROWS_CONFIG[(N, Kd)] = cfg
+                        try:
+                            t = graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, sc) for q, sc in qs]) / n
+                            y = K._gemv_launch(xs[:M], qs[0][0], "fp8", None, qs[0][1])
+                            same = torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[M - 1])
+                            res.append((t, cfg, same))
+                        except Exception as e:  # noqa  (shared memory)
+                            print(f"  {cfg}: {type(e).__name__}")
+                        K.FP8_ROWS_CONFIG[(N, Kd)] = base
+            tb = next(t for t, c, same in res if c == base)
+            res.sort()
+            print(f"== {model} fp8 {N}x{Kd} M={M} FP8_ROWS_CONFIG {base}: {tb:.1f} us; fastest: "
+                  + "; ".join(f"{c} {t:.1f} us, same bits {same}" for t, c, same in res[:3])
+                  + "; bits differ: " + (", ".join(str(c) for _, c, same in res if not same) or "none"), flush=True)
+        del qs
+
+
 def fp8(Ms=(1, 8, 16, 64)):
     """Every tile candidate (BN, SPLIT, stages, warps) of the FP8 decode linear (kernels._fp8_gemv_kernel) at M = 1
     over enough distinct weights to defeat L2 (us per weight); the best, its time at larger M, the bf16
@@ -485,6 +521,8 @@ def main():
         fp8()
     if "fp8bm" in parts:
         fp8_bm()
+    if "fp8rows" in parts:
+        fp8_rows()
     if "w8a8" in parts:
         w8a8()
     if "pdl" in parts:

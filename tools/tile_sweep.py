@@ -166,6 +166,28 @@ def rows(Ms=(1, 16, 128), copies=8, models=None):
     print("ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
 
 
+def tile_variants(BNs, set_tiles, timed, same_bits):
+    """Every (BN, stages, warps) variant of a linear's tiles, each set by set_tiles(BN, stages, warps) (BK and the K
+    split are left as they are): [(us, (BN, stages, warps), same bits as the row alone)], fastest first."""
+    res = []
+    for BN in BNs:
+        for st in (2, 3, 4):
+            for nw in (4, 8):
+                set_tiles(BN, st, nw)
+                try:
+                    res.append((timed(), (BN, st, nw), same_bits()))
+                except Exception as e:  # noqa  (out of shared memory)
+                    print(f"  {(BN, st, nw)}: {type(e).__name__}")
+    return sorted(res)
+
+
+def variants_line(res, base):
+    """The time of the base tiles' variant, the three fastest, and the variants whose bits differ."""
+    tb = next((f"{t:.1f} us" for t, v, same in res if v == base), "not among the variants")
+    return (f"{base} {tb}; fastest: " + "; ".join(f"{v} {t:.1f} us, same bits {same}" for t, v, same in res[:3])
+            + "; bits differ: " + (", ".join(str(v) for _, v, same in res if not same) or "none"))
+
+
 def rows_tall(M=17, model="27b", copies=8):
     """The row-invariant linear at M rows (17-32: the 32-row tile height) per shape: ROWS_CONFIG's tiles against
     every BN / stages / warps with the same BK and K split (what a row's sums depend on), us per weight; whether
@@ -174,30 +196,23 @@ def rows_tall(M=17, model="27b", copies=8):
     best = {}
     for (N, Kd) in ROWS_SHAPES[model]:
         K.ROWS_CONFIG_32.pop((N, Kd), None)
-        base = K._rows_config(N, Kd, torch.device(dev))
+        BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
         n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
         ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
         x = torch.randn(M, Kd, device=dev, dtype=bf)
         alone = K._gemv_launch(x[:1], ws[0], "rows")
-        res = []
-        for BN in (16, 32, 64, 128):
-            for st in (2, 3, 4):
-                for nw in (4, 8):
-                    cfg = (BN, base[1], base[2], st, nw)
-                    K.ROWS_CONFIG_32[(N, Kd)] = (BN, st, nw)
-                    try:
-                        t = graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
-                        res.append((t, cfg, torch.equal(K._gemv_launch(x, ws[0], "rows")[:1], alone)))
-                    except Exception as e:  # noqa  (out of shared memory)
-                        print(f"  {cfg}: {type(e).__name__}")
-                    K.ROWS_CONFIG_32.pop((N, Kd))
-        tb = next(t for t, c, same in res if c == base)
-        res.sort()
-        print(f"== {model} {N}x{Kd} ROWS_CONFIG {base}: {tb:.1f} us at M={M}; fastest: "
-              + "; ".join(f"{c} {t:.1f} us, same bits {same}" for t, c, same in res[:3]))
-        if res[0][1] != base and res[0][2]:
-            BN, _, _, st, nw = res[0][1]
-            best[(N, Kd)] = (BN, st, nw)
+
+        def set_tiles(*v):
+            K.ROWS_CONFIG_32[(N, Kd)] = v
+
+        res = tile_variants((16, 32, 64, 128), set_tiles,
+                            lambda: graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n,
+                            lambda: torch.equal(K._gemv_launch(x, ws[0], "rows")[:1], alone))
+        K.ROWS_CONFIG_32.pop((N, Kd))
+        print(f"== {model} {N}x{Kd} at M={M}, ROWS_CONFIG (BK {BK}, split {split}) "
+              + variants_line(res, (BN, st, nw)), flush=True)
+        if res[0][1] != (BN, st, nw) and res[0][2]:
+            best[(N, Kd)] = res[0][1]
         del ws
     print("ROWS_CONFIG_32 = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
 
@@ -287,30 +302,24 @@ def fp8_rows(Ms=(8, 16), model="27b"):
     bits differ (a tile that depended on the step's rows would have to avoid those)."""
     for (N, Kd) in FP8_SHAPES[model]:
         base = K._fp8_config(N, Kd, torch.device(dev))
+        BN, split, st, nw = base
         n = min(64, max(8, (256 << 20) // (N * Kd) + 1))
         qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
         xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
+        run = lambda M, q=qs[0]: K._gemv_launch(xs[:M], q[0], "fp8", None, q[1])  # noqa: E731
         alone = [K._gemv_launch(xs[r:r + 1], qs[0][0], "fp8", None, qs[0][1]) for r in range(max(Ms))]
+        def set_tiles(BN, st, nw):
+            K.FP8_ROWS_CONFIG[(N, Kd)] = (BN, split, st, nw)
+
         for M in Ms:
-            res = []
-            for BN in (32, 64, 128):
-                for st in (2, 3, 4):
-                    for nw in (4, 8):
-                        cfg = (BN, base[1], st, nw)
-                        K.FP8_ROWS_CONFIG[(N, Kd)] = cfg
-                        try:
-                            t = graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, sc) for q, sc in qs]) / n
-                            y = K._gemv_launch(xs[:M], qs[0][0], "fp8", None, qs[0][1])
-                            same = torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[M - 1])
-                            res.append((t, cfg, same))
-                        except Exception as e:  # noqa  (shared memory)
-                            print(f"  {cfg}: {type(e).__name__}")
-                        K.FP8_ROWS_CONFIG[(N, Kd)] = base
-            tb = next(t for t, c, same in res if c == base)
-            res.sort()
-            print(f"== {model} fp8 {N}x{Kd} M={M} FP8_ROWS_CONFIG {base}: {tb:.1f} us; fastest: "
-                  + "; ".join(f"{c} {t:.1f} us, same bits {same}" for t, c, same in res[:3])
-                  + "; bits differ: " + (", ".join(str(c) for _, c, same in res if not same) or "none"), flush=True)
+            def same(M=M):
+                y = run(M)
+                return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[M - 1])
+
+            res = tile_variants((32, 64, 128), set_tiles, lambda: graph_time(lambda: [run(M, q) for q in qs]) / n, same)
+            K.FP8_ROWS_CONFIG[(N, Kd)] = base
+            print(f"== {model} fp8 {N}x{Kd} M={M}, FP8_ROWS_CONFIG (split {split}) " + variants_line(res, (BN, st, nw)),
+                  flush=True)
         del qs
 
 

@@ -517,6 +517,17 @@ ROWS_CONFIG = {
 ROWS_CONFIG_32 = {(16480, 5120): (128, 4, 4), (14336, 5120): (128, 4, 4), (34816, 5120): (32, 2, 4),
                   (5120, 17408): (128, 2, 4), (248320, 5120): (128, 3, 8)}
 
+# The same at the 64-row tile height (steps of 33-256 rows: ngram / draft_model k = 4 at batch 7-8, DFlash's
+# 16-token verify at batch 3-8). tools/tile_sweep.py rows40 on the H200 (session 30; us at 40 / 128 rows,
+# ROWS_CONFIG's tiles in brackets; a row's bits the same as alone): 27B GDN in_proj 41.4 / 57.7 (44.9 / 67.1), qkv
+# 38.3 / 57.0 (41.6 / 64.8), o_proj and out_proj 25.6 / 44.5 (28.1 / 48.0), gate_up 99.8 / 164.2 (109.9 / 173.1),
+# down 54.9 / 75.7 (57.5 / 91.7); lm_head keeps its tiles (623.7 at 40). draft_model's Qwen3-0.6B-shaped LM at 40
+# rows (its first pass at batch 8): gate_up 5.9 (6.1), lm_head 128.1 (153.7); its other shapes keep theirs.
+ROWS_CONFIG_64 = {(16480, 5120): (128, 4, 8), (14336, 5120): (64, 3, 4), (5120, 6144): (64, 2, 4),
+                  (34816, 5120): (64, 2, 4), (5120, 17408): (128, 4, 4),
+                  (6144, 1024): (64, 4, 4), (248320, 1024): (128, 4, 4)}
+ROWS_TALL = {32: ROWS_CONFIG_32, 64: ROWS_CONFIG_64}  # tile height -> its (N, K) -> (BN, stages, warps)
+
 
 def _rows_config(N, K, device):
     """(BN, BK, SPLIT, num_stages, num_warps) of the row-invariant skinny GEMM for w [N, K]: a function of the
@@ -533,12 +544,12 @@ def _rows_config(N, K, device):
 
 def _rows_tiles(N, K, M, device):
     """((BN, BK, SPLIT, num_stages, num_warps), BM) of the row-invariant linear for a step of M rows: the row
-    tile's height (_rows_bm) and the shape's tiles (_rows_config), with ROWS_CONFIG_32's BN, stages and warps at
-    the 32-row height; BK and SPLIT are the shape's at every height, so a row's products and sums are the same,
-    in the same order."""
+    tile's height (_rows_bm) and the shape's tiles (_rows_config), with ROWS_CONFIG_32's / ROWS_CONFIG_64's BN,
+    stages and warps at the 32- / 64-row heights (ROWS_TALL); BK and SPLIT are the shape's at every height, so a
+    row's products and sums are the same, in the same order."""
     (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, device), _rows_bm(M)
-    if BM == 32 and (N, K) in ROWS_CONFIG_32:
-        BN, stages, warps = ROWS_CONFIG_32[(N, K)]
+    if (N, K) in ROWS_TALL.get(BM, ()):
+        BN, stages, warps = ROWS_TALL[BM][(N, K)]
     return (BN, BK, SPLIT, stages, warps), BM
 
 
@@ -558,7 +569,7 @@ def _gemv_config(M, N, K, cuda, dtype):
         same time at M = 16 and 17; MLP down 51.5 -> 46.1 us, lm_head 600 -> 593, GDN in_proj 43.3 -> 42.7);
         M = 18 .. 32 is not measured.
     These rules apply with BATCH_INVARIANT = False; with it (the default), every bf16 / fp16 step of up to
-    INVARIANT_ROWS rows on CUDA takes _rows_config's tiles instead.
+    INVARIANT_ROWS rows on CUDA takes _rows_tiles' instead.
     fp32 stays with cuBLAS (3x slower in Triton at M = 8, an fp32 'ieee' dot; mixed at M = 1). Off CUDA
     (the interpreter; GEMV_ALWAYS only): small blocks, so that tests cover the loops, the masks and
     split-K."""
@@ -722,7 +733,7 @@ def apply_then(y, then):
 
 def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     """x [..., K] (M rows), w [N, K] contiguous of x's dtype (or e4m3 with its block scales `scale`), cfg from
-    _gemv_config ("rows": _rows_config's tiles, any M in 16-row tiles; "fp8": _fp8_gemv_kernel with _fp8_config's
+    _gemv_config ("rows": _rows_tiles' tiles and row height for M; "fp8": _fp8_gemv_kernel with _fp8_config's
     tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N], through `then` (apply_then): where the K
     split needs a second launch to add its partials, that launch also does `then` (_gemv_sum_swiglu_kernel,
     _gemv_sum_norm_kernel)."""

@@ -6313,16 +6313,18 @@ def test_kernel_rows_linear_invariant(N, Kin, residual, rowwise_dot):
 
 @needs_kernels
 def test_kernel_rows_linear_tall_tiles(monkeypatch, rowwise_dot):
-    """kernels.ROWS_CONFIG_32: other BN, stages and warps at the 32-row tile height (steps of 17-32 rows), BK and
-    the K split the shape's, keep a row's bits those of the row alone."""
+    """kernels.ROWS_CONFIG_32 / ROWS_CONFIG_64: other BN, stages and warps at the 32- and 64-row tile heights
+    (steps of 17-32 and 33-256 rows), BK and the K split the shape's, keep a row's bits those of the row alone."""
     N, Kin = 70, 300
     cpu = torch.device("cpu")
     base = K._rows_config(N, Kin, cpu)
     monkeypatch.setitem(K.ROWS_CONFIG_32, (N, Kin), (32, 2, 4))                     # 3 N blocks instead of 2
+    monkeypatch.setitem(K.ROWS_CONFIG_64, (N, Kin), (16, 3, 8))                     # 5 N blocks
     assert K._rows_tiles(N, Kin, 17, cpu) == ((32, base[1], base[2], 2, 4), 32)
     assert K._rows_tiles(N, Kin, 16, cpu) == (base, 16)
-    assert K._rows_tiles(N, Kin, 33, cpu) == (base, 64)
-    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, (17, 32), residual=True, seed=1)
+    assert K._rows_tiles(N, Kin, 33, cpu) == ((16, base[1], base[2], 3, 8), 64)
+    assert K._rows_tiles(N, Kin, 256, cpu) == ((16, base[1], base[2], 3, 8), 64)
+    w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, (17, 32, 33, 40), residual=True, seed=1)
     assert rel(alone, F.linear(x0, w) + r0) <= TOL[torch.float32]
     assert all(torch.equal(y, alone) for y in got)
 
@@ -6579,11 +6581,12 @@ def test_kernel_gdn_invariant():
 @needs_cuda
 @pytest.mark.parametrize("N,Kin", [(16480, 5120), (14336, 5120), (5120, 6144), (34816, 5120), (5120, 17408),
                                    (248320, 5120), (12352, 2048), (9216, 2048), (2048, 4096), (1281, 2048),
-                                   (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024)])
+                                   (2048, 512), (248320, 2048), (8256, 256), (1024, 256), (256, 1024),
+                                   (6144, 1024), (248320, 1024)])                  # draft_model's 0.6B-shaped LM
 def test_kernel_gpu_invariance_linear(N, Kin):
-    """bf16 at the 27B / 35B-A3B / toy linear shapes: a row alone == the row in steps of 2 .. 136 rows (a 16-row
-    tile alone; a 32-row tile at 17 rows, with ROWS_CONFIG_32's tiles where it has the shape; 64-row tiles at 40
-    and 136)."""
+    """bf16 at the 27B / 35B-A3B / toy / 0.6B draft LM linear shapes: a row alone == the row in steps of 2 .. 136
+    rows (a 16-row tile alone; a 32-row tile at 17 rows, with ROWS_CONFIG_32's tiles where it has the shape; 64-row
+    tiles at 40 and 136, with ROWS_CONFIG_64's)."""
     _, _, _, alone, got = linear_rows_case(N, Kin, torch.bfloat16, residual=N <= 5120)
     assert all(torch.equal(y, alone) for y in got)
 

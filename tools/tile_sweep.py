@@ -1,7 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17] [rowsbm[-m]] [fp8]
-        [fp8bm] [fp8rows] [w8a8] [pdl]
+    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17] [rows40]
+        [rowsbm[-m]] [fp8] [fp8bm] [fp8rows] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -16,6 +16,8 @@ stays in L2), timed per launch:
           (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 40 rows)
   rows17: the batch-invariant linear at 17 rows in 32-row tiles (27B shapes): ROWS_CONFIG's tiles against variants
           of BN, stages and warps with its BK and K split (kernels.ROWS_CONFIG_32), and the same bits as a row alone
+  rows40: the same at 40 rows in 64-row tiles (kernels.ROWS_CONFIG_64; the 27B's shapes, also timed at 64 and 128
+          rows, and draft_model's Qwen3-0.6B-shaped LM)
   rowsbm: the batch-invariant linear's row tiles (kernels._rows_bm: 16, 32, 64, 128 rows) at 1-136 rows: time, and
           the same bits whatever the tile (rowsbm-27b, rowsbm-35b, rowsbm-toy, rowsbm-0.6b: one model's shapes)
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
@@ -188,33 +190,49 @@ def variants_line(res, base):
             + "; bits differ: " + (", ".join(str(v) for _, v, same in res if not same) or "none"))
 
 
-def rows_tall(M=17, model="27b", copies=8):
-    """The row-invariant linear at M rows (17-32: the 32-row tile height) per shape: ROWS_CONFIG's tiles against
-    every BN / stages / warps with the same BK and K split (what a row's sums depend on), us per weight; whether
-    row 0 equals the row alone (ROWS_CONFIG's tiles, a 16-row tile) bit for bit; the three fastest, and the
-    ROWS_CONFIG_32 entries (BN, stages, warps) of those faster than ROWS_CONFIG's tiles."""
+def rows_tall(M=17, model="27b", copies=8, also=()):
+    """The row-invariant linear at M rows per shape, in the tiles of its height (_rows_bm: 32 rows for 17-32, 64
+    for 33-256): ROWS_CONFIG's tiles against every BN / stages / warps with the same BK and K split (what a row's
+    sums depend on), us per weight; whether rows 0 and M-1 equal the rows alone (ROWS_CONFIG's tiles, a 16-row
+    tile) bit for bit; the three fastest and the variants whose bits differ; at the rows in `also`, the base and
+    the fastest variant again. Prints the ROWS_CONFIG_32 / ROWS_CONFIG_64 entries (BN, stages, warps) of the
+    variants faster than ROWS_CONFIG's tiles at M (and, with `also`, not slower at those rows) that keep the bits."""
+    BM = K._rows_bm(M)
+    table = K.ROWS_TALL[BM]
     best = {}
     for (N, Kd) in ROWS_SHAPES[model]:
-        K.ROWS_CONFIG_32.pop((N, Kd), None)
+        table.pop((N, Kd), None)
         BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
         n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
         ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
-        x = torch.randn(M, Kd, device=dev, dtype=bf)
-        alone = K._gemv_launch(x[:1], ws[0], "rows")
+        x = torch.randn(max((M, *also)), Kd, device=dev, dtype=bf)
+        alone = [K._gemv_launch(x[r:r + 1], ws[0], "rows") for r in (0, M - 1)]
 
         def set_tiles(*v):
-            K.ROWS_CONFIG_32[(N, Kd)] = v
+            table[(N, Kd)] = v
 
-        res = tile_variants((16, 32, 64, 128), set_tiles,
-                            lambda: graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n,
-                            lambda: torch.equal(K._gemv_launch(x, ws[0], "rows")[:1], alone))
-        K.ROWS_CONFIG_32.pop((N, Kd))
-        print(f"== {model} {N}x{Kd} at M={M}, ROWS_CONFIG (BK {BK}, split {split}) "
+        def same():
+            y = K._gemv_launch(x[:M], ws[0], "rows")
+            return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[1])
+
+        timed = lambda m=M: graph_time(lambda: [K._gemv_launch(x[:m], w, "rows") for w in ws]) / n  # noqa: E731
+        res = tile_variants((16, 32, 64, 128), set_tiles, timed, same)
+        print(f"== {model} {N}x{Kd} at M={M} ({BM}-row tiles), ROWS_CONFIG (BK {BK}, split {split}) "
               + variants_line(res, (BN, st, nw)), flush=True)
-        if res[0][1] != (BN, st, nw) and res[0][2]:
-            best[(N, Kd)] = res[0][1]
+        pick = res[0][1] if res and res[0][1] != (BN, st, nw) and res[0][2] else None
+        for m in also:
+            row = []
+            for v in [(BN, st, nw)] + ([pick] if pick else []):
+                set_tiles(*v)
+                row.append((v, timed(m)))
+            print(f"   at M={m}: " + "; ".join(f"{v} {t:.1f} us" for v, t in row), flush=True)
+            if pick and row[1][1] > row[0][1]:
+                pick = None
+        table.pop((N, Kd), None)
+        if pick:
+            best[(N, Kd)] = pick
         del ws
-    print("ROWS_CONFIG_32 = {" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
+    print(f"ROWS_CONFIG_{BM} = {{" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
 
 
 rows_bm_of = K._rows_bm
@@ -521,6 +539,9 @@ def main():
         rows(Ms=(1, 8, 40), models=["0.6b"])
     if "rows17" in parts:
         rows_tall()
+    if "rows40" in parts:  # 64-row tiles: ngram / draft_model k=4 at batch 8 (40 rows), 8 x 16-token verifies
+        rows_tall(40, also=(64, 128))
+        rows_tall(40, "0.6b")  # draft_model's first pass at batch 8
     if "rowsbm" in parts:  # rowsbm-27b etc.: one model's shapes
         rows_bm()
     for m in ROWS_SHAPES:

@@ -17,7 +17,7 @@ stays in L2), timed per launch:
   rows17: the batch-invariant linear at 17 rows in 32-row tiles (27B shapes): ROWS_CONFIG's tiles against variants
           of BN, stages and warps with its BK and K split (kernels.ROWS_CONFIG_32), and the same bits as a row alone
   rows40: the same at 40 rows in 64-row tiles (kernels.ROWS_CONFIG_64; the 27B's shapes, also timed at 64 and 128
-          rows, and draft_model's Qwen3-0.6B-shaped LM)
+          rows)
   rowsbm: the batch-invariant linear's row tiles (kernels._rows_bm: 16, 32, 64, 128 rows) at 1-136 rows: time, and
           the same bits whatever the tile (rowsbm-27b, rowsbm-35b, rowsbm-toy, rowsbm-0.6b: one model's shapes)
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
@@ -535,13 +535,12 @@ def main():
     parts = sys.argv[1:] or ["moe-bf16", "gdn", "gemv", "markov"]
     if "rows" in parts:
         rows()
-    if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8)
-        rows(Ms=(1, 8, 40), models=["0.6b"])
+    if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8: an
+        rows(Ms=(1, 8, 16), models=["0.6b"])  # attention-only draft's first pass is 2 tokens a request)
     if "rows17" in parts:
         rows_tall()
     if "rows40" in parts:  # 64-row tiles: ngram / draft_model k=4 at batch 8 (40 rows), 8 x 16-token verifies
         rows_tall(40, also=(64, 128))
-        rows_tall(40, "0.6b")  # draft_model's first pass at batch 8
     if "rowsbm" in parts:  # rowsbm-27b etc.: one model's shapes
         rows_bm()
     for m in ROWS_SHAPES:

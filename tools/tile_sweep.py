@@ -1,6 +1,6 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
-    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17] [rows40]
+    python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17[-m]] [rows40[-m]]
         [rowsbm[-m]] [fp8] [fp8bm] [fp8rows] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
@@ -17,7 +17,7 @@ stays in L2), timed per launch:
   rows17: the batch-invariant linear at 17 rows in 32-row tiles (27B shapes): ROWS_CONFIG's tiles against variants
           of BN, stages and warps with its BK and K split (kernels.ROWS_CONFIG_32), and the same bits as a row alone
   rows40: the same at 40 rows in 64-row tiles (kernels.ROWS_CONFIG_64; the 27B's shapes, also timed at 64 and 128
-          rows)
+          rows); rows17-<m>, rows40-<m>: model m's shapes (35b, toy, 0.6b)
   rowsbm: the batch-invariant linear's row tiles (kernels._rows_bm: 16, 32, 64, 128 rows) at 1-136 rows: time, and
           the same bits whatever the tile (rowsbm-27b, rowsbm-35b, rowsbm-toy, rowsbm-0.6b: one model's shapes)
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
@@ -541,6 +541,11 @@ def main():
         rows_tall()
     if "rows40" in parts:  # 64-row tiles: ngram / draft_model k=4 at batch 8 (40 rows), 8 x 16-token verifies
         rows_tall(40, also=(64, 128))
+    for m in ROWS_SHAPES:  # rows17-35b, rows40-35b, ...: another model's shapes
+        if f"rows17-{m}" in parts:
+            rows_tall(17, m)
+        if f"rows40-{m}" in parts:
+            rows_tall(40, m, also=(64, 128))
     if "rowsbm" in parts:  # rowsbm-27b etc.: one model's shapes
         rows_bm()
     for m in ROWS_SHAPES:

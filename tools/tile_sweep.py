@@ -13,7 +13,7 @@ stays in L2), timed per launch:
   gemv:   the Triton GEMV against cuBLAS at M = 17 and 16 (27B shapes) and M = 1 (35B's small shapes)
   markov: DSpark's greedy Markov stage (V 248320, r 256, 16 steps) over block sizes
   rows:   the batch-invariant linear (one tile config per weight shape, any M) against cuBLAS and the per-M GEMV
-          (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 40 rows)
+          (rows-0.6b: draft_model's Qwen3-0.6B-shaped LM only, at 1, 8 and 16 rows)
   rows17: the batch-invariant linear at 17 rows in 32-row tiles (27B shapes): ROWS_CONFIG's tiles against variants
           of BN, stages and warps with its BK and K split (kernels.ROWS_CONFIG_32), and the same bits as a row alone
   rows40: the same at 40 rows in 64-row tiles (kernels.ROWS_CONFIG_64; the 27B's shapes, also timed at 64 and 128
@@ -201,7 +201,7 @@ def rows_tall(M=17, model="27b", copies=8, also=()):
     table = K.ROWS_TALL[BM]
     best = {}
     for (N, Kd) in ROWS_SHAPES[model]:
-        table.pop((N, Kd), None)
+        kept = table.pop((N, Kd), None)                       # put back below: later parts see kernels.py's tiles
         BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
         n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
         ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
@@ -229,6 +229,8 @@ def rows_tall(M=17, model="27b", copies=8, also=()):
             if pick and row[1][1] > row[0][1]:
                 pick = None
         table.pop((N, Kd), None)
+        if kept:
+            table[(N, Kd)] = kept
         if pick:
             best[(N, Kd)] = pick
         del ws
@@ -537,15 +539,11 @@ def main():
         rows()
     if "rows-0.6b" in parts:  # draft_model's Qwen3-0.6B shapes, at its decode / first-pass rows (batch 1 and 8: an
         rows(Ms=(1, 8, 16), models=["0.6b"])  # attention-only draft's first pass is 2 tokens a request)
-    if "rows17" in parts:
-        rows_tall()
-    if "rows40" in parts:  # 64-row tiles: ngram / draft_model k=4 at batch 8 (40 rows), 8 x 16-token verifies
-        rows_tall(40, also=(64, 128))
-    for m in ROWS_SHAPES:  # rows17-35b, rows40-35b, ...: another model's shapes
-        if f"rows17-{m}" in parts:
+    for m in ROWS_SHAPES:  # rows17 / rows40: the 27B's shapes; rows17-35b etc.: another model's
+        if f"rows17-{m}" in parts or (m == "27b" and "rows17" in parts):
             rows_tall(17, m)
-        if f"rows40-{m}" in parts:
-            rows_tall(40, m, also=(64, 128))
+        if f"rows40-{m}" in parts or (m == "27b" and "rows40" in parts):  # ngram / draft_model k=4 at batch 8 (40
+            rows_tall(40, m, also=(64, 128))                                  # rows), 8 x 16-token verifies (128)
     if "rowsbm" in parts:  # rowsbm-27b etc.: one model's shapes
         rows_bm()
     for m in ROWS_SHAPES:

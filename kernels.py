@@ -441,10 +441,11 @@ GEMV_PREFETCH = True  # inside drafting(): _gemv_kernel's PRE, its first weight 
 # depend on the other rows of its step. In bf16 near-ties are common enough that a different rounding flips a
 # greedy token (the losslessness sweep of tools/lossless_sweep.py saw it at T = 2 on the toy model). So with
 # BATCH_INVARIANT every decode / verify row gets one arithmetic whatever M, T and the batch are:
-#   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose tiles and K
+#   - linear layers of up to INVARIANT_ROWS rows (bf16 / fp16, CUDA): one Triton kernel whose K chunks and K
 #     split are a function of the weight's shape alone (_rows_config), rows in tl.dot tiles of 16 rows (32
-#     up to 32 rows, 64 above: _rows_bm; a row's products do not depend on the other rows of its tile, nor
-#     on its height); cuBLAS picks its algorithm by M and is left to prefill;
+#     up to 32 rows, 64 above: _rows_bm), each height with its own BN / stages / warps (_rows_tiles; a row's
+#     products do not depend on the other rows of its tile, nor on its height or width); cuBLAS picks its
+#     algorithm by M and is left to prefill;
 #   - attention: keys split at fixed multiples of ATTN_CHUNK, the splits merged in order, one query-tile
 #     shape;
 #   - the GDN recurrence: one value-block size and warp count.
@@ -521,11 +522,11 @@ ROWS_CONFIG_32 = {(16480, 5120): (128, 4, 4), (14336, 5120): (128, 4, 4), (34816
 # 16-token verify at batch 3-8). tools/tile_sweep.py rows40 on the H200 (session 30; us at 40 / 128 rows,
 # ROWS_CONFIG's tiles in brackets; a row's bits the same as alone): 27B GDN in_proj 41.4 / 57.7 (44.9 / 67.1), qkv
 # 38.3 / 57.0 (41.6 / 64.8), o_proj and out_proj 25.6 / 44.5 (28.1 / 48.0), gate_up 99.8 / 164.2 (109.9 / 173.1),
-# down 54.9 / 75.7 (57.5 / 91.7); lm_head keeps its tiles (623.7 at 40). draft_model's Qwen3-0.6B-shaped LM at 40
-# rows (its first pass at batch 8): gate_up 5.9 (6.1), lm_head 128.1 (153.7); its other shapes keep theirs.
+# down 54.9 / 75.7 (57.5 / 91.7); lm_head keeps its tiles (623.7 at 40). draft_model's Qwen3-0.6B-shaped LM never
+# runs 33+ rows (an attention-only draft's first pass is 2 tokens a request: 16 rows at batch 8; its logits one row
+# a request), so its shapes have no entry here.
 ROWS_CONFIG_64 = {(16480, 5120): (128, 4, 8), (14336, 5120): (64, 3, 4), (5120, 6144): (64, 2, 4),
-                  (34816, 5120): (64, 2, 4), (5120, 17408): (128, 4, 4),
-                  (6144, 1024): (64, 4, 4), (248320, 1024): (128, 4, 4)}
+                  (34816, 5120): (64, 2, 4), (5120, 17408): (128, 4, 4)}
 ROWS_TALL = {32: ROWS_CONFIG_32, 64: ROWS_CONFIG_64}  # tile height -> its (N, K) -> (BN, stages, warps)
 
 
@@ -993,10 +994,13 @@ def _fp8_gemv_kernel(p_x, p_w, w_desc, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.c
 # chained in a CUDA graph; session 10's tiles with plain loads in brackets). 27B: GDN in_proj (qkv | z) 24.1
 # (26.4), attention qkv 21.9 (24.3), o_proj / out_proj 12.8 (14.2), MLP gate_up 48.2 (50.3), down 26.8 (29.0):
 # 7.1 ms of FP8 linears per token against 7.6. 35B-A3B: GDN in_proj 9.9, qkv 8.5, o_proj 7.4, shared expert's
-# gate | up 4.9, shared down 3.4 (4.1 at session 11's tiles). Other shapes: the rule below.
+# gate | up 4.9, shared down 3.4 (4.1 at session 11's tiles). Other shapes: the rule below. The 27B's MLP down
+# takes 4 warps, not the 8 fastest there at one row: tools/tile_sweep.py fp8rows (session 30), 2-16 rows in one
+# 16-row tile, 4 warps 1.8-2.2 % faster (8 rows: 27.9 -> 27.2 us), the same bits; at one row 27.0 -> 27.2 us alone,
+# and the same in the step (27B FP8 off, one process, two rounds: batch 1 8.577 -> 8.576 ms, batch 8 9.769 -> 9.744).
 FP8_ROWS_CONFIG = {
     (16384, 5120): (128, 2, 4, 4), (14336, 5120): (128, 2, 4, 4), (5120, 6144): (128, 8, 3, 4),
-    (34816, 5120): (128, 4, 3, 4), (5120, 17408): (128, 8, 3, 8),
+    (34816, 5120): (128, 4, 3, 4), (5120, 17408): (128, 8, 3, 4),
     (12288, 2048): (128, 4, 3, 8), (9216, 2048): (128, 4, 3, 4), (2048, 4096): (128, 4, 4, 8),
     (1024, 2048): (128, 4, 3, 8), (2048, 512): (64, 2, 3, 8)}
 

@@ -1,7 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
     python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17[-m]] [rows40[-m]]
-        [rowsbm[-m]] [fp8] [fp8bm] [fp8rows] [w8a8] [pdl]
+        [rowsbm[-m]] [fp8] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -23,8 +23,8 @@ stays in L2), timed per launch:
   fp8:    the FP8 decode linear's tiles (kernels.FP8_ROWS_CONFIG) at the 27B / 35B-A3B FP8 shapes, M = 1,
           against a device copy of the same bytes and the same tiles with plain loads (kernels.FP8_TMA off: time,
           bits) (the FP8 MoE pair kernels: moe-fp8, each with its whole layer beside bf16's in moe-bf16)
-  fp8rows: the FP8 decode linear at 8 and 16 rows (27B shapes): FP8_ROWS_CONFIG's tiles (chosen at one row)
-          against every BN / stages / warps with its K split, and which of them keep a row's bits
+  fp8rows: the FP8 decode linear at 8 and 16 rows (27B shapes; fp8rows-35b-a3b: the 35B-A3B's): FP8_ROWS_CONFIG's
+          tiles against every BN / stages / warps with its K split, and which of them keep a row's bits
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -553,8 +553,9 @@ def main():
         fp8()
     if "fp8bm" in parts:
         fp8_bm()
-    if "fp8rows" in parts:
-        fp8_rows()
+    for m in FP8_SHAPES:  # fp8rows: the 27B's shapes; fp8rows-35b-a3b: the 35B-A3B's
+        if f"fp8rows-{m}" in parts or (m == "27b" and "fp8rows" in parts):
+            fp8_rows(model=m)
     if "w8a8" in parts:
         w8a8()
     if "pdl" in parts:

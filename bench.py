@@ -15,7 +15,9 @@ Serve mode is `vllm bench serve` (its flags and defaults: --host / --port / --ba
 Offline mode reports TTFT, TPOT, tok/s per sequence and aggregate, acceptance, the weight bandwidth achieved,
 and the GEMM-only floor (every weight matrix the step reads, fused as the engine runs them, each GEMM by cuBLAS,
 chained in one CUDA graph as in h200-anchors.md) with our TPOT as a ratio of it. Each row as a `# measured:` line
-as soon as it is measured (a run cut short keeps those), then a table, then one JSON line last.
+as soon as it is measured (a run cut short keeps those), then a table, then one JSON line last. A row whose timed
+run stalled (its longest step over 5x the median, or a CUDA graph captured only then) gets a `# stall` line: the
+step times, the late captures and the garbage collector's passes (each row's JSON carries them too).
 For a MoE, --true-floor adds what that GEMM chain is not: the bytes a step reads, with the distinct experts of its
 actual routing (routed_experts), at the copy rate measured in the same run (true_floor_ms).
 """
@@ -496,14 +498,31 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
     eng.stats = sd.SpecStats()
     reqs = [eng.add_request(prompt(), sp) for _ in range(B)]
     torch.cuda.synchronize() if device.type == "cuda" else None
+    # what could stall the timed run, recorded to explain an outlier row: graphs captured only now (a bucket the
+    # warm-up missed), the garbage collector's passes, and the longest engine step against the median one
+    graphs = eng.runner.graphs.graphs if eng.runner.graphs is not None else {}
+    n_graphs, gc_ms, gc_t = len(graphs), [], []
+
+    def gc_cb(phase, info):
+        if phase == "start":
+            gc_t.append(time.perf_counter())
+        else:
+            gc_ms.append(1e3 * (time.perf_counter() - gc_t.pop()))
+    gc.callbacks.append(gc_cb)
     t0 = time.perf_counter()
     for r in reqs:
         r.arrival_time = t0
     eng.step()  # admits all B requests: each prefilled on its own, each emitting its first token
     t_first = time.perf_counter()
+    steps = []
     while eng.has_work():
+        t = time.perf_counter()
         eng.step()
+        steps.append(time.perf_counter() - t)
     t1 = time.perf_counter()
+    gc.callbacks.remove(gc_cb)
+    stalls = dict(late_graph_captures=len(graphs) - n_graphs, gc_passes=len(gc_ms), gc_ms=sum(gc_ms),
+                  max_step_ms=1e3 * max(steps, default=0), median_step_ms=1e3 * statistics.median(steps or [0]))
     ttft = [r.first_token_time - r.arrival_time for r in reqs]
     # decode time per output token once the batch is running (from the end of the admitting step, so that the
     # other requests' prefills are not counted in the first request's TPOT)
@@ -529,7 +548,7 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
                 tok_s_per_seq=1 / statistics.mean(tpot), tok_s_aggregate=n_out / (t1 - t0),
                 decode_tok_s_aggregate=B / statistics.mean(tpot), num_drafts=st.num_drafts, draft_ms_per_step=draft_ms,
                 mean_acceptance_length=st.mean_acceptance_length if st.num_drafts else None,
-                draft_acceptance_rate=st.draft_acceptance_rate if st.num_drafts else None)
+                draft_acceptance_rate=st.draft_acceptance_rate if st.num_drafts else None, **stalls)
 
 
 def run_stall(model, spec, streams, prompt_len, long_len, gen_len, device, dtype, budget, chunked, seed=0):
@@ -1338,6 +1357,10 @@ def main(argv=None):
                     ("draft ms", "draft_ms_per_step")) if r.get(key) is not None)
                 print(f"# measured: {r['method']} k={k} batch {B} prompt {P}: TTFT {r['ttft_ms']:.1f} ms, TPOT "
                       f"{r['tpot_ms']:.2f} ms{extra}", flush=True)
+                if r["late_graph_captures"] or r["max_step_ms"] > 5 * r["median_step_ms"] + 1:
+                    print(f"# stall in that run: longest step {r['max_step_ms']:.1f} ms (median "
+                          f"{r['median_step_ms']:.2f}); graphs captured during it {r['late_graph_captures']}; "
+                          f"{r['gc_passes']} garbage-collector passes, {r['gc_ms']:.1f} ms", flush=True)
     costs = verify_costs(model, sorted(set([1] + a.verify_cost)), device, dtype) \
         if a.verify_cost and device.type == "cuda" else None
     if a.ngram_cost and device.type == "cuda":

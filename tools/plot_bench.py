@@ -154,6 +154,8 @@ if __name__ == "__main__":
         all_plots(*args[1:3])
         sys.exit(0)
     x = "batch"
-    if args[:1] == ["--x"]:
+    if args[:1] == ["--x"] and len(args) > 1:
         x, args = args[1], args[2:]
+    if len(args) < 2 or args[0].startswith("-") or x not in ("batch", "prompt", "speedup", "fp8"):
+        sys.exit(__doc__)  # -h / --help, a missing log or an unknown --x: the usage above, no traceback
     main(args[0], args[1:], x)

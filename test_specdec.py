@@ -6,6 +6,7 @@ Also a tool: `python test_specdec.py make-tiny DIR [--moe]` writes a tiny random
 """
 import dataclasses
 import functools
+import gc
 import http.client
 import json
 import math
@@ -1994,6 +1995,33 @@ def test_bench_true_floor(monkeypatch, capsys):
     # each row also printed as soon as it was measured, before the table (a run cut short keeps those)
     assert [line.split(":")[1] for line in out if line.startswith("# measured:")] == [
         f" off k=0 batch {r['batch']} prompt 8" for r in rows]
+
+
+def test_bench_stall_report(monkeypatch, capsys):
+    """bench.py says why a row's timed run stalled: run_batch records its longest engine step against the median
+    one (here one step made 80 ms longer), the CUDA graphs captured during it (none on the CPU) and the garbage
+    collector's passes (one forced inside that step), and the command line prints a `# stall` line for that row."""
+    cpu = torch.device("cpu")
+    model, _ = bench.random_model("tiny", torch.float32, cpu)
+    step, done = sd.Engine.step, []
+
+    def slow_step(self):  # once, midway through the timed run (its requests want 16 tokens, the warm-up's 2 and 4)
+        if not done and any(r is not None and r.params.max_tokens == 16 and len(r.output_ids) >= 8
+                            for r in self.slots):
+            done.append(1)
+            gc.collect()
+            time.sleep(0.08)
+        return step(self)
+    monkeypatch.setattr(sd.Engine, "step", slow_step)
+    r = bench.run_batch(model, None, 2, 8, 16, cpu, torch.float32, True)
+    assert done and r["late_graph_captures"] == 0 and r["gc_passes"] >= 1 and r["gc_ms"] > 0
+    assert r["max_step_ms"] >= 80 and r["max_step_ms"] > 5 * r["median_step_ms"] + 1
+    done.clear()
+    capsys.readouterr()
+    bench.main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--batch", "2",
+                "--prompt-len", "8", "--gen-len", "16", "--enforce-eager", "--no-floor"])
+    out = capsys.readouterr().out
+    assert "# stall in that run: longest step" in out and "garbage-collector passes" in out
 
 
 def test_bench_step_ids_route_like_text(monkeypatch):

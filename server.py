@@ -264,27 +264,30 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
 
 
 def parse_completion(app, body):
-    """A /v1/completions body -> (prompt ids, echo text, SamplingParams, None: no chat)."""
+    """A /v1/completions body -> ([(prompt ids, echo text), ...], SamplingParams, None: no chat). `prompt` is a
+    string or a list of token ids, or a batch: a list of those (vLLM's; each prompt gets n choices, prompt i's at
+    indices i * n .. i * n + n - 1)."""
     tok, vocab = app.tokenizer, app.vocab
     prompt = body.get("prompt")
+    batch = [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise bad("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tok.encode(prompt)
-    elif isinstance(prompt, list) and all(JSON_TYPES["integer"](t) for t in prompt):
-        ids, prompt = prompt, None
-    else:
-        raise bad("'prompt' is required" if prompt is None else
-                  "'prompt' must be a string or a list of token ids", "prompt")
+        batch = prompt
     logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
     max_tokens = max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
     params = sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling)
-    whole = ids
-    ids, params = prompt_fields(app, body, ids, params, logprobs if echo else None)
-    echo = (prompt if prompt is not None and ids == whole else tok.decode(ids)) if echo else ""
-    return ids, echo, params, None
+    prompts, with_fields = [], params
+    for p in batch:
+        if isinstance(p, str):
+            ids = tok.encode(p)
+        elif isinstance(p, list) and all(JSON_TYPES["integer"](t) for t in p):
+            ids, p = p, None
+        else:
+            raise bad("'prompt' is required" if p is None else
+                      "'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+        whole = ids
+        ids, with_fields = prompt_fields(app, body, ids, params, logprobs if echo else None)  # (the same each time)
+        prompts.append((ids, (p if p is not None and ids == whole else tok.decode(ids)) if echo else ""))
+    return prompts, with_fields, None
 
 
 def prompt_fields(app, body, ids, params, implied=None):
@@ -394,7 +397,7 @@ ChatSpec = namedtuple("ChatSpec", "start parser prefix tool_choice include_reaso
 
 
 def parse_chat(app, body):
-    """A /v1/chat/completions body -> (prompt ids, "" (no echo), SamplingParams, ChatSpec). The prompt is
+    """A /v1/chat/completions body -> ([(prompt ids, "" (no echo))], SamplingParams, ChatSpec). The prompt is
     the chat template's rendering (with the tools and the chat_template_kwargs over the server's defaults);
     tool_choice required or a named function writes the start of a call after it (no structured outputs)."""
     msgs = parse_messages(body.get("messages"))
@@ -423,7 +426,7 @@ def parse_chat(app, body):
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, app.vocab, app.llm.default_sampling)
     ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt + prefix), params)
-    return ids, "", params, spec
+    return [(ids, "")], params, spec
 
 
 # ==============================================================================================
@@ -1340,10 +1343,11 @@ class Handler(BaseHTTPRequestHandler):
         body = app.check_model(parse_json(raw))
         self.generate(app, body, *parse_chat(app, body))
 
-    def generate(self, app, body, ids, echo, params, spec):
-        """Run one request (spec: its ChatSpec, None for a completion) and answer, whole or streamed. n > 1
-        (or best_of) runs that many samples as jobs of their own (choices 0..n-1; best_of keeps the n of
-        highest cumulative logprob)."""
+    def generate(self, app, body, prompts, params, spec):
+        """Run one request (spec: its ChatSpec, None for a completion) and answer, whole or streamed. prompts:
+        [(ids, echo text)], several for a completions batch. n > 1 (or best_of) runs that many samples of each
+        prompt as jobs of their own (prompt i's choices i * n .. i * n + n - 1; best_of keeps the n of highest
+        cumulative logprob)."""
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
         if opts is not None and not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
@@ -1354,13 +1358,22 @@ class Handler(BaseHTTPRequestHandler):
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": kind,
                 "created": int(time.time()), "model": app.name}
-        if app.log_requests:
-            print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
-                  f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
-        jobs = [Job(ids, p) for p in params.samples()]
-        for job in jobs:
-            job.ranked = params.ranked
-            job.fork_of = jobs[0] if job is not jobs[0] else None
+        groups = []  # per prompt: its jobs (one per sample; the first's prefill copied by the others), echo
+        for ids, echo in prompts:
+            if app.log_requests:
+                print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
+                      f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
+            group = [Job(ids, p) for p in params.samples()]
+            for job in group:
+                job.ranked = params.ranked
+                job.fork_of = group[0] if job is not group[0] else None
+            groups.append((group, echo))
+        jobs = [job for group, _ in groups for job in group]
+        most = app.loop.engine.max_num_seqs + app.loop.max_queue
+        if len(jobs) > most:  # more than the server ever holds at once: it would answer 503 however long one waits
+            raise bad(f"this request needs {len(jobs)} sequences ({len(groups)} prompt(s) x "
+                      f"{len(jobs) // len(groups)} samples), more than the server takes at once: {most} "
+                      f"(--max-num-seqs + --max-queue)", "prompt" if len(groups) > 1 else "n")
         submitted = []
         # completions' echo with logprobs: the prompt's tokens lead the logprobs (vLLM)
         with_prompt = not chat and get(body, "echo", "boolean", False) and params.logprobs is not None
@@ -1368,35 +1381,37 @@ class Handler(BaseHTTPRequestHandler):
             for job in jobs:
                 app.loop.submit(job)
                 submitted.append(job)
+            n_prompt = sum(len(group[0].prompt_ids) for group, _ in groups)  # (once per prompt, whatever n)
             if stream:
-                self.stream(jobs, head, spec, opts or {}, echo, app.tokenizer, with_prompt)
+                self.stream(groups, n_prompt, head, spec, opts or {}, app.tokenizer, with_prompt)
                 return
-            answers = []
-            for job in jobs:
-                ids, lps = [], []
-                for text, new_ids, new_lps, n, finish, stop in self.updates(job):
-                    ids, lps = ids + new_ids, lps + (new_lps or [])
-                answers.append((job, text, ids, lps, n, finish, stop))
-            if params.ranked:
-                answers = sorted(answers, key=lambda a: -a[0].req.cumulative_logprob)[:params.n]
-            plps = jobs[0].req.prompt_logprobs  # set before the request's first update
-            extra = {} if plps is None else {"prompt_logprobs": prompt_logprobs_json(plps)}
-            choices = []
-            for i, (job, text, ids, lps, n, finish, stop) in enumerate(answers):
-                if with_prompt:
-                    ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
-                if chat:
-                    out = ChatStream(spec.start, spec.parser, spec.prefix)
-                    out.feed(text, final=True)
-                    answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
-                else:
-                    answer = {"text": echo + text, **extra}  # completions': in the choice
-                fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
-                choices.append(choice(answer, fmt(ids, lps), finish, stop, i))
+            choices, n_out = [], 0
+            for group, echo in groups:
+                answers = []
+                for job in group:
+                    ids, lps = [], []
+                    for text, new_ids, new_lps, n, finish, stop in self.updates(job):
+                        ids, lps = ids + new_ids, lps + (new_lps or [])
+                    answers.append((job, text, ids, lps, n, finish, stop))
+                if params.ranked:
+                    answers = sorted(answers, key=lambda a: -a[0].req.cumulative_logprob)[:params.n]
+                plps = group[0].req.prompt_logprobs  # set before the request's first update
+                extra = {} if plps is None else {"prompt_logprobs": prompt_logprobs_json(plps)}
+                for job, text, ids, lps, n, finish, stop in answers:
+                    if with_prompt:
+                        ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
+                    if chat:
+                        out = ChatStream(spec.start, spec.parser, spec.prefix)
+                        out.feed(text, final=True)
+                        answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
+                    else:
+                        answer = {"text": echo + text, **extra}  # completions': in the choice
+                    fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
+                    choices.append(choice(answer, fmt(ids, lps), finish, stop, len(choices)))
+                n_out += sum(a[4] for a in answers)
             if chat:
-                head = dict(head, **extra)  # vLLM: chat's prompt_logprobs beside its choices
-            n_out = sum(a[4] for a in answers)
-            self.send(200, dict(head, choices=choices, usage=usage(len(jobs[0].prompt_ids), n_out)))
+                head = dict(head, **extra)  # vLLM: chat's prompt_logprobs beside its choices (one prompt)
+            self.send(200, dict(head, choices=choices, usage=usage(n_prompt, n_out)))
         except BaseException:  # the client left, or a failure: free the slots now
             for job in submitted:
                 app.loop.abort(job)
@@ -1447,8 +1462,9 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def stream(self, jobs, head, spec, opts, echo, tok, with_prompt=False):
-        """The answer as server-sent events; with n > 1 the choices one after the other (each chunk names its
+    def stream(self, groups, n_prompt, head, spec, opts, tok, with_prompt=False):
+        """The answer as server-sent events: groups [(one prompt's jobs, its echo text)], n_prompt their prompt
+        tokens in all. With n > 1 or several prompts the choices go one after the other (each chunk names its
         index), while the engine runs them all."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -1461,8 +1477,9 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.streaming = True
         with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
-        n_prompt, n_done = len(jobs[0].prompt_ids), 0
-        for index, job in enumerate(jobs):
+        jobs = [(job, echo) for group, echo in groups for job in group]
+        n_done = 0
+        for index, (job, echo) in enumerate(jobs):
             n_done += self.stream_choice(job, index, head, spec, echo, tok, (with_usage, continuous), n_done,
                                          with_prompt)
         self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n_done)) if with_usage else None)

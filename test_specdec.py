@@ -3615,6 +3615,37 @@ def test_sampling_fields_on_both_endpoints(srv_spec, tiny_model):
 
 
 
+def test_completions_batch_of_prompts(srv):
+    """/v1/completions with a list of prompts (strings or token-id lists), as vLLM serves it: n choices per prompt,
+    prompt i's at indices i * n .. i * n + n - 1, each what that prompt alone gets (greedy; seeded samples), echo
+    per prompt, the usage summed over prompts (each prompt's tokens counted once); streamed the same, every chunk
+    naming its index, the usage chunk last."""
+    ids = srv.post("/tokenize", {"prompt": "one two three"})[1]["tokens"]
+    batch = ["hello there", ids, "a b c a b"]
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    alone = [srv.post("/v1/completions", dict(body, prompt=p))[1] for p in batch]
+    status, out = srv.post("/v1/completions", dict(body, prompt=batch, echo=True))
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for p, a, c in zip(batch, alone, out["choices"]):
+        echo = p if isinstance(p, str) else "one two three"
+        assert c["text"] == echo + a["choices"][0]["text"], (p, c)
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert out["usage"]["completion_tokens"] == 15
+    sampled = dict(body, temperature=1.0, seed=5, n=2)
+    status, out = srv.post("/v1/completions", dict(sampled, prompt=batch[::2]))
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for i, p in enumerate(batch[::2]):
+        one = srv.post("/v1/completions", dict(sampled, prompt=p))[1]["choices"]
+        assert [c["text"] for c in out["choices"][2 * i:2 * i + 2]] == [c["text"] for c in one], p
+    raw = srv.request("POST", "/v1/completions", dict(sampled, prompt=batch[::2], stream=True,
+                                                        stream_options={"include_usage": True}))[2]
+    events = sse_events(raw)
+    chunks = [c for e in events[:-1] for c in e["choices"]]
+    for i in range(4):
+        assert "".join(c["text"] for c in chunks if c["index"] == i) == out["choices"][i]["text"], i
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == out["usage"]
+
+
 def test_openai_client_completions(srv):
     import openai
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
@@ -3765,8 +3796,11 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": []}, 400, None, "empty"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "required"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "only one prompt per request is supported"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt", "a list of either"),
+    ("/v1/completions", {"prompt": ["a", [1, 2], []]}, 400, None, "empty"),
+    ("/v1/completions", {"prompt": ["a"] * 70, "max_tokens": 2}, 400, "prompt",
+     "this request needs 70 sequences (70 prompt(s) x 1 samples), more than the server takes at once: 68"),
     ("/v1/completions", {"prompt": [5000]}, 400, None, "out of range"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None,
      "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens"),

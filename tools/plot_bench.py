@@ -156,6 +156,6 @@ if __name__ == "__main__":
     x = "batch"
     if args[:1] == ["--x"] and len(args) > 1:
         x, args = args[1], args[2:]
-    if len(args) < 2 or args[0].startswith("-") or x not in ("batch", "prompt", "speedup", "fp8"):
+    if len(args) < 2 or args[0].startswith("-") or x not in {kind for _, kind, _, _ in PLOTS}:
         sys.exit(__doc__)  # -h / --help, a missing log or an unknown --x: the usage above, no traceback
     main(args[0], args[1:], x)

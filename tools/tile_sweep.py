@@ -328,6 +328,7 @@ def fp8_rows(Ms=(8, 16), model="27b"):
         xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
         run = lambda M, q=qs[0]: K._gemv_launch(xs[:M], q[0], "fp8", None, q[1])  # noqa: E731
         alone = [K._gemv_launch(xs[r:r + 1], qs[0][0], "fp8", None, qs[0][1]) for r in range(max(Ms))]
+
         def set_tiles(BN, st, nw):
             K.FP8_ROWS_CONFIG[(N, Kd)] = (BN, split, st, nw)
 

@@ -996,7 +996,7 @@ def _fp8_gemv_kernel(p_x, p_w, w_desc, p_s, p_y, p_r, M, N, K, s_x, KB, BM: tl.c
 # 7.1 ms of FP8 linears per token against 7.6. 35B-A3B: GDN in_proj 9.9, qkv 8.5, o_proj 7.4, shared expert's
 # gate | up 4.9, shared down 3.4 (4.1 at session 11's tiles). Other shapes: the rule below. The 27B's MLP down
 # takes 4 warps, not the 8 fastest there at one row: tools/tile_sweep.py fp8rows (session 30), 2-16 rows in one
-# 16-row tile, 4 warps 1.8-2.2 % faster (8 rows: 27.9 -> 27.2 us), the same bits; at one row 27.0 -> 27.2 us alone,
+# 16-row tile, 4 warps 1.8-2.2 % faster (8 rows: 27.7 -> 27.1 us), the same bits; at one row 27.0 -> 27.2 us alone,
 # and the same in the step (27B FP8 off, one process, two rounds: batch 1 8.577 -> 8.576 ms, batch 8 9.769 -> 9.744).
 FP8_ROWS_CONFIG = {
     (16384, 5120): (128, 2, 4, 4), (14336, 5120): (128, 2, 4, 4), (5120, 6144): (128, 8, 3, 4),

@@ -2376,12 +2376,15 @@ class GraphRunner:
     its record owns (as it owns the outputs); padding rows beyond the batch get slot = the dummy slot,
     temperature 1, everything else 0. A batch no bucket holds runs eagerly (the caller's fallback)."""
     def __init__(self, state):
-        n = state.dummy_slot                                          # max_num_seqs
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < n] + [n]
+        self.buckets = self.bucket_sizes(state.dummy_slot)           # dummy_slot = max_num_seqs
         self.dummy_slot = state.dummy_slot
         self.kv_len = state.max_len   # a graph serves every position: its attention may read the whole cache
         self.graphs = {}              # (name, bucket, input shapes) -> record: static inputs, outputs, graphs
         self.pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def bucket_sizes(max_num_seqs):
+        return [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs] + [max_num_seqs]
 
     def pad(self, name):
         return self.dummy_slot if name == "slots" else (1 if name == "temp" else 0)
@@ -2927,6 +2930,28 @@ class Engine:
 
     def has_work(self):
         return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def warmup(self, force=False):
+        """Capture the CUDA graph of every batch bucket, for both kinds of speculative step (greedy ones whole,
+        sampled ones by pieces), before the first real request: a graph captured later stalls every request in
+        flight for its capture (160-290 ms at the 27B's shapes, measured). Bucket b gets b dummy requests at
+        once, so their first step runs exactly b rows. (Requests stopping at staggered lengths, the first form
+        of this, can skip a bucket: two of them may stop in the same step.) Nothing without graphs (CPU,
+        enforce_eager) unless forced. The counters reset after; the slots' states are reset by each prefill."""
+        graphs = self.runner.graphs
+        if graphs is None and not force:
+            return
+        prompt = list(range(1, 17))
+        n = max(1, min(3, self.max_model_len - len(prompt)))
+        kinds = [dict(temperature=0)] + ([dict(temperature=1.0, seed=0)] if self.spec is not None else [])
+        for b in GraphRunner.bucket_sizes(self.max_num_seqs):
+            for kind in kinds:
+                for _ in range(b):
+                    self.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True, **kind))
+                while self.has_work():
+                    self.step()
+        self.stats = SpecStats()
+        self.num_requests = 0
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -4485,20 +4510,8 @@ class LLM:
 
     def warmup(self, force=False):
         """Compile the kernels and capture the CUDA graphs of every batch bucket before serving (vLLM
-        captures at start-up): max_num_seqs dummy requests stopping k+2 tokens apart, so the batch shrinks
-        through every bucket. Nothing without graphs (CPU, enforce_eager) unless forced: nothing to capture.
-        Counters reset after."""
-        e = self.engine
-        if e.runner.graphs is None and not force:
-            return
-        prompt = list(range(1, 17))
-        for i in range(e.max_num_seqs):
-            n = min(2 + (e.runner.k + 2) * i, self.max_model_len - len(prompt))
-            e.add_request(prompt, SamplingParams(temperature=0, max_tokens=max(n, 1), ignore_eos=True))
-        while e.has_work():
-            e.step()
-        e.stats = SpecStats()
-        e.num_requests = 0
+        captures at start-up): Engine.warmup. Nothing without graphs (CPU, enforce_eager) unless forced."""
+        self.engine.warmup(force)
 
 
 def default_model_path():

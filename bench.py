@@ -487,9 +487,9 @@ def run_batch(model, spec, B, prompt_len, gen_len, device, dtype, enforce_eager,
         return torch.randint(0, V, (prompt_len,), generator=g).tolist()
 
     sp = sd.SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
-    # warm-up, outside the timed run: compiles the kernels and captures the graphs of every batch bucket up to B.
-    # Requests finish at different steps (speculative steps emit different counts), so a timed batch shrinks
-    # through smaller buckets: here request i stops k + 2 tokens after request i - 1, one bucket after another.
+    # warm-up, outside the timed run: compiles the kernels for these prompts and steps (request i stops k + 2 tokens
+    # after request i - 1), then Engine.warmup captures the graphs of every batch bucket up to B, which a timed batch
+    # shrinks through as its requests finish at different steps (speculative steps emit different counts).
     for i in range(B):
         eng.add_request(prompt(), sd.SamplingParams(temperature=0, max_tokens=min(2 + (k + 2) * i, gen_len),
                                                     ignore_eos=True))

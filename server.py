@@ -5,8 +5,8 @@
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: GET /health, /ping, /version, /v1/models, POST /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, GET /metrics (Prometheus text). Request fields, response and SSE shapes, errors and metric names
+Endpoints: GET /health, /ping, /version, /v1/models, POST /v1/completions, /v1/chat/completions, /v1/responses
+(stateless, section "The Responses API"), /tokenize, /detokenize, GET /metrics (Prometheus text). Request fields, response and SSE shapes, errors and metric names
 follow vLLM's server. Chat answers go through the checkpoint's chat template (specdec.ChatTemplate), then the
 reasoning parser (qwen3: <think>...</think> -> reasoning_content) and a tool-call parser (qwen3_coder, hermes:
 <tool_call>...</tool_call> -> tool_calls), streamed as they settle (section "Chat output").
@@ -91,7 +91,8 @@ def http_error(status, message, **headers):
 
 JSON_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
               "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-              "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict)}
+              "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict),
+              "string": lambda v: isinstance(v, str)}
 
 
 def short(v):
@@ -738,6 +739,180 @@ class ChatStream:
 
 
 # ==============================================================================================
+# The Responses API (POST /v1/responses): vLLM's stateless form, through the chat path
+# ==============================================================================================
+# A request becomes a chat request (instructions -> a system message, input items -> messages, function tools
+# -> chat tools, max_output_tokens -> max_tokens, text.format -> response_format); its answer, split by the
+# same parsers, becomes output items: a reasoning item, a message with its output_text, function_call items.
+# As in vLLM without VLLM_ENABLE_RESPONSES_API_STORE, nothing is stored: `store` is accepted and ignored, and
+# what needs a stored response (background, previous_response_id, GET /v1/responses/{id}) is refused.
+
+PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "stop", "logit_bias", "chat_template_kwargs", "include_reasoning",
+                  "parallel_tool_calls", "ignore_eos", "min_tokens", "stream")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def response_messages(body):
+    """instructions and input (a string or a list of items) -> chat messages."""
+    msgs = []
+    instructions = get(body, "instructions", "string")
+    if instructions is not None:
+        msgs.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": items}]
+    if not (isinstance(items, list) and items and all(isinstance(i, dict) for i in items)):
+        raise bad("'input' must be a string or a non-empty list of items (messages, function_call, "
+                  "function_call_output)", "input")
+    for n, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise bad(f"input[{n}]: content parts must be {{\"type\": \"input_text\", \"text\": ...}} "
+                              "(images and files are not supported: specdec's models read text)", "input")
+                content = "".join(p["text"] for p in content)
+            msgs.append({"role": item.get("role"), "content": content})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls"):
+                msgs[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise bad(f"input[{n}]: a function_call_output's 'output' must be a string", "input")
+            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind == "reasoning":
+            continue  # earlier reasoning: the chat template drops it from past turns too
+        else:
+            raise bad(f"input[{n}]: item type {short(kind)} is not supported (message, function_call, "
+                      "function_call_output, reasoning)", "input")
+    return msgs
+
+
+def response_to_chat(body):
+    """A /v1/responses body -> the /v1/chat/completions body that runs it."""
+    if body.get("background"):
+        raise bad("background mode needs stored responses, which this server does not keep (vLLM: "
+                  "VLLM_ENABLE_RESPONSES_API_STORE); send the request without 'background'", "background")
+    if body.get("previous_response_id") is not None:
+        raise bad("previous_response_id needs stored responses, which this server does not keep: send the "
+                  "conversation so far in 'input'", "previous_response_id")
+    chat = {k: body[k] for k in PASSED_TO_CHAT if k in body}
+    chat["messages"] = response_messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    tools = body.get("tools")
+    if tools is not None:
+        if not (isinstance(tools, list) and all(isinstance(t, dict) and t.get("type") == "function"
+                                                and isinstance(t.get("name"), str) for t in tools)):
+            raise bad('\'tools\' must be a list of {"type": "function", "name": ..., "parameters": {...}} '
+                      "objects (built-in tools are not supported)", "tools")
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if k in t}} for t in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                      "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    fmt = get(get(body, "text", "object", {}), "format", "object")
+    if fmt is not None and fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    elif fmt is not None:
+        chat["response_format"] = fmt
+    return chat
+
+
+def response_usage(n_prompt, n_out):
+    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_prompt + n_out}
+
+
+class ResponseItems:
+    """A response's output items, built from ChatStream's deltas (reasoning, content, tool_calls) in the order
+    they come; events(delta) -> the streaming events they make (their types and fields as OpenAI's), close()
+    -> the events that finish the open item. Text after a call opens a new message."""
+
+    def __init__(self):
+        self.items, self.open, self.calls = [], None, {}  # calls: a tool call's index -> its item
+
+    def _start(self, item, events):
+        events += self.close()
+        self.items.append(item)
+        self.open = item
+        added = dict(copy.deepcopy(item), **({"content": []} if item["type"] == "message" else {}))
+        events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": added})
+        if item["type"] == "message":
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0,
+                           "part": {"type": "output_text", "text": "", "annotations": []}})
+
+    def close(self):
+        item, events = self.open, []
+        if item is None:
+            return events
+        i, self.open = self.items.index(item), None
+        item["status"] = None if item["type"] == "reasoning" else "completed"  # vLLM: a reasoning item has none
+        if item["type"] == "reasoning":
+            events.append({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
+                           "content_index": 0, "text": item["content"][0]["text"]})
+        elif item["type"] == "message":
+            part = item["content"][0]
+            events += [{"type": "response.output_text.done", "item_id": item["id"], "output_index": i,
+                        "content_index": 0, "text": part["text"], "logprobs": []},
+                       {"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
+                        "content_index": 0, "part": copy.deepcopy(part)}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                           "output_index": i, "name": item["name"], "arguments": item["arguments"]})
+        events.append({"type": "response.output_item.done", "output_index": i, "item": copy.deepcopy(item)})
+        return events
+
+    def events(self, delta):
+        events = []
+        if delta.get("reasoning"):
+            if self.open is None or self.open["type"] != "reasoning":
+                self._start({"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [],
+                             "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}, events)
+            self.open["content"][0]["text"] += delta["reasoning"]
+            events.append({"type": "response.reasoning_text.delta", "item_id": self.open["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0, "delta": delta["reasoning"]})
+        if delta.get("content"):
+            if self.open is None or self.open["type"] != "message":
+                self._start({"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                             "status": "in_progress",
+                             "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]},
+                            events)
+            self.open["content"][0]["text"] += delta["content"]
+            events.append({"type": "response.output_text.delta", "item_id": self.open["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0, "delta": delta["content"],
+                           "logprobs": []})
+        for call in delta.get("tool_calls", []):
+            item = self.calls.get(call["index"])
+            if item is None:
+                item = self.calls[call["index"]] = {
+                    "id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": "call_" + uuid.uuid4().hex,
+                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                self._start(item, events)
+            more = call["function"].get("arguments", "")
+            if more:
+                item["arguments"] += more
+                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                               "output_index": self.items.index(item), "delta": more})
+        return events
+
+
+# ==============================================================================================
 # Metrics: vLLM's Prometheus names, kept by hand (text format 0.0.4)
 # ==============================================================================================
 
@@ -1134,7 +1309,8 @@ class LogprobFormat:
 ROUTES = {"/health": ("GET", "health"), "/ping": ("GET POST", "health"), "/version": ("GET", "version"),
           "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
           "/v1/completions": ("POST", "completions"), "/v1/chat/completions": ("POST", "chat"),
-          "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize")}
+          "/v1/responses": ("POST", "responses_api"), "/tokenize": ("POST", "tokenize"),
+          "/detokenize": ("POST", "detokenize")}
 CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 DROP_MAX = 1 << 20  # an unread body up to this size is read and dropped after an early answer (see drop_body)
 
@@ -1342,6 +1518,75 @@ class Handler(BaseHTTPRequestHandler):
     def chat(self, app, raw):
         body = app.check_model(parse_json(raw))
         self.generate(app, body, *parse_chat(app, body))
+
+    def responses_api(self, app, raw):  # (BaseHTTPRequestHandler.responses is its table of status lines)
+        """POST /v1/responses: the request run as a chat request (response_to_chat), answered as a response object
+        whole, or streamed as OpenAI's typed events (ResponseItems) ending with response.completed."""
+        body = app.check_model(parse_json(raw))
+        prompts, params, spec = parse_chat(app, response_to_chat(body))
+        ids = prompts[0][0]
+        job = Job(ids, params)
+        job.ranked, job.fork_of = False, None
+        head = {"id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
+                "model": app.name}
+        fmt = get(get(body, "text", "object", {}), "format", "object")
+
+        def response(status, items, n_out=0, finish=None):
+            return dict(head, status="incomplete" if finish == "length" else status, background=False, error=None,
+                        incomplete_details={"reason": "max_output_tokens"} if finish == "length" else None,
+                        instructions=body.get("instructions"), max_output_tokens=body.get("max_output_tokens"),
+                        metadata=body.get("metadata"), output=items,
+                        parallel_tool_calls=body.get("parallel_tool_calls", True), previous_response_id=None,
+                        reasoning=body.get("reasoning"), store=False, temperature=params.temperature,
+                        text={"format": fmt or {"type": "text"}}, tool_choice=body.get("tool_choice", "auto"),
+                        tools=body.get("tools", []), top_p=params.top_p,
+                        truncation=body.get("truncation", "disabled"),
+                        usage=response_usage(len(ids), n_out) if status != "in_progress" else None,
+                        user=body.get("user"))
+        if app.log_requests:
+            print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
+                  f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
+        app.loop.submit(job)
+        try:
+            out, items = ChatStream(spec.start, spec.parser, spec.prefix), ResponseItems()
+            if not get(body, "stream", "boolean", False):
+                for text, _, _, n, finish, _ in self.updates(job):
+                    pass
+                delta = out.feed(text, final=True)
+                if not spec.include_reasoning:
+                    delta.pop("reasoning", None)
+                items.events(delta)
+                items.close()
+                self.send(200, response("completed", items.items, n, finish))
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.chunked = self.request_version != "HTTP/1.0"
+            self.send_header(*(("Transfer-Encoding", "chunked") if self.chunked else ("Connection", "close")))
+            self.end_headers()
+            self.streaming, seq = True, iter(range(1 << 62))
+
+            def send(events):
+                for e in events:
+                    data = json.dumps({**e, "sequence_number": next(seq)}, ensure_ascii=False, separators=(",", ":"))
+                    self.chunk(f"event: {e['type']}\ndata: {data}\n\n".encode())
+            send([{"type": "response.created", "response": response("in_progress", [])},
+                  {"type": "response.in_progress", "response": response("in_progress", [])}])
+            hold, sent = max(map(len, job.params.stop), default=1) - 1, 0  # a stop string a later token may end
+            for text, _, _, n, finish, _ in self.updates(job):
+                end = len(text) if finish else max(sent, len(text) - hold)
+                delta = out.feed(text[:end], final=finish is not None)
+                if not spec.include_reasoning:
+                    delta.pop("reasoning", None)
+                send(items.events(delta))
+                sent = max(sent, end)
+            send(items.close() + [{"type": "response.completed",
+                                   "response": response("completed", items.items, n, finish)}])
+            self.chunk(b"")
+        except BaseException:  # the client left, or a failure: free the slot now
+            app.loop.abort(job)
+            raise
 
     def generate(self, app, body, prompts, params, spec):
         """Run one request (spec: its ChatSpec, None for a completion) and answer, whole or streamed. prompts:

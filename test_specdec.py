@@ -7800,6 +7800,70 @@ def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
     assert "reasoning parser: qwen3; tool-call parser: qwen3_coder (auto tool choice)" in log
 
 
+def test_responses_api(srv_scripted):
+    """POST /v1/responses through the official client (its types parse every object and event): the answer as
+    output items (reasoning, message with output_text, function_call) that say what the same chat request says,
+    whole and streamed (deltas adding up to the items, sequence numbers in order, response.completed last);
+    instructions and function-call history as input items; max_output_tokens cutting it short; vLLM's stateless
+    refusals (background, previous_response_id) and malformed input as 400s naming the field."""
+    import openai
+    client = openai.OpenAI(base_url=srv_scripted.url + "/v1", api_key="unused")
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+
+    def both_ways(**kw):
+        whole = client.responses.create(model="tiny", **kw)
+        events = list(client.responses.create(model="tiny", stream=True, **kw))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        assert events[-1].type == "response.completed" and whole.id.startswith("resp_")
+        final = events[-1].response
+        assert [(o.type, o.model_dump(exclude={"id", "call_id"})) for o in final.output] == \
+            [(o.type, o.model_dump(exclude={"id", "call_id"})) for o in whole.output]
+        summed = {"reasoning": "", "text": "", "arguments": ""}
+        for e in events:
+            kind = {"response.reasoning_text.delta": "reasoning", "response.output_text.delta": "text",
+                    "response.function_call_arguments.delta": "arguments"}.get(e.type)
+            if kind:
+                summed[kind] += e.delta
+        return whole, summed, [e.type for e in events]
+
+    r, summed, types = both_ways(input="CASE-TEXT", max_output_tokens=100)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "completed"
+    assert r.output[0].content[0].text == summed["reasoning"] == "Some thinking\n"
+    assert r.output_text == summed["text"] == "\n\nThe answer is 42."
+    assert r.usage.output_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert types.count("response.output_item.added") == types.count("response.output_item.done") == 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "CASE-TEXT"}],
+                                          max_tokens=100).choices[0].message
+    assert (chat.reasoning_content, chat.content) == (r.output[0].content[0].text, r.output_text)
+    r, summed, _ = both_ways(input="CASE-TOOLS", tools=tools, max_output_tokens=1000)
+    calls = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+    assert calls == [(c[0], c[1]) for c in PARSER_CASES[0][5]] and summed["arguments"] == "".join(a for _, a in calls)
+    assert [o.type for o in r.output][:2] == ["reasoning", "message"] and r.output_text == "\n\nI will check.\n\n"
+    history = [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+               {"type": "function_call", "call_id": "c0", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+               {"type": "function_call_output", "call_id": "c0", "output": "cold"},
+               {"role": "user", "content": "CASE-TEXT"}]
+    r = client.responses.create(model="tiny", input=history, instructions="Be brief.", tools=tools,
+                                max_output_tokens=100)
+    assert r.output_text == "\n\nThe answer is 42." and r.instructions == "Be brief."
+    with_history = r.usage.input_tokens
+    assert with_history > client.responses.create(model="tiny", input="CASE-TEXT").usage.input_tokens
+    r = client.responses.create(model="tiny", input="CASE-TEXT", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    for fields, param, fragment in [({"background": True}, "background", "background mode needs stored responses"),
+                                    ({"previous_response_id": "resp_1"}, "previous_response_id", "send the conversation"),
+                                    ({"input": []}, "input", "'input' must be a string or a non-empty list"),
+                                    ({"input": [{"type": "web_search_call"}]}, "input", "not supported"),
+                                    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input",
+                                     "images and files are not supported"),
+                                    ({"tools": [{"type": "web_search"}]}, "tools", "built-in tools are not supported"),
+                                    ({"instructions": 5}, "instructions", "'instructions' must be a string")]:
+        status, body = srv_scripted.post("/v1/responses", {"model": "tiny", "input": "CASE-TEXT", **fields})
+        check_error(status, body, 400, param, fragment)
+
+
 def test_tool_request_errors(srv, srv_scripted):
     """vLLM's refusals, as 400s that name the field."""
     body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 2}

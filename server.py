@@ -1373,6 +1373,9 @@ class Handler(BaseHTTPRequestHandler):
             self.unread = self.content_length()
             if path.startswith("/v1") and not app.authorized(self.headers.get("Authorization")):
                 return self.send(401, {"error": "Unauthorized"})
+            if path not in ROUTES and path.startswith("/v1/responses/"):  # retrieve, cancel: nothing is stored
+                raise ApiError(404, f"Response with id '{path.split('/')[3]}' not found. (This server keeps no "
+                               "responses, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE.)")
             if path not in ROUTES:
                 raise http_error(404, f"Not Found: {path}")
             methods, name = ROUTES[path]
@@ -1574,15 +1577,18 @@ class Handler(BaseHTTPRequestHandler):
             send([{"type": "response.created", "response": response("in_progress", [])},
                   {"type": "response.in_progress", "response": response("in_progress", [])}])
             hold, sent = max(map(len, job.params.stop), default=1) - 1, 0  # a stop string a later token may end
-            for text, _, _, n, finish, _ in self.updates(job):
-                end = len(text) if finish else max(sent, len(text) - hold)
-                delta = out.feed(text[:end], final=finish is not None)
-                if not spec.include_reasoning:
-                    delta.pop("reasoning", None)
-                send(items.events(delta))
-                sent = max(sent, end)
-            send(items.close() + [{"type": "response.completed",
-                                   "response": response("completed", items.items, n, finish)}])
+            try:
+                for text, _, _, n, finish, _ in self.updates(job):
+                    end = len(text) if finish else max(sent, len(text) - hold)
+                    delta = out.feed(text[:end], final=finish is not None)
+                    if not spec.include_reasoning:
+                        delta.pop("reasoning", None)
+                    send(items.events(delta))
+                    sent = max(sent, end)
+                send(items.close() + [{"type": "response.completed",
+                                       "response": response("completed", items.items, n, finish)}])
+            except ApiError as e:  # the engine failed it: OpenAI's error event ends the stream
+                send([{"type": "error", **{k: e.body["error"][k] for k in ("code", "message", "param")}}])
             self.chunk(b"")
         except BaseException:  # the client left, or a failure: free the slot now
             app.loop.abort(job)

@@ -4603,7 +4603,7 @@ def _init(self, *a, **kw):
     init(self, *a, **kw)
 
 def _prefill(self, req, *a):
-    if marked(req, 7):
+    if marked(req, 7) or "PREFILL-FAULT" in engines[0].tokenizer.decode(req.prompt_ids):
         raise RuntimeError("injected fault in a prefill")
     return prefill(self, req, *a)
 
@@ -4647,6 +4647,24 @@ def test_fault_in_one_prefill_leaves_the_others_running(srv_faulty):
     assert events[-1]["usage"]["completion_tokens"] == 200 and events[-2]["choices"][0]["finish_reason"] == "length"
     assert text == s.post("/v1/completions", body)[1]["choices"][0]["text"]  # untouched: the same greedy text
     assert errors(wait_idle(s)) - errors(before) == 1
+
+
+def test_fault_in_a_responses_stream_is_an_error_event(srv_faulty):
+    """A /v1/responses stream whose request the engine fails ends with OpenAI's `error` event (code 500, the
+    fault named) after response.created, instead of chat's data line; the server goes on. A stored response asked
+    for (GET /v1/responses/{id}) is vLLM's 404: nothing is stored."""
+    s = srv_faulty
+    status, _, data = s.request("POST", "/v1/responses", {"input": "PREFILL-FAULT", "stream": True,
+                                                          "max_output_tokens": 4})
+    blocks = [b for b in data.decode().split("\n\n") if b.strip() and not b.startswith(":")]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in blocks]
+    assert status == 200 and [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["code"] == 500 and "injected fault in a prefill" in events[-1]["message"]
+    assert all(b.startswith(f"event: {e['type']}\n") for b, e in zip(blocks, events))
+    status, err = s.post("/v1/responses", {"input": "after", "max_output_tokens": 2})
+    assert status == 200 and err["status"] in ("completed", "incomplete")
+    status, _, err = s.request("GET", "/v1/responses/resp_123")
+    check_error(status, json.loads(err), 404, None, "Response with id 'resp_123' not found")
 
 
 def test_fault_in_a_batched_step_ends_its_batch_only(srv_faulty):

@@ -6,8 +6,8 @@
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
 Endpoints: GET /health, /ping, /version, /v1/models, POST /v1/completions, /v1/chat/completions, /v1/responses
-(stateless, section "The Responses API"), /tokenize, /detokenize, GET /metrics (Prometheus text). Request fields, response and SSE shapes, errors and metric names
-follow vLLM's server. Chat answers go through the checkpoint's chat template (specdec.ChatTemplate), then the
+(stateless, section "The Responses API"), /tokenize, /detokenize, GET /metrics (Prometheus text). Request fields,
+response and SSE shapes, errors and metric names follow vLLM's server. Chat answers go through the checkpoint's chat template (specdec.ChatTemplate), then the
 reasoning parser (qwen3: <think>...</think> -> reasoning_content) and a tool-call parser (qwen3_coder, hermes:
 <tool_call>...</tool_call> -> tool_calls), streamed as they settle (section "Chat output").
 
@@ -1546,29 +1546,25 @@ class Handler(BaseHTTPRequestHandler):
                         truncation=body.get("truncation", "disabled"),
                         usage=response_usage(len(ids), n_out) if status != "in_progress" else None,
                         user=body.get("user"))
-        if app.log_requests:
-            print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
-                  f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
+        app.log_request(head["id"], ids, params)
+        out, items = ChatStream(spec.start, spec.parser, spec.prefix), ResponseItems()
+
+        def feed(text, final):  # the answer so far -> its events (the items grow with them)
+            delta = out.feed(text, final)
+            if not spec.include_reasoning:
+                delta.pop("reasoning", None)
+            return items.events(delta)
         app.loop.submit(job)
         try:
-            out, items = ChatStream(spec.start, spec.parser, spec.prefix), ResponseItems()
             if not get(body, "stream", "boolean", False):
                 for text, _, _, n, finish, _ in self.updates(job):
                     pass
-                delta = out.feed(text, final=True)
-                if not spec.include_reasoning:
-                    delta.pop("reasoning", None)
-                items.events(delta)
+                feed(text, final=True)
                 items.close()
                 self.send(200, response("completed", items.items, n, finish))
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.chunked = self.request_version != "HTTP/1.0"
-            self.send_header(*(("Transfer-Encoding", "chunked") if self.chunked else ("Connection", "close")))
-            self.end_headers()
-            self.streaming, seq = True, iter(range(1 << 62))
+            self.start_sse()
+            seq = iter(range(1 << 62))
 
             def send(events):
                 for e in events:
@@ -1580,10 +1576,7 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 for text, _, _, n, finish, _ in self.updates(job):
                     end = len(text) if finish else max(sent, len(text) - hold)
-                    delta = out.feed(text[:end], final=finish is not None)
-                    if not spec.include_reasoning:
-                        delta.pop("reasoning", None)
-                    send(items.events(delta))
+                    send(feed(text[:end], final=finish is not None))
                     sent = max(sent, end)
                 send(items.close() + [{"type": "response.completed",
                                        "response": response("completed", items.items, n, finish)}])
@@ -1611,9 +1604,7 @@ class Handler(BaseHTTPRequestHandler):
                 "created": int(time.time()), "model": app.name}
         groups = []  # per prompt: its jobs (one per sample; the first's prefill copied by the others), echo
         for ids, echo in prompts:
-            if app.log_requests:
-                print(f"Received request {head['id']}: prompt: {app.tokenizer.decode(ids)!r}, params: {params}, "
-                      f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
+            app.log_request(head["id"], ids, params)
             group = [Job(ids, p) for p in params.samples()]
             for job in group:
                 job.ranked = params.ranked
@@ -1717,16 +1708,7 @@ class Handler(BaseHTTPRequestHandler):
         """The answer as server-sent events: groups [(one prompt's jobs, its echo text)], n_prompt their prompt
         tokens in all. With n > 1 or several prompts the choices go one after the other (each chunk names its
         index), while the engine runs them all."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.chunked = self.request_version != "HTTP/1.0"  # HTTP/1.0 has no chunks: closing ends the stream
-        if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.streaming = True
+        self.start_sse()
         with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
         jobs = [(job, echo) for group, echo in groups for job in group]
         n_done = 0
@@ -1767,6 +1749,19 @@ class Handler(BaseHTTPRequestHandler):
             ids, lps = [], []
         return n
 
+    def start_sse(self):
+        """The headers of a server-sent-event stream; what follows goes out with chunk()."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.chunked = self.request_version != "HTTP/1.0"  # HTTP/1.0 has no chunks: closing ends the stream
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.streaming = True
+
     def sse(self, obj):
         self.chunk(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
 
@@ -1800,6 +1795,12 @@ class App:
         self.metrics = Metrics(self.name, k)
         interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", 10))
         self.loop = EngineLoop(llm, max_queue, self.metrics, StatsLog(interval) if log_stats else None)
+
+    def log_request(self, rid, ids, params):
+        """--enable-log-requests: vLLM's line for each request received."""
+        if self.log_requests:
+            print(f"Received request {rid}: prompt: {self.tokenizer.decode(ids)!r}, params: {params}, "
+                  f"prompt_token_ids: {ids}", file=sys.stderr, flush=True)
 
     def authorized(self, header):
         want = f"Bearer {self.api_key}".encode()

@@ -60,30 +60,28 @@ PRESETS = {  # the real text_config shapes (qwen36-architecture.md §1.3, §1.4)
 
 
 def random_model(name, dtype, device, seed=0, quantization=None):
-    """The real-shape model with random weights made on the device (no checkpoint); quantization "fp8": its
-    weights then quantized as --quantization fp8 does at load (specdec.quantize_fp8)."""
+    """The real-shape model with random weights made on the device (no checkpoint): specdec's --load-format
+    dummy on the preset's config; quantization "fp8": quantized as they are made, as --quantization fp8 does."""
+    if quantization not in (None, "none", "fp8"):
+        raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
     cfg = sd.ModelConfig.from_dict(PRESETS[name])
     with torch.device("meta"):
-        model = sd.Qwen36(cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name_, p in list(model.named_parameters()):
-        mod = model.get_submodule(name_.rsplit(".", 1)[0]) if "." in name_ else model
-        leaf = name_.rsplit(".", 1)[-1]
-        if leaf == "A_log":
-            t = torch.empty(p.shape, device=device).uniform_(0, 2.7, generator=gen)
-        elif leaf == "dt_bias" or name_.endswith("linear_attn.norm.weight"):
-            t = torch.ones(p.shape, device=device, dtype=dtype)
-        elif "norm" in name_:
-            t = torch.zeros(p.shape, device=device, dtype=dtype)
-        else:
-            t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
-        mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
-    if quantization == "fp8":
-        sd.quantize_fp8(model)
-        torch.cuda.empty_cache() if device.type == "cuda" else None  # the bf16 blocks: the slots' budget
-    elif quantization not in (None, "none"):
-        raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
-    return sd.fuse_projections(sd.init_rope(model, device).eval()), cfg
+        sources = sd.dummy_sources(sd.Qwen36(cfg), dtype, device, seed)
+    return sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8"), cfg
+
+
+def write_config(preset, out, tokenizer_from=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")):
+    """A model directory without weights: the preset's config.json (text-only, as ModelConfig reads it) and a
+    tokenizer (the toy's: its ids are a small part of the preset's vocabulary; the others decode to nothing).
+    specdec loads it with --load-format dummy."""
+    import shutil
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dict(PRESETS[preset], max_position_embeddings=262144, tie_word_embeddings=False), f, indent=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_from, name), out)
+    print(f"wrote {out}/config.json ({preset}) and the toy's tokenizer: run it with --load-format dummy")
+    return out
 
 
 def make_cyclic(model, period=64, seed=0):
@@ -1256,6 +1254,9 @@ def main(argv=None):
                     + " ".join(SHAPE_KEYS) + " (aux_ids comma-separated, vLLM's ids), e.g. intermediate=4608")
     ap.add_argument("--random-draft-lm", default=None, help="with --random-weights: write a random Qwen3-0.6B-shaped "
                     "draft LM with the target's vocabulary to this directory; draft_model configs without a model use it")
+    ap.add_argument("--write-config", nargs=2, metavar=("PRESET", "DIR"), default=None,
+                    help="write a preset's config.json and the shipped toy's tokenizer to DIR and stop: a model "
+                    "directory for `server.py --model DIR --load-format dummy` (the real shapes, random weights)")
     ap.add_argument("--hf-baseline", action="store_true", help="also time Hugging Face transformers' generate on the "
                     "same shapes (random weights, batch 1, first prompt length), after our rows")
     ap.add_argument("--verify-cost", type=int, nargs="*", default=None,
@@ -1271,6 +1272,12 @@ def main(argv=None):
                     help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
+    if a.write_config:
+        preset, out = a.write_config
+        if preset not in PRESETS:
+            ap.error(f"--write-config: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        write_config(preset, out)
+        return 0
     sd.K.USE_TRITON = not a.no_triton
     a.enforce_eager |= a.no_triton  # the references read positions on the host: not capturable
     raw = [None if c in (None, "off") else json.loads(c) for c in (a.speculative_config or ["off"])]

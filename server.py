@@ -1841,6 +1841,11 @@ class Server(ThreadingHTTPServer):
             pass
         self.shutdown_request(sock)
 
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return  # the client reset its connection (a keep-alive client that exits): not the server's error
+        super().handle_error(request, client_address)
+
     def process_request_thread(self, sock, address):
         try:
             super().process_request_thread(sock, address)

@@ -2941,7 +2941,7 @@ class Engine:
         graphs = self.runner.graphs
         if graphs is None and not force:
             return
-        prompt = list(range(1, 17))
+        prompt = list(range(1, min(17, self.max_model_len)))  # a short --max-model-len holds it and a token
         n = max(1, min(3, self.max_model_len - len(prompt)))
         kinds = [dict(temperature=0)] + ([dict(temperature=1.0, seed=0)] if self.spec is not None else [])
         for b in GraphRunner.bucket_sizes(self.max_num_seqs):
@@ -3737,11 +3737,13 @@ def quantize_fp8(model):
     return model
 
 
-def quantized_sources(sources, device):
+def quantized_sources(sources, device, not_convert=()):
     """--quantization fp8 at load: each FP8_WEIGHTS source is read, moved to the device and quantized there
     when the loader comes to it (one weight at a time: the unquantized model is never whole in memory); its
-    scale becomes the source of <name>_scale_inv."""
-    for m in [m for m in sources if m.endswith(FP8_WEIGHTS)]:
+    scale becomes the source of <name>_scale_inv. Modules in not_convert (a config's modules_to_not_convert,
+    whole names) stay unquantized."""
+    listed = {e.removeprefix("model.language_model.").removeprefix("model.") for e in not_convert}
+    for m in [m for m in sources if m.endswith(FP8_WEIGHTS) and m.rpartition(".")[0] not in listed]:
         name, read = sources[m]
         q = functools.cache(lambda m=m, read=read: quantize_weight(m, read().to(device)))
         sources[m] = (name, lambda q=q: q()[0])
@@ -3775,35 +3777,85 @@ def declare_fp8(model, sources, not_convert, where):
     return model
 
 
-def load_model(path, dtype, device, want_mtp=False, quantization=None):
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # vLLM's --load-format values that specdec reads
+
+
+def dummy_sources(module, dtype, device, seed=0):
+    """vLLM's --load-format dummy: random weights for every parameter of the (meta) module, made on the device
+    when the loader reads them, in its order from one seeded generator: N(0, 0.02) matrices, zero norms (they
+    are zero-centred: weight 1 + w), ones for the GDN gated norm and dt_bias, A_log uniform in [0, 2.7] (fp32).
+    Benchmarks run the real shapes with them; the text they produce is noise."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def make(name, shape):
+        if name.endswith("A_log"):
+            return torch.empty(shape, device=device).uniform_(0, 2.7, generator=gen)
+        if name.endswith(("dt_bias", "linear_attn.norm.weight")):
+            return torch.ones(shape, device=device, dtype=dtype)
+        if "norm" in name:
+            return torch.zeros(shape, device=device, dtype=dtype)
+        return torch.empty(shape, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
+    return {m: (m, functools.partial(make, m, tuple(p.shape))) for m, p in module.named_parameters()}
+
+
+def build_model(cfg, sources, dtype, device, where, quantize=False):
+    """The model of cfg, filled from sources {checkpoint or our name: (name, read())} by the one loader:
+    per-expert tensors stacked, the sources quantized to block-FP8 as they are read (quantize: --quantization
+    fp8, or dummy weights for an FP8 config), FP8 declared where the scales are, projections fused."""
+    with torch.device("meta"):
+        model = Qwen36(cfg, with_mtp=any(m.startswith("mtp.") for m in sources))
+    sources = stack_experts(sources, cfg.num_experts, where)
+    if quantize:
+        sources = quantized_sources(sources, device, cfg.modules_to_not_convert)
+    if quantize or cfg.quantization == "fp8":
+        declare_fp8(model, sources, cfg.modules_to_not_convert, where)
+    model = fuse_projections(load_weights(model, sources, dtype, device, where))
+    if quantize and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # free the unquantized weights' blocks: memory_budget counts what is held
+    return model
+
+
+def load_model(path, dtype, device, want_mtp=False, quantization=None, load_format="auto", tokenizer=None):
     """Build the model from a checkpoint directory or .gguf file -> (model, ModelConfig, Tokenizer).
-    quantization "fp8": block-FP8 weights quantized at load (an FP8 checkpoint loads as FP8 without it)."""
-    if str(path).endswith(".gguf"):
+    quantization "fp8": block-FP8 weights quantized at load (an FP8 checkpoint loads as FP8 without it).
+    load_format (vLLM's --load-format): auto (the path decides), safetensors, gguf, or dummy (the directory's
+    config.json with random weights: dummy_sources). tokenizer: a directory with tokenizer.json to use instead
+    of the model's (vLLM's --tokenizer)."""
+    gguf = str(path).endswith(".gguf")
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format {load_format!r} (--load-format) is not supported; specdec reads "
+                          f"{', '.join(LOAD_FORMATS)}")
+    if gguf != (load_format == "gguf") and load_format != "auto":
+        raise ConfigError(f"--load-format {load_format} needs " + ("a .gguf file" if load_format == "gguf" else
+                          "a model directory with a config.json") + f", got {path}")
+    if gguf:
         cfg, tensors, tok = read_gguf_model(path, dtype)
         sources = {internal_name(n, path): (n, functools.partial(tensors.__getitem__, n)) for n in tensors}
     else:
         cfg = ModelConfig.from_hf(path)
-        sources = checkpoint_sources(checkpoint_tensors(path), lambda n: internal_name(n, path))
-        tok = Tokenizer.from_dir(path)
+        tok = None
+        if load_format == "dummy":
+            with torch.device("meta"):
+                sources = dummy_sources(Qwen36(cfg), dtype, device)
+        else:
+            sources = checkpoint_sources(checkpoint_tensors(path), lambda n: internal_name(n, path))
+    if tokenizer is not None or tok is None:
+        where = tokenizer or path
+        if not os.path.isfile(os.path.join(where, "tokenizer.json")):
+            raise ConfigError(f"{where}: no tokenizer.json" + ("" if tokenizer else " (a --load-format dummy "
+                              "directory needs one, or --tokenizer naming a directory that has one)"))
+        tok = Tokenizer.from_dir(where)
     has_mtp = any(m.startswith("mtp.") for m in sources)
-    if want_mtp and not has_mtp and str(path).endswith(".gguf"):
+    if want_mtp and not has_mtp and gguf:
         raise ConfigError(f"{path}: {GGUF_NO_MTP_MESSAGE}")
     if want_mtp and not has_mtp:
         raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* "
                           "tensors (the MTP head is missing)")
     if not has_mtp or cfg.mtp_num_hidden_layers == 0:
         sources = {m: s for m, s in sources.items() if not m.startswith("mtp.")}
-    with torch.device("meta"):
-        model = Qwen36(cfg, with_mtp=has_mtp)
-    sources = stack_experts(sources, cfg.num_experts, path)
-    if quantization == "fp8" and cfg.quantization is None:
-        sources = quantized_sources(sources, device)
-    if quantization == "fp8" or cfg.quantization == "fp8":
-        declare_fp8(model, sources, cfg.modules_to_not_convert, path)
-    model = fuse_projections(load_weights(model, sources, dtype, device, path))
-    if quantization and torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # free the unquantized weights' blocks: memory_budget counts what is held
-    return model, cfg, tok
+    fp8 = quantization == "fp8" or cfg.quantization == "fp8"
+    quantize = fp8 and (cfg.quantization is None or load_format == "dummy")  # else the checkpoint's own FP8
+    return build_model(cfg, sources, dtype, device, path, quantize), cfg, tok
 
 
 # ==============================================================================================
@@ -4304,7 +4356,8 @@ class LLM:
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
                  max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
                  generation_config="auto", override_generation_config=None,
-                 tensor_parallel_size=1, quantization=None, trust_remote_code=False, max_logprobs=20):
+                 tensor_parallel_size=1, quantization=None, trust_remote_code=False, max_logprobs=20,
+                 load_format="auto", tokenizer=None):
         if tensor_parallel_size not in (None, 1):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
                               "parallelism is not supported yet; specdec runs the model on one device")
@@ -4327,8 +4380,9 @@ class LLM:
         self.default_sampling = generation_defaults(model, generation_config, override_generation_config)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         want_mtp = spec is not None and spec.method == "mtp"
+        tokenizer = None if tokenizer is None else resolve_model(tokenizer)
         self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp,
-                                                          quantization)
+                                                          quantization, load_format, tokenizer)
         want = None if max_model_len in (None, "auto", -1) else max_model_len
         if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
             raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")
@@ -4352,7 +4406,7 @@ class LLM:
         self.model_name = name  # as given: vLLM's model_name label in get_metrics()
         self.max_model_len = max_len
         self.spec = spec
-        self.chat_template = ChatTemplate.from_checkpoint(model, self.tokenizer)
+        self.chat_template = ChatTemplate.from_checkpoint(tokenizer or model, self.tokenizer)
         self.tokenizer.template = self.chat_template  # get_tokenizer().apply_chat_template renders with it
         self.engine = Engine(self.model, self.tokenizer, spec, max_num_seqs, max_len, self.dtype, self.device,
                              seed, enforce_eager, async_scheduling, max_num_batched_tokens,
@@ -4593,6 +4647,11 @@ def add_engine_args(ap):
                     "(an FP8 checkpoint loads as FP8)")
     ap.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; it "
                     "changes nothing: specdec never runs code from a checkpoint")
+    ap.add_argument("--load-format", default="auto", choices=LOAD_FORMATS, help="auto (the model path decides), "
+                    "safetensors, gguf, or dummy: random weights of the directory's config.json (benchmarks at "
+                    "the real shapes without the checkpoint; drafters still load their own)")
+    ap.add_argument("--tokenizer", default=None, help="a directory (or hub id in the local cache) whose "
+                    "tokenizer.json and chat template to use instead of the model's")
 
 
 def llm_from_args(a):
@@ -4604,7 +4663,7 @@ def llm_from_args(a):
                gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
                override_generation_config=a.override_generation_config,
                tensor_parallel_size=a.tensor_parallel_size, quantization=a.quantization,
-               trust_remote_code=a.trust_remote_code)
+               trust_remote_code=a.trust_remote_code, load_format=a.load_format, tokenizer=a.tokenizer)
 
 
 COMPARE_ROUNDS = 5  # --compare-plain: timed runs with and without speculation, interleaved, after a warm-up

@@ -16,6 +16,7 @@ import re
 import shlex
 import socket
 import subprocess
+import struct
 import sys
 import sysconfig
 import threading
@@ -2063,6 +2064,53 @@ def test_bench_random_model_fp8():
     ws = bench.linear_weights(fp8, 0)                                              # what a decode step reads
     assert {w.dtype for w in ws} == {sd.FP8, torch.float32} and sum(w.numel() for w in ws) == \
         sum(w.numel() for w in bench.linear_weights(plain, 0))
+
+
+def test_load_format_dummy(tmp_path):
+    """vLLM's --load-format dummy: a directory with only a config.json (bench.py --write-config) loads with random
+    weights through the one loader, the same bits as bench.py's --random-weights (bf16 and FP8: --quantization
+    fp8, or an FP8 quantization_config, whose modules_to_not_convert stay unquantized); --tokenizer names another
+    directory's tokenizer; each wrong combination is one ConfigError line."""
+    cpu, d = torch.device("cpu"), str(tmp_path / "tiny")
+    assert bench.main(["--write-config", "tiny", d]) == 0
+    assert sorted(os.listdir(d)) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+
+    def same(llm, quantization=None):
+        want, _ = bench.random_model("tiny", torch.float32, cpu, quantization=quantization)
+        got = dict(llm.model.named_parameters())
+        assert got.keys() == dict(want.named_parameters()).keys()
+        for n, p in want.named_parameters():
+            assert got[n].dtype == p.dtype and torch.equal(got[n].float(), p.float()), n
+    llm = LLM(model=d, load_format="dummy", device="cpu", speculative_config={"method": "mtp",
+              "num_speculative_tokens": 2})
+    same(llm)
+    assert llm.model.mtp is not None and llm.cfg.hidden_size == bench.PRESETS["tiny"]["hidden_size"]
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    same(LLM(model=d, load_format="dummy", device="cpu", quantization="fp8"), "fp8")
+
+    with open(os.path.join(d, "config.json")) as f:  # an FP8 config: quantized as made, its listed module kept
+        cfg = json.load(f)
+    fp8_dir = str(tmp_path / "fp8")
+    os.makedirs(fp8_dir)
+    listed = "model.language_model.layers.1.mlp.down_proj"
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128], "modules_to_not_convert": [listed]}
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    fp8 = LLM(model=fp8_dir, load_format="dummy", device="cpu", tokenizer=d)
+    params = dict(fp8.model.named_parameters())
+    assert params["layers.1.mlp.down_proj.weight"].dtype == torch.float32
+    assert params["layers.0.mlp.down_proj.weight"].dtype == sd.FP8 and "layers.0.mlp.down_proj.weight_scale_inv" in params
+    assert fp8.get_tokenizer().encode("def fib(n):") == llm.get_tokenizer().encode("def fib(n):")
+
+    for kwargs, msg in [(dict(model=fp8_dir, load_format="dummy"), "no tokenizer.json"),
+                        (dict(model=d, load_format="pt"), "load_format 'pt' .* not supported; specdec reads auto, "
+                                                          "safetensors, gguf, dummy"),
+                        (dict(model=d, load_format="gguf"), "--load-format gguf needs a .gguf file"),
+                        (dict(model=d, load_format="dummy", tokenizer=str(tmp_path)), "no tokenizer.json")]:
+        with pytest.raises(sd.ConfigError, match=msg):
+            LLM(device="cpu", **kwargs)
 
 
 QUANT_REFUSALS = [
@@ -4545,6 +4593,23 @@ def test_read_timeouts(srv_limits):
     assert srv_limits.request("GET", "/health")[0] == 200
 
 
+def test_client_reset_is_not_logged_as_an_error(srv_limits):
+    """A keep-alive client that exits resets its connection (SO_LINGER 0: an RST, as a benchmark client's exit
+    does): the server goes on, and its log shows no traceback for it."""
+    before = open(srv_limits.log).read().count("Traceback")
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", srv_limits.port))
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+        time.sleep(0.1)  # the server waits for the next request on it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    time.sleep(0.3)
+    assert srv_limits.request("GET", "/health")[0] == 200
+    time.sleep(0.5)  # the reset connection's thread has run (its traceback, if any, is in the log)
+    assert open(srv_limits.log).read().count("Traceback") == before
+
+
 def test_connection_cap(srv_limits):
     time.sleep(1.5)  # every earlier connection has ended: closed by its client or timed out (1 s)
     held = [socket.create_connection(("127.0.0.1", srv_limits.port), timeout=5) for _ in range(4)]
@@ -5754,6 +5819,9 @@ def test_warmup_leaves_no_trace(tiny_spec):
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.request_id for o in out] == [o.request_id for o in ref]
     assert vars(llm.engine.stats) == vars(fresh.engine.stats) and fresh.engine.stats.num_accepted_tokens > 0
+    short = LLM(model=tiny_spec, device="cpu", max_model_len=8, speculative_config=spec)
+    short.warmup(force=True)  # its dummy prompts fit a short max_model_len (a server started with one)
+    assert not short.engine.has_work() and short.engine.num_requests == 0
 
 
 def check_warmup_captures_every_bucket(cfg, ckpts, device):

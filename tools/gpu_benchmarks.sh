@@ -7,6 +7,8 @@
 #   bash tools/gpu_benchmarks.sh 27b-fp8 35b-fp8      (the 27b / 35b parts' rows with FP8 weights, no transformers)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
+#   bash tools/gpu_benchmarks.sh serve-27b            (bench.py serve against server.py at the 27B shapes, random
+#                                                      weights through --load-format dummy; off and MTP k=1; ~4 min)
 #   bash tools/gpu_benchmarks.sh layouts              (published drafter layouts: DSpark in the speculators format
 #                                                      on the 35B-A3B and DFlash in z-lab's on the 27B, batch 1
 #                                                      and 8, with their draft time)
@@ -129,6 +131,21 @@ serve)  # bench.py serve against server.py on the toy model, with and without MT
     done
     kill $pid; wait $pid 2>/dev/null
   done 2>&1 | tee $OUT/serve-toy.log ;;
+serve-27b)  # bench.py serve against server.py at the 27B shapes: --load-format dummy on bench.py --write-config's
+  # directory (random weights, the toy's tokenizer), off and MTP k=1 at a synthetic 0.85, prompt 512, 128 tokens
+  python3 bench.py --write-config 27b /tmp/q27 > /dev/null
+  for spec in off "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}"; do
+    args=(); [ "$spec" != off ] && args=(--speculative-config "$spec")
+    python3 server.py --model /tmp/q27 --load-format dummy --max-model-len 4096 --port 8124 "${args[@]}" \
+      > $OUT/server-27b-$([ "$spec" = off ] && echo off || echo mtp).log 2>&1 & pid=$!
+    for i in $(seq 300); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8124/health')" 2>/dev/null && break; sleep 1; done
+    for c in 1 4 8; do
+      echo "=== serve-27b spec=$spec concurrency=$c"
+      timeout 150 python3 bench.py serve --url http://127.0.0.1:8124 --num-prompts $((c * 4)) --max-concurrency $c \
+        --prompt-len 512 --gen-len 128 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el 2>&1
+    done
+    kill $pid; wait $pid 2>/dev/null
+  done 2>&1 | tee $OUT/serve-27b.log ;;
 esac; done
 # the plots of BENCHMARKS.md from whichever of their logs this run wrote (tools/plot_bench.py --all; needs matplotlib)
 if python3 -c "import matplotlib" 2>/dev/null; then python3 tools/plot_bench.py --all $OUT $OUT | grep -v skipped || true; fi

@@ -65,8 +65,7 @@ def random_model(name, dtype, device, seed=0, quantization=None):
     if quantization not in (None, "none", "fp8"):
         raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
     cfg = sd.ModelConfig.from_dict(PRESETS[name])
-    with torch.device("meta"):
-        sources = sd.dummy_sources(sd.Qwen36(cfg), dtype, device, seed)
+    sources = sd.dummy_sources(cfg, dtype, device, seed)
     return sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8"), cfg
 
 

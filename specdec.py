@@ -21,9 +21,9 @@ One file, read top to bottom; a banner opens each section:
     Tokenizer           Tokenizer (byte-level BPE on tiktoken), IncrementalDecoder; ChatTemplate (the
                         checkpoint's Jinja template, sandboxed; apply_chat_template, the built-in fallback)
     Loading             load_model -> load_weights, the one loader; block-FP8 weights (declare_fp8;
-                        --quantization fp8: quantized_sources, quantize_fp8); GGUF files (read_gguf); hub ids
-                        in the local Hugging Face cache (resolve_model); slot memory (size_slots);
-                        generation_defaults
+                        --quantization fp8: quantized_sources); --load-format dummy (dummy_sources); GGUF
+                        files (read_gguf); hub ids in the local Hugging Face cache (resolve_model); slot
+                        memory (size_slots); generation_defaults
     API, CLI            LLM (generate, chat, get_metrics; vLLM's engine-argument names and outputs), main
 
 Each speculative method is one proposer class (PROPOSERS):
@@ -157,7 +157,7 @@ class ModelConfig:
     eos_token_ids: list = field(default_factory=list)
     model_type: str = "qwen3_5_text"
     quantization: str = None          # "fp8": the checkpoint stores block-FP8 weights (quantization_config)
-    modules_to_not_convert: list = field(default_factory=list)  # the modules it keeps unquantized
+    modules_to_not_convert: list = field(default_factory=list)  # the modules it keeps unquantized (our names)
 
     def __post_init__(self):
         self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
@@ -249,7 +249,8 @@ class ModelConfig:
         quant = top.get("quantization_config", text.get("quantization_config"))
         if quant is not None:
             cfg.quantization = check_quantization(quant, f)
-            cfg.modules_to_not_convert = list(quant.get("modules_to_not_convert") or [])
+            cfg.modules_to_not_convert = [e.removeprefix("model.language_model.").removeprefix("model.")
+                                          for e in quant.get("modules_to_not_convert") or []]
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
             with open(gen) as fh:
@@ -3724,26 +3725,12 @@ def quantize_weight(name, w):
     return torch.cat([qg, qu], -2), torch.cat([sg, su], -2)
 
 
-def quantize_fp8(model):
-    """--quantization fp8 on a model already in memory (bench.py's random weights): each FP8_WEIGHTS
-    parameter in turn becomes block-FP8 on its device, its scale a parameter beside it. Before
-    fuse_projections."""
-    for name in [n for n, _ in model.named_parameters() if n.endswith(FP8_WEIGHTS)]:
-        mod, _, leaf = name.rpartition(".")
-        m = model.get_submodule(mod)
-        q, scale = quantize_weight(name, m._parameters[leaf])
-        m._parameters[leaf] = nn.Parameter(q, requires_grad=False)
-        m._parameters[leaf + "_scale_inv"] = nn.Parameter(scale, requires_grad=False)
-    return model
-
-
 def quantized_sources(sources, device, not_convert=()):
     """--quantization fp8 at load: each FP8_WEIGHTS source is read, moved to the device and quantized there
     when the loader comes to it (one weight at a time: the unquantized model is never whole in memory); its
-    scale becomes the source of <name>_scale_inv. Modules in not_convert (a config's modules_to_not_convert,
-    whole names) stay unquantized."""
-    listed = {e.removeprefix("model.language_model.").removeprefix("model.") for e in not_convert}
-    for m in [m for m in sources if m.endswith(FP8_WEIGHTS) and m.rpartition(".")[0] not in listed]:
+    scale becomes the source of <name>_scale_inv. Modules in not_convert (a config's modules_to_not_convert)
+    stay unquantized."""
+    for m in [m for m in sources if m.endswith(FP8_WEIGHTS) and m.rpartition(".")[0] not in not_convert]:
         name, read = sources[m]
         q = functools.cache(lambda m=m, read=read: quantize_weight(m, read().to(device)))
         sources[m] = (name, lambda q=q: q()[0])
@@ -3756,16 +3743,15 @@ def declare_fp8(model, sources, not_convert, where):
     module has room for one (a Linear, the routed experts), becomes float8_e4m3fn with an fp32 P_scale_inv
     [..., ceil(N/128), ceil(K/128)] (gate_up_proj: 2 ceil(I/128) rows, gate's then up's). The scales decide;
     a module that the checkpoint's modules_to_not_convert lists must have none. Its entries name whole modules
-    (model.language_model.layers.0.mlp.gate): a substring match lets the router `mlp.gate` swallow
-    `mlp.gate_proj`, whose scales are then lost."""
+    (model.language_model.layers.0.mlp.gate; ModelConfig keeps our names, layers.0.mlp.gate): a substring match
+    lets the router `mlp.gate` swallow `mlp.gate_proj`, whose scales are then lost."""
     B = K.FP8_BLOCK
-    listed = {e.removeprefix("model.language_model.").removeprefix("model.") for e in not_convert}
     for name, p in list(model.named_parameters()):
         mod, _, leaf = name.rpartition(".")
         m = model.get_submodule(mod)
         if name + "_scale_inv" not in sources or leaf + "_scale_inv" not in m._parameters:
             continue
-        if mod in listed:
+        if mod in not_convert:
             raise ConfigError(f"{where}: {mod!r} is listed in modules_to_not_convert, but the checkpoint has "
                               f"FP8 scales for it ({sources[name + '_scale_inv'][0]!r})")
         *lead, N, Kd = p.shape
@@ -3780,8 +3766,8 @@ def declare_fp8(model, sources, not_convert, where):
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # vLLM's --load-format values that specdec reads
 
 
-def dummy_sources(module, dtype, device, seed=0):
-    """vLLM's --load-format dummy: random weights for every parameter of the (meta) module, made on the device
+def dummy_sources(cfg, dtype, device, seed=0):
+    """vLLM's --load-format dummy: random weights for every parameter of the model of cfg, made on the device
     when the loader reads them, in its order from one seeded generator: N(0, 0.02) matrices, zero norms (they
     are zero-centred: weight 1 + w), ones for the GDN gated norm and dt_bias, A_log uniform in [0, 2.7] (fp32).
     Benchmarks run the real shapes with them; the text they produce is noise."""
@@ -3795,7 +3781,9 @@ def dummy_sources(module, dtype, device, seed=0):
         if "norm" in name:
             return torch.zeros(shape, device=device, dtype=dtype)
         return torch.empty(shape, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
-    return {m: (m, functools.partial(make, m, tuple(p.shape))) for m, p in module.named_parameters()}
+    with torch.device("meta"):
+        params = Qwen36(cfg).named_parameters()
+    return {m: (m, functools.partial(make, m, tuple(p.shape))) for m, p in params}
 
 
 def build_model(cfg, sources, dtype, device, where, quantize=False):
@@ -3834,11 +3822,8 @@ def load_model(path, dtype, device, want_mtp=False, quantization=None, load_form
     else:
         cfg = ModelConfig.from_hf(path)
         tok = None
-        if load_format == "dummy":
-            with torch.device("meta"):
-                sources = dummy_sources(Qwen36(cfg), dtype, device)
-        else:
-            sources = checkpoint_sources(checkpoint_tensors(path), lambda n: internal_name(n, path))
+        sources = dummy_sources(cfg, dtype, device) if load_format == "dummy" else \
+            checkpoint_sources(checkpoint_tensors(path), lambda n: internal_name(n, path))
     if tokenizer is not None or tok is None:
         where = tokenizer or path
         if not os.path.isfile(os.path.join(where, "tokenizer.json")):

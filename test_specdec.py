@@ -3869,6 +3869,21 @@ BAD = [  # (path, body, status, param or None, message fragment)
      None, "maximum context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model",
      "The model `nope` does not exist."),
+    # found by fuzzing the server (session 34): each was accepted, or a 500, before
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, 400, "stop", "stop cannot contain an empty string."),
+    ("/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop", "stop cannot contain an empty string."),
+    ("/v1/completions", {"prompt": "x", "guided_choice": "abc"}, 400, "guided_choice", "a list of strings"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": {"yes": 1}}}, 400, "structured_outputs",
+     "a list of strings"),
+    ("/v1/completions", {"prompt": "x", "response_format": {}}, 400, "response_format", "is not supported"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 4097}, 400, "bad_words", "at most 4096"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+                              "tools": [{"type": "function", "function": {"name": "a>b"}}]}, 400, "tools",
+     "cannot contain whitespace"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
+        {"role": "user", "content": "y"}]}, 400, "messages", "nests too deeply"),
 ]
 
 
@@ -3888,6 +3903,9 @@ def test_errors_do_not_disturb_running_requests(srv):
         for raw, ctype, want, frag in ((b'{"prompt": "x",', "application/json", 400, "not valid JSON"),
                                        (b'["x"]', "application/json", 400, "JSON object"),
                                        (b'{"prompt": NaN}', "application/json", 400, "not valid JSON"),
+                                       # nested below json's recursion limit, above what the server reads
+                                       (b'{"prompt": "x", "temperature": ' + b"[" * 980 + b"1" + b"]" * 980 + b"}",
+                                        "application/json", 400, "levels deep"),
                                        (b'{"prompt": "x"}', "text/plain", 415, "Only 'application/json'")):
             status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": ctype})
             check_error(status, json.loads(data), want, None, frag)
@@ -7538,6 +7556,15 @@ def test_parsers_stream_as_they_answer_on_random_text():
                     json.loads(args)
                 got = stream_in_chunks(make(), text, rnd.randint(1, 5))
                 assert (got["reasoning"], got["content"], got["calls"]) == (whole.reasoning, whole.content or "", calls)
+
+
+def test_qwen3_coder_values_that_do_not_parse_stay_text():
+    """A parameter's text becomes its schema's type where it parses, else stays text: an integer of more digits
+    than Python converts (4300) was a 500 (ValueError) before session 34."""
+    integer = {"type": "integer"}
+    assert srvmod.typed_value("42", integer) == 42 and srvmod.typed_value("4x", integer) == "4x"
+    assert srvmod.typed_value("9" * 4400, integer) == "9" * 4400
+    assert srvmod.depth({"a": [1, {"b": []}]}) == 4 and srvmod.depth(5) == 0
 
 
 def test_metrics_kv_usage_and_phase_times():

@@ -794,6 +794,8 @@ PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "seed", "stop", "logit_bias", "chat_template_kwargs", "include_reasoning",
                   "parallel_tool_calls", "ignore_eos", "min_tokens", "stream")
 TEXT_PARTS = ("input_text", "output_text", "text")
+# A chat field an error names -> the Responses field it came from (response_to_chat)
+CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
 
 
 def response_messages(body):
@@ -1569,7 +1571,12 @@ class Handler(BaseHTTPRequestHandler):
         """POST /v1/responses: the request run as a chat request (response_to_chat), answered as a response object
         whole, or streamed as OpenAI's typed events (ResponseItems) ending with response.completed."""
         body = app.check_model(parse_json(raw))
-        prompts, params, spec = parse_chat(app, response_to_chat(body))
+        try:
+            prompts, params, spec = parse_chat(app, response_to_chat(body))
+        except ApiError as e:  # the chat path's field names -> the ones this request used
+            err = e.body["error"]
+            err["param"] = CHAT_TO_RESPONSES.get(err["param"], err["param"])
+            raise
         ids = prompts[0][0]
         job = Job(ids, params)
         job.ranked, job.fork_of = False, None

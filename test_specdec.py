@@ -7972,7 +7972,11 @@ def test_responses_api(srv_scripted):
                                     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input",
                                      "images and files are not supported"),
                                     ({"tools": [{"type": "web_search"}]}, "tools", "built-in tools are not supported"),
-                                    ({"instructions": 5}, "instructions", "'instructions' must be a string")]:
+                                    ({"instructions": 5}, "instructions", "'instructions' must be a string"),
+                                    # the chat path's checks name this request's fields (chat's before session 34)
+                                    ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+                                    ({"input": [{"role": "robot", "content": "x"}]}, "input", "role"),
+                                    ({"text": {"format": {"type": "xml"}}}, "text", "is not supported")]:
         status, body = srv_scripted.post("/v1/responses", {"model": "tiny", "input": "CASE-TEXT", **fields})
         check_error(status, body, 400, param, fragment)
 

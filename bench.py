@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import threading
@@ -69,16 +70,18 @@ def random_model(name, dtype, device, seed=0, quantization=None):
     return sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8"), cfg
 
 
-def write_config(preset, out, tokenizer_from=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")):
+TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")  # the shipped model
+
+
+def write_config(preset, out):
     """A model directory without weights: the preset's config.json (text-only, as ModelConfig reads it) and a
     tokenizer (the toy's: its ids are a small part of the preset's vocabulary; the others decode to nothing).
     specdec loads it with --load-format dummy."""
-    import shutil
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(dict(PRESETS[preset], max_position_embeddings=262144, tie_word_embeddings=False), f, indent=1)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_from, name), out)
+        shutil.copy(os.path.join(TOY, name), out)
     print(f"wrote {out}/config.json ({preset}) and the toy's tokenizer: run it with --load-format dummy")
     return out
 

@@ -22,6 +22,25 @@ SYN='"rejection_sample_method":"synthetic","synthetic_acceptance_length":6.5'
 # length 3.50 is what both methods reach with real drafts on the shipped toy model (H200 bf16: 3.51 and 3.49)
 NG='"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lookup_max":5,"rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.82,0.82,0.82,0.82]'
 DM='"method":"draft_model","num_speculative_tokens":4,"rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.82,0.82,0.82,0.82]'
+
+# bench.py serve (128 tokens a request) against server.py, started once without speculation and once with SPEC, at
+# concurrency 1, 4 and 8 (PER x concurrency prompts): serve_rows NAME SPEC PER "SERVER ARGS" "BENCH ARGS"; logs
+# $OUT/NAME.log, the servers' $OUT/server-NAME-off.log and -spec.log
+serve_rows() {
+  local name=$1 per=$3 server=($4) bench=($5) spec args pid c
+  for spec in off "$2"; do
+    args=(); [ "$spec" != off ] && args=(--speculative-config "$spec")
+    python3 server.py "${server[@]}" --port 8123 "${args[@]}" \
+      > $OUT/server-$name-$([ "$spec" = off ] && echo off || echo spec).log 2>&1 & pid=$!
+    for i in $(seq 300); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
+    for c in 1 4 8; do
+      echo "=== $name spec=$spec concurrency=$c"
+      timeout 150 python3 bench.py serve --url http://127.0.0.1:8123 --num-prompts $((c * per)) --max-concurrency $c \
+        --gen-len 128 "${bench[@]}" --percentile-metrics ttft,tpot,itl,e2el 2>&1
+    done
+    kill $pid; wait $pid 2>/dev/null
+  done 2>&1 | tee $OUT/$name.log
+}
 for p in $parts; do case $p in
 27b|35b|27b-fp8|35b-fp8)  # synthetic acceptance at the published rates, concurrency 1-8, every method, transformers
   # in the same run (bf16 only); the -fp8 parts: the same rows with --quantization fp8 (issue 27's FP8 table); ngram
@@ -120,32 +139,12 @@ toy)  # the shipped model: real acceptance, bf16 on the GPU, and each method's b
     --speculative-config '{"method":"dspark","model":"models/toy-dspark","num_speculative_tokens":8}' \
     2>&1 | tee $OUT/bench-toy.log | grep -v '^{' ;;
 serve)  # bench.py serve against server.py on the toy model, with and without MTP
-  for spec in off '{"method":"mtp","num_speculative_tokens":3}'; do
-    args=(); [ "$spec" != off ] && args=(--speculative-config "$spec")
-    python3 server.py --model models/toy --port 8123 "${args[@]}" > $OUT/server.log 2>&1 & pid=$!
-    for i in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break; sleep 1; done
-    for c in 1 4 8; do
-      echo "=== serve spec=$spec concurrency=$c"
-      timeout 120 python3 bench.py serve --url http://127.0.0.1:8123 --num-prompts $((c * 8)) --max-concurrency $c \
-        --prompt-len 128 --gen-len 128 --percentile-metrics ttft,tpot,itl,e2el 2>&1 | tail -3
-    done
-    kill $pid; wait $pid 2>/dev/null
-  done 2>&1 | tee $OUT/serve-toy.log ;;
+  serve_rows serve-toy '{"method":"mtp","num_speculative_tokens":3}' 8 "--model models/toy" "--prompt-len 128" ;;
 serve-27b)  # bench.py serve against server.py at the 27B shapes: --load-format dummy on bench.py --write-config's
   # directory (random weights, the toy's tokenizer), off and MTP k=1 at a synthetic 0.85, prompt 512, 128 tokens
   python3 bench.py --write-config 27b /tmp/q27 > /dev/null
-  for spec in off "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}"; do
-    args=(); [ "$spec" != off ] && args=(--speculative-config "$spec")
-    python3 server.py --model /tmp/q27 --load-format dummy --max-model-len 4096 --port 8124 "${args[@]}" \
-      > $OUT/server-27b-$([ "$spec" = off ] && echo off || echo mtp).log 2>&1 & pid=$!
-    for i in $(seq 300); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8124/health')" 2>/dev/null && break; sleep 1; done
-    for c in 1 4 8; do
-      echo "=== serve-27b spec=$spec concurrency=$c"
-      timeout 150 python3 bench.py serve --url http://127.0.0.1:8124 --num-prompts $((c * 4)) --max-concurrency $c \
-        --prompt-len 512 --gen-len 128 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el 2>&1
-    done
-    kill $pid; wait $pid 2>/dev/null
-  done 2>&1 | tee $OUT/serve-27b.log ;;
+  serve_rows serve-27b "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" 4 \
+    "--model /tmp/q27 --load-format dummy --max-model-len 4096" "--prompt-len 512 --ignore-eos" ;;
 esac; done
 # the plots of BENCHMARKS.md from whichever of their logs this run wrote (tools/plot_bench.py --all; needs matplotlib)
 if python3 -c "import matplotlib" 2>/dev/null; then python3 tools/plot_bench.py --all $OUT $OUT | grep -v skipped || true; fi

@@ -2071,7 +2071,7 @@ def compile_grammar(compiler, so):
         if so.regex is not None:
             return compiler.compile_regex(so.regex)
         if so.choice is not None:
-            if not so.choice or not all(isinstance(c, str) for c in so.choice):
+            if not (isinstance(so.choice, list) and so.choice and all(isinstance(c, str) for c in so.choice)):
                 raise ConfigError("structured_outputs choice must be a non-empty list of strings")
             return compiler.compile_grammar("root ::= " + " | ".join(ebnf_literal(c) for c in so.choice))
         return compiler.compile_grammar(so.grammar)
@@ -3415,7 +3415,7 @@ def _tool_call_object(call):
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested ~1000 deep
             raise ValueError(f"tool call arguments are not valid JSON ({e}): {args[:40]!r}") from None
     if not isinstance(args if args is not None else {}, dict):
         raise ValueError(f"tool call arguments must be a JSON object, got {json.dumps(args)[:40]}")

@@ -2410,6 +2410,12 @@ def test_request_errors(tiny):
                      (dict(top_k=-2), "top_k must be 0 \\(disable\\), or at least 1, got -2")):
         with pytest.raises(ConfigError, match=msg):
             SamplingParams(**bad)
+    for choice in ("ab", {"a": 1}):  # a string or a dict is not a list of strings (a string passed before)
+        with pytest.raises(ConfigError, match="choice must be a non-empty list of strings"):
+            llm.generate([[1]], SamplingParams(max_tokens=2, structured_outputs=sd.StructuredOutputsParams(
+                choice=choice)))
+    with pytest.raises(ValueError, match="tool call arguments are not valid JSON"):  # nested past the recursion limit
+        sd._tool_call_object({"function": {"name": "f", "arguments": "[" * 5000}})
 
 
 def test_sampling_params_cross_field_checks():
@@ -3883,7 +3889,7 @@ BAD = [  # (path, body, status, param or None, message fragment)
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
-        {"role": "user", "content": "y"}]}, 400, "messages", "nests too deeply"),
+        {"role": "user", "content": "y"}]}, 400, "messages", "not valid JSON"),
 ]
 
 

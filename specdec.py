@@ -543,6 +543,7 @@ class Qwen36(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTPHead(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
+        self.draft_head = None  # (e4m3, scales): the lm_head in FP8 for the drafts of an FP8 target (fp8_head)
 
     def forward(self, ids, ctx, taps=()):
         """Final-norm hidden states [B, T, H]; with `taps` (layer ids, "output of layer i", -1 = the
@@ -559,6 +560,14 @@ class Qwen36(nn.Module):
 
     def logits(self, h):
         return (K.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)).float()
+
+    def draft_logits(self, h):
+        """The logits the drafts are picked from (the MTP head; DFlash / DSpark without their own lm_head):
+        logits(h), or on an FP8 target its lm_head's FP8 copy (draft_head): half the bytes of the bf16 lm_head,
+        which the verify keeps. A draft decides only how many tokens a verify accepts, never which."""
+        if self.draft_head is None:
+            return self.logits(h)
+        return K.linear(h, self.draft_head[0], scale=self.draft_head[1]).float()
 
     def commit(self, ctx, n_keep):
         """Bring every GDN layer's state to the end of the accepted prefix of the last verify."""
@@ -1043,7 +1052,7 @@ class MTPProposer:
 
     def _logits(self, h):
         with K.cpu_draft():  # the draft's lm_head too (the target's verify keeps fp32)
-            return self.model.logits(h)
+            return self.model.draft_logits(h)
 
     def prefill(self, req, hidden, taps, ids, pos):
         # ids: the chunk's tokens shifted left by one (the next token of each position)
@@ -1464,7 +1473,7 @@ class BlockProposer:
             e = torch.load(override, weights_only=True)
             e = e["embedding"] if isinstance(e, dict) else e
             self.mask_vec = e.reshape(-1).to(io.device, io.dtype)
-        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else io.model.logits
+        self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else io.model.draft_logits
         self.io = io
         self.k = K
         self.greedy = spec.draft_sample_method == "greedy"
@@ -3803,6 +3812,15 @@ def build_model(cfg, sources, dtype, device, where, quantize=False):
     return model
 
 
+def fp8_head(head, rows=16384):
+    """The lm_head (or tied embeddings) of an FP8 target quantized block-wise for the drafts (draft_logits),
+    rows at a time (whole blocks, the same result): 248320 x 5120 in fp32 at once would be 5 GB. Made by LLM
+    when the method drafts through the target's lm_head, before the memory budget (which counts it)."""
+    w = head.weight
+    parts = [K.fp8_quantize(w[i:i + rows]) for i in range(0, w.shape[0], rows)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
 def load_model(path, dtype, device, want_mtp=False, quantization=None, load_format="auto", tokenizer=None):
     """Build the model from a checkpoint directory or .gguf file -> (model, ModelConfig, Tokenizer).
     quantization "fp8": block-FP8 weights quantized at load (an FP8 checkpoint loads as FP8 without it).
@@ -4368,6 +4386,9 @@ class LLM:
         tokenizer = None if tokenizer is None else resolve_model(tokenizer)
         self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp,
                                                           quantization, load_format, tokenizer)
+        m = self.model
+        if "fp8" in (quantization, self.cfg.quantization) and spec and spec.method in ("mtp", "dflash", "dspark"):
+            m.draft_head = fp8_head(m.embed_tokens if m.lm_head is None else m.lm_head)  # (draft_logits)
         want = None if max_model_len in (None, "auto", -1) else max_model_len
         if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
             raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")

@@ -1920,9 +1920,37 @@ def test_fp8_mtp_head_drafts_as_dequantized(fp8_target, tmp_path):
     runs = []
     for path in (fp8, dequantized(fp8, str(tmp_path / "deq"))):
         llm = LLM(model=path, device="cpu", speculative_config=spec)
+        if path != fp8:  # both pick drafts from the same FP8 copy of the (unquantized) lm_head
+            m = llm.model
+            m.draft_head = sd.fp8_head(m.embed_tokens if m.lm_head is None else m.lm_head)
         out = llm.generate(SPEC_PROMPTS[:2], GREEDY)
         runs.append(([o.outputs[0].token_ids for o in out], llm.engine.stats.accepted_per_pos))
     assert runs[0] == runs[1] and runs[0][1][1] > 0
+
+
+def test_fp8_target_drafts_from_an_fp8_lm_head(fp8_target, tiny):
+    """An FP8 target's drafts are picked from its lm_head quantized block-wise (draft_logits), made in pieces of
+    whole blocks (the same bits as at once) when a method drafts through the target's lm_head; the verify's
+    logits stay the unquantized lm_head's. An unquantized target, or no speculation, keeps no copy."""
+    llm = LLM(model=fp8_target[0], device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    m = llm.model
+    w = (m.embed_tokens if m.lm_head is None else m.lm_head).weight
+    q, s = m.draft_head
+    assert q.dtype == sd.FP8 and q.shape == w.shape and w.dtype == torch.float32
+    whole = K.fp8_quantize(w)
+    assert torch.equal(q.float(), whole[0].float()) and torch.equal(s, whole[1])
+    small, at_once = sd.fp8_head(types.SimpleNamespace(weight=w[:300]), rows=128), K.fp8_quantize(w[:300])
+    assert torch.equal(small[0].float(), at_once[0].float()) and torch.equal(small[1], at_once[1])
+    h = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
+    want = h.double() @ K.fp8_dequantize_ref(*whole).double().T
+    assert (m.draft_logits(h).double() - want).abs().max() <= 1e-4 * want.abs().max()
+    assert not torch.equal(m.draft_logits(h), m.logits(h))                # the verify's: the fp32 lm_head
+    assert (m.logits(h).double() - h.double() @ w.double().T).abs().max() <= 1e-4 * want.abs().max()
+    assert LLM(model=fp8_target[0], device="cpu").model.draft_head is None
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert LLM(model=fp8_target[0], device="cpu", speculative_config=spec).model.draft_head is None
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    assert LLM(model=tiny, device="cpu", speculative_config=spec).model.draft_head is None
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -67,7 +67,17 @@ def random_model(name, dtype, device, seed=0, quantization=None):
         raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
     cfg = sd.ModelConfig.from_dict(PRESETS[name])
     sources = sd.dummy_sources(cfg, dtype, device, seed)
-    return sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8"), cfg
+    model = sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8")
+    return with_draft_head(model, quantization == "fp8"), cfg
+
+
+def with_draft_head(model, fp8):
+    """An FP8 model with the FP8 copy of its lm_head that specdec.LLM makes for MTP / DFlash / DSpark drafts
+    (specdec.fp8_head, Qwen36.draft_logits), so that bench times their draft step as the engine runs it; the
+    other methods leave it unread."""
+    if fp8:
+        model.draft_head = sd.fp8_head(model.embed_tokens if model.lm_head is None else model.lm_head)
+    return model
 
 
 TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")  # the shipped model
@@ -1313,6 +1323,7 @@ def main(argv=None):
     else:
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
         model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp, quantization=a.quantization)
+        with_draft_head(model, "fp8" in (a.quantization, cfg.quantization))
         label = a.model
     if a.stall:
         print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "

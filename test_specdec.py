@@ -2092,6 +2092,9 @@ def test_bench_random_model_fp8():
     ws = bench.linear_weights(fp8, 0)                                              # what a decode step reads
     assert {w.dtype for w in ws} == {sd.FP8, torch.float32} and sum(w.numel() for w in ws) == \
         sum(w.numel() for w in bench.linear_weights(plain, 0))
+    assert plain.draft_head is None and fp8.draft_head[0].dtype == sd.FP8      # the drafts' lm_head, as LLM's
+    assert torch.equal(fp8.draft_head[0].float(), sd.fp8_head(fp8.embed_tokens if fp8.lm_head is None
+                                                              else fp8.lm_head)[0].float())
 
 
 def test_load_format_dummy(tmp_path):

@@ -1235,6 +1235,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("-q", "--quantization", default=None, help="fp8: block-FP8 weights, quantized at load (as "
                     "specdec's --quantization fp8; with --random-weights, after they are made)")
+    ap.add_argument("--no-draft-head", action="store_true", help="FP8 models: MTP / DFlash / DSpark draft through "
+                    "the bf16 lm_head, without the FP8 copy LLM makes (specdec.fp8_head): the A/B of that copy")
     ap.add_argument("--device", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -1317,13 +1319,15 @@ def main(argv=None):
     specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
     if a.random_weights or not a.model:
         model, cfg = random_model(a.random_weights or "tiny", dtype, device, quantization=a.quantization)
+        if a.no_draft_head:
+            model.draft_head = None
         if a.cyclic:
             make_cyclic(model)
         label = a.random_weights or "tiny"
     else:
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
         model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp, quantization=a.quantization)
-        with_draft_head(model, "fp8" in (a.quantization, cfg.quantization))
+        with_draft_head(model, "fp8" in (a.quantization, cfg.quantization) and not a.no_draft_head)
         label = a.model
     if a.stall:
         print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "

@@ -3,7 +3,8 @@
 #   bash tools/gpu_benchmarks.sh [27b] [35b] [sweep] [toy] [serve]      (default: all five; BENCHMARKS.md's tables)
 #   bash tools/gpu_benchmarks.sh targets | drafters | mtp   (the issues' target rows at 256 tokens; retrain the toy's
 #                                                           drafters, its MTP head: one device call each)
-#   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, the same rows in bf16)
+#   bash tools/gpu_benchmarks.sh fp8                  (FP8 weights: the FP8 issue's target rows, the same rows in bf16,
+#                                                      MTP without the drafts' FP8 lm_head: its A/B)
 #   bash tools/gpu_benchmarks.sh 27b-fp8 35b-fp8      (the 27b / 35b parts' rows with FP8 weights, no transformers)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
@@ -68,6 +69,11 @@ fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floo
     --random-drafter /tmp/drafters-27b --verify-cost 2 16 --speculative-config off \
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-fp8-27b.log | grep -v '^{'
+  # the same MTP rows with the drafts through the bf16 lm_head (bench.py --no-draft-head): the FP8 copy's A/B
+  timeout 120 python3 bench.py --random-weights 27b -q fp8 --batch 1 8 --prompt-len 256 --gen-len 128 --no-floor \
+    --no-draft-head --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" 2>&1 \
+    | tee $OUT/bench-fp8-27b-no-draft-head.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 27b -q fp8 --batch 1 --prompt-len 4096 --gen-len 4 --no-floor 2>&1 | tee $OUT/bench-fp8-prefill-4096.log | grep -v '^{'
   timeout 100 python3 bench.py --random-weights 35b-a3b -q fp8 --batch 1 --prompt-len 256 --gen-len 128 --true-floor 2>&1 | tee $OUT/bench-fp8-35b.log | grep -v '^{'
   timeout 200 python3 bench.py --random-weights 27b --batch 1 8 --prompt-len 256 --gen-len 128 \

@@ -60,24 +60,25 @@ PRESETS = {  # the real text_config shapes (qwen36-architecture.md §1.3, §1.4)
 }
 
 
-def random_model(name, dtype, device, seed=0, quantization=None):
+def random_model(name, dtype, device, seed=0, quantization=None, draft_head=True):
     """The real-shape model with random weights made on the device (no checkpoint): specdec's --load-format
-    dummy on the preset's config; quantization "fp8": quantized as they are made, as --quantization fp8 does."""
+    dummy on the preset's config; quantization "fp8": quantized as they are made, as --quantization fp8 does,
+    with the drafts' FP8 lm_head unless draft_head is False (with_draft_head)."""
     if quantization not in (None, "none", "fp8"):
         raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
     cfg = sd.ModelConfig.from_dict(PRESETS[name])
     sources = sd.dummy_sources(cfg, dtype, device, seed)
     model = sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8")
-    return with_draft_head(model, quantization == "fp8"), cfg
+    with_draft_head(model, quantization == "fp8" and draft_head)
+    return model, cfg
 
 
 def with_draft_head(model, fp8):
-    """An FP8 model with the FP8 copy of its lm_head that specdec.LLM makes for MTP / DFlash / DSpark drafts
+    """fp8: give the model the FP8 copy of its lm_head that specdec.LLM makes for MTP / DFlash / DSpark drafts
     (specdec.fp8_head, Qwen36.draft_logits), so that bench times their draft step as the engine runs it; the
     other methods leave it unread."""
     if fp8:
         model.draft_head = sd.fp8_head(model.embed_tokens if model.lm_head is None else model.lm_head)
-    return model
 
 
 TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")  # the shipped model
@@ -1318,9 +1319,8 @@ def main(argv=None):
                 c["model"] = random_draft_lm(a.random_draft_lm, a.random_weights)
     specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
     if a.random_weights or not a.model:
-        model, cfg = random_model(a.random_weights or "tiny", dtype, device, quantization=a.quantization)
-        if a.no_draft_head:
-            model.draft_head = None
+        model, cfg = random_model(a.random_weights or "tiny", dtype, device, quantization=a.quantization,
+                                  draft_head=not a.no_draft_head)
         if a.cyclic:
             make_cyclic(model)
         label = a.random_weights or "tiny"

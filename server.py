@@ -422,7 +422,7 @@ def render_chat(app, body, msgs, tools):
         return app.template.render(msgs, tools, get(body, "add_generation_prompt", "boolean", True), **kwargs)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad(f"invalid messages: {e}", "messages") from None
-    except RecursionError:  # e.g. a tool call's "arguments" string of JSON nested ~1000 deep
+    except RecursionError:  # a template recursing too deep (deep tool arguments: refused before, _tool_call_object)
         raise bad("invalid messages: a value nests too deeply", "messages") from None
 
 

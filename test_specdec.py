@@ -2093,6 +2093,7 @@ def test_bench_random_model_fp8():
     assert {w.dtype for w in ws} == {sd.FP8, torch.float32} and sum(w.numel() for w in ws) == \
         sum(w.numel() for w in bench.linear_weights(plain, 0))
     assert plain.draft_head is None and fp8.draft_head[0].dtype == sd.FP8      # the drafts' lm_head, as LLM's
+    assert bench.random_model("tiny", torch.float32, cpu, quantization="fp8", draft_head=False)[0].draft_head is None
     assert torch.equal(fp8.draft_head[0].float(), sd.fp8_head(fp8.embed_tokens if fp8.lm_head is None
                                                               else fp8.lm_head)[0].float())
 

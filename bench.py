@@ -78,7 +78,7 @@ def with_draft_head(model, fp8):
     (specdec.fp8_head, Qwen36.draft_logits), so that bench times their draft step as the engine runs it; the
     other methods leave it unread."""
     if fp8:
-        model.draft_head = sd.fp8_head(model.embed_tokens if model.lm_head is None else model.lm_head)
+        model.draft_head = sd.fp8_head(model)
 
 
 TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")  # the shipped model
@@ -1318,16 +1318,18 @@ def main(argv=None):
             if c and c.get("method") == "draft_model" and "model" not in c:
                 c["model"] = random_draft_lm(a.random_draft_lm, a.random_weights)
     specs = [None if c is None else sd.SpeculativeConfig.from_json(c) for c in raw]
+    # the FP8 lm_head copy, where LLM would make it for one of the configs run (specdec.drafts_through_target_head)
+    head = not a.no_draft_head and any(sd.drafts_through_target_head(s) for s in specs)
     if a.random_weights or not a.model:
         model, cfg = random_model(a.random_weights or "tiny", dtype, device, quantization=a.quantization,
-                                  draft_head=not a.no_draft_head)
+                                  draft_head=head)
         if a.cyclic:
             make_cyclic(model)
         label = a.random_weights or "tiny"
     else:
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
         model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp, quantization=a.quantization)
-        with_draft_head(model, "fp8" in (a.quantization, cfg.quantization) and not a.no_draft_head)
+        with_draft_head(model, "fp8" in (a.quantization, cfg.quantization) and head)
         label = a.model
     if a.stall:
         print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "

@@ -1639,6 +1639,14 @@ def _gdn_recurrent_kernel(p_q, p_k, p_v, p_g, p_beta, p_alog, p_dtb, p_state, p_
             tl.store(p_s, b_s, mask=m_s)
 
 
+# BATCH_INVARIANT: the recurrence's (value block, warps) at every B and T. Measured on the H200 (session 36,
+# tools/tile_sweep.py gdn, us per 27B layer, (16, 1) -> (32, 2)): B = 1 T = 1 3.95 -> 4.78, T = 2 4.56 -> 5.65,
+# T = 16 13.0 -> 17.5; B = 8 T = 1 19.6 -> 16.1, T = 2 19.6 -> 17.6. A whole FP8 27B step (profile_step.py --ab
+# GDN_TILE): B = 1 +0.01 ms (T = 16 +0.14), B = 8 -0.11 ms: batch 8 reads 8 states, and wider tiles move them
+# at 3.1 TB/s against 2.6.
+GDN_TILE = (32, 2)
+
+
 def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=None, dt_bias=None, outputs=True,
                           conv=None):
     B, T, Hk, Dk = q.shape
@@ -1655,11 +1663,12 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     BK = _p2(Dk)
     # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 /
     # 1 warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
-    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s.
-    # BATCH_INVARIANT: 16 always (the warp count and tile shape set how d_k is summed: a row's result must not
-    # depend on B)
-    wide = not BATCH_INVARIANT and B * Hv * _cdiv(Dv, 16) > 1536
-    BV = min(_p2(Dv), 32 if wide else 16)
+    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s. That is without
+    # BATCH_INVARIANT; with it (the default), GDN_TILE at every B and T (the warp count and tile shape set how
+    # d_k is summed: a row's result must not depend on B)
+    wide = B * Hv * _cdiv(Dv, 16) > 1536
+    BV = min(_p2(Dv), GDN_TILE[0] if BATCH_INVARIANT else 32 if wide else 16)
+    warps = GDN_TILE[1] if BATCH_INVARIANT else max(1, BK * BV // 2048)
     gates = A_log is not None
     assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous()
                          and A_log.shape == dt_bias.shape == (Hv,))
@@ -1679,7 +1688,7 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=BK, BV=BV, HAS_KEEP=n_keep is not None, GATES=gates,
-        OUT=outputs, num_warps=max(1, BK * BV // 2048), **extra)
+        OUT=outputs, num_warps=warps, **extra)
     return o if outputs else None
 
 

@@ -3812,13 +3812,22 @@ def build_model(cfg, sources, dtype, device, where, quantize=False):
     return model
 
 
-def fp8_head(head, rows=16384):
-    """The lm_head (or tied embeddings) of an FP8 target quantized block-wise for the drafts (draft_logits),
-    rows at a time (whole blocks, the same result): 248320 x 5120 in fp32 at once would be 5 GB. Made by LLM
-    when the method drafts through the target's lm_head, before the memory budget (which counts it)."""
-    w = head.weight
+def fp8_head(model, rows=16384):
+    """The model's lm_head (or tied embeddings) quantized block-wise for the drafts of an FP8 target
+    (Qwen36.draft_head, draft_logits), rows at a time (whole blocks, the same result): 248320 x 5120 in fp32 at
+    once would be 5 GB. Made by LLM when the drafts go through the target's lm_head
+    (drafts_through_target_head), before the memory budget (which counts it)."""
+    w = (model.embed_tokens if model.lm_head is None else model.lm_head).weight
     parts = [K.fp8_quantize(w[i:i + rows]) for i in range(0, w.shape[0], rows)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def drafts_through_target_head(spec):
+    """Whether spec's drafts are picked from the target's lm_head (Qwen36.draft_logits): MTP's always, a DFlash /
+    DSpark drafter's unless its checkpoint ships an lm_head of its own."""
+    if spec is None or spec.method not in ("mtp", "dflash", "dspark"):
+        return False
+    return spec.method == "mtp" or spec.model is None or "lm_head.weight" not in checkpoint_tensors(spec.model)
 
 
 def load_model(path, dtype, device, want_mtp=False, quantization=None, load_format="auto", tokenizer=None):
@@ -4387,8 +4396,8 @@ class LLM:
         self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp,
                                                           quantization, load_format, tokenizer)
         m = self.model
-        if "fp8" in (quantization, self.cfg.quantization) and spec and spec.method in ("mtp", "dflash", "dspark"):
-            m.draft_head = fp8_head(m.embed_tokens if m.lm_head is None else m.lm_head)  # (draft_logits)
+        if "fp8" in (quantization, self.cfg.quantization) and drafts_through_target_head(spec):
+            m.draft_head = fp8_head(m)  # (draft_logits)
         want = None if max_model_len in (None, "auto", -1) else max_model_len
         if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
             raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")

@@ -1922,7 +1922,7 @@ def test_fp8_mtp_head_drafts_as_dequantized(fp8_target, tmp_path):
         llm = LLM(model=path, device="cpu", speculative_config=spec)
         if path != fp8:  # both pick drafts from the same FP8 copy of the (unquantized) lm_head
             m = llm.model
-            m.draft_head = sd.fp8_head(m.embed_tokens if m.lm_head is None else m.lm_head)
+            m.draft_head = sd.fp8_head(m)
         out = llm.generate(SPEC_PROMPTS[:2], GREEDY)
         runs.append(([o.outputs[0].token_ids for o in out], llm.engine.stats.accepted_per_pos))
     assert runs[0] == runs[1] and runs[0][1][1] > 0
@@ -1939,7 +1939,8 @@ def test_fp8_target_drafts_from_an_fp8_lm_head(fp8_target, tiny):
     assert q.dtype == sd.FP8 and q.shape == w.shape and w.dtype == torch.float32
     whole = K.fp8_quantize(w)
     assert torch.equal(q.float(), whole[0].float()) and torch.equal(s, whole[1])
-    small, at_once = sd.fp8_head(types.SimpleNamespace(weight=w[:300]), rows=128), K.fp8_quantize(w[:300])
+    part = types.SimpleNamespace(lm_head=types.SimpleNamespace(weight=w[:300]))
+    small, at_once = sd.fp8_head(part, rows=128), K.fp8_quantize(w[:300])
     assert torch.equal(small[0].float(), at_once[0].float()) and torch.equal(small[1], at_once[1])
     h = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
     want = h.double() @ K.fp8_dequantize_ref(*whole).double().T
@@ -1951,6 +1952,23 @@ def test_fp8_target_drafts_from_an_fp8_lm_head(fp8_target, tiny):
     assert LLM(model=fp8_target[0], device="cpu", speculative_config=spec).model.draft_head is None
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     assert LLM(model=tiny, device="cpu", speculative_config=spec).model.draft_head is None
+
+
+def test_drafts_through_target_head(tmp_path):
+    """Which drafts read the target's lm_head (and so, on an FP8 target, its FP8 copy): MTP's, and a DFlash /
+    DSpark drafter's without an lm_head of its own; not ngram's, draft_model's, or a drafter that ships one."""
+    from safetensors.torch import save_file
+    own, none = tmp_path / "own", tmp_path / "none"
+    for d, names in ((own, ["fc.weight", "lm_head.weight"]), (none, ["fc.weight"])):
+        d.mkdir()
+        save_file({n: torch.zeros(2, 2) for n in names}, str(d / "model.safetensors"))
+    spec = lambda method, model=None: types.SimpleNamespace(method=method, model=model)  # noqa: E731
+    assert sd.drafts_through_target_head(spec("mtp")) and not sd.drafts_through_target_head(None)
+    assert not sd.drafts_through_target_head(spec("ngram"))
+    assert not sd.drafts_through_target_head(spec("draft_model", str(none)))
+    for method in ("dflash", "dspark"):
+        assert sd.drafts_through_target_head(spec(method, str(none)))
+        assert not sd.drafts_through_target_head(spec(method, str(own)))
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -2094,8 +2112,7 @@ def test_bench_random_model_fp8():
         sum(w.numel() for w in bench.linear_weights(plain, 0))
     assert plain.draft_head is None and fp8.draft_head[0].dtype == sd.FP8      # the drafts' lm_head, as LLM's
     assert bench.random_model("tiny", torch.float32, cpu, quantization="fp8", draft_head=False)[0].draft_head is None
-    assert torch.equal(fp8.draft_head[0].float(), sd.fp8_head(fp8.embed_tokens if fp8.lm_head is None
-                                                              else fp8.lm_head)[0].float())
+    assert torch.equal(fp8.draft_head[0].float(), sd.fp8_head(fp8)[0].float())
 
 
 def test_load_format_dummy(tmp_path):

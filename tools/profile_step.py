@@ -183,10 +183,11 @@ def draft_lm(batches, target="27b", k=4, ctx=512, switch=None, rounds=3):
 
 
 def parse_switch(switch):
-    """"NAME=V1,V2" -> (NAME, [V1, V2]): a kernels.py switch and its values (Python literals)."""
+    """"NAME=V1,V2" -> (NAME, [V1, V2]): a kernels.py switch and its values (Python literals, tuples too:
+    "GDN_TILE=(16,1),(32,2)")."""
     name, values = switch.split("=", 1)
     assert hasattr(sd.K, name), f"kernels.py has no {name}"
-    return name, [ast.literal_eval(v) for v in values.split(",")]
+    return name, list(ast.literal_eval(f"[{values}]"))
 
 
 @contextlib.contextmanager

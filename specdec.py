@@ -3824,7 +3824,8 @@ def fp8_head(model, rows=16384):
 
 def drafts_through_target_head(spec):
     """Whether spec's drafts are picked from the target's lm_head (Qwen36.draft_logits): MTP's always, a DFlash /
-    DSpark drafter's unless its checkpoint ships an lm_head of its own."""
+    DSpark drafter's unless its checkpoint ships an lm_head of its own (spec.model: a checkpoint directory, as
+    drafter_bytes has checked)."""
     if spec is None or spec.method not in ("mtp", "dflash", "dspark"):
         return False
     return spec.method == "mtp" or spec.model is None or "lm_head.weight" not in checkpoint_tensors(spec.model)
@@ -4395,9 +4396,6 @@ class LLM:
         tokenizer = None if tokenizer is None else resolve_model(tokenizer)
         self.model, self.cfg, self.tokenizer = load_model(model, self.dtype, self.device, want_mtp,
                                                           quantization, load_format, tokenizer)
-        m = self.model
-        if "fp8" in (quantization, self.cfg.quantization) and drafts_through_target_head(spec):
-            m.draft_head = fp8_head(m)  # (draft_logits)
         want = None if max_model_len in (None, "auto", -1) else max_model_len
         if want is not None and (isinstance(want, bool) or not (isinstance(want, int) and want >= 1)):
             raise ConfigError(f"max_model_len must be a positive integer, or auto / -1 (fit), got {want!r}")
@@ -4408,9 +4406,11 @@ class LLM:
             limit = min(limit, spec.max_model_len)
             want = None if want is None else min(want, limit)
         k = spec.num_speculative_tokens if spec else 0
+        d_weights, d_pos, d_slot, d_extra = drafter_bytes(spec, self.dtype)  # loaded later, counted now
+        if "fp8" in (quantization, self.cfg.quantization) and drafts_through_target_head(spec):
+            self.model.draft_head = fp8_head(self.model)  # (draft_logits; held before the budget is taken)
         budget, basis = memory_budget(self.device, gpu_memory_utilization)
         per_pos, per_slot = state_bytes(self.cfg, self.dtype, want_mtp)
-        d_weights, d_pos, d_slot, d_extra = drafter_bytes(spec, self.dtype)  # loaded later, counted now
         if d_weights:
             basis += f", less the drafter's {d_weights / GiB:.2f} GiB of weights"
         max_len, self.memory_report = size_slots(per_pos + d_pos, per_slot + d_slot, max_num_seqs,

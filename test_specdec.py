@@ -1971,6 +1971,14 @@ def test_drafts_through_target_head(tmp_path):
         assert not sd.drafts_through_target_head(spec(method, str(own)))
 
 
+def test_fp8_target_with_a_missing_drafter_is_refused(fp8_target, tmp_path):
+    """An FP8 target (which asks whether the drafter ships an lm_head) with a drafter path that holds no
+    checkpoint: the drafter's own one-line error, not a traceback from reading its tensors."""
+    spec = {"method": "dflash", "model": str(tmp_path / "missing"), "num_speculative_tokens": 3}
+    with pytest.raises(sd.ConfigError, match="no config.json"):
+        LLM(model=fp8_target[0], device="cpu", speculative_config=spec)
+
+
 @pytest.mark.parametrize("moe", [False, True])
 def test_quantization_fp8_at_load_equals_fp8_checkpoint(moe, tmp_path):
     """--quantization fp8 on an unquantized checkpoint is the FP8 checkpoint K.fp8_quantize makes of the same

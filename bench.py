@@ -74,9 +74,9 @@ def random_model(name, dtype, device, seed=0, quantization=None, draft_head=True
 
 
 def with_draft_head(model, fp8):
-    """fp8: give the model the FP8 copy of its lm_head that specdec.LLM makes for MTP / DFlash / DSpark drafts
-    (specdec.fp8_head, Qwen36.draft_logits), so that bench times their draft step as the engine runs it; the
-    other methods leave it unread."""
+    """fp8: give the model the FP8 copy of its lm_head that specdec.LLM makes where the drafts go through the
+    target's lm_head (specdec.drafts_through_target_head, fp8_head, Qwen36.draft_logits), so that bench times
+    their draft step as the engine runs it; other drafts leave it unread."""
     if fp8:
         model.draft_head = sd.fp8_head(model)
 

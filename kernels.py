@@ -1661,14 +1661,14 @@ def _gdn_recurrent_launch(q, k, v, g, beta, state_pool, slots, n_keep, A_log=Non
     assert outputs or n_keep is not None, "a state-only pass needs n_keep"
     o = _empty((B, T, Hv, Dv), v.dtype, v.device) if outputs else v                # (no outputs: not written)
     BK = _p2(Dk)
-    # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16 /
-    # 1 warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536 (B = 8):
-    # 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s. That is without
-    # BATCH_INVARIANT; with it (the default), GDN_TILE at every B and T (the warp count and tile shape set how
-    # d_k is summed: a row's result must not depend on B)
-    wide = B * Hv * _cdiv(Dv, 16) > 1536
-    BV = min(_p2(Dv), GDN_TILE[0] if BATCH_INVARIANT else 32 if wide else 16)
-    warps = GDN_TILE[1] if BATCH_INVARIANT else max(1, BK * BV // 2048)
+    if BATCH_INVARIANT:  # one tile at every B and T: the tile and warps set how d_k is summed (GDN_TILE)
+        BV, warps = min(_p2(Dv), GDN_TILE[0]), GDN_TILE[1]
+    else:
+        # value blocks, measured on the H200 (27B: H_v 48, d 128; us per layer, BV 8 / 1 warp before): B = 1: 16
+        # / 1 warp (T = 1: 4.4 -> 3.8, T = 2: 5.5 -> 4.6, T = 16: 18.1 -> 13.1); more programs than ~1536
+        # (B = 8): 32 / 2 warps (T = 1: 22.9 -> 16.5, T = 2: 23.6 -> 17.7), the state then moves at ~3 TB/s
+        BV = min(_p2(Dv), 32 if B * Hv * _cdiv(Dv, 16) > 1536 else 16)
+        warps = max(1, BK * BV // 2048)
     gates = A_log is not None
     assert not gates or (A_log.is_contiguous() and dt_bias.is_contiguous()
                          and A_log.shape == dt_bias.shape == (Hv,))

@@ -187,7 +187,7 @@ def parse_switch(switch):
     "GDN_TILE=(16,1),(32,2)")."""
     name, values = switch.split("=", 1)
     assert hasattr(sd.K, name), f"kernels.py has no {name}"
-    return name, list(ast.literal_eval(f"[{values}]"))
+    return name, ast.literal_eval(f"[{values}]")
 
 
 @contextlib.contextmanager

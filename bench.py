@@ -63,22 +63,15 @@ PRESETS = {  # the real text_config shapes (qwen36-architecture.md §1.3, §1.4)
 def random_model(name, dtype, device, seed=0, quantization=None, draft_head=True):
     """The real-shape model with random weights made on the device (no checkpoint): specdec's --load-format
     dummy on the preset's config; quantization "fp8": quantized as they are made, as --quantization fp8 does,
-    with the drafts' FP8 lm_head unless draft_head is False (with_draft_head)."""
+    with the drafts' FP8 lm_head unless draft_head is False (specdec.add_draft_head: the copy LLM makes where the
+    drafts go through the target's lm_head, so that bench times their draft step as the engine runs it)."""
     if quantization not in (None, "none", "fp8"):
         raise sd.ConfigError(f"--quantization {quantization!r} is not supported; only fp8")
     cfg = sd.ModelConfig.from_dict(PRESETS[name])
     sources = sd.dummy_sources(cfg, dtype, device, seed)
     model = sd.build_model(cfg, sources, dtype, device, f"random {name}", quantize=quantization == "fp8")
-    with_draft_head(model, quantization == "fp8" and draft_head)
+    sd.add_draft_head(model, quantization, draft_head)
     return model, cfg
-
-
-def with_draft_head(model, fp8):
-    """fp8: give the model the FP8 copy of its lm_head that specdec.LLM makes where the drafts go through the
-    target's lm_head (specdec.drafts_through_target_head, fp8_head, Qwen36.draft_logits), so that bench times
-    their draft step as the engine runs it; other drafts leave it unread."""
-    if fp8:
-        model.draft_head = sd.fp8_head(model)
 
 
 TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "toy")  # the shipped model
@@ -1329,7 +1322,7 @@ def main(argv=None):
     else:
         want_mtp = any(s is not None and s.method == "mtp" for s in specs)
         model, cfg, _ = sd.load_model(a.model, dtype, device, want_mtp=want_mtp, quantization=a.quantization)
-        with_draft_head(model, "fp8" in (a.quantization, cfg.quantization) and head)
+        sd.add_draft_head(model, a.quantization, head)
         label = a.model
     if a.stall:
         print(f"# stall {label} dtype={dtype}: {a.batch[0]} streams (prompt {a.prompt_len[0]}) decoding while a "

@@ -1218,8 +1218,9 @@ DRAFT_BMM_SIZE = 1 << 17
 def _linear_draft_cpu(rows, w):
     """A drafter's rows [M, in] @ w^T inside cpu_draft(), each row's bits those of its own 1-row call (as
     _linear_cpu: a draft does not depend on its batch). A small weight (out x in <= DRAFT_BMM_SIZE: the toy
-    draft model's, 128 wide, and MTP's 256 x 256 and fc) in fp32 through _bmm: a oneDNN call costs ~20 us on
-    this CPU whatever its size, the bmm 5-16 us at 1..5 rows there (us a call, hot, against oneDNN in bf16:
+    draft model's qkv, o_proj and down, 256 wide (its gate | up, 1024 x 256, is larger), and MTP's 256 x 256
+    and fc) in fp32 through _bmm: a oneDNN call costs ~20 us on this CPU whatever its size, the bmm 5-16 us at
+    1..5 rows there (us a call, hot, against oneDNN in bf16, measured on the earlier 128-wide toy draft:
     388 x 128 at 1 / 5 rows 5 / 16 against 28 / 39, 768 x 128 8 / 25 against 30 / 27, 256 x 256 6 / 17
     against 23 / 25; at 8 rows 27-37 against 25-35), as _bmm_rows (one bmm of M rows where that gives each row
     the bits of its own 1-row call, else one per row). The others: oneDNN on w's CPU_DRAFT_DTYPE copy

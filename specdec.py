@@ -3822,6 +3822,15 @@ def fp8_head(model, rows=16384):
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 
+def add_draft_head(model, quantization, wanted):
+    """Give an FP8 target (quantized at load, quantization "fp8", or an FP8 checkpoint) the FP8 copy of its
+    lm_head for the drafts (fp8_head -> Qwen36.draft_head, read by draft_logits) when wanted: when its drafts
+    go through the target's lm_head (drafts_through_target_head). A bf16 target keeps none. LLM and bench.py
+    decide it here."""
+    if wanted and "fp8" in (quantization, model.cfg.quantization):
+        model.draft_head = fp8_head(model)
+
+
 def drafts_through_target_head(spec):
     """Whether spec's drafts are picked from the target's lm_head (Qwen36.draft_logits): MTP's always, a DFlash /
     DSpark drafter's unless its checkpoint ships an lm_head of its own (spec.model: a checkpoint directory, as
@@ -4407,8 +4416,7 @@ class LLM:
             want = None if want is None else min(want, limit)
         k = spec.num_speculative_tokens if spec else 0
         d_weights, d_pos, d_slot, d_extra = drafter_bytes(spec, self.dtype)  # loaded later, counted now
-        if "fp8" in (quantization, self.cfg.quantization) and drafts_through_target_head(spec):
-            self.model.draft_head = fp8_head(self.model)  # (draft_logits; held before the budget is taken)
+        add_draft_head(self.model, quantization, drafts_through_target_head(spec))  # (before the budget)
         budget, basis = memory_budget(self.device, gpu_memory_utilization)
         per_pos, per_slot = state_bytes(self.cfg, self.dtype, want_mtp)
         if d_weights:

@@ -1,7 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
     python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17[-m]] [rows40[-m]]
-        [rowsbm[-m]] [fp8] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
+        [rowsbm[-m]] [fp8] [fp8read] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -25,6 +25,10 @@ stays in L2), timed per launch:
           bits) (the FP8 MoE pair kernels: moe-fp8, each with its whole layer beside bf16's in moe-bf16)
   fp8rows: the FP8 decode linear at 8 and 16 rows (27B shapes; fp8rows-35b-a3b: the 35B-A3B's): FP8_ROWS_CONFIG's
           tiles against every BN / stages / warps with its K split, and which of them keep a row's bits
+  fp8read: how far the FP8 decode linear is from reading its weights at all (27B shapes, M = 1): a read-only kernel
+          (xor of the e4m3 bytes as int32 words; plain loads and TMA, tiles x stages x warps x K splits), and the
+          linear's own loop in variants (G 128-column blocks an iteration; PRE: x quantized before, so the loop only
+          loads it), against the linear at FP8_ROWS_CONFIG's tiles (whose time includes its split-K sum's launch)
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -35,8 +39,12 @@ Not part of the engine: a measuring tool for choosing kernel configurations.
 import os
 import sys
 
+import itertools
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels as K  # noqa: E402
@@ -392,6 +400,105 @@ def fp8(Ms=(1, 8, 16, 64)):
     print("FP8_ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best_all.items()) + "}")
 
 
+@triton.jit
+def _read_kernel(p_w, desc, p_y, N, KW, s_w, SPLIT, BN: tl.constexpr, BKW: tl.constexpr, TMA: tl.constexpr):
+    # fp8read's ceiling: program (N block, K split) xors its [BN, BKW] int32 tiles together (no arithmetic to
+    # speak of), so its time is the time to read them
+    i_n, i_k = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    acc = tl.zeros([BN, BKW], dtype=tl.int32)
+    for k0 in range(i_k * BKW, KW, BKW * SPLIT):
+        if TMA:
+            w = desc.load([i_n * BN, k0])
+        else:
+            o_k = k0 + tl.arange(0, BKW)
+            w = tl.load(p_w + o_n[:, None].to(tl.int64) * s_w + o_k[None, :],
+                        mask=(o_n[:, None] < N) & (o_k[None, :] < KW), other=0)
+        acc = acc ^ w
+    tl.store(p_y + i_k * N + o_n, tl.xor_sum(acc, 1), mask=o_n < N)
+
+
+@triton.jit
+def _fp8_loop_kernel(p_x, p_xs, w_desc, p_s, p_y, M, N, KD, s_x, KB, SPLIT, BM: tl.constexpr, BN: tl.constexpr,
+                     G: tl.constexpr, PRE: tl.constexpr):
+    # fp8read's variants of kernels._fp8_gemv_kernel's loop (TMA weight tiles, x quantized in the loop as there;
+    # PRE: x e4m3 rows and their group scales p_xs loaded instead), G blocks of 128 columns an iteration (G must
+    # divide KD / 128); writes the fp32 partials [SPLIT, M, N]
+    i_m, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_n, m_m = o_n < N, o_m < M
+    b_acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(i_k * 128 * G, KD, 128 * G * SPLIT):
+        for g in tl.static_range(G):
+            kg = k0 + g * 128
+            o_k = kg + tl.arange(0, 128)
+            m_x = m_m[:, None] & (o_k < KD)[None, :]
+            b_w = w_desc.load([i_n * BN, kg])
+            s_w = tl.load(p_s + (i_n * BN // 128) * KB + kg // 128)
+            if PRE:
+                b_q = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=m_x, other=0.0)
+                b_sx = tl.load(p_xs + o_m * KB + kg // 128, mask=m_m, other=0.0)
+            else:
+                b_x = tl.load(p_x + o_m[:, None] * s_x + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+                b_sx, b_inv = K._pow2_scales(b_x)
+                b_q = (b_x * b_inv[:, None]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            b_acc += tl.dot(b_w, tl.trans(b_q)) * (b_sx * s_w)[None, :]
+    tl.store(p_y + i_k * M * N + o_m[None, :] * N + o_n[:, None], b_acc, mask=m_n[:, None] & m_m[None, :])
+
+
+def fp8read(per_token=(48, 16, 64, 64, 64)):
+    """fp8read (see the header): µs per weight at M = 1 over distinct weights in a graph; the 27B's FP8 linears per
+    token (GDN in_proj x 48, attention qkv x 16, o_proj / out_proj, MLP gate_up and down x 64) for each."""
+    tot = {}
+    for (N, Kd), reps in zip(FP8_SHAPES["27b"], per_token):
+        n = min(64, (768 << 20) // (N * Kd) + 1)
+        qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
+        x = torch.randn(1, Kd, device=dev, dtype=bf)
+        xq, xs = K.fp8_act_quant(x)
+        KW, KB = Kd // 4, Kd // 128
+        ours = graph_time(lambda: [K._gemv_launch(x, q, "fp8", None, s) for q, s in qs]) / n
+        ref = K._gemv_launch(x, qs[0][0], "fp8", None, qs[0][1]).float()
+        ws, y = [q.view(torch.int32) for q, _ in qs], torch.empty(8, N, dtype=torch.int32, device=dev)
+        best = {}
+        for BN, BKB, st, wp, tma in itertools.product((64, 128, 256), (256, 512), (3, 4), (4, 8), (False, True)):
+            if BN * BKB > 64 * 1024:
+                continue
+            descs = [K.TensorDescriptor.from_tensor(w, [BN, BKB // 4]) if tma else w for w in ws]
+            for S in (1, 2, 4, 8):
+                grid = (triton.cdiv(N, BN), S)
+                t = graph_time(lambda: [_read_kernel[grid](w, d, y, N, KW, w.stride(0), S, BN=BN, BKW=BKB // 4,
+                                                           TMA=tma, num_stages=st, num_warps=wp)
+                                        for w, d in zip(ws, descs)]) / n
+                key = "read, TMA" if tma else "read, loads"
+                if key not in best or t < best[key][0]:
+                    best[key] = (t, (BN, BKB, st, wp, S))
+        for BN, G, st, wp, pre in itertools.product((64, 128), (1, 2), (3, 4), (4, 8), (False, True)):
+            descs = [K.TensorDescriptor.from_tensor(q, [BN, 128]) for q, _ in qs]
+            xa, xsa = (xq, xs) if pre else (x, x)
+            for S in (1, 2, 4, 8, 16):
+                part = torch.empty(S, 1, N, device=dev)
+                grid = (1, triton.cdiv(N, BN), S)
+                run = lambda d, s: _fp8_loop_kernel[grid](xa, xsa, d, s, part, 1, N, Kd, xa.stride(0), KB, S, BM=16,
+                                                          BN=BN, G=G, PRE=pre, num_stages=st, num_warps=wp)
+                t = graph_time(lambda: [run(d, s) for d, (q, s) in zip(descs, qs)]) / n
+                run(descs[0], qs[0][1])
+                err = ((part.sum(0) - ref).abs().max() / ref.abs().max()).item()  # (ref: rounded to bf16)
+                key = f"loop G={G}" + (", x quantized before" if pre else "")
+                if key not in best or t < best[key][0]:
+                    best[key] = (t, (BN, st, wp, S), err)
+        print(f"== 27B {N}x{Kd}: the linear (FP8_ROWS_CONFIG {K.FP8_ROWS_CONFIG.get((N, Kd))}, with its sum) "
+              f"{ours:.1f} us ({N * Kd / ours / 1e3:.0f} GB/s)", flush=True)
+        tot["the linear"] = tot.get("the linear", 0) + reps * ours
+        for key, v in best.items():
+            print(f"   {key}: {v[0]:.1f} us ({N * Kd / v[0] / 1e3:.0f} GB/s) at {v[1]}"
+                  + (f", max error {v[2]:.1e} of the largest output" if len(v) > 2 else ""), flush=True)
+            tot[key] = tot.get(key, 0) + reps * v[0]
+        del qs, ws
+        torch.cuda.empty_cache()
+    print("the 27B's FP8 linears per token, ms: " + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in tot.items()))
+
+
 MOE_GU = [(16, 512, 4, 3), (8, 512, 2, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 3),
           (32, 256, 4, 3), (32, 256, 8, 3), (64, 256, 8, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 3),
           (128, 128, 8, 3), (64, 512, 8, 3), (8, 256, 2, 3)]
@@ -552,6 +659,8 @@ def main():
             rows_bm(models=[m])
     if "fp8" in parts:
         fp8()
+    if "fp8read" in parts:
+        fp8read()
     if "fp8bm" in parts:
         fp8_bm()
     for m in FP8_SHAPES:  # fp8rows: the 27B's shapes; fp8rows-35b-a3b: the 35B-A3B's

@@ -1,7 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
     python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17[-m]] [rows40[-m]]
-        [rowsbm[-m]] [fp8] [fp8read] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
+        [rowsbm[-m]] [fp8] [fp8read] [rowsread[-m]] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -29,6 +29,9 @@ stays in L2), timed per launch:
           (xor of the e4m3 bytes as int32 words; plain loads and TMA, tiles x stages x warps x K splits), and the
           linear's own loop in variants (G 128-column blocks an iteration; PRE: x quantized before, so the loop only
           loads it), against the linear at FP8_ROWS_CONFIG's tiles (whose time includes its split-K sum's launch)
+  rowsread[-m]: the row-invariant linear at M = 1 (ROWS_CONFIG's tiles, with its split-K sum) against fp8read's
+          read-only kernel on the same bf16 bytes (BN x bytes x stages x warps x K split, plain loads and TMA), model
+          m's shapes (default 35b) and the shapes' per-token sum
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -499,6 +502,45 @@ def fp8read(per_token=(48, 16, 64, 64, 64)):
     print("the 27B's FP8 linears per token, ms: " + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in tot.items()))
 
 
+ROWS_PER_TOKEN = {"35b": (30, 10, 40, 40, 40, 1), "27b": (48, 16, 64, 64, 64, 1)}  # ROWS_SHAPES' uses a token
+
+
+def rows_read(model="35b"):
+    """rowsread (see the header): µs per weight at M = 1 over distinct weights in a graph, and per token."""
+    tot = [0.0, 0.0]
+    for (N, Kd), reps in zip(ROWS_SHAPES[model], ROWS_PER_TOKEN[model]):
+        n = max(1, min(64, (768 << 20) // (2 * N * Kd) + 1))
+        ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+        x = torch.randn(1, Kd, device=dev, dtype=bf)
+        ours = graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+        wi, KW = [w.view(torch.int32) for w in ws], Kd // 2
+        y = torch.empty(16, N, dtype=torch.int32, device=dev)
+        best = None
+        for BN, BKB, st, wp, tma in itertools.product((16, 32, 64, 128), (256, 512, 1024), (3, 4), (4, 8),
+                                                      (False, True)):
+            if BN * BKB > 64 * 1024:
+                continue
+            descs = [K.TensorDescriptor.from_tensor(w, [BN, BKB // 4]) if tma else w for w in wi]
+            for S in (1, 2, 4, 8, 16):
+                if KW // (BKB // 4) < S:
+                    continue
+                grid = (triton.cdiv(N, BN), S)
+                t = graph_time(lambda: [_read_kernel[grid](w, d, y, N, KW, w.stride(0), S, BN=BN, BKW=BKB // 4,
+                                                           TMA=tma, num_stages=st, num_warps=wp)
+                                        for w, d in zip(wi, descs)]) / n
+                if best is None or t < best[0]:
+                    best = (t, (BN, BKB, st, wp, "TMA" if tma else "loads", S))
+        b = 2 * N * Kd
+        print(f"== {model} {N}x{Kd} (x{reps} a token): the linear (ROWS_CONFIG {K.ROWS_CONFIG.get((N, Kd))}, with its "
+              f"sum) {ours:.1f} us ({b / ours / 1e3:.0f} GB/s); read-only {best[0]:.1f} us ({b / best[0] / 1e3:.0f} "
+              f"GB/s) at {best[1]}", flush=True)
+        tot[0] += reps * ours
+        tot[1] += reps * best[0]
+        del ws, wi
+        torch.cuda.empty_cache()
+    print(f"{model} per token: the linear {tot[0] / 1e3:.3f} ms, read-only {tot[1] / 1e3:.3f} ms")
+
+
 MOE_GU = [(16, 512, 4, 3), (8, 512, 2, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 3),
           (32, 256, 4, 3), (32, 256, 8, 3), (64, 256, 8, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 3),
           (128, 128, 8, 3), (64, 512, 8, 3), (8, 256, 2, 3)]
@@ -661,6 +703,9 @@ def main():
         fp8()
     if "fp8read" in parts:
         fp8read()
+    for m in ROWS_PER_TOKEN:  # rowsread: the 35B-A3B's shapes; rowsread-27b: the 27B's
+        if f"rowsread-{m}" in parts or (m == "35b" and "rowsread" in parts):
+            rows_read(m)
     if "fp8bm" in parts:
         fp8_bm()
     for m in FP8_SHAPES:  # fp8rows: the 27B's shapes; fp8rows-35b-a3b: the 35B-A3B's

@@ -1,7 +1,7 @@
 """The measurements behind the decode tiles in kernels.py, on the GPU (H200: what BENCHMARKS.md cites).
 
     python tools/tile_sweep.py [moe-fp8] [moe-bf16] [gdn] [gemv] [markov] [rows] [rows-0.6b] [rows17[-m]] [rows40[-m]]
-        [rowsbm[-m]] [fp8] [fp8read] [rowsread[-m]] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
+        [rowsbm[-m]] [fp8] [fp8read] [rowsread[-m]] [rowswide[-m]] [fp8bm] [fp8rows[-35b-a3b]] [w8a8] [pdl]
                                                                                           (default: moe-bf16 gdn gemv markov)
 
 Each candidate runs over many layers' worth of distinct weights / states chained in one CUDA graph (so nothing
@@ -32,6 +32,10 @@ stays in L2), timed per launch:
   rowsread[-m]: the row-invariant linear at M = 1 (ROWS_CONFIG's tiles, with its split-K sum) against fp8read's
           read-only kernel on the same bf16 bytes (BN x bytes x stages x warps x K split, plain loads and TMA), model
           m's shapes (default 35b) and the shapes' per-token sum
+  rowswide[-m]: the row-invariant linear's tiles (ROWS_CONFIG) against a wider candidate set than rows' (16- and
+          32-row tiles, BK 256 / 512, 3 / 4 stages, 4 / 8 warps, 1 / 2 / 4 K splits) at M = 1 and 16, each with its
+          split-K sum, model m's shapes but the lm_head (default 35b); a row's bits are set by BK and the split, so
+          a candidate serves every M
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -541,6 +545,42 @@ def rows_read(model="35b"):
     print(f"{model} per token: the linear {tot[0] / 1e3:.3f} ms, read-only {tot[1] / 1e3:.3f} ms")
 
 
+def rows_wide(model="35b"):
+    """rowswide (see the header): µs per weight at M = 1 / 16 over distinct weights in a graph; the four best by M = 1
+    a shape, and what the best would save a token at M = 1."""
+    gain = 0.0
+    for (N, Kd), reps in zip(ROWS_SHAPES[model], ROWS_PER_TOKEN[model]):
+        if N > 100000:  # the lm_head: at the read rate already (rowsread)
+            continue
+        n = max(8, min(64, (512 << 20) // (2 * N * Kd) + 1))
+        ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+        xs = torch.randn(16, Kd, device=dev, dtype=bf)
+        cur = K.ROWS_CONFIG.get((N, Kd))
+        t = lambda M: graph_time(lambda: [K._gemv_launch(xs[:M], w, "rows") for w in ws]) / n
+        base = (t(1), t(16))
+        res = []
+        for BN, BK, st, wp, sp in itertools.product((16, 32), (256, 512), (3, 4), (4, 8), (1, 2, 4)):
+            if BK > Kd or Kd // BK < sp:
+                continue
+            K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, wp)
+            try:
+                res.append((t(1), t(16), (BN, BK, sp, st, wp)))
+            except Exception as e:  # noqa  (shared memory)
+                print(f"  {(BN, BK, sp, st, wp)}: {type(e).__name__}")
+        if cur is None:
+            K.ROWS_CONFIG.pop((N, Kd), None)
+        else:
+            K.ROWS_CONFIG[(N, Kd)] = cur
+        res.sort()
+        print(f"== {model} {N}x{Kd} (x{reps} a token): ROWS_CONFIG {cur} M=1 {base[0]:.1f} / M=16 {base[1]:.1f} us; "
+              "best at M=1: " + "; ".join(f"{c} {a:.1f} / {b:.1f}" for a, b, c in res[:4]), flush=True)
+        if res:
+            gain += reps * max(0.0, base[0] - res[0][0])
+        del ws
+        torch.cuda.empty_cache()
+    print(f"{model}: the best candidates would take {gain / 1e3:.3f} ms a token off at M = 1")
+
+
 MOE_GU = [(16, 512, 4, 3), (8, 512, 2, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 3),
           (32, 256, 4, 3), (32, 256, 8, 3), (64, 256, 8, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 128, 4, 3),
           (128, 128, 8, 3), (64, 512, 8, 3), (8, 256, 2, 3)]
@@ -706,6 +746,9 @@ def main():
     for m in ROWS_PER_TOKEN:  # rowsread: the 35B-A3B's shapes; rowsread-27b: the 27B's
         if f"rowsread-{m}" in parts or (m == "35b" and "rowsread" in parts):
             rows_read(m)
+    for m in ROWS_PER_TOKEN:  # rowswide: the 35B-A3B's shapes; rowswide-27b: the 27B's
+        if f"rowswide-{m}" in parts or (m == "35b" and "rowswide" in parts):
+            rows_wide(m)
     if "fp8bm" in parts:
         fp8_bm()
     for m in FP8_SHAPES:  # fp8rows: the 27B's shapes; fp8rows-35b-a3b: the 35B-A3B's

@@ -33,7 +33,7 @@ stays in L2), timed per launch:
           read-only kernel on the same bf16 bytes (BN x bytes x stages x warps x K split, plain loads and TMA), model
           m's shapes (default 35b) and the shapes' per-token sum
   rowswide[-m]: the row-invariant linear's tiles (ROWS_CONFIG) against a wider candidate set than rows' (16- and
-          32-row tiles, BK 256 / 512, 3 / 4 stages, 4 / 8 warps, 1 / 2 / 4 K splits) at M = 1 and 16, each with its
+          32-row tiles, BK 256 / 512, 3 / 4 stages, 4 / 8 warps, 1 / 2 / 4 / 8 K splits) at M = 1 and 16, each with its
           split-K sum, model m's shapes but the lm_head (default 35b); a row's bits are set by BK and the split, so
           a candidate serves every M
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
@@ -559,7 +559,7 @@ def rows_wide(model="35b"):
         t = lambda M: graph_time(lambda: [K._gemv_launch(xs[:M], w, "rows") for w in ws]) / n
         base = (t(1), t(16))
         res = []
-        for BN, BK, st, wp, sp in itertools.product((16, 32), (256, 512), (3, 4), (4, 8), (1, 2, 4)):
+        for BN, BK, st, wp, sp in itertools.product((16, 32), (256, 512), (3, 4), (4, 8), (1, 2, 4, 8)):
             if BK > Kd or Kd // BK < sp:
                 continue
             K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, wp)

@@ -454,6 +454,30 @@ def _fp8_loop_kernel(p_x, p_xs, w_desc, p_s, p_y, M, N, KD, s_x, KB, SPLIT, BM: 
     tl.store(p_y + i_k * M * N + o_m[None, :] * N + o_n[:, None], b_acc, mask=m_n[:, None] & m_m[None, :])
 
 
+def read_only_best(ws, BNs, BKBs, splits):
+    """_read_kernel over distinct weights ws (the same shape, viewed as int32 [N, K / 4 bytes]) in a graph, every
+    BN x bytes (BKBs) x stages x warps x K split (at most one split per tile of bytes), plain loads and TMA: {"TMA" |
+    "loads": (µs per weight, (BN, bytes, stages, warps, split))} of each kind's fastest."""
+    N, KW = ws[0].shape
+    y = torch.empty(max(splits), N, dtype=torch.int32, device=dev)
+    best = {}
+    for BN, BKB, st, wp, tma in itertools.product(BNs, BKBs, (3, 4), (4, 8), (False, True)):
+        if BN * BKB > 64 * 1024:
+            continue
+        descs = [K.TensorDescriptor.from_tensor(w, [BN, BKB // 4]) if tma else w for w in ws]
+        for S in splits:
+            if KW // (BKB // 4) < S:
+                continue
+            grid = (triton.cdiv(N, BN), S)
+            t = graph_time(lambda: [_read_kernel[grid](w, d, y, N, KW, w.stride(0), S, BN=BN, BKW=BKB // 4, TMA=tma,
+                                                       num_stages=st, num_warps=wp)
+                                    for w, d in zip(ws, descs)]) / len(ws)
+            kind = "TMA" if tma else "loads"
+            if kind not in best or t < best[kind][0]:
+                best[kind] = (t, (BN, BKB, st, wp, S))
+    return best
+
+
 def fp8read(per_token=(48, 16, 64, 64, 64)):
     """fp8read (see the header): µs per weight at M = 1 over distinct weights in a graph; the 27B's FP8 linears per
     token (GDN in_proj x 48, attention qkv x 16, o_proj / out_proj, MLP gate_up and down x 64) for each."""
@@ -463,23 +487,12 @@ def fp8read(per_token=(48, 16, 64, 64, 64)):
         qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
         x = torch.randn(1, Kd, device=dev, dtype=bf)
         xq, xs = K.fp8_act_quant(x)
-        KW, KB = Kd // 4, Kd // 128
+        KB = Kd // 128
         ours = graph_time(lambda: [K._gemv_launch(x, q, "fp8", None, s) for q, s in qs]) / n
         ref = K._gemv_launch(x, qs[0][0], "fp8", None, qs[0][1]).float()
-        ws, y = [q.view(torch.int32) for q, _ in qs], torch.empty(8, N, dtype=torch.int32, device=dev)
-        best = {}
-        for BN, BKB, st, wp, tma in itertools.product((64, 128, 256), (256, 512), (3, 4), (4, 8), (False, True)):
-            if BN * BKB > 64 * 1024:
-                continue
-            descs = [K.TensorDescriptor.from_tensor(w, [BN, BKB // 4]) if tma else w for w in ws]
-            for S in (1, 2, 4, 8):
-                grid = (triton.cdiv(N, BN), S)
-                t = graph_time(lambda: [_read_kernel[grid](w, d, y, N, KW, w.stride(0), S, BN=BN, BKW=BKB // 4,
-                                                           TMA=tma, num_stages=st, num_warps=wp)
-                                        for w, d in zip(ws, descs)]) / n
-                key = "read, TMA" if tma else "read, loads"
-                if key not in best or t < best[key][0]:
-                    best[key] = (t, (BN, BKB, st, wp, S))
+        ws = [q.view(torch.int32) for q, _ in qs]
+        best = {f"read, {kind}": (t, c) for kind, (t, c) in
+                read_only_best(ws, (64, 128, 256), (256, 512), (1, 2, 4, 8)).items()}
         for BN, G, st, wp, pre in itertools.product((64, 128), (1, 2), (3, 4), (4, 8), (False, True)):
             descs = [K.TensorDescriptor.from_tensor(q, [BN, 128]) for q, _ in qs]
             xa, xsa = (xq, xs) if pre else (x, x)
@@ -517,23 +530,9 @@ def rows_read(model="35b"):
         ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
         x = torch.randn(1, Kd, device=dev, dtype=bf)
         ours = graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
-        wi, KW = [w.view(torch.int32) for w in ws], Kd // 2
-        y = torch.empty(16, N, dtype=torch.int32, device=dev)
-        best = None
-        for BN, BKB, st, wp, tma in itertools.product((16, 32, 64, 128), (256, 512, 1024), (3, 4), (4, 8),
-                                                      (False, True)):
-            if BN * BKB > 64 * 1024:
-                continue
-            descs = [K.TensorDescriptor.from_tensor(w, [BN, BKB // 4]) if tma else w for w in wi]
-            for S in (1, 2, 4, 8, 16):
-                if KW // (BKB // 4) < S:
-                    continue
-                grid = (triton.cdiv(N, BN), S)
-                t = graph_time(lambda: [_read_kernel[grid](w, d, y, N, KW, w.stride(0), S, BN=BN, BKW=BKB // 4,
-                                                           TMA=tma, num_stages=st, num_warps=wp)
-                                        for w, d in zip(wi, descs)]) / n
-                if best is None or t < best[0]:
-                    best = (t, (BN, BKB, st, wp, "TMA" if tma else "loads", S))
+        wi = [w.view(torch.int32) for w in ws]
+        best = min((t, c[:4] + (kind,) + c[4:]) for kind, (t, c) in
+                   read_only_best(wi, (16, 32, 64, 128), (256, 512, 1024), (1, 2, 4, 8, 16)).items())
         b = 2 * N * Kd
         print(f"== {model} {N}x{Kd} (x{reps} a token): the linear (ROWS_CONFIG {K.ROWS_CONFIG.get((N, Kd))}, with its "
               f"sum) {ours:.1f} us ({b / ours / 1e3:.0f} GB/s); read-only {best[0]:.1f} us ({b / best[0] / 1e3:.0f} "

@@ -490,10 +490,11 @@ def not_invariant():
 # on the H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets).
 # 27B: in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5
 # (17.1, 18.6), gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7
-# (550.9, 590.0); 35B-A3B: in_proj 14.3 (15.6), qkv 12.2 (11.4), o_proj 8.4 (6.6), router | shared 5.7 (3.5),
-# shared down 3.2 (2.6), lm_head 223.7 (221.1). Above 16 rows every 64-row tile reads the weights again: at
-# M = 128 (8 x 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x): invariance's price for big
-# verifies. The 27B's o_proj / out_proj and down split K 8 ways since session 18, when their split-K sum took the
+# (550.9, 590.0); 35B-A3B (tools/tile_sweep.py rowswide, session 39: us at M = 1 / 16 with the split-K sum, the
+# tiles before in brackets): in_proj 14.6 / 15.4 (16.6 / 17.7), qkv 12.8 / 13.6 (16.1 / 15.8), o_proj and out_proj
+# 7.2 / 7.2 (10.3 / 10.9), router | shared gate | shared gate_up 4.9 / 4.8 (6.2 / 6.3), shared down 2.5 / 2.6
+# (4.0 / 4.2), lm_head 223.7 (221.1). Above 16 rows every 64-row tile reads the weights again: at M = 128 (8 x
+# 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x): invariance's price for big verifies. The 27B's o_proj / out_proj and down split K 8 ways since session 18, when their split-K sum took the
 # skip connection and the next RMSNorm (linear's then): each linear and its epilogue chained over 8 distinct
 # weights in a CUDA graph, M = 1, us at K split 2 / 4 / 8: o_proj 21.6 / 21.2 / 20.9, down 50.8 / 50.1 / 47.8;
 # split 3, the tiles before, with the sum and the norm as two launches: 24.7 and 59.7 (.scratch/s18/epi.py, device
@@ -501,8 +502,8 @@ def not_invariant():
 ROWS_CONFIG = {
     (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 8, 4, 4),
     (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 8, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
-    (12352, 2048): (32, 128, 1, 4, 4), (9216, 2048): (32, 128, 1, 4, 4), (2048, 4096): (32, 128, 4, 4, 4),
-    (1281, 2048): (32, 256, 1, 4, 4), (2048, 512): (16, 256, 1, 4, 4), (248320, 2048): (64, 256, 1, 3, 4),
+    (12352, 2048): (32, 256, 1, 4, 4), (9216, 2048): (32, 256, 2, 3, 4), (2048, 4096): (32, 512, 2, 4, 4),
+    (1281, 2048): (32, 512, 2, 4, 4), (2048, 512): (32, 512, 1, 4, 4), (248320, 2048): (64, 256, 1, 3, 4),
     (776, 256): (16, 256, 1, 4, 4), (768, 256): (16, 256, 1, 4, 4), (256, 256): (16, 256, 1, 4, 4),
     (2048, 256): (16, 256, 1, 4, 4), (256, 1024): (32, 128, 4, 4, 4), (8256, 256): (64, 64, 1, 5, 4),
     # draft_model's Qwen3-0.6B-shaped LM (tile_sweep.py rows-0.6b; us at M = 1, the rule's tiles in brackets):

@@ -105,6 +105,18 @@ def _sm_count(device):
     return _SM_COUNT[device]
 
 
+def _shared_memory(device):
+    """Bytes of shared memory a CUDA device gives one program, as Triton checks a launch against it (cached; a
+    host query, never inside a graph replay; the interpreter: no limit)."""
+    if device.type != "cuda":
+        return 1 << 30
+    if device not in _SHARED_MEMORY:
+        i = torch.cuda.current_device() if device.index is None else device.index
+        _SHARED_MEMORY[device] = triton.runtime.driver.active.utils.get_device_properties(i)["max_shared_mem"]
+    return _SHARED_MEMORY[device]
+
+
+_SHARED_MEMORY = {}
 DRAFTING = False  # inside drafting(): small linears through _linear_small, the others' GEMV with PRE (GEMV_PREFETCH)
 _PDL_DEVICES = {}
 
@@ -544,14 +556,17 @@ def _rows_config(N, K, device):
     return BN, BK, split, 4 if K >= 4096 else 3, 4
 
 
-def _rows_tiles(N, K, M, device):
+def _rows_tiles(N, K, M, device, esize=2):
     """((BN, BK, SPLIT, num_stages, num_warps), BM) of the row-invariant linear for a step of M rows: the row
     tile's height (_rows_bm) and the shape's tiles (_rows_config), with ROWS_CONFIG_32's / ROWS_CONFIG_64's BN,
     stages and warps at the 32- / 64-row heights (ROWS_TALL); BK and SPLIT are the shape's at every height, so a
-    row's products and sums are the same, in the same order."""
+    row's products and sums are the same, in the same order. The stages are cut to what fits in the GPU's shared
+    memory (each holds an x tile [BM, BK] and a w tile [BN, BK] of esize-byte elements): a BK measured at 16 rows
+    may not fit 4 stages at 64 (stages do not change a row's bits)."""
     (BN, BK, SPLIT, stages, warps), BM = _rows_config(N, K, device), _rows_bm(M)
     if (N, K) in ROWS_TALL.get(BM, ()):
         BN, stages, warps = ROWS_TALL[BM][(N, K)]
+    stages = max(1, min(stages, _shared_memory(device) // ((BM + BN) * BK * esize)))
     return (BN, BK, SPLIT, stages, warps), BM
 
 
@@ -761,7 +776,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     else:
         assert scale is None and w.dtype == x.dtype
         if cfg == "rows":
-            (BN, BK, SPLIT, stages, warps), BM = _rows_tiles(N, K, M, x.device)
+            (BN, BK, SPLIT, stages, warps), BM = _rows_tiles(N, K, M, x.device, x.element_size())
         else:
             (BN, BK, SPLIT, stages, warps), BM = cfg, 1 if M == 1 else (16 if M <= 16 else 32)
             assert M <= 32

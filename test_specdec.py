@@ -6597,6 +6597,19 @@ def test_kernel_rows_linear_tall_tiles(monkeypatch, rowwise_dot):
     assert all(torch.equal(y, alone) for y in got)
 
 
+def test_rows_tiles_fit_shared_memory(monkeypatch):
+    """_rows_tiles cuts a tile's stages to the GPU's shared memory (an H200 gives a program 232448 bytes): the
+    35B-A3B o_proj's 32 x 512 tile keeps its 4 stages at 16 rows (48 KiB a stage in bf16) and gets 2 at 64 rows
+    (96 KiB), where 4 would fail to launch (OutOfResources); BK and the split, a row's bits, stay."""
+    monkeypatch.setattr(K, "_shared_memory", lambda device: 232448)
+    cpu, shape = torch.device("cpu"), (2048, 4096)
+    BN, BK, SPLIT, stages, warps = K.ROWS_CONFIG[shape]
+    assert (BK, stages) == (512, 4)
+    assert K._rows_tiles(*shape, 1, cpu) == ((BN, BK, SPLIT, 4, warps), 16)
+    assert K._rows_tiles(*shape, 40, cpu) == ((BN, BK, SPLIT, 2, warps), 64)
+    assert K._rows_tiles(*shape, 40, cpu, esize=4)[0][3] == 1                      # fp32: 192 KiB a stage
+
+
 @needs_kernels
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N,Kin", [(70, 48), (24, 200), (9, 300)])                 # ragged N blocks and K

@@ -34,8 +34,9 @@ stays in L2), timed per launch:
           m's shapes (default 35b) and the shapes' per-token sum
   rowswide[-m]: the row-invariant linear's tiles (ROWS_CONFIG) against a wider candidate set than rows' (16- and
           32-row tiles, BK 256 / 512, 3 / 4 stages, 4 / 8 warps, 1 / 2 / 4 / 8 K splits) at M = 1 and 16, each with its
-          split-K sum, model m's shapes but the lm_head (default 35b); a row's bits are set by BK and the split, so
-          a candidate serves every M
+          split-K sum, model m's shapes but the lm_head (default 35b), the best four also at 40 rows; a row's bits
+          are set by BK and the split, so a candidate serves every M (at 32- and 64-row tiles with fewer stages
+          where the shared memory needs: kernels._rows_tiles)
   fp8bm:  the FP8 decode linear's row tiles (kernels._fp8_bm) at 1-136 rows: time, and the same bits whatever the tile
   w8a8:   prefill's W8A8 GEMM (kernels._w8a8_kernel) over tile candidates at a 2048-token chunk (27B FP8 shapes),
           against cuBLAS bf16 on the same shapes and against dequantize + cuBLAS
@@ -546,17 +547,18 @@ def rows_read(model="35b"):
 
 def rows_wide(model="35b"):
     """rowswide (see the header): µs per weight at M = 1 / 16 over distinct weights in a graph; the four best by M = 1
-    a shape, and what the best would save a token at M = 1."""
+    a shape, with their time at 40 rows (64-row tiles, whose stages kernels._rows_tiles cuts to the shared memory:
+    a BK 512 tile fits 4 stages at 16 rows, 2 at 64), and what the best would save a token at M = 1."""
     gain = 0.0
     for (N, Kd), reps in zip(ROWS_SHAPES[model], ROWS_PER_TOKEN[model]):
         if N > 100000:  # the lm_head: at the read rate already (rowsread)
             continue
         n = max(8, min(64, (512 << 20) // (2 * N * Kd) + 1))
         ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
-        xs = torch.randn(16, Kd, device=dev, dtype=bf)
+        xs = torch.randn(40, Kd, device=dev, dtype=bf)
         cur = K.ROWS_CONFIG.get((N, Kd))
         t = lambda M: graph_time(lambda: [K._gemv_launch(xs[:M], w, "rows") for w in ws]) / n
-        base = (t(1), t(16))
+        base = (t(1), t(16), t(40))
         res = []
         for BN, BK, st, wp, sp in itertools.product((16, 32), (256, 512), (3, 4), (4, 8), (1, 2, 4, 8)):
             if BK > Kd or Kd // BK < sp:
@@ -566,13 +568,18 @@ def rows_wide(model="35b"):
                 res.append((t(1), t(16), (BN, BK, sp, st, wp)))
             except Exception as e:  # noqa  (shared memory)
                 print(f"  {(BN, BK, sp, st, wp)}: {type(e).__name__}")
+        res.sort()
+        tall = []
+        for a, b, c in res[:4]:  # the best four at 40 rows
+            K.ROWS_CONFIG[(N, Kd)] = c
+            tall.append(t(40))
         if cur is None:
             K.ROWS_CONFIG.pop((N, Kd), None)
         else:
             K.ROWS_CONFIG[(N, Kd)] = cur
-        res.sort()
-        print(f"== {model} {N}x{Kd} (x{reps} a token): ROWS_CONFIG {cur} M=1 {base[0]:.1f} / M=16 {base[1]:.1f} us; "
-              "best at M=1: " + "; ".join(f"{c} {a:.1f} / {b:.1f}" for a, b, c in res[:4]), flush=True)
+        print(f"== {model} {N}x{Kd} (x{reps} a token): ROWS_CONFIG {cur} M=1 / 16 / 40 {base[0]:.1f} / {base[1]:.1f} / "
+              f"{base[2]:.1f} us; best at M=1: " + "; ".join(f"{c} {a:.1f} / {b:.1f} / {m:.1f}"
+                                                            for (a, b, c), m in zip(res, tall)), flush=True)
         if res:
             gain += reps * max(0.0, base[0] - res[0][0])
         del ws

@@ -5235,6 +5235,10 @@ def test_kernel_moe_route(E, k):
         assert idx.dtype == torch.long and torch.equal(logits.gather(1, idx), logits.gather(1, idx_ref))
         assert torch.equal(idx, idx_ref) or dtype != torch.float32
         assert rel(w, w_ref) <= 1e-6
+        # ties (logits 0, 1, 2: exact in bf16 too): the largest first and, of equal ones, the lowest expert first
+        tied = torch.randint(0, 3, (7, E), generator=gen(E + 1)).to(DEV, dtype)
+        want = [sorted(range(E), key=lambda e: (-row[e], e))[:k] for row in tied.float().tolist()]
+        assert fast(K.moe_route, tied, k)[1].tolist() == want
 
 
 @needs_kernels

@@ -8,6 +8,7 @@
 #   bash tools/gpu_benchmarks.sh 27b-fp8 35b-fp8      (the 27b / 35b parts' rows with FP8 weights, no transformers)
 #   bash tools/gpu_benchmarks.sh issues               (the open issues' rows: 18 at the tight length and at 32768,
 #                                                      the toy's ngram / draft_model, 20's 35B-A3B rows; ~4 min)
+#   bash tools/gpu_benchmarks.sh issue20              (issue 20's 35B-A3B rows alone, as in issues; ~1 min)
 #   bash tools/gpu_benchmarks.sh serve-27b            (bench.py serve against server.py at the 27B shapes, random
 #                                                      weights through --load-format dummy; off and MTP k=1; ~4 min)
 #   bash tools/gpu_benchmarks.sh layouts              (published drafter layouts: DSpark in the speculators format
@@ -41,6 +42,13 @@ serve_rows() {
     done
     kill $pid; wait $pid 2>/dev/null
   done 2>&1 | tee $OUT/$name.log
+}
+# issue 20's rows: the 35B-A3B off (true floor), verify cost, MTP k=1 and DFlash at batch 1 and 8
+issue20_rows() {
+  timeout 190 python3 bench.py --random-weights 35b-a3b --true-floor --batch 1 8 --prompt-len 512 --gen-len 128 \
+    --random-drafter /tmp/drafters-35b --verify-cost 2 4 16 --speculative-config off \
+    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
+    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-issue20.log | grep -v '^{'
 }
 for p in $parts; do case $p in
 27b|35b|27b-fp8|35b-fp8)  # synthetic acceptance at the published rates, concurrency 1-8, every method, transformers
@@ -80,6 +88,8 @@ fp8)  # the FP8 issue's rows: --quantization fp8 on the random weights; its floo
     --random-drafter /tmp/drafters-27b --speculative-config off \
     --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
     --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-bf16-27b.log | grep -v '^{' ;;
+issue20)  # issue 20's 35B-A3B rows alone (~1 min; fits one device call beside the gate)
+  issue20_rows ;;
 issues)  # issue 18 (ngram / draft_model at 0.82, tight and a user's max_model_len), its toy row, issue 20's rows
   for L in tight 32768; do
     a=(); [ $L != tight ] && a=(--max-model-len $L)
@@ -89,10 +99,7 @@ issues)  # issue 18 (ngram / draft_model at 0.82, tight and a user's max_model_l
   done
   timeout 100 python3 tools/eval_toy.py --speed --device cuda --dtype bfloat16 --gen 256 \
     --methods "ngram k=4" "draft_model k=4" 2>&1 | tee $OUT/eval-toy-issue18.log | grep -v '^{'
-  timeout 190 python3 bench.py --random-weights 35b-a3b --true-floor --batch 1 8 --prompt-len 512 --gen-len 128 \
-    --random-drafter /tmp/drafters-35b --verify-cost 2 4 16 --speculative-config off \
-    --speculative-config "{$MTP,\"num_speculative_tokens\":1,\"synthetic_acceptance_rates\":[0.85]}" \
-    --speculative-config "{\"method\":\"dflash\",\"num_speculative_tokens\":15,$SYN}" 2>&1 | tee $OUT/bench-issue20.log | grep -v '^{' ;;
+  issue20_rows ;;
 layouts)  # issue 27: a random DSpark in the speculators format shaped like RedHatAI/Qwen3.6-35B-A3B-speculator.dspark
          # (block 8, reduced draft vocab 24576 with d2t; partly assumed: bench.py --help), k = 8 at the same synthetic
          # acceptance length as the DFlash / DSpark rows; "draft ms" is the drafter's time per step

@@ -105,6 +105,9 @@ def _sm_count(device):
     return _SM_COUNT[device]
 
 
+_SHARED_MEMORY = {}
+
+
 def _shared_memory(device):
     """Bytes of shared memory a CUDA device gives one program, as Triton checks a launch against it (cached; a
     host query, never inside a graph replay; the interpreter: no limit)."""
@@ -116,7 +119,6 @@ def _shared_memory(device):
     return _SHARED_MEMORY[device]
 
 
-_SHARED_MEMORY = {}
 DRAFTING = False  # inside drafting(): small linears through _linear_small, the others' GEMV with PRE (GEMV_PREFETCH)
 _PDL_DEVICES = {}
 
@@ -498,19 +500,19 @@ def not_invariant():
         BATCH_INVARIANT = old
 
 
-# (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows
-# on the H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets).
-# 27B: in_proj 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5
-# (17.1, 18.6), gate_up 85.9 / 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7
-# (550.9, 590.0); 35B-A3B (tools/tile_sweep.py rowswide, session 39: us at M = 1 / 16 with the split-K sum, the
-# tiles before in brackets): in_proj 14.6 / 15.4 (16.6 / 17.7), qkv 12.8 / 13.6 (16.1 / 15.8), o_proj and out_proj
-# 7.2 / 7.2 (10.3 / 10.9), router | shared gate | shared gate_up 4.9 / 4.8 (6.2 / 6.3), shared down 2.5 / 2.6
-# (4.0 / 4.2), lm_head 223.7 (221.1). Above 16 rows every 64-row tile reads the weights again: at M = 128 (8 x
-# 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x): invariance's price for big verifies. The 27B's o_proj / out_proj and down split K 8 ways since session 18, when their split-K sum took the
-# skip connection and the next RMSNorm (linear's then): each linear and its epilogue chained over 8 distinct
-# weights in a CUDA graph, M = 1, us at K split 2 / 4 / 8: o_proj 21.6 / 21.2 / 20.9, down 50.8 / 50.1 / 47.8;
-# split 3, the tiles before, with the sum and the norm as two launches: 24.7 and 59.7 (.scratch/s18/epi.py, device
-# call 3; the FP8 tiles' splits measured best as they were).
+# (N, K) -> the tiles _rows_config gives that weight shape: the fastest at M = 1 of tools/tile_sweep.py rows on the
+# H200 (us at M = 1 / 16; the M = 1 GEMV of BATCH_INVARIANT = False, and cuBLAS, at M = 1 in brackets). 27B: in_proj
+# 40.6 / 41.2 (40.2, 42.7), qkv 36.0 / 36.8 (35.3, 37.2), o_proj and out_proj 18.6 / 19.5 (17.1, 18.6), gate_up 85.9 /
+# 89.8 (84.0, 84.8), down 43.9 / 45.1 (42.9, 49.8), lm_head 557.8 / 573.7 (550.9, 590.0); 35B-A3B (tools/tile_sweep.py
+# rowswide, session 39: us at M = 1 / 16 with the split-K sum, the tiles before in brackets): in_proj 14.6 / 15.4
+# (16.6 / 17.7), qkv 12.8 / 13.6 (16.1 / 15.8), o_proj and out_proj 7.2 / 7.2 (10.3 / 10.9), router | shared gate |
+# shared gate_up 4.9 / 4.8 (6.2 / 6.3), shared down 2.5 / 2.6 (4.0 / 4.2), lm_head 223.7 (221.1). Above 16 rows every
+# 64-row tile reads the weights again: at M = 128 (8 x 16-token verifies) 1.5-2x cuBLAS's time (16-row tiles: 2.4-4x):
+# invariance's price for big verifies. The 27B's o_proj / out_proj and down split K 8 ways since session 18, when
+# their split-K sum took the skip connection and the next RMSNorm (linear's then): each linear and its epilogue
+# chained over 8 distinct weights in a CUDA graph, M = 1, us at K split 2 / 4 / 8: o_proj 21.6 / 21.2 / 20.9, down
+# 50.8 / 50.1 / 47.8; split 3, the tiles before, with the sum and the norm as two launches: 24.7 and 59.7
+# (.scratch/s18/epi.py, device call 3; the FP8 tiles' splits measured best as they were).
 ROWS_CONFIG = {
     (16480, 5120): (64, 128, 1, 4, 4), (14336, 5120): (64, 128, 1, 4, 4), (5120, 6144): (64, 128, 8, 4, 4),
     (34816, 5120): (128, 128, 2, 3, 8), (5120, 17408): (64, 128, 8, 4, 4), (248320, 5120): (64, 256, 1, 3, 4),
@@ -527,9 +529,11 @@ ROWS_CONFIG = {
 # than ROWS_CONFIG's: BK and the K split, which fix the order of a row's sums, stay the shape's (_rows_tiles).
 # tools/tile_sweep.py rows17 on the H200 (session 28; us at 17 rows, ROWS_CONFIG's tiles in brackets; a row's bits the
 # same as alone): 27B GDN in_proj 40.8 (51.2), qkv 37.8 (45.2), gate_up 91.3 (102.4), down 50.5 (52.1), lm_head 573.5
-# (580.0).
+# (580.0). 35B-A3B (rows17-35b, session 40): GDN in_proj 15.2 (18.5), qkv 15.5 (16.2), shared down 2.8 (3.0); its
+# o_proj / out_proj, router | shared and lm_head within 0.4 us of their tiles: kept.
 ROWS_CONFIG_32 = {(16480, 5120): (128, 4, 4), (14336, 5120): (128, 4, 4), (34816, 5120): (32, 2, 4),
-                  (5120, 17408): (128, 2, 4), (248320, 5120): (128, 3, 8)}
+                  (5120, 17408): (128, 2, 4), (248320, 5120): (128, 3, 8),
+                  (12352, 2048): (32, 3, 4), (9216, 2048): (64, 3, 4), (2048, 512): (16, 4, 4)}
 
 # The same at the 64-row tile height (steps of 33-256 rows: ngram / draft_model k = 4 at batch 7-8, DFlash's
 # 16-token verify at batch 3-8). tools/tile_sweep.py rows40 on the H200 (session 30; us at 40 / 128 rows,
@@ -537,9 +541,11 @@ ROWS_CONFIG_32 = {(16480, 5120): (128, 4, 4), (14336, 5120): (128, 4, 4), (34816
 # 38.3 / 57.0 (41.6 / 64.8), o_proj and out_proj 25.6 / 44.5 (28.1 / 48.0), gate_up 99.8 / 164.2 (109.9 / 173.1),
 # down 54.9 / 75.7 (57.5 / 91.7); lm_head keeps its tiles (623.7 at 40). draft_model's Qwen3-0.6B-shaped LM never
 # runs 33+ rows (an attention-only draft's first pass is 2 tokens a request: 16 rows at batch 8; its logits one row
-# a request), so its shapes have no entry here.
+# a request), so its shapes have no entry here. 35B-A3B (rows40-35b, session 40; us at 40 / 128 rows): GDN in_proj
+# 17.8 / 24.6 (18.9 / 33.3), qkv 17.5 / 27.9 (20.5 / 36.8); its other shapes within 0.1 us at 40 rows: kept.
 ROWS_CONFIG_64 = {(16480, 5120): (128, 4, 8), (14336, 5120): (64, 3, 4), (5120, 6144): (64, 2, 4),
-                  (34816, 5120): (64, 2, 4), (5120, 17408): (128, 4, 4)}
+                  (34816, 5120): (64, 2, 4), (5120, 17408): (128, 4, 4),
+                  (12352, 2048): (64, 3, 4), (9216, 2048): (64, 3, 4)}
 ROWS_TALL = {32: ROWS_CONFIG_32, 64: ROWS_CONFIG_64}  # tile height -> its (N, K) -> (BN, stages, warps)
 
 
@@ -740,11 +746,16 @@ NORM_WARPS = 8   # _gemv_sum_norm_kernel's warps (one program per row)
 
 def apply_then(y, then):
     """What a linear's output goes through next, unfused: then None (nothing), "swiglu" (silu_mul: y [..., 2I]
-    = [gate | up] -> [..., I]) or (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y))."""
+    = [gate | up] -> [..., I]), (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y)) or a MoE router's
+    Route (-> (y, moe_route's w and idx of its first n_experts columns[, silu_mul of its columns from swiglu]),
+    y [N, out])."""
     if then is None:
         return y
     if then == "swiglu":
         return silu_mul(y)
+    if isinstance(then, Route):
+        rest = () if then.swiglu is None else (silu_mul(y[:, then.swiglu:]),)
+        return (y, *moe_route(y[:, :then.n_experts], then.top_k), *rest)
     return rms_norm(y, *then), y
 
 
@@ -753,7 +764,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
     _gemv_config ("rows": _rows_tiles' tiles and row height for M; "fp8": _fp8_gemv_kernel with _fp8_config's
     tiles), residual None or [..., N] -> [residual +] x @ w^T [..., N], through `then` (apply_then): where the K
     split needs a second launch to add its partials, that launch also does `then` (_gemv_sum_swiglu_kernel,
-    _gemv_sum_norm_kernel)."""
+    _gemv_sum_norm_kernel, _gemv_sum_route_kernel)."""
     N, K = w.shape
     xr = _rows(x)
     M = xr.shape[0]
@@ -788,6 +799,8 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
                            PDL=pdl, PRE=GEMV_PREFETCH and DRAFTING, num_stages=stages, num_warps=warps, **_launch(pdl))
     if SPLIT == 1:
         return apply_then(y, then)
+    if isinstance(then, Route) and residual is None:  # a MoE router: its top-k in the sum's launch
+        return _sum_route_launch(out, y, M, N, SPLIT, then, pdl)
     if then == "swiglu" and residual is None:  # (the partials hold [gate | up] rows: N = 2I)
         I = N // 2
         y = _empty((*x.shape[:-1], I), x.dtype, x.device)
@@ -795,7 +808,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
         _gemv_sum_swiglu_kernel[(_cdiv(M * I, BS),)](out, y, M, I, SPLIT=SPLIT, BS=BS, PDL=pdl, num_warps=4,
                                                      **_launch(pdl))
         return y
-    if then is not None and then != "swiglu" and then[0].shape == (N,):
+    if then is not None and then != "swiglu" and not isinstance(then, Route) and then[0].shape == (N,):
         nw, eps = then
         h = y
         y = _empty(h.shape, x.dtype, x.device)
@@ -2205,13 +2218,15 @@ def _attention_kernel(p_q, p_k, p_v, p_slots, p_pos, p_o, p_part, p_ml, T, NM, N
 
 
 @_jit
-def _attention_combine_kernel(p_part, p_ml, p_o, p_pos, T, NH, NSPLIT, CHUNK: tl.constexpr, D: tl.constexpr,
-                              BD: tl.constexpr, PDL: tl.constexpr):
+def _attention_combine_kernel(p_part, p_ml, p_o, p_pos, p_g, T, NH, NSPLIT, s_gb, s_gt, s_gh, CHUNK: tl.constexpr,
+                              D: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr):
     # program per output row (b, t, head): merge the partial softmax states one after the other, in order:
     # all NSPLIT, or with CHUNK > 0 those of the programs that held a piece below the row's own end (its
     # position + 1): the others wrote nothing and hold no key of this row (an empty state changes nothing, so
     # the result does not depend on how many trail the last key). The first is the start (the same values
-    # as merging it into nothing), read while the row's position loads
+    # as merging it into nothing), read while the row's position loads. GATE: the gated attention's output
+    # gate on the way out, o * sigmoid(gate [B, T, NH, D]), the row rounded first and the sigmoid rounded to
+    # o's dtype (_sigmoid_mul_kernel's arithmetic): its launch saved
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     n = NSPLIT
@@ -2233,7 +2248,15 @@ def _attention_combine_kernel(p_part, p_ml, p_o, p_pos, T, NH, NSPLIT, CHUNK: tl
         b_acc = b_acc * c_old + a_s * c_new
         b_l = b_l * c_old + l_s * c_new
         b_m = m_n
-    tl.store(p_o + i_r * D + o_d, (b_acc / b_l).to(p_o.dtype.element_ty), mask=o_d < D)
+    dt = p_o.dtype.element_ty
+    b_o = (b_acc / b_l).to(dt)
+    if GATE:
+        i_bt = i_r // NH
+        p_gr = p_g + (i_bt // T) * s_gb + (i_bt % T) * s_gt + (i_r % NH) * s_gh
+        b_g = tl.load(p_gr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+        b_sg = (1.0 / (1.0 + tl.exp(-b_g))).to(dt).to(tl.float32)
+        b_o = (b_o.to(tl.float32) * b_sg).to(dt)
+    tl.store(p_o + i_r * D + o_d, b_o, mask=o_d < D)
 
 
 ATTN_CHUNK = 128  # BATCH_INVARIANT decode / verify (T <= 64): keys split at multiples of this many (512 before
@@ -2249,7 +2272,8 @@ ATTN_PROGRAMS = 64  # BATCH_INVARIANT: at most this many programs (>= 2) along a
                    # pieces of 128 keys a layer)
 
 
-def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None, window=None):
+def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chunk=None, window=None,
+                      gate=None):
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
     assert nh % nkv == 0 and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
@@ -2284,13 +2308,17 @@ def _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, nsplit=None, chun
         NH=nh, GROUP=G, D=d, BD=_p2(d), BM=BM, BN=BN, SPLIT=nsplit > 1, DOT=dot,
         PREC="ieee" if dot == tl.float32 else "tf32", WINDOW=window or 0, MANY=many, PDL=pdl,
         num_warps=8 if BM * _p2(d) >= 64 * 256 else 4, num_stages=2, **_launch(pdl))
-    if nsplit > 1:
-        _attention_combine_kernel[(B * T * nh,)](part, ml, o, pos, T, nh, nsplit, CHUNK=chunk, D=d, BD=_p2(d),
-                                                 PDL=pdl, num_warps=4, **_launch(pdl))
+    if nsplit == 1:
+        return o if gate is None else sigmoid_mul(o, gate)
+    g = o if gate is None else gate
+    assert gate is None or (gate.shape == o.shape and gate.dtype == o.dtype and gate.stride(3) == 1)
+    _attention_combine_kernel[(B * T * nh,)](part, ml, o, pos, g, T, nh, nsplit, g.stride(0), g.stride(1),
+                                             g.stride(2), CHUNK=chunk, D=d, BD=_p2(d), GATE=gate is not None,
+                                             PDL=pdl, num_warps=4, **_launch(pdl))
     return o
 
 
-def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None):
+def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None, gate=None):
     """Causal GQA attention of T new queries per sequence over the slot's cached keys.
 
     q [B, T, n_h, d]; k_cache, v_cache [S, L, n_kv, d] (the new tokens already written at
@@ -2300,14 +2328,17 @@ def attention(q, k_cache, v_cache, slots, pos, kv_len, chunk=None, window=None):
     max_model_len inside CUDA graphs); it only sizes the split of long contexts. chunk: the key pieces of
     BATCH_INVARIANT decode / verify steps (ATTN_CHUNK if None); a fixed number, so that a row's sums do not
     depend on T or the batch. window W (a drafter's sliding-window layer; the Triton path only): query t sees
-    keys pos[b]+t-W+1 .. pos[b]+t.
+    keys pos[b]+t-W+1 .. pos[b]+t. gate [B, T, n_h, d] (the gated attention's): the output times sigmoid(gate),
+    as sigmoid_mul(attention(...), gate) computes it; on the GPU in the launch that combines the key pieces.
     """
     if _fast(q):
-        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, chunk=chunk, window=window)
+        return _attention_launch(q, k_cache, v_cache, slots, pos, kv_len, chunk=chunk, window=window, gate=gate)
     assert window is None, "a sliding window needs the Triton kernel (specdec.block_attention masks elsewhere)"
     if _cpu_fast(q) and q.shape[1] <= 32:
-        return _attention_cpu(q, k_cache, v_cache, slots, pos)
-    return attention_ref(q, k_cache, v_cache, slots, pos, kv_len)
+        o = _attention_cpu(q, k_cache, v_cache, slots, pos)
+    else:
+        o = attention_ref(q, k_cache, v_cache, slots, pos, kv_len)
+    return o if gate is None else sigmoid_mul(o, gate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2332,27 +2363,108 @@ def moe_experts_ref(x, w, idx, gate_up, down):
 
 
 @_jit
+def _route_row(b_x, o_e, E, p_w, p_idx, i_n, TOPK: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    # one token's routing from its logits b_x [BE] (fp32, -inf from E on): fp32 softmax over the experts, top-k
+    # by repeated maxima (ties: the lowest expert), renormalised over the chosen k, stored as row i_n of w and
+    # idx [N, TOPK]. One key per expert, its probability's fp32 bits (an order-keeping integer for p >= 0) above
+    # its index reversed: one integer maximum a step finds the largest p and, of equal ones, the lowest expert
+    b_p = tl.exp(b_x - tl.max(b_x, 0))
+    b_p = b_p / tl.sum(b_p, 0)
+    b_key = (b_p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (BE - 1 - o_e)
+    b_key = tl.where(o_e < E, b_key, -1)
+    o_k = tl.arange(0, BK)
+    b_w = tl.zeros([BK], dtype=tl.float32)
+    b_i = tl.zeros([BK], dtype=tl.int64)
+    for j in tl.static_range(TOPK):
+        k_top = tl.max(b_key, 0)
+        i_top = BE - 1 - (k_top & 0xFFFF)
+        b_w = tl.where(o_k == j, (k_top >> 16).to(tl.int32).to(tl.float32, bitcast=True), b_w)
+        b_i = tl.where(o_k == j, i_top, b_i)
+        b_key = tl.where(o_e == i_top, -1, b_key)
+    b_w = b_w / tl.sum(b_w, 0)
+    tl.store(p_w + i_n * TOPK + o_k, b_w, mask=o_k < TOPK)
+    tl.store(p_idx + i_n * TOPK + o_k, b_i, mask=o_k < TOPK)
+
+
+@_jit
 def _moe_route_kernel(p_logits, p_w, p_idx, E, s_n, TOPK: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    # program per token: fp32 softmax over experts, top-k by repeated argmax (ties: lowest expert),
-    # renormalised over the chosen k
+    # program per token: its logits, routed (_route_row)
     i_n = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BE)
     b_x = tl.load(p_logits + i_n * s_n + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
-    b_p = tl.exp(b_x - tl.max(b_x, 0))
-    b_p = b_p / tl.sum(b_p, 0)
-    b_p = tl.where(o_e < E, b_p, -1.0)
-    o_k = tl.arange(0, BK)
-    b_w = tl.zeros([BK], dtype=tl.float32)
-    b_i = tl.zeros([BK], dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        b_top = tl.max(b_p, 0)
-        i_top = tl.min(tl.where(b_p == b_top, o_e, BE), 0)
-        b_w = tl.where(o_k == j, b_top, b_w)
-        b_i = tl.where(o_k == j, i_top, b_i)
-        b_p = tl.where(o_e == i_top, -1.0, b_p)
-    b_w = b_w / tl.sum(b_w, 0)
-    tl.store(p_w + i_n * TOPK + o_k, b_w, mask=o_k < TOPK)
-    tl.store(p_idx + i_n * TOPK + o_k, b_i.to(tl.int64), mask=o_k < TOPK)
+    _route_row(b_x, o_e, E, p_w, p_idx, i_n, TOPK, BE, BK)
+
+
+@_jit
+def _gemv_sum_route_kernel(p_part, p_y, p_w, p_idx, p_h, MN, N, E, n_sum, I, OFF, SPLIT: tl.constexpr,
+                           BS: tl.constexpr, TOPK: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                           SW: tl.constexpr, SBS: tl.constexpr, PDL: tl.constexpr):
+    # a MoE router's split-K linear (linear's then = Route): programs below n_sum add the SPLIT partials
+    # [SPLIT, M * N] fp32 in order and round once, as _gemv_sum_kernel; program n_sum + m adds row m's first E
+    # (its router logits) the same way, rounds them to y's dtype (the bits moe_route would read from y) and
+    # routes the token (_route_row): the router's top-k without a launch of its own. With SW (Route's swiglu:
+    # the shared expert's [gate | up], 2I columns from OFF), the programs after those write h [M, I] =
+    # silu(gate) * up from the partials, as _gemv_sum_swiglu_kernel: its SwiGLU without a launch of its own
+    _pdl_sync(PDL)
+    pid = tl.program_id(0)
+    M = MN // N
+    if pid < n_sum:
+        o = pid * BS + tl.arange(0, BS)
+        m = o < MN
+        b_y = tl.zeros([BS], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            b_y += tl.load(p_part + s * MN + o, mask=m, other=0.0)
+        tl.store(p_y + o, b_y.to(p_y.dtype.element_ty), mask=m)
+    elif pid < n_sum + M:
+        i_n = (pid - n_sum).to(tl.int64)
+        o_e = tl.arange(0, BE)
+        m_e = o_e < E
+        b_x = tl.zeros([BE], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            b_x += tl.load(p_part + s * MN + i_n * N + o_e, mask=m_e, other=0.0)
+        b_x = tl.where(m_e, b_x.to(p_y.dtype.element_ty).to(tl.float32), float("-inf"))
+        _route_row(b_x, o_e, E, p_w, p_idx, i_n, TOPK, BE, BK)
+    elif SW:
+        o = (pid - n_sum - M) * SBS + tl.arange(0, SBS)                              # over M * I
+        m = o < M * I
+        o_g = (o // I) * N + OFF + o % I
+        b_g = tl.zeros([SBS], dtype=tl.float32)
+        b_u = tl.zeros([SBS], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            b_g += tl.load(p_part + s * MN + o_g, mask=m, other=0.0)
+            b_u += tl.load(p_part + s * MN + I + o_g, mask=m, other=0.0)
+        dt = p_y.dtype.element_ty
+        b_g, b_u = b_g.to(dt).to(tl.float32), b_u.to(dt).to(tl.float32)
+        tl.store(p_h + o, (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt), mask=m)
+
+
+class Route:
+    """linear's `then` for a MoE router whose first n_experts outputs are the router logits: linear returns
+    (y, w, idx), w and idx moe_route(y[..., :n_experts], top_k)'s; with swiglu (a column: the shared expert's
+    [gate | up] fills y from there to its end) also h = silu_mul(y[..., swiglu:]). Done by the launch that adds
+    a split-K GEMV's partials (_gemv_sum_route_kernel), else by moe_route and silu_mul after the linear
+    (apply_then)."""
+    def __init__(self, top_k, n_experts, swiglu=None):
+        self.top_k, self.n_experts, self.swiglu = top_k, n_experts, swiglu
+
+
+def _sum_route_launch(part, y, M, N, SPLIT, route, pdl):
+    """The split-K partials part [SPLIT, M, N] -> (y [M, N], w, idx[, h]): _gemv_sum_route_kernel."""
+    E, k, off = route.n_experts, route.top_k, route.swiglu
+    assert E <= N and E <= 1 << 16, "a route's keys hold an expert's index in 16 bits"
+    w = _empty((M, k), torch.float32, y.device)
+    idx = _empty((M, k), torch.long, y.device)
+    BS = min(1024, _p2(M * N))
+    n_sum = _cdiv(M * N, BS)
+    I = 0 if off is None else (N - off) // 2
+    assert off is None or (0 < off and off + 2 * I == N), "a route's swiglu: [gate | up] to y's last column"
+    h = _empty((M, I), y.dtype, y.device) if off is not None else y
+    SBS = min(SWIGLU_BS, _p2(max(1, M * I)))
+    n_sw = _cdiv(M * I, SBS)
+    _gemv_sum_route_kernel[(n_sum + M + n_sw,)](part, y, w, idx, h, M * N, N, E, n_sum, I, off or 0, SPLIT=SPLIT,
+                                                BS=BS, TOPK=k, BE=_p2(E), BK=_p2(k), SW=off is not None, SBS=SBS,
+                                                PDL=pdl, num_warps=4, **_launch(pdl))
+    return (y, w, idx) if off is None else (y, w, idx, h)
 
 
 def moe_route(router_logits, top_k):
@@ -2363,8 +2475,9 @@ def moe_route(router_logits, top_k):
         lg = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         w = _empty((N, top_k), torch.float32, lg.device)
         idx = _empty((N, top_k), torch.long, lg.device)
+        assert E <= 1 << 16, "moe_route's keys hold an expert's index in 16 bits"
         _moe_route_kernel[(N,)](lg, w, idx, E, lg.stride(0), TOPK=top_k, BE=_p2(E), BK=_p2(top_k),
-                                num_warps=2)
+                                num_warps=1)
         return w, idx
     return moe_route_ref(router_logits, top_k)
 

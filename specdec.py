@@ -365,9 +365,9 @@ class Attention(nn.Module):
         # q/k norm + RoPE, and k, v written into the cache at positions pos[b] + t (one kernel on the GPU)
         q = K.attention_prep(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.inv_freq,
                              k_cache, v_cache, ctx.slots, ctx.pos)                   # [B, T, nh, hd]
-        o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len)       # [B, T, nh, hd]
-        o = K.sigmoid_mul(o, qg[..., self.hd:]).view(B, T, -1)                      # output gate: sigmoid(gate)
-        return self.o_proj(o, residual, then)
+        # [B, T, nh, hd], times the output gate sigmoid(gate) (on the GPU in the attention's last launch)
+        o = K.attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, gate=qg[..., self.hd:])
+        return self.o_proj(o.view(B, T, -1), residual, then)
 
 
 class GatedDeltaNet(nn.Module):
@@ -478,14 +478,17 @@ class MoE(nn.Module):
         then: the next RMSNorm, as MLP's (done by the launch that sums the experts: kernels.moe_experts)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                                # [N, H]
+        E = self.experts.gate_up_proj.shape[0]
         if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up
-            E, I = self.experts.gate_up_proj.shape[0], self.shared_expert.down_proj.weight.shape[1]
-            logits, sg, gu = K.linear(x, self.router_shared).split([E, 1, 2 * I], -1)
-            shared = self.shared_expert.down_proj(K.silu_mul(gu))
-        else:  # FP8: router | shared gate (bf16) fused apart from the shared expert (FP8); or not fused
-            logits, sg = project(x, self, "router_gate", self.gate, self.shared_expert_gate)
-            shared = self.shared_expert(x)
-        w, idx = K.moe_route(logits, self.top_k)
+            # the router's top-k (w, idx [N, k]) and the shared expert's SwiGLU (h [N, I]) done with the linear
+            y, w, idx, h = K.linear(x, self.router_shared, then=K.Route(self.top_k, E, swiglu=E + 1))
+            sg, shared = y[:, E:E + 1], self.shared_expert.down_proj(h)
+        elif hasattr(self, "router_gate"):  # FP8: router | shared gate (bf16) fused apart from the shared expert
+            y, w, idx = K.linear(x, self.router_gate, scale=self.router_gate_scale, then=K.Route(self.top_k, E))
+            sg, shared = y[:, E:], self.shared_expert(x)
+        else:  # not fused
+            w, idx = K.moe_route(self.gate(x), self.top_k)
+            sg, shared = self.shared_expert_gate(x), self.shared_expert(x)
         res = None if residual is None else residual.reshape(-1, shape[-1])
         ex = self.experts
         y = K.moe_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, shared, sg, res,

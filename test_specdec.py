@@ -806,10 +806,10 @@ def test_mtp_chain_and_target_attention_reads_are_bounded(tiny_spec, asynchronou
     Synchronous steps compute it from the host's lengths, asynchronous ones pass the cache length."""
     seen, attention = [], K.attention
 
-    def checked(q, k_cache, v_cache, slots, pos, kv_len):
+    def checked(q, k_cache, v_cache, slots, pos, kv_len, **kw):                   # (kw: the output gate)
         assert isinstance(kv_len, int) and int((pos + q.shape[1]).max()) <= kv_len <= k_cache.shape[1], kv_len
         seen.append(q.shape[1])
-        return attention(q, k_cache, v_cache, slots, pos, kv_len)
+        return attention(q, k_cache, v_cache, slots, pos, kv_len, **kw)
     monkeypatch.setattr(K, "attention", checked)
     llm = LLM(model=tiny_spec, device="cpu", async_scheduling=asynchronous,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
@@ -5167,6 +5167,29 @@ def test_kernel_attention_decode(dtype, T):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_kernel_attention_output_gate(dtype, T):
+    """attention's gate (the gated attention's output gate, the [query | gate] projection's strided gate half): the
+    launch that combines the key pieces multiplies by sigmoid(gate) with sigmoid_mul's arithmetic, bit for bit,
+    on the invariant path (fixed key pieces), at explicit splits and unsplit (sigmoid_mul after the kernel)."""
+    B, nh, nkv, d, L = 2, 4, 2, 32, 300
+    pos = [9, 140]
+    kc, vc, kp, vp, slots = kv_setup(B, L, nkv, d, pos, T, dtype, seed=T + 3)
+    qg = randn(B, T, nh, 2 * d, g=gen(T + 20), dtype=dtype)                        # per head [query | gate]
+    q, gate = qg[..., :d], qg[..., d:]
+    pos_t = torch.tensor(pos, device=DEV)
+    for kw in ({}, {"nsplit": 1}, {"nsplit": 3}, {"nsplit": 7}):
+        plain = fast(K._attention_launch, q, kp, vp, slots, pos_t, L, **kw)
+        gated = fast(K._attention_launch, q, kp, vp, slots, pos_t, L, gate=gate, **kw)
+        assert torch.equal(gated, fast(K.sigmoid_mul, plain, gate)), kw
+    ref = K.sigmoid_mul_ref(K.attention_ref(q, kc, vc, slots, pos_t, L), gate)
+    assert rel(fast(K.attention, q, kp, vp, slots, pos_t, L, gate=gate), ref) <= TOL[dtype]
+    assert torch.equal(K.attention(q, kc, vc, slots, pos_t, L, gate=gate),          # the CPU / reference path
+                       K.sigmoid_mul(K.attention(q, kc, vc, slots, pos_t, L), gate))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_attention_prefill(dtype):
     B, T, nh, nkv, d, L = 1, 63, 4, 1, 32, 160
     pos = [40]                                                                     # a second prefill chunk
@@ -5236,7 +5259,7 @@ def test_kernel_moe_route(E, k):
         assert torch.equal(idx, idx_ref) or dtype != torch.float32
         assert rel(w, w_ref) <= 1e-6
         # ties (logits 0, 1, 2: exact in bf16 too): the largest first and, of equal ones, the lowest expert first
-        tied = torch.randint(0, 3, (7, E), generator=gen(E + 1)).to(DEV, dtype)
+        tied = torch.randint(0, 3, (7, E), generator=torch.Generator().manual_seed(E)).to(DEV, dtype)  # (a CPU draw)
         want = [sorted(range(E), key=lambda e: (-row[e], e))[:k] for row in tied.float().tolist()]
         assert fast(K.moe_route, tied, k)[1].tolist() == want
 
@@ -6599,6 +6622,36 @@ def test_kernel_rows_linear_tall_tiles(monkeypatch, rowwise_dot):
     w, x0, r0, alone, got = linear_rows_case(N, Kin, torch.float32, (17, 32, 33, 40), residual=True, seed=1)
     assert rel(alone, F.linear(x0, w) + r0) <= TOL[torch.float32]
     assert all(torch.equal(y, alone) for y in got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_kernel_linear_route(dtype, M, monkeypatch):
+    """A MoE router's linear with then=Route (MoE.forward): (y, w, idx) are the linear's output and moe_route of its
+    first E columns, bit for bit, whether the K split's summing launch routes (_gemv_sum_route_kernel: the logits
+    rounded to y's dtype first) or moe_route runs after an unsplit linear; the routing as moe_route_ref's. With
+    Route's swiglu (the shared expert's [gate | up] after the router and its gate), h is silu_mul of those columns
+    bit for bit, written by the same launch."""
+    E, k, N, Kin = 12, 3, 12 + 1 + 16, 512                                       # router | shared gate | more
+    g = gen(M)
+    x, wt = randn(M, Kin, g=g, dtype=dtype), randn(N, Kin, g=g, dtype=dtype, scale=Kin ** -0.5)
+    for split in (1, 2, 4):
+        monkeypatch.setitem(K.ROWS_CONFIG, (N, Kin), (16, 64, split, 2, 4))
+        y0 = fast(K._gemv_launch, x, wt, "rows")
+        w0, i0 = fast(K.moe_route, y0[:, :E], k)
+        y, w, i = fast(K._gemv_launch, x, wt, "rows", then=K.Route(k, E))
+        assert torch.equal(y, y0) and torch.equal(w, w0) and torch.equal(i, i0), split
+        w_ref, i_ref = K.moe_route_ref(y0[:, :E], k)
+        assert torch.equal(y0.gather(1, i), y0.gather(1, i_ref)) and rel(w, w_ref) <= 1e-6
+        h0 = fast(K.silu_mul, y0[:, E + 1:])                         # the shared expert's SwiGLU, its own launch
+        y, w, i, h = fast(K._gemv_launch, x, wt, "rows", then=K.Route(k, E, swiglu=E + 1))
+        assert torch.equal(y, y0) and torch.equal(w, w0) and torch.equal(i, i0) and torch.equal(h, h0), split
+        assert h.shape == (M, (N - E - 1) // 2) and rel(h, K.silu_mul_ref(y0[:, E + 1:])) <= TOL[dtype]
+    y, w, i = K.linear(x, wt, then=K.Route(k, E))                                  # the reference path
+    assert torch.equal(y, K.linear(x, wt)) and torch.equal(i, K.moe_route(y[:, :E], k)[1])
+    y, w, i, h = K.linear(x, wt, then=K.Route(k, E, swiglu=E + 1))
+    assert torch.equal(h, K.silu_mul(y[:, E + 1:]))
 
 
 def test_rows_tiles_fit_shared_memory(monkeypatch):

@@ -685,15 +685,36 @@ def _gemv_kernel(p_x, p_w, p_y, p_r, M, N, K, s_x, BM: tl.constexpr, BN: tl.cons
 
 
 @_jit
+def _split_sum(p_part, o, m, MN, SPLIT: tl.constexpr):
+    # the split-K partials [SPLIT, M * N] fp32 at flat offsets o (a tensor of any shape), added in order from zero:
+    # the one arithmetic of every launch that sums a GEMV's K split
+    b = tl.zeros(o.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        b += tl.load(p_part + s * MN + o, mask=m, other=0.0)
+    return b
+
+
+@_jit
+def _split_swiglu(p_part, p_h, o, M, N, I, OFF, SPLIT: tl.constexpr):
+    # h at flat offsets o over [M, I] = silu(gate) * up, gate and up columns OFF + j and OFF + I + j of the partials'
+    # rows of N: each summed (_split_sum) and rounded to h's dtype as a sum launch writes y, then _silu_mul_kernel's
+    # arithmetic
+    m = o < M * I
+    o_g = (o // I) * N + OFF + o % I
+    dt = p_h.dtype.element_ty
+    b_g = _split_sum(p_part, o_g, m, M * N, SPLIT).to(dt).to(tl.float32)
+    b_u = _split_sum(p_part, o_g + I, m, M * N, SPLIT).to(dt).to(tl.float32)
+    tl.store(p_h + o, (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt), mask=m)
+
+
+@_jit
 def _gemv_sum_kernel(p_part, p_y, p_r, MN, SPLIT: tl.constexpr, BS: tl.constexpr, RES: tl.constexpr,
                      PDL: tl.constexpr):
     # y = [r +] sum over the SPLIT partials [SPLIT, M * N] fp32, in order, rounded once
     _pdl_sync(PDL)
     o = tl.program_id(0) * BS + tl.arange(0, BS)
     m = o < MN
-    b_y = tl.zeros([BS], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        b_y += tl.load(p_part + s * MN + o, mask=m, other=0.0)
+    b_y = _split_sum(p_part, o, m, MN, SPLIT)
     if RES:
         b_y += tl.load(p_r + o, mask=m, other=0.0).to(tl.float32)
     tl.store(p_y + o, b_y.to(p_y.dtype.element_ty), mask=m)
@@ -704,17 +725,7 @@ def _gemv_sum_swiglu_kernel(p_part, p_y, M, I, SPLIT: tl.constexpr, BS: tl.const
     # y [M, I] = silu(g) * up, g and up the split-K sums of columns j and I + j of the partials [SPLIT, M, 2I]:
     # each summed in order and rounded as _gemv_sum_kernel writes it, then _silu_mul_kernel's arithmetic
     _pdl_sync(PDL)
-    o = tl.program_id(0) * BS + tl.arange(0, BS)                                      # over M * I
-    m = o < M * I
-    o_g = (o // I) * (2 * I) + o % I
-    b_g = tl.zeros([BS], dtype=tl.float32)
-    b_u = tl.zeros([BS], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        b_g += tl.load(p_part + s * M * 2 * I + o_g, mask=m, other=0.0)
-        b_u += tl.load(p_part + s * M * 2 * I + I + o_g, mask=m, other=0.0)
-    dt = p_y.dtype.element_ty
-    b_g, b_u = b_g.to(dt).to(tl.float32), b_u.to(dt).to(tl.float32)
-    tl.store(p_y + o, (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt), mask=m)
+    _split_swiglu(p_part, p_y, tl.program_id(0) * BS + tl.arange(0, BS), M, 2 * I, I, 0, SPLIT)  # over M * I
 
 
 @_jit
@@ -727,9 +738,7 @@ def _gemv_sum_norm_kernel(p_part, p_r, p_w, p_h, p_y, M, N, eps, SPLIT: tl.const
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)[None, :]                                                   # [1, BD]: one row
     m = o_d < N
-    b_x = tl.zeros([1, BD], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        b_x += tl.load(p_part + (s * M + i_r) * N + o_d, mask=m, other=0.0)
+    b_x = _split_sum(p_part, i_r * N + o_d, m, M * N, SPLIT)
     if RES:
         b_x += tl.load(p_r + i_r * N + o_d, mask=m, other=0.0).to(tl.float32)
     b_x = b_x.to(p_h.dtype.element_ty)
@@ -2396,7 +2405,7 @@ def _moe_route_kernel(p_logits, p_w, p_idx, E, s_n, TOPK: tl.constexpr, BE: tl.c
 
 
 @_jit
-def _gemv_sum_route_kernel(p_part, p_y, p_w, p_idx, p_h, MN, N, E, n_sum, I, OFF, SPLIT: tl.constexpr,
+def _gemv_sum_route_kernel(p_part, p_y, p_w, p_idx, p_h, M, N, E, n_sum, I, OFF, SPLIT: tl.constexpr,
                            BS: tl.constexpr, TOPK: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                            SW: tl.constexpr, SBS: tl.constexpr, PDL: tl.constexpr):
     # a MoE router's split-K linear (linear's then = Route): programs below n_sum add the SPLIT partials
@@ -2404,38 +2413,22 @@ def _gemv_sum_route_kernel(p_part, p_y, p_w, p_idx, p_h, MN, N, E, n_sum, I, OFF
     # (its router logits) the same way, rounds them to y's dtype (the bits moe_route would read from y) and
     # routes the token (_route_row): the router's top-k without a launch of its own. With SW (Route's swiglu:
     # the shared expert's [gate | up], 2I columns from OFF), the programs after those write h [M, I] =
-    # silu(gate) * up from the partials, as _gemv_sum_swiglu_kernel: its SwiGLU without a launch of its own
+    # silu(gate) * up from the partials (_split_swiglu, as _gemv_sum_swiglu_kernel): its SwiGLU without a launch
     _pdl_sync(PDL)
     pid = tl.program_id(0)
-    M = MN // N
     if pid < n_sum:
         o = pid * BS + tl.arange(0, BS)
-        m = o < MN
-        b_y = tl.zeros([BS], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            b_y += tl.load(p_part + s * MN + o, mask=m, other=0.0)
-        tl.store(p_y + o, b_y.to(p_y.dtype.element_ty), mask=m)
+        m = o < M * N
+        tl.store(p_y + o, _split_sum(p_part, o, m, M * N, SPLIT).to(p_y.dtype.element_ty), mask=m)
     elif pid < n_sum + M:
         i_n = (pid - n_sum).to(tl.int64)
         o_e = tl.arange(0, BE)
         m_e = o_e < E
-        b_x = tl.zeros([BE], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            b_x += tl.load(p_part + s * MN + i_n * N + o_e, mask=m_e, other=0.0)
+        b_x = _split_sum(p_part, i_n * N + o_e, m_e, M * N, SPLIT)
         b_x = tl.where(m_e, b_x.to(p_y.dtype.element_ty).to(tl.float32), float("-inf"))
         _route_row(b_x, o_e, E, p_w, p_idx, i_n, TOPK, BE, BK)
     elif SW:
-        o = (pid - n_sum - M) * SBS + tl.arange(0, SBS)                              # over M * I
-        m = o < M * I
-        o_g = (o // I) * N + OFF + o % I
-        b_g = tl.zeros([SBS], dtype=tl.float32)
-        b_u = tl.zeros([SBS], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            b_g += tl.load(p_part + s * MN + o_g, mask=m, other=0.0)
-            b_u += tl.load(p_part + s * MN + I + o_g, mask=m, other=0.0)
-        dt = p_y.dtype.element_ty
-        b_g, b_u = b_g.to(dt).to(tl.float32), b_u.to(dt).to(tl.float32)
-        tl.store(p_h + o, (b_g / (1.0 + tl.exp(-b_g)) * b_u).to(dt), mask=m)
+        _split_swiglu(p_part, p_h, (pid - n_sum - M) * SBS + tl.arange(0, SBS), M, N, I, OFF, SPLIT)  # over M * I
 
 
 class Route:
@@ -2461,7 +2454,7 @@ def _sum_route_launch(part, y, M, N, SPLIT, route, pdl):
     h = _empty((M, I), y.dtype, y.device) if off is not None else y
     SBS = min(SWIGLU_BS, _p2(max(1, M * I)))
     n_sw = _cdiv(M * I, SBS)
-    _gemv_sum_route_kernel[(n_sum + M + n_sw,)](part, y, w, idx, h, M * N, N, E, n_sum, I, off or 0, SPLIT=SPLIT,
+    _gemv_sum_route_kernel[(n_sum + M + n_sw,)](part, y, w, idx, h, M, N, E, n_sum, I, off or 0, SPLIT=SPLIT,
                                                 BS=BS, TOPK=k, BE=_p2(E), BK=_p2(k), SW=off is not None, SBS=SBS,
                                                 PDL=pdl, num_warps=4, **_launch(pdl))
     return (y, w, idx) if off is None else (y, w, idx, h)

@@ -44,6 +44,7 @@ stays in L2), timed per launch:
           _linear_small with programmatic dependent launch (kernels.drafting())
 Not part of the engine: a measuring tool for choosing kernel configurations.
 """
+import contextlib
 import os
 import sys
 
@@ -59,6 +60,19 @@ import kernels as K  # noqa: E402
 
 dev = "cuda"
 bf = torch.bfloat16
+
+
+@contextlib.contextmanager
+def entry_kept(table, key):
+    """Inside: a part may set (or pop) a kernels.py tile table's entry for key; after: the entry as kernels.py has
+    it, so that the parts run after this one measure kernels.py's tiles."""
+    had, kept = key in table, table.get(key)
+    try:
+        yield
+    finally:
+        table.pop(key, None)
+        if had:
+            table[key] = kept
 
 
 def graph_time(fn, reps=20):
@@ -132,6 +146,36 @@ ROWS_CANDIDATES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (128, 128,
                    (64, 64, 5, 4), (128, 64, 4, 4), (16, 256, 4, 4)]  # (BN, BK, stages, warps); splits below
 
 
+def rows_candidates(res, M, N, Kd, ws, n):
+    """rows()' times at M rows into res: cuBLAS, the old per-M GEMV rule, the row-invariant rule's tiles and each
+    candidate of ROWS_CANDIDATES (with K splits), keyed (name or tiles, M); ROWS_CONFIG's entry for the shape is
+    the caller's to put back (entry_kept)."""
+    x = torch.randn(M, Kd, device=dev, dtype=bf)
+    res[("cuBLAS", M)] = graph_time(lambda: [F.linear(x, w) for w in ws]) / n
+    old = K.BATCH_INVARIANT
+    K.BATCH_INVARIANT = False
+    c = K._gemv_config(M, N, Kd, True, bf)
+    K.BATCH_INVARIANT = old
+    if c is not None and M <= 32:
+        res[("old gemv", M)] = graph_time(lambda: [K._gemv_launch(x, w, c) for w in ws]) / n
+    K.ROWS_CONFIG.pop((N, Kd), None)
+    res[("rule " + str(K._rows_config(N, Kd, x.device)), M)] = \
+        graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+    for (BN, BK, st, nw) in ROWS_CANDIDATES:
+        if BK > 2 * K._p2(Kd):
+            continue
+        for sp in (1, 2, 4, 8):
+            if sp > 1 and (K._cdiv(N, BN) * sp > 8 * K._sm_count(x.device) or Kd // (2 * BK) < sp):
+                continue
+            K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, nw)
+            try:
+                res[((BN, BK, sp, st, nw), M)] = \
+                    graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+            except Exception as e:  # noqa
+                print(f"  {(BN, BK, sp, st, nw)}: {type(e).__name__}")
+            K.ROWS_CONFIG.pop((N, Kd))
+
+
 def rows(Ms=(1, 16, 128), copies=8, models=None):
     """The row-invariant linear (kernels' BATCH_INVARIANT path): per shape, cuBLAS and the old per-M GEMV rule
     against the rule's tiles and candidates (each with K splits 1, 2, 4, 8 where the N blocks are too few), at M
@@ -144,31 +188,9 @@ def rows(Ms=(1, 16, 128), copies=8, models=None):
             n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))            # > L2 in all (but tiny ones)
             ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
             res = {}
-            for M in Ms:
-                x = torch.randn(M, Kd, device=dev, dtype=bf)
-                res[("cuBLAS", M)] = graph_time(lambda: [F.linear(x, w) for w in ws]) / n
-                old = K.BATCH_INVARIANT
-                K.BATCH_INVARIANT = False
-                c = K._gemv_config(M, N, Kd, True, bf)
-                K.BATCH_INVARIANT = old
-                if c is not None and M <= 32:
-                    res[("old gemv", M)] = graph_time(lambda: [K._gemv_launch(x, w, c) for w in ws]) / n
-                K.ROWS_CONFIG.pop((N, Kd), None)
-                res[("rule " + str(K._rows_config(N, Kd, x.device)), M)] = \
-                    graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
-                for (BN, BK, st, nw) in ROWS_CANDIDATES:
-                    if BK > 2 * K._p2(Kd):
-                        continue
-                    for sp in (1, 2, 4, 8):
-                        if sp > 1 and (K._cdiv(N, BN) * sp > 8 * K._sm_count(x.device) or Kd // (2 * BK) < sp):
-                            continue
-                        K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, nw)
-                        try:
-                            res[((BN, BK, sp, st, nw), M)] = \
-                                graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
-                        except Exception as e:  # noqa
-                            print(f"  {(BN, BK, sp, st, nw)}: {type(e).__name__}")
-                        K.ROWS_CONFIG.pop((N, Kd))
+            with entry_kept(K.ROWS_CONFIG, (N, Kd)):
+                for M in Ms:
+                    rows_candidates(res, M, N, Kd, ws, n)
             cands = {c for c, M in res if isinstance(c, tuple)}
             pick = min(cands, key=lambda c: (round(res[(c, 1)], 1), res[(c, Ms[1])]))
             best[(N, Kd)] = pick
@@ -217,40 +239,45 @@ def rows_tall(M=17, model="27b", copies=8, also=()):
     table = K.ROWS_TALL[BM]
     best = {}
     for (N, Kd) in ROWS_SHAPES[model]:
-        kept = table.pop((N, Kd), None)                       # put back below: later parts see kernels.py's tiles
-        BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
-        n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
-        ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
-        x = torch.randn(max((M, *also)), Kd, device=dev, dtype=bf)
-        alone = [K._gemv_launch(x[r:r + 1], ws[0], "rows") for r in (0, M - 1)]
-
-        def set_tiles(*v):
-            table[(N, Kd)] = v
-
-        def same():
-            y = K._gemv_launch(x[:M], ws[0], "rows")
-            return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[1])
-
-        timed = lambda m=M: graph_time(lambda: [K._gemv_launch(x[:m], w, "rows") for w in ws]) / n  # noqa: E731
-        res = tile_variants((16, 32, 64, 128), set_tiles, timed, same)
-        print(f"== {model} {N}x{Kd} at M={M} ({BM}-row tiles), ROWS_CONFIG (BK {BK}, split {split}) "
-              + variants_line(res, (BN, st, nw)), flush=True)
-        pick = res[0][1] if res and res[0][1] != (BN, st, nw) and res[0][2] else None
-        for m in also:
-            row = []
-            for v in [(BN, st, nw)] + ([pick] if pick else []):
-                set_tiles(*v)
-                row.append((v, timed(m)))
-            print(f"   at M={m}: " + "; ".join(f"{v} {t:.1f} us" for v, t in row), flush=True)
-            if pick and row[1][1] > row[0][1]:
-                pick = None
-        table.pop((N, Kd), None)
-        if kept:
-            table[(N, Kd)] = kept
+        with entry_kept(table, (N, Kd)):
+            pick = rows_tall_shape(N, Kd, M, BM, table, model, copies, also)
         if pick:
             best[(N, Kd)] = pick
-        del ws
     print(f"ROWS_CONFIG_{BM} = {{" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
+
+
+def rows_tall_shape(N, Kd, M, BM, table, model, copies, also):
+    """rows_tall for one shape (its table entry the caller's to put back, entry_kept): the variant to print, or
+    None."""
+    table.pop((N, Kd), None)                                  # the base: ROWS_CONFIG's tiles
+    BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
+    n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
+    ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+    x = torch.randn(max((M, *also)), Kd, device=dev, dtype=bf)
+    alone = [K._gemv_launch(x[r:r + 1], ws[0], "rows") for r in (0, M - 1)]
+
+    def set_tiles(*v):
+        table[(N, Kd)] = v
+
+    def same():
+        y = K._gemv_launch(x[:M], ws[0], "rows")
+        return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[1])
+
+    timed = lambda m=M: graph_time(lambda: [K._gemv_launch(x[:m], w, "rows") for w in ws]) / n  # noqa: E731
+    res = tile_variants((16, 32, 64, 128), set_tiles, timed, same)
+    print(f"== {model} {N}x{Kd} at M={M} ({BM}-row tiles), ROWS_CONFIG (BK {BK}, split {split}) "
+          + variants_line(res, (BN, st, nw)), flush=True)
+    pick = res[0][1] if res and res[0][1] != (BN, st, nw) and res[0][2] else None
+    for m in also:
+        row = []
+        for v in [(BN, st, nw)] + ([pick] if pick else []):
+            set_tiles(*v)
+            row.append((v, timed(m)))
+        print(f"   at M={m}: " + "; ".join(f"{v} {t:.1f} us" for v, t in row), flush=True)
+        if pick and row[1][1] > row[0][1]:
+            pick = None
+    del ws
+    return pick
 
 
 rows_bm_of = K._rows_bm
@@ -353,8 +380,9 @@ def fp8_rows(Ms=(8, 16), model="27b"):
                 y = run(M)
                 return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[M - 1])
 
-            res = tile_variants((32, 64, 128), set_tiles, lambda: graph_time(lambda: [run(M, q) for q in qs]) / n, same)
-            K.FP8_ROWS_CONFIG[(N, Kd)] = base
+            with entry_kept(K.FP8_ROWS_CONFIG, (N, Kd)):
+                res = tile_variants((32, 64, 128), set_tiles, lambda: graph_time(lambda: [run(M, q) for q in qs]) / n,
+                                    same)
             print(f"== {model} fp8 {N}x{Kd} M={M}, FP8_ROWS_CONFIG (split {split}) " + variants_line(res, (BN, st, nw)),
                   flush=True)
         del qs
@@ -372,38 +400,39 @@ def fp8(Ms=(1, 8, 16, 64)):
             n = min(64, (512 << 20) // (N * Kd) + 1)
             qs = [K.fp8_quantize(torch.randn(N, Kd, device=dev) * 0.02) for _ in range(n)]
             xs = torch.randn(max(Ms), Kd, device=dev, dtype=bf)
-            res = []
-            for c in cands:
-                if K._cdiv(N, c[0]) * c[1] < 64 and N * Kd > 1 << 24 or K._cdiv(Kd, 128) < 2 * c[1]:
-                    continue
+            with entry_kept(K.FP8_ROWS_CONFIG, (N, Kd)):  # each shape measured at kernels.py's tiles of the others
+                res = []
+                for c in cands:
+                    if K._cdiv(N, c[0]) * c[1] < 64 and N * Kd > 1 << 24 or K._cdiv(Kd, 128) < 2 * c[1]:
+                        continue
+                    K.FP8_ROWS_CONFIG[(N, Kd)] = c
+                    try:
+                        t = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
+                        res.append((t, c))
+                    except Exception as e:  # noqa  (shared memory)
+                        pass
+                res.sort()
+                t, c = res[0]
                 K.FP8_ROWS_CONFIG[(N, Kd)] = c
+                best_all[(N, Kd)] = c
+                byts = N * Kd
+                dst = [torch.empty_like(q) for q, _ in qs]
+                tc = graph_time(lambda: [d.copy_(q) for d, (q, _) in zip(dst, qs)]) / n
+                ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(min(n, 32))]
+                tb = graph_time(lambda: [K._gemv_launch(xs[:1], w, "rows") for w in ws]) / len(ws)
+                tM = [graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, s) for q, s in qs]) / n for M in Ms]
+                y = K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1])
+                K.FP8_TMA = False  # plain loads at the same tiles: time and bits
                 try:
-                    t = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
-                    res.append((t, c))
-                except Exception as e:  # noqa  (shared memory)
-                    pass
-            res.sort()
-            t, c = res[0]
-            K.FP8_ROWS_CONFIG[(N, Kd)] = c
-            best_all[(N, Kd)] = c
-            byts = N * Kd
-            dst = [torch.empty_like(q) for q, _ in qs]
-            tc = graph_time(lambda: [d.copy_(q) for d, (q, _) in zip(dst, qs)]) / n
-            ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(min(n, 32))]
-            tb = graph_time(lambda: [K._gemv_launch(xs[:1], w, "rows") for w in ws]) / len(ws)
-            tM = [graph_time(lambda: [K._gemv_launch(xs[:M], q, "fp8", None, s) for q, s in qs]) / n for M in Ms]
-            y = K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1])
-            K.FP8_TMA = False  # plain loads at the same tiles: time and bits
-            try:
-                tp = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
-                same = torch.equal(y, K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1]))
-            finally:
-                K.FP8_TMA = True
-            print(f"== {model} {N}x{Kd}: best {c} {t:.1f} us ({byts / t / 1e3:.0f} GB/s); next "
-                  + ", ".join(f"{c2} {t2:.1f}" for t2, c2 in res[1:4])
-                  + f"; at M = {list(Ms)}: " + " ".join(f"{x:.1f}" for x in tM)
-                  + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us"
-                  + f"; plain loads (FP8_TMA off) {tp:.1f} us, same bits {same}", flush=True)
+                    tp = graph_time(lambda: [K._gemv_launch(xs[:1], q, "fp8", None, s) for q, s in qs]) / n
+                    same = torch.equal(y, K._gemv_launch(xs[:16], qs[0][0], "fp8", None, qs[0][1]))
+                finally:
+                    K.FP8_TMA = True
+                print(f"== {model} {N}x{Kd}: best {c} {t:.1f} us ({byts / t / 1e3:.0f} GB/s); next "
+                      + ", ".join(f"{c2} {t2:.1f}" for t2, c2 in res[1:4])
+                      + f"; at M = {list(Ms)}: " + " ".join(f"{x:.1f}" for x in tM)
+                      + f"; copy {tc:.1f} us ({2 * byts / tc / 1e3:.0f} GB/s r+w); bf16 rows kernel {tb:.1f} us"
+                      + f"; plain loads (FP8_TMA off) {tp:.1f} us, same bits {same}", flush=True)
             del qs, ws, dst
     print("FP8_ROWS_CONFIG = {" + ", ".join(f"{k}: {v}" for k, v in best_all.items()) + "}")
 
@@ -560,20 +589,17 @@ def rows_wide(model="35b"):
         t = lambda M: graph_time(lambda: [K._gemv_launch(xs[:M], w, "rows") for w in ws]) / n
         base = (t(1), t(16), t(40))
         res = []
-        for BN, BK, st, wp, sp in itertools.product((16, 32), (256, 512), (3, 4), (4, 8), (1, 2, 4, 8)):
-            if BK > Kd or Kd // BK < sp:
-                continue
-            K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, wp)  # (kernels._rows_tiles fits the stages to shared memory)
-            res.append((t(1), t(16), (BN, BK, sp, st, wp)))
-        res.sort()
-        tall = []
-        for _, _, c in res[:4]:  # the best four at 40 rows
-            K.ROWS_CONFIG[(N, Kd)] = c
-            tall.append(t(40))
-        if cur is None:
-            K.ROWS_CONFIG.pop((N, Kd), None)
-        else:
-            K.ROWS_CONFIG[(N, Kd)] = cur
+        with entry_kept(K.ROWS_CONFIG, (N, Kd)):
+            for BN, BK, st, wp, sp in itertools.product((16, 32), (256, 512), (3, 4), (4, 8), (1, 2, 4, 8)):
+                if BK > Kd or Kd // BK < sp:
+                    continue
+                K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, wp)  # (kernels._rows_tiles fits stages to shared memory)
+                res.append((t(1), t(16), (BN, BK, sp, st, wp)))
+            res.sort()
+            tall = []
+            for _, _, c in res[:4]:  # the best four at 40 rows
+                K.ROWS_CONFIG[(N, Kd)] = c
+                tall.append(t(40))
         print(f"== {model} {N}x{Kd} (x{reps} a token): ROWS_CONFIG {cur} M=1 / 16 / 40 {base[0]:.1f} / {base[1]:.1f} / "
               f"{base[2]:.1f} us; best at M=1: " + "; ".join(f"{c} {a:.1f} / {b:.1f} / {m:.1f}"
                                                             for (a, b, c), m in zip(res, tall)), flush=True)

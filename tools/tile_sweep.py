@@ -146,36 +146,6 @@ ROWS_CANDIDATES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (128, 128,
                    (64, 64, 5, 4), (128, 64, 4, 4), (16, 256, 4, 4)]  # (BN, BK, stages, warps); splits below
 
 
-def rows_candidates(res, M, N, Kd, ws, n):
-    """rows()' times at M rows into res: cuBLAS, the old per-M GEMV rule, the row-invariant rule's tiles and each
-    candidate of ROWS_CANDIDATES (with K splits), keyed (name or tiles, M); ROWS_CONFIG's entry for the shape is
-    the caller's to put back (entry_kept)."""
-    x = torch.randn(M, Kd, device=dev, dtype=bf)
-    res[("cuBLAS", M)] = graph_time(lambda: [F.linear(x, w) for w in ws]) / n
-    old = K.BATCH_INVARIANT
-    K.BATCH_INVARIANT = False
-    c = K._gemv_config(M, N, Kd, True, bf)
-    K.BATCH_INVARIANT = old
-    if c is not None and M <= 32:
-        res[("old gemv", M)] = graph_time(lambda: [K._gemv_launch(x, w, c) for w in ws]) / n
-    K.ROWS_CONFIG.pop((N, Kd), None)
-    res[("rule " + str(K._rows_config(N, Kd, x.device)), M)] = \
-        graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
-    for (BN, BK, st, nw) in ROWS_CANDIDATES:
-        if BK > 2 * K._p2(Kd):
-            continue
-        for sp in (1, 2, 4, 8):
-            if sp > 1 and (K._cdiv(N, BN) * sp > 8 * K._sm_count(x.device) or Kd // (2 * BK) < sp):
-                continue
-            K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, nw)
-            try:
-                res[((BN, BK, sp, st, nw), M)] = \
-                    graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
-            except Exception as e:  # noqa
-                print(f"  {(BN, BK, sp, st, nw)}: {type(e).__name__}")
-            K.ROWS_CONFIG.pop((N, Kd))
-
-
 def rows(Ms=(1, 16, 128), copies=8, models=None):
     """The row-invariant linear (kernels' BATCH_INVARIANT path): per shape, cuBLAS and the old per-M GEMV rule
     against the rule's tiles and candidates (each with K splits 1, 2, 4, 8 where the N blocks are too few), at M
@@ -190,7 +160,30 @@ def rows(Ms=(1, 16, 128), copies=8, models=None):
             res = {}
             with entry_kept(K.ROWS_CONFIG, (N, Kd)):
                 for M in Ms:
-                    rows_candidates(res, M, N, Kd, ws, n)
+                    x = torch.randn(M, Kd, device=dev, dtype=bf)
+                    res[("cuBLAS", M)] = graph_time(lambda: [F.linear(x, w) for w in ws]) / n
+                    old = K.BATCH_INVARIANT
+                    K.BATCH_INVARIANT = False
+                    c = K._gemv_config(M, N, Kd, True, bf)
+                    K.BATCH_INVARIANT = old
+                    if c is not None and M <= 32:
+                        res[("old gemv", M)] = graph_time(lambda: [K._gemv_launch(x, w, c) for w in ws]) / n
+                    K.ROWS_CONFIG.pop((N, Kd), None)
+                    res[("rule " + str(K._rows_config(N, Kd, x.device)), M)] = \
+                        graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+                    for (BN, BK, st, nw) in ROWS_CANDIDATES:
+                        if BK > 2 * K._p2(Kd):
+                            continue
+                        for sp in (1, 2, 4, 8):
+                            if sp > 1 and (K._cdiv(N, BN) * sp > 8 * K._sm_count(x.device) or Kd // (2 * BK) < sp):
+                                continue
+                            K.ROWS_CONFIG[(N, Kd)] = (BN, BK, sp, st, nw)
+                            try:
+                                res[((BN, BK, sp, st, nw), M)] = \
+                                    graph_time(lambda: [K._gemv_launch(x, w, "rows") for w in ws]) / n
+                            except Exception as e:  # noqa
+                                print(f"  {(BN, BK, sp, st, nw)}: {type(e).__name__}")
+                            K.ROWS_CONFIG.pop((N, Kd))
             cands = {c for c, M in res if isinstance(c, tuple)}
             pick = min(cands, key=lambda c: (round(res[(c, 1)], 1), res[(c, Ms[1])]))
             best[(N, Kd)] = pick
@@ -239,45 +232,38 @@ def rows_tall(M=17, model="27b", copies=8, also=()):
     table = K.ROWS_TALL[BM]
     best = {}
     for (N, Kd) in ROWS_SHAPES[model]:
-        with entry_kept(table, (N, Kd)):
-            pick = rows_tall_shape(N, Kd, M, BM, table, model, copies, also)
+        with entry_kept(table, (N, Kd)):                      # later parts see kernels.py's tiles
+            table.pop((N, Kd), None)                          # the base: ROWS_CONFIG's tiles
+            BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
+            n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
+            ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
+            x = torch.randn(max((M, *also)), Kd, device=dev, dtype=bf)
+            alone = [K._gemv_launch(x[r:r + 1], ws[0], "rows") for r in (0, M - 1)]
+
+            def set_tiles(*v):
+                table[(N, Kd)] = v
+
+            def same():
+                y = K._gemv_launch(x[:M], ws[0], "rows")
+                return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[1])
+
+            timed = lambda m=M: graph_time(lambda: [K._gemv_launch(x[:m], w, "rows") for w in ws]) / n  # noqa: E731
+            res = tile_variants((16, 32, 64, 128), set_tiles, timed, same)
+            print(f"== {model} {N}x{Kd} at M={M} ({BM}-row tiles), ROWS_CONFIG (BK {BK}, split {split}) "
+                  + variants_line(res, (BN, st, nw)), flush=True)
+            pick = res[0][1] if res and res[0][1] != (BN, st, nw) and res[0][2] else None
+            for m in also:
+                row = []
+                for v in [(BN, st, nw)] + ([pick] if pick else []):
+                    set_tiles(*v)
+                    row.append((v, timed(m)))
+                print(f"   at M={m}: " + "; ".join(f"{v} {t:.1f} us" for v, t in row), flush=True)
+                if pick and row[1][1] > row[0][1]:
+                    pick = None
         if pick:
             best[(N, Kd)] = pick
+        del ws
     print(f"ROWS_CONFIG_{BM} = {{" + ", ".join(f"{k}: {v}" for k, v in best.items()) + "}")
-
-
-def rows_tall_shape(N, Kd, M, BM, table, model, copies, also):
-    """rows_tall for one shape (its table entry the caller's to put back, entry_kept): the variant to print, or
-    None."""
-    table.pop((N, Kd), None)                                  # the base: ROWS_CONFIG's tiles
-    BN, BK, split, st, nw = K._rows_config(N, Kd, torch.device(dev))
-    n = min(64, max(copies, (256 << 20) // (N * Kd * 2) + 1))
-    ws = [torch.randn(N, Kd, device=dev, dtype=bf) * 0.02 for _ in range(n)]
-    x = torch.randn(max((M, *also)), Kd, device=dev, dtype=bf)
-    alone = [K._gemv_launch(x[r:r + 1], ws[0], "rows") for r in (0, M - 1)]
-
-    def set_tiles(*v):
-        table[(N, Kd)] = v
-
-    def same():
-        y = K._gemv_launch(x[:M], ws[0], "rows")
-        return torch.equal(y[:1], alone[0]) and torch.equal(y[M - 1:M], alone[1])
-
-    timed = lambda m=M: graph_time(lambda: [K._gemv_launch(x[:m], w, "rows") for w in ws]) / n  # noqa: E731
-    res = tile_variants((16, 32, 64, 128), set_tiles, timed, same)
-    print(f"== {model} {N}x{Kd} at M={M} ({BM}-row tiles), ROWS_CONFIG (BK {BK}, split {split}) "
-          + variants_line(res, (BN, st, nw)), flush=True)
-    pick = res[0][1] if res and res[0][1] != (BN, st, nw) and res[0][2] else None
-    for m in also:
-        row = []
-        for v in [(BN, st, nw)] + ([pick] if pick else []):
-            set_tiles(*v)
-            row.append((v, timed(m)))
-        print(f"   at M={m}: " + "; ".join(f"{v} {t:.1f} us" for v, t in row), flush=True)
-        if pick and row[1][1] > row[0][1]:
-            pick = None
-    del ws
-    return pick
 
 
 rows_bm_of = K._rows_bm

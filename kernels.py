@@ -753,6 +753,11 @@ SWIGLU_BS = 256  # _gemv_sum_swiglu_kernel's outputs per program
 NORM_WARPS = 8   # _gemv_sum_norm_kernel's warps (one program per row)
 
 
+def _norm_then(then, N):
+    """then's (weight, eps) where it is an RMSNorm over N columns (a linear's `then`: apply_then), else None."""
+    return then if isinstance(then, tuple) and then[0].shape == (N,) else None
+
+
 def apply_then(y, then):
     """What a linear's output goes through next, unfused: then None (nothing), "swiglu" (silu_mul: y [..., 2I]
     = [gate | up] -> [..., I]), (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y)) or a MoE router's
@@ -817,7 +822,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
         _gemv_sum_swiglu_kernel[(_cdiv(M * I, BS),)](out, y, M, I, SPLIT=SPLIT, BS=BS, PDL=pdl, num_warps=4,
                                                      **_launch(pdl))
         return y
-    if then is not None and then != "swiglu" and not isinstance(then, Route) and then[0].shape == (N,):
+    if _norm_then(then, N) is not None:
         nw, eps = then
         h = y
         y = _empty(h.shape, x.dtype, x.device)
@@ -2395,6 +2400,13 @@ def _route_row(b_x, o_e, E, p_w, p_idx, i_n, TOPK: tl.constexpr, BE: tl.constexp
     tl.store(p_idx + i_n * TOPK + o_k, b_i, mask=o_k < TOPK)
 
 
+def _route_sizes(E, top_k):
+    """_route_row's compile-time sizes (TOPK, BE, BK) for top_k of E experts; its keys hold an expert's index in
+    their low 16 bits, hence at most 2^16 experts."""
+    assert E <= 1 << 16, "a route's keys hold an expert's index in 16 bits"
+    return dict(TOPK=top_k, BE=_p2(E), BK=_p2(top_k))
+
+
 @_jit
 def _moe_route_kernel(p_logits, p_w, p_idx, E, s_n, TOPK: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
     # program per token: its logits, routed (_route_row)
@@ -2444,7 +2456,7 @@ class Route:
 def _sum_route_launch(part, y, M, N, SPLIT, route, pdl):
     """The split-K partials part [SPLIT, M, N] -> (y [M, N], w, idx[, h]): _gemv_sum_route_kernel."""
     E, k, off = route.n_experts, route.top_k, route.swiglu
-    assert E <= N and E <= 1 << 16, "a route's keys hold an expert's index in 16 bits"
+    assert E <= N, "a route's experts are the first of the linear's columns"
     w = _empty((M, k), torch.float32, y.device)
     idx = _empty((M, k), torch.long, y.device)
     BS = min(1024, _p2(M * N))
@@ -2455,8 +2467,8 @@ def _sum_route_launch(part, y, M, N, SPLIT, route, pdl):
     SBS = min(SWIGLU_BS, _p2(max(1, M * I)))
     n_sw = _cdiv(M * I, SBS)
     _gemv_sum_route_kernel[(n_sum + M + n_sw,)](part, y, w, idx, h, M, N, E, n_sum, I, off or 0, SPLIT=SPLIT,
-                                                BS=BS, TOPK=k, BE=_p2(E), BK=_p2(k), SW=off is not None, SBS=SBS,
-                                                PDL=pdl, num_warps=4, **_launch(pdl))
+                                                BS=BS, SW=off is not None, SBS=SBS, PDL=pdl, num_warps=4,
+                                                **_route_sizes(E, k), **_launch(pdl))
     return (y, w, idx) if off is None else (y, w, idx, h)
 
 
@@ -2468,9 +2480,7 @@ def moe_route(router_logits, top_k):
         lg = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         w = _empty((N, top_k), torch.float32, lg.device)
         idx = _empty((N, top_k), torch.long, lg.device)
-        assert E <= 1 << 16, "moe_route's keys hold an expert's index in 16 bits"
-        _moe_route_kernel[(N,)](lg, w, idx, E, lg.stride(0), TOPK=top_k, BE=_p2(E), BK=_p2(top_k),
-                                num_warps=1)
+        _moe_route_kernel[(N,)](lg, w, idx, E, lg.stride(0), num_warps=1, **_route_sizes(E, top_k))
         return w, idx
     return moe_route_ref(router_logits, top_k)
 
@@ -2767,8 +2777,8 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
         if residual is not None:
             residual = (residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1]
                         else residual.contiguous())
-        norm = (then if MOE_SUM_NORM and then is not None and then != "swiglu" and then[0].shape == x.shape[-1:]
-                and then[0].is_contiguous() else None)
+        norm = _norm_then(then, x.shape[-1]) if MOE_SUM_NORM else None
+        norm = norm if norm is not None and norm[0].is_contiguous() else None
         y = _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual, gate_up_scale,
                                 down_scale, norm)
         return y if norm is not None else apply_then(y, then)

@@ -472,6 +472,8 @@ class MoE(nn.Module):
             self.experts.register_parameter(name, None)
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1, bias=False)
+        # the fused router linears' top-k (and the shared expert's SwiGLU after router | shared gate)
+        self.route, self.route_swiglu = K.Route(self.top_k, E), K.Route(self.top_k, E, swiglu=E + 1)
 
     def forward(self, x, residual=None, then=None):
         """The routed experts plus the gated shared expert [+ residual], as one output (a fused epilogue);
@@ -481,10 +483,10 @@ class MoE(nn.Module):
         E = self.experts.gate_up_proj.shape[0]
         if hasattr(self, "router_shared"):  # fused after loading: router | shared gate | shared gate_up
             # the router's top-k (w, idx [N, k]) and the shared expert's SwiGLU (h [N, I]) done with the linear
-            y, w, idx, h = K.linear(x, self.router_shared, then=K.Route(self.top_k, E, swiglu=E + 1))
+            y, w, idx, h = K.linear(x, self.router_shared, then=self.route_swiglu)
             sg, shared = y[:, E:E + 1], self.shared_expert.down_proj(h)
         elif hasattr(self, "router_gate"):  # FP8: router | shared gate (bf16) fused apart from the shared expert
-            y, w, idx = K.linear(x, self.router_gate, scale=self.router_gate_scale, then=K.Route(self.top_k, E))
+            y, w, idx = K.linear(x, self.router_gate, scale=self.router_gate_scale, then=self.route)
             sg, shared = y[:, E:], self.shared_expert(x)
         else:  # not fused
             w, idx = K.moe_route(self.gate(x), self.top_k)

@@ -730,10 +730,11 @@ def _gemv_sum_swiglu_kernel(p_part, p_y, M, I, SPLIT: tl.constexpr, BS: tl.const
 
 @_jit
 def _gemv_sum_norm_kernel(p_part, p_r, p_w, p_h, p_y, M, N, eps, SPLIT: tl.constexpr, BD: tl.constexpr,
-                          RES: tl.constexpr, PDL: tl.constexpr):
+                          RES: tl.constexpr, PLAIN: tl.constexpr, PDL: tl.constexpr):
     # program (row): h = [r +] the split-K sum of the row's partials [SPLIT, M, N], in order, rounded once (what
-    # _gemv_sum_kernel writes), and y = rms_norm(h) with a zero-centred weight, as _rms_norm_kernel computes it
-    # from h: the GEMM's last step, the skip connection and the next RMSNorm in one launch
+    # _gemv_sum_kernel writes), and y = rms_norm(h) with a zero-centred weight (PLAIN: Qwen3's plain one), as
+    # _rms_norm_kernel computes it from h: the GEMM's last step, the skip connection and the next RMSNorm in one
+    # launch
     _pdl_sync(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)[None, :]                                                   # [1, BD]: one row
@@ -746,11 +747,20 @@ def _gemv_sum_norm_kernel(p_part, p_r, p_w, p_h, p_y, M, N, eps, SPLIT: tl.const
     b_x = b_x.to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps)                                # [1]
     b_w = tl.load(p_w + o_d, mask=m, other=0.0).to(tl.float32)
-    tl.store(p_y + i_r * N + o_d, (b_x * b_rstd[:, None] * (1.0 + b_w)).to(p_y.dtype.element_ty), mask=m)
+    if PLAIN:  # Qwen3: w * norm(h).to(dtype)
+        b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w
+    else:      # zero-centred weight: scale by (1 + w)
+        b_y = b_x * b_rstd[:, None] * (1.0 + b_w)
+    tl.store(p_y + i_r * N + o_d, b_y.to(p_y.dtype.element_ty), mask=m)
 
 
 SWIGLU_BS = 256  # _gemv_sum_swiglu_kernel's outputs per program
 NORM_WARPS = 8   # _gemv_sum_norm_kernel's warps (one program per row)
+
+
+class PlainNorm(tuple):
+    """linear's `then` for Qwen3's plain RMSNorm (a drafter's layers): its (weight, eps), marked plain (a bare
+    (weight, eps) is the target's zero-centred one)."""
 
 
 def _norm_then(then, N):
@@ -760,9 +770,9 @@ def _norm_then(then, N):
 
 def apply_then(y, then):
     """What a linear's output goes through next, unfused: then None (nothing), "swiglu" (silu_mul: y [..., 2I]
-    = [gate | up] -> [..., I]), (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y)) or a MoE router's
-    Route (-> (y, moe_route's w and idx of its first n_experts columns[, silu_mul of its columns from swiglu]),
-    y [N, out])."""
+    = [gate | up] -> [..., I]), (weight, eps) of a zero-centred RMSNorm (-> (rms_norm(y), y)) or of a plain one
+    (PlainNorm: -> (plain_rms_norm(y), y)), or a MoE router's Route (-> (y, moe_route's w and idx of its first
+    n_experts columns[, silu_mul of its columns from swiglu]), y [N, out])."""
     if then is None:
         return y
     if then == "swiglu":
@@ -770,7 +780,7 @@ def apply_then(y, then):
     if isinstance(then, Route):
         rest = () if then.swiglu is None else (silu_mul(y[:, then.swiglu:]),)
         return (y, *moe_route(y[:, :then.n_experts], then.top_k), *rest)
-    return rms_norm(y, *then), y
+    return (plain_rms_norm if isinstance(then, PlainNorm) else rms_norm)(y, *then), y
 
 
 def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
@@ -822,14 +832,14 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
         _gemv_sum_swiglu_kernel[(_cdiv(M * I, BS),)](out, y, M, I, SPLIT=SPLIT, BS=BS, PDL=pdl, num_warps=4,
                                                      **_launch(pdl))
         return y
-    if _norm_then(then, N) is not None:
+    if _norm_then(then, N) is not None and (not isinstance(then, PlainNorm) or then[0].dtype == x.dtype):
         nw, eps = then
         h = y
         y = _empty(h.shape, x.dtype, x.device)
         BD = _p2(N)
         _gemv_sum_norm_kernel[(M,)](out, r, nw.contiguous(), h, y, M, N, eps, SPLIT=SPLIT, BD=BD,
-                                    RES=residual is not None, PDL=pdl, num_warps=min(NORM_WARPS, max(1, BD // 256)),
-                                    **_launch(pdl))
+                                    RES=residual is not None, PLAIN=isinstance(then, PlainNorm), PDL=pdl,
+                                    num_warps=min(NORM_WARPS, max(1, BD // 256)), **_launch(pdl))
         return y, h
     BS = min(1024, _p2(M * N))
     _gemv_sum_kernel[(_cdiv(M * N, BS),)](out, y, r, M * N, SPLIT=SPLIT, BS=BS, RES=residual is not None,
@@ -1280,6 +1290,17 @@ def _linear_draft_cpu(rows, w):
 # SMALL_K inputs and 2^24 elements (draft_model's LM; not its lm_head)
 SMALL_ROWS = 2
 SMALL_K = 4096
+
+
+DRAFT_SUM_NORM = True  # a plain Qwen3 draft's RMSNorms, where not in _linear_small's loads, done by the split-K
+                       # sum of the linear before them (False: linear's norm, a launch of its own before the GEMV)
+
+
+def norm_in_loads(x):
+    """Do a drafter's linears over x's rows take the RMSNorm before them in their loads (linear's norm: inside
+    drafting(), at most SMALL_ROWS rows on the GPU: _linear_small), rather than from the linear before them (its
+    `then`: the split-K sum's launch does it, one launch fewer a norm)? (Qwen3LM.forward)"""
+    return not DRAFT_SUM_NORM or (DRAFTING and _fast(x) and x.numel() // x.shape[-1] <= SMALL_ROWS)
 
 
 def _small_linear(M, w, x, residual):
@@ -2777,7 +2798,7 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
         if residual is not None:
             residual = (residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1]
                         else residual.contiguous())
-        norm = _norm_then(then, x.shape[-1]) if MOE_SUM_NORM else None
+        norm = _norm_then(then, x.shape[-1]) if MOE_SUM_NORM and not isinstance(then, PlainNorm) else None
         norm = norm if norm is not None and norm[0].is_contiguous() else None
         y = _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual, gate_up_scale,
                                 down_scale, norm)

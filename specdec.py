@@ -307,8 +307,8 @@ class RMSNorm(nn.Module):
 
     @property
     def args(self):
-        """(weight, eps): what kernels.linear's norm / then take."""
-        return self.weight, self.eps
+        """(weight, eps): what kernels.linear's norm / then take (as then, a plain one is marked K.PlainNorm)."""
+        return K.PlainNorm((self.weight, self.eps)) if self.plain else (self.weight, self.eps)
 
 
 def project(x, mod, attr, *linears):
@@ -1317,9 +1317,10 @@ class Qwen3Attention(nn.Module):
                                 self.k_norm.eps, self.inv_freq, k_cache, v_cache, ctx.slots, ctx.pos,
                                 plain=True)
 
-    def forward(self, x, ctx, residual=None, norm=None):
+    def forward(self, x, ctx, residual=None, norm=None, then=None):
         """o_proj(attention(x)) [+ residual: the layer's skip connection, added by the o_proj GEMM]; norm:
-        (weight, eps) of the RMSNorm to apply to x first (inside the q/k/v GEMM: kernels.linear)."""
+        (weight, eps) of the RMSNorm to apply to x first (inside the q/k/v GEMM: kernels.linear); then: the
+        next RMSNorm, done with o_proj's last step (returns (its output, the sum))."""
         B, T, _ = x.shape
         k_cache, v_cache = ctx.state.kv[self.layer_id]
         if hasattr(self, "qkv"):  # fused after loading (no bias): one GEMM, views of its output
@@ -1332,8 +1333,8 @@ class Qwen3Attention(nn.Module):
         o = block_attention(q, k_cache, v_cache, ctx.slots, ctx.pos, ctx.kv_len, self.causal, self.window)
         o = o.reshape(B, T, -1)
         if isinstance(self.o_proj, Linear):
-            return self.o_proj(o, residual)                                          # [B, T, H]
-        return self.o_proj(o) if residual is None else residual + self.o_proj(o)
+            return self.o_proj(o, residual, then)                                    # [B, T, H]
+        return K.apply_then(self.o_proj(o) if residual is None else residual + self.o_proj(o), then)
 
 
 class Qwen3Layer(nn.Module):
@@ -1344,12 +1345,17 @@ class Qwen3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plain=True)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, ctx):
-        """x + attn(norm1(x)), then + mlp(norm2(.)): each norm is done by the GEMM after it (kernels.linear's
-        norm: inside drafting() one kernel for both)."""
+    def forward(self, x, ctx, h=None, next_norm=None):
+        """x' = x + attn(norm1(x)), then x' + mlp(norm2(x')). Each norm is done by the GEMM after it (kernels.linear's
+        norm: at one or two rows inside drafting() one kernel for both, _linear_small) or, given h = norm1(x) and
+        the norm after the layer, by the GEMM before it (the split-K sum's launch: linear's then; Qwen3LM.forward
+        picks) -> (next_norm(x''), x'')."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        x = self.self_attn(x, ctx, residual=x, norm=(n1.weight, n1.eps))             # x + attn(norm1(x))
-        return self.mlp(x, residual=x, norm=(n2.weight, n2.eps))                      # x + mlp(norm2(x))
+        if h is None:
+            x = self.self_attn(x, ctx, residual=x, norm=n1.args)                     # x + attn(norm1(x))
+            return self.mlp(x, residual=x, norm=n2.args)                              # x + mlp(norm2(x))
+        h, x = self.self_attn(h, ctx, residual=x, then=n2.args)                       # x + attn(h), its norm2
+        return self.mlp(h, residual=x, then=next_norm.args)                           # x + mlp(h), next norm
 
 
 def qwen3_layer_tensors(H, nh, nkv, hd, I):
@@ -1375,9 +1381,15 @@ class Qwen3LM(nn.Module):
 
     def forward(self, ids, ctx):
         x = self.embed_tokens(ids)                                                   # [B, T, H]
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+        L = self.layers
+        if K.norm_in_loads(x):  # each norm inside the linear after it
+            for layer in L:
+                x = layer(x, ctx)
+            return self.norm(x)
+        h = L[0].input_layernorm(x)  # the others' come with the layer before (the split-K sum's then)
+        for i, layer in enumerate(L):
+            h, x = layer(x, ctx, h, L[i + 1].input_layernorm if i + 1 < len(L) else self.norm)
+        return h
 
     logits = Qwen36.logits
 

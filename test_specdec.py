@@ -6405,6 +6405,29 @@ def test_plain_qwen3_draft_matches_transformers(ckpts, tmp_path):
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_plain_qwen3_draft_norms_either_side(tmp_path, monkeypatch, tie):
+    """A plain Qwen3 draft's RMSNorms done by the linear after them (linear's norm: _linear_small's loads on
+    the GPU) or by the one before them (its then, K.PlainNorm: the split-K sum's launch) -- Qwen3LM.forward picks
+    by K.norm_in_loads: the same hidden states and logits, bit for bit, with the skip connections and the final
+    norm where they belong (checked against transformers above)."""
+    path = write_qwen3_lm(str(tmp_path / "q3"), 256, seed=3, tie=tie)
+    io = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=256)),
+                               num_slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    m, st = sd.load_draft_lm(path, io, 64)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    outs, thens = [], []
+    plain_norm = K.plain_rms_norm
+    monkeypatch.setattr(K, "plain_rms_norm", lambda *a: thens.append(1) or plain_norm(*a))
+    for loads in (True, False):
+        monkeypatch.setattr(K, "norm_in_loads", lambda x, loads=loads: loads)
+        with torch.inference_mode():
+            h = m(ids, sd.Ctx(st, torch.tensor([0]), torch.tensor([0]), 9, "prefill"))
+            outs.append((h, m.logits(h)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert len(thens) == 2 * (2 * len(m.layers) + 1)  # each mode: two norms a layer and the final one
+
+
 # ==============================================================================================
 # Refusals
 # ==============================================================================================
@@ -6763,14 +6786,14 @@ def test_kernel_linear_small_pre(pre, dt, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("then", ["swiglu", "norm", "norm+residual"])
+@pytest.mark.parametrize("then", ["swiglu", "norm", "norm+residual", "plain+residual"])
 def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
     """linear's then fused into the split-K sum of the Triton GEMV (_gemv_sum_swiglu_kernel,
     _gemv_sum_norm_kernel: the GEMM's last step, the skip connection and the SwiGLU or the next RMSNorm in one
-    launch): the bits of the unfused kernels (the linear, then silu_mul or rms_norm), bf16 and fp32, the bf16 and
-    the FP8 GEMV; a row's bits do not depend on the other rows (alone, and rows 0 and M-1 of M = 5 and 17: both
-    row tiles); the same through linear(), which also applies then where nothing is split (N > K: no split
-    here)."""
+    launch; plain: Qwen3's RMSNorm, K.PlainNorm): the bits of the unfused kernels (the linear, then silu_mul,
+    rms_norm or plain_rms_norm), bf16 and fp32, the bf16 and the FP8 GEMV; a row's bits do not depend on the
+    other rows (alone, and rows 0 and M-1 of M = 5 and 17: both row tiles); the same through linear(), which
+    also applies then where nothing is split (N > K: no split here)."""
     g = gen(7)
     N, Kin, eps = 24, 1024, 1e-6                                  # tall: K split 2-4 ways (CPU and GPU rules)
     for dt in DTYPES:
@@ -6779,14 +6802,19 @@ def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
         if fp8:
             w, scale = K.fp8_quantize(w.float())
         nw = randn(N, g=g, dtype=dt, scale=0.1)
-        arg = "swiglu" if then == "swiglu" else (nw, eps)
+        plain = then.startswith("plain")
+        if plain:
+            nw = nw + 1                                               # a plain weight: about 1
+        arg = "swiglu" if then == "swiglu" else K.PlainNorm((nw, eps)) if plain else (nw, eps)
         run = lambda x, r, t: fast(K._gemv_launch, x, w, cfg, r, scale, t)
         x0 = randn(1, Kin, g=g, dtype=dt)
-        r0 = randn(1, N, g=g, dtype=dt) if then == "norm+residual" else None
+        r0 = randn(1, N, g=g, dtype=dt) if then.endswith("+residual") else None
 
         def two(x, r):
             y = run(x, r, None)
-            return fast(K.silu_mul, y) if then == "swiglu" else (fast(K.rms_norm, y, nw, eps), y)
+            if then == "swiglu":
+                return fast(K.silu_mul, y)
+            return fast(K.plain_rms_norm if plain else K.rms_norm, y, nw, eps), y
         alone = run(x0, r0, arg)
         want = two(x0, r0)
         if then == "swiglu":
@@ -6806,19 +6834,21 @@ def test_kernel_gemv_then(then, fp8, gemv_calls, rowwise_dot):
         assert (K._fp8_config if fp8 else K._rows_config)(N, Kin, x0.device)[1 if fp8 else 2] > 1  # K is split
         if dt == torch.float32:  # within rounding of the reference
             y = (K.linear_w8a8_ref(x0, w, scale) if fp8 else x0 @ w.t()) + (r0 if r0 is not None else 0)
-            ref = K.silu_mul_ref(y) if then == "swiglu" else K.rms_norm_ref(y, nw, eps)
+            ref = (K.silu_mul_ref(y) if then == "swiglu" else K.plain_rms_norm_ref(y, nw, eps) if plain
+                   else K.rms_norm_ref(y, nw, eps))
             assert rel(alone if then == "swiglu" else alone[0], ref) <= TOL[dt]
     K.GEMV_ALWAYS, old = True, K.GEMV_ALWAYS
     try:  # through linear(): then fused (this tall weight) or after it (a wide one: no split), the same bits
         wide = randn(2 * Kin, 48, g=g)
         for wt, sc, xt, nt in [(w, scale, randn(3, Kin, g=g, dtype=dt), nw), (wide, None, randn(3, 48, g=g),
                                                                            randn(2 * Kin, g=g, scale=0.1))]:
-            t = "swiglu" if then == "swiglu" else (nt, eps)
-            rt = randn(3, wt.shape[0], g=g, dtype=xt.dtype) if then == "norm+residual" else None
+            t = "swiglu" if then == "swiglu" else K.PlainNorm((nt, eps)) if plain else (nt, eps)
+            rt = randn(3, wt.shape[0], g=g, dtype=xt.dtype) if then.endswith("+residual") else None
             n0 = len(gemv_calls)
             out = fast(K.linear, xt, wt, rt, scale=sc, then=t)
             y = fast(K.linear, xt, wt, rt, scale=sc)
-            want = fast(K.silu_mul, y) if then == "swiglu" else (fast(K.rms_norm, y, nt, eps), y)
+            want = (fast(K.silu_mul, y) if then == "swiglu"
+                    else (fast(K.plain_rms_norm if plain else K.rms_norm, y, nt, eps), y))
             assert len(gemv_calls) == n0 + 2
             assert all(torch.equal(a, b) for a, b in zip(*([out, want] if then != "swiglu" else [[out], [want]])))
     finally:

@@ -43,6 +43,7 @@ needs_gguf = pytest.mark.skipif(gguf is None, reason="needs the gguf package")
 import bench
 import kernels as K
 import specdec as sd
+from specdec import LLM, SamplingParams, ConfigError
 
 
 def _interpreter_patches_once_per_launch():
@@ -77,7 +78,6 @@ def _interpreter_patches_once_per_launch():
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_patches_once_per_launch()
-from specdec import LLM, SamplingParams, ConfigError
 
 HERE = ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -268,6 +268,16 @@ def gated_rms_norm_ref(x, z, weight, eps):
 
 
 @_jit
+def _norm_scale(b_x, b_rstd, b_w, dt: tl.constexpr, PLAIN: tl.constexpr):
+    # an RMSNorm's last step, in fp32 (the caller rounds): x * rstd scaled by the weight, zero-centred (1 + w) or,
+    # PLAIN, Qwen3's w * (x * rstd).to(dt) -- the one arithmetic of every kernel that normalises, so that a norm done
+    # inside another launch has the bits of _rms_norm_kernel's
+    if PLAIN:
+        return (b_x * b_rstd).to(dt).to(tl.float32) * b_w
+    return b_x * b_rstd * (1.0 + b_w)
+
+
+@_jit
 def _rms_norm_kernel(p_x, p_w, p_y, p_z, N, D, eps, s_x, s_z, NZ, s_z1,
                      BR: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
                      ROUND_MID: tl.constexpr, PLAIN: tl.constexpr, PDL: tl.constexpr):
@@ -280,17 +290,14 @@ def _rms_norm_kernel(p_x, p_w, p_y, p_z, N, D, eps, s_x, s_z, NZ, s_z1,
     b_x = tl.load(p_x + o_r[:, None] * s_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)                               # [BR]
     b_w = tl.load(p_w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
-    if GATED:  # w * norm(x).to(dtype) * silu(z), with the reference's roundings
-        b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
+    # Qwen3's w * norm(x).to(dtype) (PLAIN: also GATED's first step), else the zero-centred (1 + w)
+    b_y = _norm_scale(b_x, b_rstd[:, None], b_w[None, :], p_y.dtype.element_ty, PLAIN)
+    if GATED:  # then * silu(z), with the reference's roundings
         if ROUND_MID:
             b_y = b_y.to(p_y.dtype.element_ty).to(tl.float32)
         o_z = (o_r // NZ) * s_z + (o_r % NZ) * s_z1                             # z's row r (see _norm_launch)
         b_z = tl.load(p_z + o_z[:, None] + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         b_y = b_y * (b_z * tl.sigmoid(b_z))
-    elif PLAIN:  # Qwen3: w * norm(x).to(dtype)
-        b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w[None, :]
-    else:  # zero-centred weight: scale by (1 + w)
-        b_y = b_x * b_rstd[:, None] * (1.0 + b_w[None, :])
     tl.store(p_y + o_r[:, None] * D + o_d[None, :], b_y.to(p_y.dtype.element_ty), mask=m)
 
 
@@ -313,7 +320,7 @@ def _norm_launch(x, weight, eps, z=None, plain=False):
         xr, weight, y, zr if zr is not None else xr, N, D, eps, xr.stride(0),
         zr.stride(0) if zr is not None else 0, zr.shape[1] if zr is not None else 1,
         zr.stride(1) if zr is not None else 0, BR=BR, BD=BD, GATED=z is not None, ROUND_MID=mid_round,
-        PLAIN=plain, PDL=pdl, num_warps=min(8, max(1, BR * BD // 256)), **_launch(pdl))
+        PLAIN=plain or z is not None, PDL=pdl, num_warps=min(8, max(1, BR * BD // 256)), **_launch(pdl))
     return y
 
 
@@ -747,10 +754,7 @@ def _gemv_sum_norm_kernel(p_part, p_r, p_w, p_h, p_y, M, N, eps, SPLIT: tl.const
     b_x = b_x.to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps)                                # [1]
     b_w = tl.load(p_w + o_d, mask=m, other=0.0).to(tl.float32)
-    if PLAIN:  # Qwen3: w * norm(h).to(dtype)
-        b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32) * b_w
-    else:      # zero-centred weight: scale by (1 + w)
-        b_y = b_x * b_rstd[:, None] * (1.0 + b_w)
+    b_y = _norm_scale(b_x, b_rstd[:, None], b_w, p_y.dtype.element_ty, PLAIN)
     tl.store(p_y + i_r * N + o_d, b_y.to(p_y.dtype.element_ty), mask=m)
 
 
@@ -763,9 +767,13 @@ class PlainNorm(tuple):
     (weight, eps) is the target's zero-centred one)."""
 
 
-def _norm_then(then, N):
-    """then's (weight, eps) where it is an RMSNorm over N columns (a linear's `then`: apply_then), else None."""
-    return then if isinstance(then, tuple) and then[0].shape == (N,) else None
+def _norm_then(then, N, dtype=None):
+    """then's (weight, eps) where it is an RMSNorm over N columns (a linear's `then`: apply_then) that a sum launch
+    can do with rms_norm's / plain_rms_norm's bits, else None: a plain one (PlainNorm) only for rows of dtype with a
+    weight of the same dtype (as plain_rms_norm's kernel; dtype None: a launch without a plain form)."""
+    if not (isinstance(then, tuple) and then[0].shape == (N,)):
+        return None
+    return None if isinstance(then, PlainNorm) and then[0].dtype != dtype else then
 
 
 def apply_then(y, then):
@@ -832,7 +840,7 @@ def _gemv_launch(x, w, cfg, residual=None, scale=None, then=None):
         _gemv_sum_swiglu_kernel[(_cdiv(M * I, BS),)](out, y, M, I, SPLIT=SPLIT, BS=BS, PDL=pdl, num_warps=4,
                                                      **_launch(pdl))
         return y
-    if _norm_then(then, N) is not None and (not isinstance(then, PlainNorm) or then[0].dtype == x.dtype):
+    if _norm_then(then, N, x.dtype) is not None:
         nw, eps = then
         h = y
         y = _empty(h.shape, x.dtype, x.device)
@@ -1341,7 +1349,7 @@ def _linear_small_kernel(p_x, p_w, p_y, p_r, p_n, M, N, K, s_x, eps, BN: tl.cons
         b_x = tl.load(p_x + m * s_x + o_k, mask=m_k, other=0.0).to(tl.float32)
         if NORM:
             b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 0) / K + eps)
-            b_x = ((b_x * b_rstd).to(dt).to(tl.float32) * b_n).to(dt).to(tl.float32)
+            b_x = _norm_scale(b_x, b_rstd, b_n, dt, True).to(dt).to(tl.float32)
         b_y = tl.sum(b_w.to(tl.float32) * b_x[None, :], 1)                               # [BN]
         if SWIGLU:
             b_u = tl.sum(b_wu.to(tl.float32) * b_x[None, :], 1).to(dt).to(tl.float32)
@@ -2053,12 +2061,8 @@ def _attention_prep_kernel(p_qg, p_k, p_v, p_qw, p_kw, p_freq, p_kc, p_vc, p_slo
         dt = p_k.dtype.element_ty
         b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_wp = tl.load(p_w + o_p, mask=m_d, other=0.0).to(tl.float32)
-        if PLAIN:
-            b_y = ((b_x * b_rstd).to(dt).to(tl.float32) * b_w).to(dt).to(tl.float32)
-            b_yp = ((b_xp * b_rstd).to(dt).to(tl.float32) * b_wp).to(dt).to(tl.float32)
-        else:
-            b_y = (b_x * b_rstd * (1.0 + b_w)).to(dt).to(tl.float32)
-            b_yp = (b_xp * b_rstd * (1.0 + b_wp)).to(dt).to(tl.float32)
+        b_y = _norm_scale(b_x, b_rstd, b_w, dt, PLAIN).to(dt).to(tl.float32)
+        b_yp = _norm_scale(b_xp, b_rstd, b_wp, dt, PLAIN).to(dt).to(tl.float32)
         b_f = at.to(tl.float32) * tl.load(p_freq + o_d % (RD // 2), mask=o_d < RD, other=0.0)
         b_cos = tl.cos(b_f).to(dt).to(tl.float32)
         b_sin = tl.sin(b_f).to(dt).to(tl.float32)
@@ -2703,7 +2707,8 @@ def _moe_sum_kernel(p_y, p_out, p_sh, p_g, p_res, p_nw, p_nrm, H, s_g, eps, TOPK
         b_x = b_o.to(tl.float32)
         b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / H + eps)                           # [1]
         b_w = tl.load(p_nw + o_h, mask=m, other=0.0).to(tl.float32)
-        tl.store(p_nrm + i_n * H + o_h, (b_x * b_rstd[:, None] * (1.0 + b_w)).to(p_nrm.dtype.element_ty), mask=m)
+        b_y = _norm_scale(b_x, b_rstd[:, None], b_w, p_nrm.dtype.element_ty, False)
+        tl.store(p_nrm + i_n * H + o_h, b_y.to(p_nrm.dtype.element_ty), mask=m)
 
 
 def _moe_experts_launch(x, w, idx, gate_up, down, shared=None, shared_gate=None, residual=None, gu_scale=None,
@@ -2798,7 +2803,7 @@ def moe_experts(x, w, idx, gate_up, down, shared=None, shared_gate=None, residua
         if residual is not None:
             residual = (residual if residual.stride(1) == 1 and residual.stride(0) == residual.shape[1]
                         else residual.contiguous())
-        norm = _norm_then(then, x.shape[-1]) if MOE_SUM_NORM and not isinstance(then, PlainNorm) else None
+        norm = _norm_then(then, x.shape[-1]) if MOE_SUM_NORM else None
         norm = norm if norm is not None and norm[0].is_contiguous() else None
         y = _moe_experts_launch(x, w, idx, gate_up, down, shared, shared_gate, residual, gate_up_scale,
                                 down_scale, norm)

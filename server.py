@@ -582,21 +582,10 @@ def typed_value(text, schema):
     return text
 
 
-class Qwen3CoderParser:
-    """vLLM's qwen3_coder parser: <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...
-    </function>\\n</tool_call>, each VALUE typed by the tool's schema. A call counts once its NAME is
-    complete; a parameter once its </parameter> is followed by the next tag (a value may hold XML-like text,
-    even </parameter>); a call cut off by the end of the answer closes with the parameters it completed."""
-
-    def __init__(self, tools):
-        fns = [t["function"] for t in tools or []]
-        props = [(f.get("parameters") or {}).get("properties") for f in fns]
-        self.schemas = {f["name"]: p if isinstance(p, dict) else {} for f, p in zip(fns, props)}
-
-    @staticmethod
-    def opening(name=None):
-        """The start of a call, written into the prompt to force one (tool_choice required or named)."""
-        return f"{TOOL_CALL}\n{FUNC}" + ("" if name is None else f"{name}>\n")
+class ToolParser:
+    """What the tool-call parsers share: an answer cut into text and calls at each TOOL_CALL tag, a call read
+    by the parser's call(text, pos, final) from the tag's end: -> (Call, its end or None while what follows is
+    not settled), None (the tag is text, no call) or "wait" (not settled: the answer may still make it one)."""
 
     def parse(self, text, final):
         """-> [text, Call, text, Call, ..., text]: the answer's pieces around its calls, as far as settled."""
@@ -617,6 +606,23 @@ class Qwen3CoderParser:
             if end is None:
                 return items + [""]
             start = search = end
+
+
+class Qwen3CoderParser(ToolParser):
+    """vLLM's qwen3_coder parser: <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...
+    </function>\\n</tool_call>, each VALUE typed by the tool's schema. A call counts once its NAME is
+    complete; a parameter once its </parameter> is followed by the next tag (a value may hold XML-like text,
+    even </parameter>); a call cut off by the end of the answer closes with the parameters it completed."""
+
+    def __init__(self, tools):
+        fns = [t["function"] for t in tools or []]
+        props = [(f.get("parameters") or {}).get("properties") for f in fns]
+        self.schemas = {f["name"]: p if isinstance(p, dict) else {} for f, p in zip(fns, props)}
+
+    @staticmethod
+    def opening(name=None):
+        """The start of a call, written into the prompt to force one (tool_choice required or named)."""
+        return f"{TOOL_CALL}\n{FUNC}" + ("" if name is None else f"{name}>\n")
 
     def call(self, text, pos, final):
         """The call starting at `pos` -> (Call, end or None if what follows is not settled), None (no call)
@@ -680,7 +686,7 @@ class Qwen3CoderParser:
         return None
 
 
-class HermesParser:
+class HermesParser(ToolParser):
     """vLLM's hermes parser: <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A call counts once its
     JSON is complete and valid; one that is not stays in the content."""
 
@@ -691,27 +697,16 @@ class HermesParser:
     def opening(name=None):
         return f'{TOOL_CALL}\n{{"name": "' + ("" if name is None else f'{name}", "arguments": ')
 
-    def parse(self, text, final):
-        items, start, search = [], 0, 0
-        while True:
-            i = text.find(TOOL_CALL, search)
-            if i < 0:
-                tail = text[start:]
-                return items + [tail if final else tail[:len(tail) - held(tail, TOOL_CALL)]]
-            j = text.find(END_TOOL_CALL, i)
-            if j < 0 and not final:
-                return items + [text[start:i]]
-            call = self.call(text[i + len(TOOL_CALL):j if j >= 0 else len(text)])
-            if call is None:
-                search = i + len(TOOL_CALL)
-                continue
-            items += [text[start:i], call]
-            if j < 0:
-                return items + [""]
-            start = search = j + len(END_TOOL_CALL)
+    def call(self, text, pos, final):
+        """The call whose JSON starts at `pos` and ends at the next END_TOOL_CALL (or the answer's end)."""
+        j = text.find(END_TOOL_CALL, pos)
+        if j < 0 and not final:
+            return "wait"
+        call = self.call_json(text[pos:j if j >= 0 else len(text)])
+        return None if call is None else (call, None if j < 0 else j + len(END_TOOL_CALL))
 
     @staticmethod
-    def call(body):
+    def call_json(body):
         try:
             obj = json.loads(body)
             args = obj.get("arguments", {})

@@ -140,6 +140,26 @@ def depth(v):
     return most
 
 
+def unencodable(v):
+    """The first string of a parsed JSON value (a key or a value) that UTF-8 cannot encode, else None, without
+    recursion. JSON's \\u escapes can spell a lone UTF-16 surrogate ("\\ud800"), which Python's json reads into
+    a str that no answer echoing it (an error naming the model, echo, the Responses API's fields) could send."""
+    todo = [v]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v)
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, str) and not v.isascii():
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return v
+    return None
+
+
 def parse_json(raw):
     def no_nan(c):
         raise ValueError(f"{c} is not valid JSON")
@@ -151,6 +171,9 @@ def parse_json(raw):
         raise bad("the request body must be a JSON object")
     if depth(body) > MAX_DEPTH:
         raise bad(f"the request body nests more than {MAX_DEPTH} levels deep")
+    if (text := unencodable(body)) is not None:
+        raise bad(f"the request body is not valid JSON text: the string {ascii(text)[:80]} holds a lone UTF-16 "
+                  "surrogate (a \\u escape of D800-DFFF without its pair)")
     return body
 
 
@@ -236,6 +259,9 @@ def id_list(body, name, kind="integer"):
 # At most this many bad_words a request: the engine tokenizes them as it admits the request, in the loop that
 # runs every request's steps (~9 us a word on the toy: 4096 words 36 ms; 2.5 million stalled the others 45 s)
 MAX_BAD_WORDS = 4096
+# At most this many stop strings a request (OpenAI takes 4; vLLM sets no bound): the engine looks for each in the
+# new text of every step, in that same loop (500,000 made the others' small requests 0.03 -> 0.4-0.8 s)
+MAX_STOP = 4096
 
 
 def bad_words(body):
@@ -273,6 +299,8 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("'stop' must be a string or a list of strings", "stop")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise bad(f"'stop' has {len(stop)} entries; at most {MAX_STOP} are accepted", "stop")
     ids = id_list(body, "stop_token_ids")
     if ids and not all(0 <= t < vocab for t in ids):
         wrong = short([t for t in ids if not 0 <= t < vocab])
@@ -418,8 +446,15 @@ def render_chat(app, body, msgs, tools):
         raise bad("Chat template is passed with request, but --trust-request-chat-template is not set. "
                   "Refused request with untrusted chat template.", "chat_template")
     kwargs = {**app.chat_kwargs, **get(body, "chat_template_kwargs", "object", {})}
+    # as vLLM, they go over the template's own arguments: they may set add_generation_prompt and the tools (what
+    # the template shows; the tool parser keeps the request's), not the messages or documents
+    add_generation_prompt = kwargs.pop("add_generation_prompt", get(body, "add_generation_prompt", "boolean", True))
+    tools = kwargs.pop("tools", tools)
+    clash = [k for k in app.template.RESERVED if k in kwargs]
+    if clash:
+        raise bad(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
     try:
-        return app.template.render(msgs, tools, get(body, "add_generation_prompt", "boolean", True), **kwargs)
+        return app.template.render(msgs, tools, add_generation_prompt, **kwargs)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad(f"invalid messages: {e}", "messages") from None
     except RecursionError:  # a template recursing too deep (deep tool arguments: refused before, _tool_call_object)
@@ -1519,9 +1554,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send(503 if app.loop.dead else 200, b"", "text/plain")
 
     def models(self, app, raw):
-        cards = [{"id": name, "object": "model", "created": app.created, "owned_by": "specdec",
-                  "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len}
-                 for name in app.names]  # one card per --served-model-name, as vLLM
+        # one card per --served-model-name, vLLM's fields and values (its metrics' names are vLLM's too)
+        perm = {"object": "model_permission", "created": app.created, "allow_create_engine": False,
+                "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+        cards = [{"id": name, "object": "model", "created": app.created, "owned_by": "vllm",
+                  "root": app.llm.model_path, "parent": None, "max_model_len": app.llm.max_model_len,
+                  "permission": [dict(perm, id="modelperm-" + uuid.uuid4().hex)]} for name in app.names]
         self.send(200, {"object": "list", "data": cards})
 
     def metrics(self, app, raw):

@@ -3721,7 +3721,8 @@ def test_health_and_models(srv, tiny_model):
     status, _, data = srv.request("GET", "/v1/models")
     card = json.loads(data)["data"][0]
     assert status == 200 and json.loads(data)["object"] == "list"
-    assert card["id"] == "tiny" and card["object"] == "model" and card["owned_by"] == "specdec"
+    assert card["id"] == "tiny" and card["object"] == "model" and card["owned_by"] == "vllm"
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
     assert card["root"] == tiny_model and card["parent"] is None and card["max_model_len"] == 4096
 
 
@@ -3867,6 +3868,13 @@ def test_openai_client_chat(srv):
     no_gen = srv.post("/v1/chat/completions", dict(kw["extra_body"], messages=kw["messages"], max_tokens=2,
                                                    add_generation_prompt=False))[1]
     assert no_gen["usage"]["prompt_tokens"] < full.usage.prompt_tokens
+    # chat_template_kwargs go over the template's own arguments, as vLLM merges them (not the messages)
+    over = {"enable_thinking": False, "add_generation_prompt": False}
+    st, body = srv.post("/v1/chat/completions", dict(messages=kw["messages"], max_tokens=2, chat_template_kwargs=over))
+    assert st == 200 and body["usage"]["prompt_tokens"] == no_gen["usage"]["prompt_tokens"]
+    st, body = srv.post("/v1/chat/completions", dict(messages=kw["messages"], max_tokens=2,
+                                                     chat_template_kwargs={"messages": []}))
+    check_error(st, body, 400, "chat_template_kwargs", "chat_template_kwargs may not set messages")
 
 
 def test_prompt_fields_through_the_server(srv):
@@ -4000,6 +4008,7 @@ BAD = [  # (path, body, status, param or None, message fragment)
      "a list of strings"),
     ("/v1/completions", {"prompt": "x", "response_format": {}}, 400, "response_format", "is not supported"),
     ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 4097}, 400, "bad_words", "at most 4096"),
+    ("/v1/completions", {"prompt": "x", "stop": ["w"] * 4097}, 400, "stop", "at most 4096"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
                               "tools": [{"type": "function", "function": {"name": "a>b"}}]}, 400, "tools",
      "cannot contain whitespace"),
@@ -4567,6 +4576,11 @@ RAW_CORPUS = [  # (class, raw body, fragment): bodies json.dumps cannot write; a
     ("integer of 5000 digits", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
     ("nesting 100000 deep", b"[" * 100000 + b"]" * 100000, "not valid JSON"),
     ("bytes that are not UTF-8", b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+    # a \u escape of a lone UTF-16 surrogate: json reads it into a str UTF-8 cannot encode (the 404 naming the
+    # model, echo and the Responses API's fields once failed to send it: a dropped connection or a 500)
+    ("a lone surrogate in the model's name", b'{"prompt": "x", "model": "\\ud800"}', "lone UTF-16 surrogate"),
+    ("a lone surrogate echoed", b'{"prompt": "x\\udfff", "echo": true, "max_tokens": 2}', "lone UTF-16 surrogate"),
+    ("a lone surrogate as a key", b'{"prompt": "x", "\\ud83d": 1}', "lone UTF-16 surrogate"),
 ]
 
 
@@ -4586,6 +4600,9 @@ def test_bad_input_corpus_leaves_the_server_healthy(srv):
         status, _, data = srv.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
         check_error(status, json.loads(data), 400, None, fragment)
         assert srv.request("GET", "/health")[0] == 200, name
+    pair = b'{"prompt": "\\ud83d\\ude00", "echo": true, "max_tokens": 2}'  # a surrogate pair: one code point
+    status, _, data = srv.request("POST", "/v1/completions", pair, {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(data)["choices"][0]["text"].startswith("\U0001F600")
     # a top_k past the vocabulary keeps every token: the same seeded sample as no top_k at all
     body = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     same = [srv.post("/v1/completions", dict(body, top_k=k))[1]["choices"][0]["text"] for k in (BIG, -1, 1024)]

@@ -469,29 +469,28 @@ def token_str(app, i):
 
 
 # What a chat request's answer goes through: ChatStream's arguments, and the tool choice (for finish_reason)
-ChatSpec = namedtuple("ChatSpec", "start parser prefix tool_choice include_reasoning")
+ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning")
 
 
 def parse_chat(app, body):
     """A /v1/chat/completions body -> ([(prompt ids, "" (no echo))], SamplingParams, ChatSpec). The prompt is
     the chat template's rendering (with the tools and the chat_template_kwargs over the server's defaults);
-    tool_choice required or a named function writes the start of a call after it (no structured outputs)."""
+    tool_choice required or a named function holds the answer to calls (forced_calls)."""
     msgs = parse_messages(body.get("messages"))
     tools, tool_choice = parse_tools(body)
     if tool_choice == "auto" and not app.auto_tools:
         raise bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                   "tool_choice")
-    if tool_choice not in ("none", "auto") and app.tool_parser is None:
-        raise bad("tool_choice 'required' or a named function needs --tool-call-parser (specdec forces the "
-                  "call by starting it after the prompt, in the parser's format)", "tool_choice")
-    prompt, prefix = render_chat(app, body, msgs, tools), ""
-    if tool_choice not in ("none", "auto"):
-        if prompt_reasoning(prompt) == "thinking":
-            prompt += f"\n{END_THINK}\n\n"  # a forced call comes without thinking (as enable_thinking false)
-        prefix = app.tool_parser.opening(None if tool_choice == "required" else tool_choice)
+    forced = tool_choice not in ("none", "auto")
+    if forced and app.tool_parser is None:
+        raise bad("tool_choice 'required' or a named function needs --tool-call-parser (specdec holds the "
+                  "answer to calls in the parser's format)", "tool_choice")
+    prompt = render_chat(app, body, msgs, tools)
+    if forced and prompt_reasoning(prompt) == "thinking":
+        prompt += f"\n{END_THINK}\n\n"  # a forced call comes without thinking (as enable_thinking false)
     parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
     start = prompt_reasoning(prompt) if app.reasoning_parser else None
-    spec = ChatSpec(start, parser, prefix, tool_choice, get(body, "include_reasoning", "boolean", True))
+    spec = ChatSpec(start, parser, tool_choice, get(body, "include_reasoning", "boolean", True))
     max_tokens = max_tokens_field(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = max_tokens_field(body, "max_tokens", None)  # None: up to the context
@@ -501,8 +500,39 @@ def parse_chat(app, body):
     top = logprobs_count(body, "top_logprobs", app.vocab)
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, app.vocab, app.llm.default_sampling)
-    ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt + prefix), params)
+    if forced:
+        if params.structured_outputs is not None:
+            raise bad("tool_choice 'required' or a named function holds the answer to tool calls: it cannot be "
+                      "combined with structured outputs (response_format, structured_outputs, guided_*)",
+                      "tool_choice")
+        params = dataclasses.replace(params, structured_outputs=forced_calls(app, body, tools, tool_choice))
+    ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt), params)
     return [(ids, "")], params, spec
+
+
+# The tool-call parsers' formats as xgrammar's structural tags name them: qwen3_coder's XML calls (Qwen3.5 / 3.6,
+# Qwen3-Coder) and hermes' JSON calls in <tool_call> tags (Qwen3)
+CALL_FORMATS = {"qwen3_coder": "qwen_3_coder", "qwen3_xml": "qwen_3_coder", "hermes": "qwen_3"}
+
+
+def forced_calls(app, body, tools, tool_choice):
+    """tool_choice "required" or a named function, as vLLM holds it (structured outputs): the answer may be only
+    tool calls in the parser's own format (a named function: its one call; required: text, then one call or
+    more, one with parallel_tool_calls false), each call's arguments valid under its tool's JSON schema. The
+    grammar is xgrammar's structural tag for the format, as EBNF text (StructuredOutputsParams.grammar)."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise bad("tool_choice 'required' or a named function needs the xgrammar package (pip install "
+                  "xgrammar)", "tool_choice") from None
+    choice = "required" if tool_choice == "required" else {"type": "function", "function": {"name": tool_choice}}
+    try:
+        tag = xgr.get_builtin_structural_tag(CALL_FORMATS[app.tool_parser_name], tools, choice,
+                                             reasoning="disabled", max_whitespace_cnt=16,
+                                             parallel_tool_calls=get(body, "parallel_tool_calls", "boolean", True))
+        return StructuredOutputsParams(grammar=str(xgr.Grammar.from_structural_tag(tag)))
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise bad(f"the tools' parameters cannot be held to by a grammar: {e}", "tools") from None
 
 
 # ==============================================================================================
@@ -654,11 +684,6 @@ class Qwen3CoderParser(ToolParser):
         props = [(f.get("parameters") or {}).get("properties") for f in fns]
         self.schemas = {f["name"]: p if isinstance(p, dict) else {} for f, p in zip(fns, props)}
 
-    @staticmethod
-    def opening(name=None):
-        """The start of a call, written into the prompt to force one (tool_choice required or named)."""
-        return f"{TOOL_CALL}\n{FUNC}" + ("" if name is None else f"{name}>\n")
-
     def call(self, text, pos, final):
         """The call starting at `pos` -> (Call, end or None if what follows is not settled), None (no call)
         or "wait"."""
@@ -728,10 +753,6 @@ class HermesParser(ToolParser):
     def __init__(self, tools):
         pass
 
-    @staticmethod
-    def opening(name=None):
-        return f'{TOOL_CALL}\n{{"name": "' + ("" if name is None else f'{name}", "arguments": ')
-
     def call(self, text, pos, final):
         """The call whose JSON starts at `pos` and ends at the next END_TOOL_CALL (or the answer's end)."""
         j = text.find(END_TOOL_CALL, pos)
@@ -774,18 +795,17 @@ def content_of(items, final):
 class ChatStream:
     """A chat answer as OpenAI message fields. feed(text, final) takes the answer so far (the engine's text)
     and returns what is new since the last feed: {"reasoning", "content", "tool_calls"}. `start`: where the
-    answer starts (prompt_reasoning; None: no reasoning parser); `parser`: a tool parser, or None; `prefix`:
-    the opening of a forced call, written in the prompt, which the parser reads first."""
+    answer starts (prompt_reasoning; None: no reasoning parser); `parser`: a tool parser, or None."""
 
-    def __init__(self, start=None, parser=None, prefix=""):
-        self.start, self.parser, self.prefix = start, parser, prefix
+    def __init__(self, start=None, parser=None):
+        self.start, self.parser = start, parser
         self.reasoning, self.content, self.calls = "", None, []  # everything sent, for the whole message
 
     def feed(self, text, final):
         reasoning, content = ("", text) if self.start is None else split_reasoning(text, self.start, final)
         calls = []
         if content is not None and self.parser is not None:
-            items = self.parser.parse(self.prefix + content, final)
+            items = self.parser.parse(content, final)
             content, calls = content_of(items, final), items[1::2]
         delta = {}
         if len(reasoning) > len(self.reasoning):
@@ -1631,7 +1651,7 @@ class Handler(BaseHTTPRequestHandler):
                         usage=response_usage(len(ids), n_out) if status != "in_progress" else None,
                         user=body.get("user"))
         app.log_request(head["id"], ids, params)
-        out, items = ChatStream(spec.start, spec.parser, spec.prefix), ResponseItems()
+        out, items = ChatStream(spec.start, spec.parser), ResponseItems()
 
         def feed(text, final):  # the answer so far -> its events (the items grow with them)
             delta = out.feed(text, final)
@@ -1727,7 +1747,7 @@ class Handler(BaseHTTPRequestHandler):
                     if with_prompt:
                         ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
                     if chat:
-                        out = ChatStream(spec.start, spec.parser, spec.prefix)
+                        out = ChatStream(spec.start, spec.parser)
                         out.feed(text, final=True)
                         answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
                     else:
@@ -1806,7 +1826,7 @@ class Handler(BaseHTTPRequestHandler):
         with_usage, continuous = usage_opts
         fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
-        chat = None if spec is None else ChatStream(spec.start, spec.parser, spec.prefix)
+        chat = None if spec is None else ChatStream(spec.start, spec.parser)
         sent, n_prompt, first, ids, lps, n = 0, len(job.prompt_ids), True, [], [], 0
         if with_prompt:  # echo with logprobs: the prompt's tokens go first
             ids = list(job.prompt_ids)

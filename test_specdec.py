@@ -8086,8 +8086,9 @@ specdec.ModelRunner.read = staticmethod(_read)
 ANSWERS = {
     "CASE-TOOLS": QWEN_ANSWER,
     "CASE-TEXT": "Some thinking\n</think>\n\nThe answer is 42.",
-    "CASE-FORCED": "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
-    "CASE-REQUIRED": "run_code>\n<parameter=code>\nx = 1\n</parameter>\n</function>\n</tool_call>",
+    "CASE-FORCED": "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+    "CASE-REQUIRED": "<tool_call>\n<function=run_code>\n<parameter=code>\nx = 1\n</parameter>\n</function>\n"
+                     "</tool_call>",
     "CASE-BROKEN": "x</think>\n\n<tool_call>\n<function=bad name>\n</function></tool_call>",
 }
 MTP2 = '{"method":"mtp","num_speculative_tokens":2}'
@@ -8120,6 +8121,40 @@ def chat_both_ways(client, **kw):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0 and len(got["ids"]) == 1
     assert [f for f in got["finish"] if f] == [whole.finish_reason]
     return whole.message, whole.finish_reason, got
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
+def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser):
+    """tool_choice named or "required" (server.forced_calls): xgrammar's structural tag of the parser's format as
+    the request's grammar. A random model held to it writes a call the parser reads, with arguments of the schema's
+    types (a boolean, one of an enum), greedy and sampled, and speculating (MTP k=2: the grammar's masks per
+    draft position); required: a call of one of the tools first."""
+    import server as srvmod
+    mode = {"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object", "required": [
+        "on", "mode"], "properties": {"on": {"type": "boolean"}, "mode": {"type": "string", "enum": ["fast", "slow"]}}}}}
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    app = types.SimpleNamespace(tool_parser_name=parser)
+    llm = LLM(tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    for choice, tools in (("set_mode", [mode, ping]), ("required", [mode, ping])):
+        so = srvmod.forced_calls(app, {}, tools, choice)
+        for t in (0.0, 1.0):
+            o = llm.generate("Set it.", SamplingParams(temperature=t, seed=3, max_tokens=160,
+                                                      structured_outputs=so), use_tqdm=False)[0].outputs[0]
+            chat = srvmod.ChatStream(None, srvmod.TOOL_PARSERS[parser](tools))
+            chat.feed(o.text, True)
+            assert o.text.startswith("<tool_call>\n") and chat.calls, (choice, t, o.text)
+            call = chat.calls[0]["function"]
+            args = json.loads(call["arguments"])
+            if choice == "set_mode":
+                assert o.finish_reason == "stop" and len(chat.calls) == 1 and not (chat.content or "").strip()
+            assert call["name"] in ("set_mode", "ping") and (call["name"] == "set_mode") == (args != {})
+            if call["name"] == "set_mode":
+                # (an XML call's string value keeps the whitespace around it, which its grammar allows)
+                mode_value = args["mode"].strip() if parser == "qwen3_coder" else args["mode"]
+                assert set(args) == {"on", "mode"} and isinstance(args["on"], bool) and mode_value in ("fast", "slow")
+    with pytest.raises(srvmod.ApiError, match="cannot be held to"):
+        srvmod.forced_calls(app, {}, [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "f")
 
 
 def test_reasoning_and_tool_calls_through_the_server(srv_scripted):

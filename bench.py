@@ -955,6 +955,19 @@ def serve_benchmark(argv=None):
         extra_headers, metadata = key_values(a.header, "--header"), key_values(a.metadata, "--metadata")
         if not a.burstiness > 0:
             raise DatasetError(f"--burstiness must be > 0, not {a.burstiness}")
+        if not a.request_rate > 0:  # (inf, the default: every request at once)
+            raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), not {a.request_rate}")
+        try:
+            extra_body = json.loads(a.extra_body) if a.extra_body else {}
+        except ValueError as e:
+            raise DatasetError(f"--extra-body is not valid JSON: {e}") from None
+        if not isinstance(extra_body, dict):
+            raise DatasetError(f"--extra-body must be a JSON object, not {a.extra_body}")
+        if a.result_dir and (a.save_result or a.append_result):  # found out now, not after the run
+            try:
+                os.makedirs(a.result_dir, exist_ok=True)
+            except OSError as e:
+                raise DatasetError(f"--result-dir {a.result_dir!r}: {e.strerror}") from None
         slo = {}
         for pair in a.goodput or []:
             k, _, v = pair.partition(":")
@@ -1012,7 +1025,7 @@ def serve_benchmark(argv=None):
         if ignore_eos:
             body["ignore_eos"] = True
         body.update(sampling)
-        body.update(json.loads(a.extra_body) if a.extra_body else {})
+        body.update(extra_body)
         bodies.append(body)
 
     def run(batch):  # send the bodies, at most --max-concurrency at once, at --request-rate; -> records
@@ -1138,10 +1151,14 @@ def serve_benchmark(argv=None):
         if a.result_dir:
             os.makedirs(a.result_dir, exist_ok=True)
             path = os.path.join(a.result_dir, path)
-        with open(path, "a" if a.append_result else "w", encoding="utf-8") as f:
-            if a.append_result and f.tell():
-                f.write("\n")
-            json.dump(res, f)
+        try:
+            with open(path, "a" if a.append_result else "w", encoding="utf-8") as f:
+                if a.append_result and f.tell():
+                    f.write("\n")
+                json.dump(res, f)
+        except OSError as e:  # (the results still go to stdout below)
+            print(f"error: cannot write the result to {path}: {e.strerror}", file=sys.stderr)
+            ok = False
     print(json.dumps(res), flush=True)
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
@@ -1279,6 +1296,23 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[2048],
                     help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
+    for flag, values in (("--batch", a.batch), ("--prompt-len", a.prompt_len), ("--gen-len", [a.gen_len])):
+        if min(values) < 1:
+            ap.error(f"{flag} must be at least 1, not {min(values)}")
+    for c in set(a.speculative_config or []) - {"off"}:
+        try:
+            json.loads(c)
+        except ValueError as e:
+            ap.error(f"--speculative-config {c!r} is not valid JSON: {e}")
+    try:
+        return offline(ap, a)
+    except sd.ConfigError as e:  # what the engine refuses (a model path, a config, a length): one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def offline(ap, a):
+    """The offline benchmark of main's arguments: its table, then one JSON line."""
     device, dtype = sd.resolve_device_dtype(a.device, a.dtype)
     if a.write_config:
         preset, out = a.write_config

@@ -4279,6 +4279,31 @@ def test_bench_dataset_errors(tmp_path, capsys):
     assert (p.returncode, p.stdout, p.stderr) == (1, "", cases[6][1] + "\n")  # the command line: no traceback
 
 
+def test_bench_flag_errors_are_one_line(tmp_path, capsys):
+    """bench.py's bad flags: an `error:` line each (exit 1 / 2), no traceback; serve's before the server is asked
+    (none listens at port 1), the offline benchmark's before a model is built or as the engine refuses it."""
+    for flags, want in ((["--request-rate", "0"], "--request-rate must be > 0"),
+                        (["--request-rate", "-1"], "--request-rate must be > 0"),
+                        (["--extra-body", "{bad"], "--extra-body is not valid JSON"),
+                        (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
+                        (["--save-result", "--result-dir", str(tmp_path / "f" / "x")], None)):
+        if want is None:  # a result dir that cannot be made: a file where a directory should be
+            (tmp_path / "f").write_text("")
+            want = "--result-dir"
+        assert bench.serve_benchmark(["--url", "http://127.0.0.1:1", "--num-prompts", "2"] + flags) == 1, want
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: " + want) and err.count("\n") == 1, err
+    small = ["--batch", "1", "--prompt-len", "8", "--gen-len", "8"]
+    for flags, want in ((["--batch", "0"], "--batch must be at least 1"), (["--gen-len", "0"], "--gen-len must be"),
+                        (["--speculative-config", "{bad"], "--speculative-config '{bad' is not valid JSON"),
+                        (["--model", str(tmp_path / "none")], "no config.json"),
+                        (["--max-model-len", "4"], "maximum context length is 4 tokens")):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py")] + small + flags, capture_output=True,
+                           text=True, timeout=300, env=ENV)
+        last = p.stderr.splitlines()[-1]  # (argparse's usage lines before a flag's error, as any command line)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and want in last, p.stderr
+
+
 def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
     """Without the server's usage, a token-id prompt's input tokens are its length; a text prompt's are unknown:
     total_input_tokens is None (and the table says unknown), not --prompt-len."""
@@ -6126,8 +6151,8 @@ def test_bench_drafter_layout_speculators_cli(tmp_path, capsys):
     assert row["method"] == "dspark" and path == str(tmp_path / "dsparkspeculators")
     c = sd.read_block_config(path, "dspark")
     assert (c.num_hidden_layers, c.target_layer_ids, c.block_size) == (2, [1, 3], 8)
-    with pytest.raises(sd.ConfigError, match="unknown keys"):
-        bench.main(argv[:-2] + ["--drafter-shape", "width=3"] + argv[-2:])
+    assert bench.main(argv[:-2] + ["--drafter-shape", "width=3"] + argv[-2:]) == 2      # one error line
+    assert "unknown keys" in capsys.readouterr().err
     with pytest.raises(SystemExit):                                              # one error line, no traceback
         bench.main(argv[:-2] + ["--drafter-shape", "layers=two"] + argv[-2:])
     assert "--drafter-shape wants KEY=INTEGER" in capsys.readouterr().err

@@ -956,7 +956,8 @@ def serve_benchmark(argv=None):
         if not a.burstiness > 0:
             raise DatasetError(f"--burstiness must be > 0, not {a.burstiness}")
         if not a.request_rate > 0:  # (inf, the default: every request at once)
-            raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), not {a.request_rate}")
+            raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), "
+                               f"not {a.request_rate}")
         try:
             extra_body = json.loads(a.extra_body) if a.extra_body else {}
         except ValueError as e:
@@ -1148,8 +1149,7 @@ def serve_benchmark(argv=None):
         conc = f"-concurrency{a.max_concurrency}" if a.max_concurrency is not None else ""
         path = a.result_filename or (f"{res['label']}-{res['request_rate']}qps{conc}-{model.split('/')[-1]}-"
                                      f"{res['date']}.json")
-        if a.result_dir:
-            os.makedirs(a.result_dir, exist_ok=True)
+        if a.result_dir:  # (made before the run)
             path = os.path.join(a.result_dir, path)
         try:
             with open(path, "a" if a.append_result else "w", encoding="utf-8") as f:
@@ -1299,11 +1299,6 @@ def main(argv=None):
     for flag, values in (("--batch", a.batch), ("--prompt-len", a.prompt_len), ("--gen-len", [a.gen_len])):
         if min(values) < 1:
             ap.error(f"{flag} must be at least 1, not {min(values)}")
-    for c in set(a.speculative_config or []) - {"off"}:
-        try:
-            json.loads(c)
-        except ValueError as e:
-            ap.error(f"--speculative-config {c!r} is not valid JSON: {e}")
     try:
         return offline(ap, a)
     except sd.ConfigError as e:  # what the engine refuses (a model path, a config, a length): one line
@@ -1322,7 +1317,12 @@ def offline(ap, a):
         return 0
     sd.K.USE_TRITON = not a.no_triton
     a.enforce_eager |= a.no_triton  # the references read positions on the host: not capturable
-    raw = [None if c in (None, "off") else json.loads(c) for c in (a.speculative_config or ["off"])]
+    raw = []
+    for c in a.speculative_config or ["off"]:
+        try:
+            raw.append(None if c == "off" else json.loads(c))
+        except ValueError as e:
+            ap.error(f"--speculative-config {c!r} is not valid JSON: {e}")
     try:
         shape = {k: [int(i) for i in v.split(",")] if k == "aux_ids" else int(v)
                  for k, v in (kv.split("=", 1) for kv in a.drafter_shape)}

@@ -129,35 +129,23 @@ def checked(body, name, kind, default, *rules):
 MAX_DEPTH = 256
 
 
-def depth(v):
-    """How deeply a parsed JSON value nests (a scalar: 0), without recursion."""
-    most, todo = 0, [(v, 0)]
+def depth_and_unencodable(v):
+    """How deeply a parsed JSON value nests (a scalar: 0), and its first string (a key or a value) that UTF-8
+    cannot encode, else None; one walk, without recursion. JSON's \\u escapes can spell a lone UTF-16 surrogate
+    ("\\ud800"), which Python's json reads into a str that no answer echoing it (an error naming the model, echo,
+    the Responses API's fields) could send."""
+    most, bad_text, todo = 0, None, [(v, 0)]
     while todo:
         v, d = todo.pop()
         if isinstance(v, (dict, list)):
             most = max(most, d + 1)
-            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return most
-
-
-def unencodable(v):
-    """The first string of a parsed JSON value (a key or a value) that UTF-8 cannot encode, else None, without
-    recursion. JSON's \\u escapes can spell a lone UTF-16 surrogate ("\\ud800"), which Python's json reads into
-    a str that no answer echoing it (an error naming the model, echo, the Responses API's fields) could send."""
-    todo = [v]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, dict):
-            todo.extend(v)
-            todo.extend(v.values())
-        elif isinstance(v, list):
-            todo.extend(v)
-        elif isinstance(v, str) and not v.isascii():
+            todo.extend((x, d + 1) for x in ([*v, *v.values()] if isinstance(v, dict) else v))
+        elif bad_text is None and isinstance(v, str) and not v.isascii():
             try:
                 v.encode()
             except UnicodeEncodeError:
-                return v
-    return None
+                bad_text = v
+    return most, bad_text
 
 
 def parse_json(raw):
@@ -169,9 +157,10 @@ def parse_json(raw):
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    if depth(body) > MAX_DEPTH:
+    most, text = depth_and_unencodable(body)
+    if most > MAX_DEPTH:
         raise bad(f"the request body nests more than {MAX_DEPTH} levels deep")
-    if (text := unencodable(body)) is not None:
+    if text is not None:
         raise bad(f"the request body is not valid JSON text: the string {ascii(text)[:80]} holds a lone UTF-16 "
                   "surrogate (a \\u escape of D800-DFFF without its pair)")
     return body

@@ -7840,7 +7840,8 @@ def test_qwen3_coder_values_that_do_not_parse_stay_text():
     integer = {"type": "integer"}
     assert srvmod.typed_value("42", integer) == 42 and srvmod.typed_value("4x", integer) == "4x"
     assert srvmod.typed_value("9" * 4400, integer) == "9" * 4400
-    assert srvmod.depth({"a": [1, {"b": []}]}) == 4 and srvmod.depth(5) == 0
+    assert srvmod.depth_and_unencodable({"a": [1, {"b": []}]}) == (4, None) and srvmod.depth_and_unencodable(5)[0] == 0
+    assert srvmod.depth_and_unencodable({"k": [{"\ud800": "é"}]}) == (3, "\ud800")  # a key too
 
 
 def test_metrics_kv_usage_and_phase_times():

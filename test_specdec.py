@@ -2772,17 +2772,19 @@ def run_cli(*args):
                           timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
-def test_cli_generates_with_stats_and_speculation(tiny_spec):
+def test_cli_generates_with_stats_and_speculation(tiny_spec, capsys):
+    """specdec.py's main (in this process: test_default_model_is_the_shipped_toy runs the real command): the
+    stats line, and with MTP the same text and vLLM's speculative-decoding lines, drafts accepted."""
     base = ["--model", tiny_spec, "--prompt", "a b c a b", "--max-tokens", "16", "--device", "cpu", "--ignore-eos"]
-    plain = run_cli(*base)
-    assert plain.returncode == 0, plain.stderr
-    assert "prompt tokens:" in plain.stderr and "generated tokens: 16" in plain.stderr and "tok/s" in plain.stderr
-    spec = run_cli(*base, "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}')
-    assert spec.returncode == 0, spec.stderr
-    assert spec.stdout == plain.stdout and spec.stdout.strip()
-    mal = re.search(r"Mean acceptance length: ([0-9.]+)", spec.stderr)
-    assert mal and float(mal[1]) >= 1.5, spec.stderr                            # drafts accepted (measured 2.12)
-    assert re.search(r"Accepted throughput: [\d.]+ tokens/s, Drafted throughput: [\d.]+ tokens/s", spec.stderr)
+    assert sd.main(base) == 0
+    plain = capsys.readouterr()
+    assert "prompt tokens:" in plain.err and "generated tokens: 16" in plain.err and "tok/s" in plain.err
+    assert sd.main(base + ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}']) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and spec.out.strip()
+    mal = re.search(r"Mean acceptance length: ([0-9.]+)", spec.err)
+    assert mal and float(mal[1]) >= 1.5, spec.err                                # drafts accepted (measured 2.12)
+    assert re.search(r"Accepted throughput: [\d.]+ tokens/s, Drafted throughput: [\d.]+ tokens/s", spec.err)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -2857,16 +2859,19 @@ def test_cli_compare_plain_says_when_tokens_differ(capsys):
     assert "--compare-plain compares speculation with plain decoding" in err and len(err.splitlines()) == 1
 
 
-def test_cli_help_documents_every_flag():
-    """--help exits 0 and lists, each with its help text, the CLI's flags and the engine flags README.md names."""
-    r = run_cli("--help")
-    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+def test_cli_help_documents_every_flag(monkeypatch, capsys):
+    """--help exits 0 and lists, each with its help text, the CLI's flags and the engine flags README.md names
+    (main's argparse in this process, COLUMNS at 80: argparse's width without a terminal, as a subprocess had)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert exit_code(sd.main, ["--help"]) == 0
+    r = capsys.readouterr()
+    assert r.out.startswith("usage:"), r.err
     readme = open(os.path.join(HERE, "README.md")).read()
     named = set(re.findall(r"`(--[a-z-]+)`", readme[readme.index("Every flag"):readme.index("The CLI streams")]))
     assert {"--model", "--speculative-config", "--max-num-seqs", "--async-scheduling"} <= named
     for flag in named | {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--device", "--chat",
                          "--ignore-eos", "--no-thinking", "--compare-plain"}:
-        m = re.search(r"^  (?:-\w, )?" + re.escape(flag) + r"\b[^\n]*?(?: {2,}|\n {10,})(\S[^\n]*)", r.stdout, re.M)
+        m = re.search(r"^  (?:-\w, )?" + re.escape(flag) + r"\b[^\n]*?(?: {2,}|\n {10,})(\S[^\n]*)", r.out, re.M)
         assert m, flag                                                             # an option line with its help
 
 

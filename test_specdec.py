@@ -4503,14 +4503,22 @@ def test_cpu_speed_held_out_jsonl(tmp_path):
     assert any("def " in t or "import " in t for t, _ in rows)                          # code, not random ids
 
 
-def test_bad_startup_is_one_line(tiny_model, tmp_path):
+def test_bad_startup_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    """server.py's main in this process (a subprocess each cost ~1.5 s of imports; the Server fixtures start the
+    real one): a bad config or checkpoint exits nonzero with one `error:` line, before any socket is opened."""
+    import server as srvmod
+
+    def opened(*a, **kw):
+        raise AssertionError("a server was started")
+    monkeypatch.setattr(srvmod, "Server", opened)
     for args in (["--model", tiny_model, "--speculative-config", '{"method":"eagle","num_speculative_tokens":2}'],
                  ["--model", str(tmp_path / "missing")],
                  ["--model", str(tmp_path)]):
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--port", str(free_port()), *args],
-                           capture_output=True, text=True, timeout=120, env=ENV)
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+        code = exit_code(srvmod.main, ["--port", str(free_port()), "--device", "cpu", *args])
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code != 0 and len(lines) == 1 and lines[0].startswith("error: "), err
+        assert "a server was started" not in err and "Traceback" not in err
 
 
 # ==============================================================================================

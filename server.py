@@ -458,7 +458,7 @@ def token_str(app, i):
 
 
 # What a chat request's answer goes through: ChatStream's arguments, and the tool choice (for finish_reason)
-ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning")
+ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning max_calls")
 
 
 def parse_chat(app, body):
@@ -475,11 +475,6 @@ def parse_chat(app, body):
         raise bad("tool_choice 'required' or a named function needs --tool-call-parser (specdec holds the "
                   "answer to calls in the parser's format)", "tool_choice")
     prompt = render_chat(app, body, msgs, tools)
-    if forced and prompt_reasoning(prompt) == "thinking":
-        prompt += f"\n{END_THINK}\n\n"  # a forced call comes without thinking (as enable_thinking false)
-    parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
-    start = prompt_reasoning(prompt) if app.reasoning_parser else None
-    spec = ChatSpec(start, parser, tool_choice, get(body, "include_reasoning", "boolean", True))
     max_tokens = max_tokens_field(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = max_tokens_field(body, "max_tokens", None)  # None: up to the context
@@ -489,6 +484,17 @@ def parse_chat(app, body):
     top = logprobs_count(body, "top_logprobs", app.vocab)
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, app.vocab, app.llm.default_sampling)
+    if (forced or params.structured_outputs is not None) and prompt_reasoning(prompt) == "thinking":
+        # A forced call, or an answer held to a grammar, comes without thinking (as enable_thinking false): the
+        # grammar holds the answer from its first token, and a thinking model's answer would otherwise be its
+        # reasoning, held to the grammar, with no </think> allowed (vLLM lets the model think first and holds
+        # only what follows; specdec's grammars do not wait for the reasoning's end yet)
+        prompt += f"\n{END_THINK}\n\n"
+    parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
+    start = prompt_reasoning(prompt) if app.reasoning_parser else None
+    one_call = not get(body, "parallel_tool_calls", "boolean", True)  # vLLM: the calls after the first dropped
+    spec = ChatSpec(start, parser, tool_choice, get(body, "include_reasoning", "boolean", True),
+                    1 if one_call else None)
     if forced:
         if params.structured_outputs is not None:
             raise bad("tool_choice 'required' or a named function holds the answer to tool calls: it cannot be "
@@ -784,10 +790,11 @@ def content_of(items, final):
 class ChatStream:
     """A chat answer as OpenAI message fields. feed(text, final) takes the answer so far (the engine's text)
     and returns what is new since the last feed: {"reasoning", "content", "tool_calls"}. `start`: where the
-    answer starts (prompt_reasoning; None: no reasoning parser); `parser`: a tool parser, or None."""
+    answer starts (prompt_reasoning; None: no reasoning parser); `parser`: a tool parser, or None; `max_calls`:
+    the calls after so many are dropped, whole and streamed (parallel_tool_calls false: 1, as vLLM), or None."""
 
-    def __init__(self, start=None, parser=None):
-        self.start, self.parser = start, parser
+    def __init__(self, start=None, parser=None, max_calls=None):
+        self.start, self.parser, self.max_calls = start, parser, max_calls
         self.reasoning, self.content, self.calls = "", None, []  # everything sent, for the whole message
 
     def feed(self, text, final):
@@ -795,7 +802,7 @@ class ChatStream:
         calls = []
         if content is not None and self.parser is not None:
             items = self.parser.parse(content, final)
-            content, calls = content_of(items, final), items[1::2]
+            content, calls = content_of(items, final), items[1::2][:self.max_calls]
         delta = {}
         if len(reasoning) > len(self.reasoning):
             delta["reasoning"], self.reasoning = reasoning[len(self.reasoning):], reasoning
@@ -1172,6 +1179,7 @@ class EngineLoop:
         self.t_step = None              # when the current step began (time.perf_counter())
         self.inbox = queue.Queue()      # handler threads -> engine thread: ("add" | "abort", job)
         self.lock = threading.Lock()    # guards inflight and dead
+        self.compile_lock = threading.Lock()  # handler threads' grammar compiles (_compile)
         self.inflight = 0               # submitted and not finished: running + waiting
         self.dead = None                # why the engine thread stopped
         self.live = set()               # jobs inside the engine (engine thread only)
@@ -1179,6 +1187,8 @@ class EngineLoop:
 
     def submit(self, job):
         """(Handler thread) Queue a job in the engine; raises ApiError 400 (e.g. too long) or 503 (full)."""
+        if job.params.structured_outputs is not None:
+            self._compile(job.params.structured_outputs)
         with self.lock:
             if self.dead:
                 raise ApiError(503, f"the engine has stopped ({self.dead})")
@@ -1191,6 +1201,18 @@ class EngineLoop:
         kind, err = job.events.get()
         if kind == "error":
             raise err
+
+    def _compile(self, so):
+        """(Handler thread) Compile a request's grammar here first: the engine thread's compile when it adds the
+        request is then a hit in xgrammar's cache (4 ms for an enum of 5000 strings whose first compile took 0.8 s),
+        so a large grammar costs its own request the time, not every request in flight, which the engine thread
+        steps (xgrammar lets go of the GIL while it compiles). One at a time: the engine's compiler is made at the
+        first. A grammar that cannot be compiled: a 400, as from the engine."""
+        with self.compile_lock:
+            try:
+                self.engine.grammar(so)
+            except ConfigError as e:
+                raise bad(str(e)) from None
 
     def abort(self, job):
         """(Handler thread) The client left: free the job's slot (a no-op once it finished)."""
@@ -1640,7 +1662,7 @@ class Handler(BaseHTTPRequestHandler):
                         usage=response_usage(len(ids), n_out) if status != "in_progress" else None,
                         user=body.get("user"))
         app.log_request(head["id"], ids, params)
-        out, items = ChatStream(spec.start, spec.parser), ResponseItems()
+        out, items = ChatStream(spec.start, spec.parser, spec.max_calls), ResponseItems()
 
         def feed(text, final):  # the answer so far -> its events (the items grow with them)
             delta = out.feed(text, final)
@@ -1736,7 +1758,7 @@ class Handler(BaseHTTPRequestHandler):
                     if with_prompt:
                         ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
                     if chat:
-                        out = ChatStream(spec.start, spec.parser)
+                        out = ChatStream(spec.start, spec.parser, spec.max_calls)
                         out.feed(text, final=True)
                         answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
                     else:
@@ -1815,7 +1837,7 @@ class Handler(BaseHTTPRequestHandler):
         with_usage, continuous = usage_opts
         fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
-        chat = None if spec is None else ChatStream(spec.start, spec.parser)
+        chat = None if spec is None else ChatStream(spec.start, spec.parser, spec.max_calls)
         sent, n_prompt, first, ids, lps, n = 0, len(job.prompt_ids), True, [], [], 0
         if with_prompt:  # echo with logprobs: the prompt's tokens go first
             ids = list(job.prompt_ids)

@@ -4838,6 +4838,40 @@ def test_connection_cap(srv_limits):
         time.sleep(0.05)
 
 
+def test_a_large_grammar_does_not_stall_other_requests(srv):
+    """A request whose grammar takes seconds to compile (an enum of 8000 strings) is compiled by its own handler
+    thread (EngineLoop._compile; the engine thread's compile is then a hit in xgrammar's cache): a stream running
+    beside it keeps getting its tokens (before, the engine thread compiled it and every request in flight stopped
+    for as long), and the request is answered with one of its choices."""
+    pytest.importorskip("xgrammar")
+    choices = [f"option number {i}" for i in range(8000)]
+    got = {}
+
+    def big():
+        t = time.perf_counter()
+        got["status"], got["out"] = srv.post("/v1/completions", {"prompt": "pick", "max_tokens": 40, "temperature": 0,
+                                                                 "structured_outputs": {"choice": choices}},
+                                             timeout=120)
+        got["took"] = time.perf_counter() - t
+    conn, r = open_stream(srv, {"prompt": "stall", "max_tokens": 1500, "ignore_eos": True, "temperature": 0})
+    try:
+        assert r.readline().startswith(b"data: ")                                   # the stream is running
+        th = threading.Thread(target=big)
+        th.start()
+        gaps, last = [], time.perf_counter()
+        while th.is_alive():
+            if not r.readline():                                                     # (the stream ended first)
+                break
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        th.join()
+    finally:
+        conn.close()
+    assert got["status"] == 200 and got["out"]["choices"][0]["text"] in choices, got
+    assert got["took"] > 0.5 and max(gaps) < 0.3 * got["took"], (max(gaps), got["took"])
+
+
 def test_half_closed_client_gets_its_answer(srv):
     before = wait_idle(srv)
     for stream in (False, True):
@@ -8208,7 +8242,9 @@ def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser):
 
 def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
     """--reasoning-parser qwen3 --tool-call-parser qwen3_coder, with three tokens a step: whole and streamed
-    (name first, then the arguments), tool history, tool messages and the developer role in the request."""
+    (name first, then the arguments), tool history, tool messages and the developer role in the request;
+    parallel_tool_calls false keeps the first of two calls; an answer held to a grammar comes without thinking
+    (before, the grammar held the reasoning, and the content was null)."""
     import openai
     client = openai.OpenAI(base_url=srv_scripted.url + "/v1", api_key="unused")
     history = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather? CASE-TOOLS"},
@@ -8221,6 +8257,10 @@ def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
     assert msg.reasoning_content == msg.reasoning == PARSER_CASES[0][3] and msg.content == "\n\nI will check.\n\n"
     assert (got["reasoning"], got["content"], [tuple(c) for c in got["calls"]]) == \
         (msg.reasoning_content, msg.content, want)
+    msg, finish, got = chat_both_ways(client, model="qwen", messages=history, tools=TOOLS, max_tokens=1000,
+                                      parallel_tool_calls=False)                 # vLLM: the first call only
+    assert finish == "tool_calls" and [(c.function.name, c.function.arguments) for c in msg.tool_calls] == want[:1]
+    assert [tuple(c) for c in got["calls"]] == want[:1] and msg.content == got["content"] == "\n\nI will check.\n\n"
     text = [{"role": "user", "content": "CASE-TEXT"}]
     msg, finish, got = chat_both_ways(client, model="tiny", messages=text, max_tokens=100)
     assert (msg.reasoning_content, msg.content, finish) == ("Some thinking\n", "\n\nThe answer is 42.", "stop")
@@ -8228,6 +8268,11 @@ def test_reasoning_and_tool_calls_through_the_server(srv_scripted):
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     msg, _, got = chat_both_ways(client, model="tiny", messages=text, max_tokens=100, extra_body=off)
     assert msg.reasoning_content is None and msg.content == got["content"] == ANSWERS["CASE-TEXT"]
+    for held in ({"guided_choice": ["yes", "no"]}, {"response_format": {"type": "json_object"}}):
+        msg, finish, got = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "pick"}],
+                                          max_tokens=40, temperature=0, extra_body=held)
+        assert not msg.reasoning_content and msg.content == got["content"], msg        # held answers: no thinking
+        assert msg.content in ("yes", "no") if "guided_choice" in held else msg.content[:1] in ("{", "["), msg
     msg, finish, _ = chat_both_ways(client, model="tiny", messages=[{"role": "user", "content": "CASE-BROKEN"}],
                                     tools=TOOLS, max_tokens=100)
     assert not msg.tool_calls and finish == "stop" and "<function=bad name>" in msg.content

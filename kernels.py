@@ -17,6 +17,8 @@ E = experts, k = experts per token, I = expert intermediate size.
 import contextlib
 import math
 import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,26 @@ def _shared_memory(device):
 DRAFTING = False  # inside drafting(): small linears through _linear_small, the others' GEMV with PRE (GEMV_PREFETCH)
 _PDL_DEVICES = {}
 
+# A CPU linear of more rows than this takes F.linear (MKL's GEMM: faster for a prefill chunk, whose bits speculation
+# on and off share, but a row's bits there depend on how many rows the call has), except inside token_steps()
+TOKEN_STEPS = False  # inside token_steps(): the target's decode and verify steps (ModelRunner._forward)
+CPU_MKL_ROWS = 256
+
+
+@contextlib.contextmanager
+def token_steps():
+    """The target's decode and verify steps: on a CPU their linears keep each row's 1-row bits at any number of
+    rows (the reference's loop over rows, the fast path's _linear_cpu), where a step of more than CPU_MKL_ROWS
+    rows took F.linear before session 45 (72 requests at MTP k=3 verify 288 rows: their logprobs then differed
+    from speculation off's by ~7e-6, and greedy tokens can differ at a near-tie). Nothing changes on a GPU."""
+    global TOKEN_STEPS
+    old = TOKEN_STEPS
+    TOKEN_STEPS = True
+    try:
+        yield
+    finally:
+        TOKEN_STEPS = old
+
 
 @contextlib.contextmanager
 def drafting():
@@ -217,7 +239,8 @@ _DRAFT_BMM = True  # inside cpu_draft(): small weights through the fp32 bmm (_li
 def cpu_draft(bmm=True):
     """Inside: a CPU linear (the small-step path, _linear_cpu) of an fp32 weight computes in CPU_DRAFT_DTYPE,
     its input rounded to it, on a copy of the weight packed once, and returns fp32; a small weight's in fp32
-    by per-row products, cheaper than a oneDNN call (_linear_draft_cpu). MTP's passes and draft logits run
+    by per-row products, cheaper than a oneDNN call, and since session 45 a weight of bf16 values (a bf16
+    checkpoint's) through the target's fp16-weight GEMM, in fp32 (_linear_draft_cpu). MTP's passes and draft logits run
     inside it (specdec.MTPProposer): on the toy (AVX512-BF16, one process, MTP k=3 alternating with fp32
     drafting, 10 rounds) 216 -> 251 tok/s, the mean acceptance length over four prompts 2.374 -> 2.357; k=1
     220 -> 237. draft_model's passes too (specdec.DraftModelProposer), and with bmm=False (every weight through
@@ -362,9 +385,11 @@ def gated_rms_norm(x, z, weight, eps):
     x, z [..., d_v], weight [d_v]. Returns [..., d_v] in x's dtype."""
     if _fast(x):
         return _norm_launch(x, weight, eps, z=z)
-    if _cpu_fast(x):  # (x contiguous first: as the reference says, torch sums a transposed view's rows in
-        # an order set by T)
-        y = F.rms_norm(x.float().contiguous(), (x.shape[-1],), None, eps).to(x.dtype)
+    if _cpu_fast(x):  # the normalisation as _rms_norm_cpu's one LayerNorm over [x, -x] (F.rms_norm: a
+        # composite of eight ops on a CPU, ~30 us a call on the toy against ~7)
+        D = x.shape[-1]
+        xf = x.float()
+        y = F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), None, None, eps)[..., :D].to(x.dtype)
         return (weight * y * exact(F.silu, z.float())).to(x.dtype)
     return gated_rms_norm_ref(x, z, weight, eps)
 
@@ -1141,7 +1166,8 @@ def linear(x, w, residual=None, scale=None, norm=None, then=None):
     added inside the Triton kernel's last step, before its one rounding). On the GPU (bf16 / fp16): steps of
     up to INVARIANT_ROWS rows through the row-invariant Triton kernel (BATCH_INVARIANT), or, without it,
     cuBLAS except steps of at most 32 rows on the weight shapes where the Triton GEMV is faster
-    (_gemv_config). The CPU reference computes small steps (<= 256 rows) one row at a time, so that a token's
+    (_gemv_config). The CPU reference computes decode and verify steps (token_steps(); other steps up to
+    CPU_MKL_ROWS rows) one row at a time, so that a token's
     result does not depend on how many tokens share the step (BLAS picks other kernels for M = 1 and M = k+1):
     spec-on logprobs then equal spec-off's. The CPU fast path (CPU_FAST) gets the same property without a
     Python loop per row: see _linear_cpu. An FP8 weight (e4m3, with its block scales `scale`): _linear_fp8.
@@ -1166,7 +1192,7 @@ def linear(x, w, residual=None, scale=None, norm=None, then=None):
         cfg = _gemv_config(M, w.shape[0], w.shape[1], x.is_cuda, x.dtype)
         if cfg is not None and (cfg == "rows" or M <= 32):
             return _gemv_launch(x, w, cfg, residual, then=then)
-    if x.is_cuda or x.numel() // x.shape[-1] > 256:
+    if x.is_cuda or (M > CPU_MKL_ROWS and not TOKEN_STEPS):
         y = F.linear(x, w)
     elif _cpu_fast(x) and w.dim() == 2 and (_dnn_ok(w) or w.shape[0] % 16 == 0):
         y = _linear_cpu(x, w)
@@ -1237,21 +1263,158 @@ def _dnn_rows(w, M, dtype=None):
     return _rows_alone("dnn", w, M, lambda x: _dnn(x, wp), dtype or w.dtype)
 
 
+# fp32 CPU steps of M < CPU_PAD_ROWS rows, for M in CPU_PADDED, call oneDNN with CPU_PAD_ROWS rows, zero rows added
+# (_dnn_rows_call): on some CPUs oneDNN streams weights from memory faster for a few rows than for one or two.
+# calibrate_cpu_rows picks the M by timing the model's own steps; empty: no padding.
+CPU_PAD_ROWS = 4
+CPU_PADDED = frozenset()
+_ZERO_ROWS = {}  # (n, in, dtype) -> n zero rows [n, in] (read only): what a padded call adds
+
+
+def _zero_rows(n, k, dtype):
+    if (n, k, dtype) not in _ZERO_ROWS:
+        _ZERO_ROWS[n, k, dtype] = torch.zeros(n, k, dtype=dtype)
+    return _ZERO_ROWS[n, k, dtype]
+
+
+_DNN_CALLS = [0]  # _dnn_rows_call's calls (calibrate_cpu_rows: does a model's step call oneDNN at all?)
+
+
 def _dnn_rows_call(rows, w, dtype=None):
     """oneDNN's GEMM of rows [M, in] (in dtype, default w's) with w's packed copy in that dtype, each row with the
-    bits of its own 1-row call: one call where _dnn_rows finds that it gives them, else one call per row."""
+    bits of its own 1-row call: one call where _dnn_rows finds that it gives them, else one call per row. An fp32
+    step of M rows, M in CPU_PADDED, is called with CPU_PAD_ROWS rows (zeros after its own) where _dnn_rows finds
+    such a call giving each row its 1-row bits: the same bits, faster where calibrate_cpu_rows measured it so."""
+    _DNN_CALLS[0] += 1
     wp = _packed(w, dtype)
-    if rows.shape[0] == 1 or _dnn_rows(w, rows.shape[0], dtype):
+    M = rows.shape[0]
+    if M in CPU_PADDED and rows.dtype == torch.float32 and _dnn_rows(w, CPU_PAD_ROWS, dtype):
+        return _dnn(torch.cat([rows, _zero_rows(CPU_PAD_ROWS - M, rows.shape[1], rows.dtype)]), wp)[:M]
+    if M == 1 or _dnn_rows(w, M, dtype):
         return _dnn(rows, wp)
     return torch.cat([_dnn(r, wp) for r in rows.split(1)])
 
 
-def _linear_cpu(x, w):
-    """x @ w^T for a small CPU step (<= 256 rows), a row's bits the same whatever the step's other rows and
-    size. F.linear's own GEMM (MKL) does not give that: on this CI class's CPU (AMD EPYC Zen 5, MKL 2024.2) it
-    rounds M = 1, 2-3 and >= 4 rows differently, hence the reference's loop over rows.
+# fp32 CPU linears through FBGEMM's fp16-weight GEMM (torch.ops.quantized.linear_dynamic_fp16), for a weight w
+# whose every element times a power of two 2^s is an fp16 (a bf16 checkpoint's weights, as the toy's, all are at
+# the s _fp16_weight picks): that GEMM widens each fp16 weight to fp32 in registers and multiplies and sums in
+# fp32, so its products are x * (w * 2^s) exactly, its sums fp32 sums, and 2^-s times its result (exact where
+# the result is not subnormal) is an fp32 x @ w^T in FBGEMM's summation order, read from half the bytes oneDNN's fp32 GEMM streams. The toy's 63
+# checkpoint weights cycling from memory (one thread, this CI class's 2-core EPYC, session 45), 1 / 4 / 16 rows:
+# 1.26 / 1.89 / 4.33 ms a pass against oneDNN fp32's 2.97 / 3.22 / 5.14. False: oneDNN's fp32 GEMM for all.
+CPU_FP16 = True
+_FP16_GEMM = []  # [can this torch pack an fp16 weight for FBGEMM?], found at first use
 
-    What runs, fp32: oneDNN's GEMM on the weight packed once (_packed), and a row's bits are by definition
+
+def _fp16_gemm_here():
+    if not _FP16_GEMM:
+        try:
+            wp = torch.ops.quantized.linear_prepack_fp16(torch.ones(16, 16), None)
+            _FP16_GEMM.append(torch.equal(torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 16), wp),
+                                          torch.full((1, 16), 16.0)))
+        except (RuntimeError, AttributeError, NotImplementedError):  # no FBGEMM (an ARM build: QNNPACK only)
+            _FP16_GEMM.append(False)
+    return _FP16_GEMM[0]
+
+
+def _fp16_weight(w):
+    """(w * 2^s packed for FBGEMM's fp16 GEMM, 2^-s as a 0-d tensor) for an fp32 weight, s the largest power with
+    max |w| * 2^s < 2^16 (fp16's largest is 65504; a bf16 value below 2^16 is at most 65280), where every element
+    of w * 2^s is an fp16 exactly and 2^s and 2^-s are normal fp32 numbers; else None (an fp32 checkpoint's
+    weights, too wide a range, no FBGEMM here, or a quantized engine that has none). Made once per weight
+    (_derived)."""
+    def make(w):
+        m = w.abs().max().item() if w.numel() else 0.0
+        if not (CPU_FP16 and 0 < m < math.inf and _fp16_gemm_here()):
+            return None
+        s = 16 - math.frexp(m)[1]                   # m = f * 2^e, f in [0.5, 1): m * 2^s = f * 2^16
+        if abs(s) > 126:                            # (a weight below ~1e-34: 2^s would overflow fp32)
+            return None
+        ws = w * 2.0 ** s                           # exact (a power of two, both within fp32's normal range)
+        if not torch.equal(ws.half().float(), ws):
+            return None
+        try:
+            packed = torch.ops.quantized.linear_prepack_fp16(ws, None)
+        except RuntimeError:                        # torch.backends.quantized.engine set to one without it
+            return None
+        return packed, torch.tensor(2.0 ** -s)      # (a 0-d tensor: mul_ by a Python float wraps it, 3 us against 1)
+    return _derived(w, "fp16", make) if CPU_FP16 and w.dtype == torch.float32 else None
+
+
+def _fp16(x, wp):
+    return torch.ops.quantized.linear_dynamic_fp16(x, wp)
+
+
+def _fp16_rows_call(rows, w, packed):
+    """rows [M, in] @ w^T through FBGEMM's fp16 GEMM on packed = _fp16_weight(w), each row with the bits of its
+    own 1-row call: one M-row call where _rows_alone finds that it gives them (for w's shape, M and the thread
+    count), else one call per row."""
+    wp, scale = packed
+    M = rows.shape[0]
+    if M == 1 or _rows_alone("fp16", w, M, lambda x: _fp16(x, wp), torch.float32):
+        y = _fp16(rows.contiguous(), wp)
+    else:
+        y = torch.cat([_fp16(r, wp) for r in rows.split(1)])
+    return y.mul_(scale)
+
+
+_CALIBRATED = {}  # a model's calibration key -> the CPU_PADDED calibrate_cpu_rows chose for it
+CALIBRATE_STEP_S = 0.05  # a model whose 1-token step takes longer is not timed (nor padded): 26 steps would be long
+
+
+def calibrate_cpu_rows(step, key, rounds=3):
+    """Sets CPU_PADDED for a model: for M = 1 .. CPU_PAD_ROWS - 1, step(M) (one forward of M rows through the
+    model) timed with M padded and not, the two alternating, `rounds` times each after one call of each; M is
+    padded where that is at least 2 % faster (medians). Only the speed differs (see _dnn_rows_call). Done once per
+    key (the model's weight shapes) in a process. On this CI class's 2-core EPYC in session 43 (the toy's 42 MB
+    of packed fp32 weights streamed from memory at 14-16 GB/s, one after another: 1 / 2 / 3 / 4 rows 2.77 /
+    3.08 / 2.67 / 2.55 ms a pass) it chose {2}, {1, 2} or {2, 3} (a 1-row step gains 1-3 %, near the margin; MTP
+    k=1's 2-row verify 11-13 %); on session 14's host of the same class (1 / 4 rows 1.57 / 2.04 ms) padding a
+    1-row step would have lost. Nothing is timed for a model whose steps call oneDNN nowhere (a bf16 checkpoint's
+    weights take the fp16-weight GEMM, _fp16_weight): padding could not change its speed."""
+    global CPU_PADDED
+    if key not in _CALIBRATED:
+        CPU_PADDED = frozenset()
+        step(1)                                 # (a first step packs the weights)
+        calls = _DNN_CALLS[0]
+        t = time.perf_counter()
+        step(1)
+        small = time.perf_counter() - t <= CALIBRATE_STEP_S
+        _CALIBRATED[key] = _padded_faster(step, rounds) if small and _DNN_CALLS[0] > calls else frozenset()
+    CPU_PADDED = _CALIBRATED[key]
+    return CPU_PADDED
+
+
+def _padded_faster(step, rounds):
+    """calibrate_cpu_rows's timing: the M in 1 .. CPU_PAD_ROWS - 1 whose step(M) ran at least 2 % faster padded
+    (medians of `rounds` alternating calls each, after one call of each: oneDNN's primitives and _dnn_rows's
+    checks for the padded shapes), each M timed with the ones chosen before it padded."""
+    global CPU_PADDED
+    chosen = set()
+    for M in range(1, CPU_PAD_ROWS):
+        times = {False: [], True: []}
+        for r in range(rounds + 1):
+            for pad in ((False, True) if r % 2 == 0 else (True, False)):
+                CPU_PADDED = frozenset(chosen | ({M} if pad else set()))
+                t = time.perf_counter()
+                step(M)
+                times[pad].append(time.perf_counter() - t)
+        if statistics.median(times[True][1:]) < 0.98 * statistics.median(times[False][1:]):
+            chosen.add(M)
+    return frozenset(chosen)
+
+
+def _linear_cpu(x, w):
+    """x @ w^T for a CPU step (a decode or verify step, token_steps(), or up to CPU_MKL_ROWS rows), a row's bits
+    the same whatever the step's other rows and size. F.linear's own GEMM (MKL) does not give that: on this CI
+    class's CPU (AMD EPYC Zen 5, MKL 2024.2) it rounds M = 1, 2-3 and >= 4 rows differently, hence the
+    reference's loop over rows.
+
+    What runs, fp32: a weight whose values times some 2^s are all fp16s (a bf16 checkpoint's) through FBGEMM's
+    fp16-weight GEMM (_fp16_weight, _fp16_rows_call: half the bytes, the same fp32 arithmetic; the toy's plain
+    decoding 137 -> ~195 tok/s on this CI class, session 45), one M-row call where _rows_alone finds that it
+    gives each row its 1-row bits (every M of 2..33 at every toy shape, one and two threads, on this CPU).
+    Other fp32 weights: oneDNN's GEMM on the weight packed once (_packed), and a row's bits are by definition
     those of its own 1-row call. A step of M rows takes one M-row call where a check at first use (_dnn_rows,
     per weight shape, M and thread count) found that call giving each row exactly those bits on the running
     CPU, else one 1-row call per row. On this CPU every M of 1..64 passes at every toy shape, and the M-row
@@ -1263,10 +1426,13 @@ def _linear_cpu(x, w):
     1-row bits (_bmm_rows; on session 18's Xeon it did not at two threads), else one bmm per row; only for out a
     multiple of 16 (on the AVX2 EPYC of session 10, out = 70 or 250 rounded every other row differently; such
     widths take the reference's loop).
-    test_cpu_linear_row_invariant pins the three paths, test_cpu_dnn_rows_check the check."""
+    test_cpu_linear_row_invariant pins the four paths, test_cpu_dnn_rows_check the check,
+    test_cpu_fp16_weight_gemm the fp16 path's scaling and refusals."""
     rows = x.reshape(-1, x.shape[-1])
     if _CPU_DRAFT and CPU_DRAFT_DTYPE is not None and _dnn_ok(w):
         y = _linear_draft_cpu(rows, w)
+    elif (half := _fp16_weight(w)) is not None:
+        y = _fp16_rows_call(rows, w, half)
     else:
         y = _dnn_rows_call(rows, w) if _dnn_ok(w) else _bmm_rows(rows, w)
     return y.view(*x.shape[:-1], w.shape[0])
@@ -1284,12 +1450,16 @@ def _linear_draft_cpu(rows, w):
     1..5 rows there (us a call, hot, against oneDNN in bf16, measured on the earlier 128-wide toy draft:
     388 x 128 at 1 / 5 rows 5 / 16 against 28 / 39, 768 x 128 8 / 25 against 30 / 27, 256 x 256 6 / 17
     against 23 / 25; at 8 rows 27-37 against 25-35), as _bmm_rows (one bmm of M rows where that gives each row
-    the bits of its own 1-row call, else one per row). The others: oneDNN on w's CPU_DRAFT_DTYPE copy
-    (packed once), the rows rounded to that dtype, the result back in w's dtype; one M-row call where
-    _dnn_rows finds it giving each row its bits alone. Which of the two runs depends on w (and the caller's
-    cpu_draft(bmm)) alone, not on M."""
+    the bits of its own 1-row call, else one per row). The others: FBGEMM's fp16-weight GEMM in fp32 as the
+    target's (_fp16_weight: a bf16 checkpoint's weights; the MTP head's lm_head is the target's, packed once for
+    both; against the bf16 oneDNN below, the toy's block drafters 2 % faster, session 45); else oneDNN on w's
+    CPU_DRAFT_DTYPE copy (packed once), the rows rounded to that dtype, the result back in w's dtype; one M-row
+    call where _rows_alone / _dnn_rows find it giving each row its bits alone. Which runs depends on w (and the
+    caller's cpu_draft(bmm)) alone, not on M."""
     if _DRAFT_BMM and w.numel() <= DRAFT_BMM_SIZE:
         return _bmm_rows(rows, w)
+    if (half := _fp16_weight(w)) is not None:
+        return _fp16_rows_call(rows, w, half)
     return _dnn_rows_call(rows.to(CPU_DRAFT_DTYPE), w, CPU_DRAFT_DTYPE).to(w.dtype)
 
 

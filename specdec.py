@@ -1835,7 +1835,18 @@ PROPOSERS = {"ngram": NgramProposer, "mtp": MTPProposer, "dflash": DFlashPropose
 # -- Sampling parameters: vLLM's SamplingParams and its structured outputs ---------------------------
 
 # What SamplingParams.check accepts: (field, accepted(value), message: {v} the value); vLLM's messages
-SAMPLING_CHECKS = [
+_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+_integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+SAMPLING_CHECKS = [  # the types first: a value of another type is refused here, not by a step that it would fail
+    *[(f, _number, f + " must be a number, got {v!r}.") for f in ("presence_penalty", "frequency_penalty",
+                                                                   "repetition_penalty", "temperature", "top_p",
+                                                                   "min_p")],
+    ("max_tokens", lambda v: v is None or _integer(v), "max_tokens must be an integer, got {v!r}."),
+    ("logprobs", lambda v: v is None or _integer(v), "logprobs must be an integer, got {v!r}."),
+    ("seed", lambda v: v is None or (_integer(v) and -2 ** 63 <= v < 2 ** 63),
+     "seed must be an integer of int64's range, got {v!r}."),
+    ("stop", lambda v: all(isinstance(x, str) for x in v), "stop must be a string or a list of strings, got {v!r}."),
+    ("bad_words", lambda v: all(isinstance(x, str) for x in v), "bad_words must be a list of strings, got {v!r}."),
     ("n", lambda v: isinstance(v, int) and v >= 1, "n must be at least 1, got {v}."),
     ("presence_penalty", lambda v: -2 <= v <= 2, "presence_penalty must be in [-2, 2], got {v}."),
     ("frequency_penalty", lambda v: -2 <= v <= 2, "frequency_penalty must be in [-2, 2], got {v}."),
@@ -1918,6 +1929,9 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            if not isinstance(getattr(self, name), (list, tuple, type(None))):
+                raise ConfigError(f"{name} must be a list, got {getattr(self, name)!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         self.bad_words = list(dict.fromkeys(self.bad_words or []))
@@ -2133,8 +2147,8 @@ class Grammar:
         if not m.is_terminated():
             m.fill_next_token_bitmask(bitmask, 0)
         n = 0
-        for d in drafts:
-            if d < 0 or m.is_terminated() or not m.accept_token(d):
+        for d in drafts:  # (a draft the mask refuses is not offered to the matcher: it logs each refused token)
+            if d < 0 or m.is_terminated() or not (int(bitmask[n, d // 32]) >> (d % 32)) & 1 or not m.accept_token(d):
                 break
             n += 1
             if not m.is_terminated():
@@ -2519,6 +2533,18 @@ class ModelRunner:
                 self.accept = self._rejection_sample
         self.taps = tuple(getattr(self.proposer, "taps", ()))  # target layers the proposer reads (DFlash)
         self.stop_ids = ()  # the model's EOS ids, which min_tokens masks (the Engine sets them)
+        if device.type == "cpu" and K.CPU_FAST and dtype == torch.float32 and self.state.max_len >= K.CPU_PAD_ROWS:
+            self._calibrate_cpu()
+
+    def _calibrate_cpu(self):
+        """kernels.calibrate_cpu_rows for this model: which short steps (1-3 rows) run faster with oneDNN's calls
+        padded to 4 rows (the same bits), timed on forwards of 1-3 tokens through the dummy slot (whose state only
+        padding rows use). One setting a process: the last model built sets it."""
+        slot, pos = self.h2d([self.state.dummy_slot], torch.long), self.h2d([0], torch.long)
+        key = tuple((name, tuple(p.shape)) for name, p in self.model.named_parameters())
+        with torch.inference_mode():
+            K.calibrate_cpu_rows(lambda M: self._forward(M, torch.zeros(1, M, dtype=torch.long), pos, slot,
+                                                         "decode"), key)
 
     # -- inputs ------------------------------------------------------------------------------
     def batch(self, reqs):
@@ -2548,9 +2574,11 @@ class ModelRunner:
         return self.model(ids, ctx, self.taps) if self.taps else (self.model(ids, ctx), ())
 
     def _forward(self, kv_len, ids, pos, slots, mode):
-        """The target over ids [B, T] at positions pos.. of slots -> hidden [B, T, H], logits, *taps."""
-        h, taps = self._hidden(ids, Ctx(self.state, slots, pos, kv_len, mode))
-        return (h, self.model.logits(h), *taps)
+        """The target over ids [B, T] at positions pos.. of slots -> hidden [B, T, H], logits, *taps. (On a CPU
+        each row's bits do not depend on the step's size, however many rows it has: kernels.token_steps.)"""
+        with K.token_steps():
+            h, taps = self._hidden(ids, Ctx(self.state, slots, pos, kv_len, mode))
+            return (h, self.model.logits(h), *taps)
 
     def _commit(self, ids, pos, slots, n_keep):
         """After a verify: each GDN layer's state advances by the first n_keep [B] tokens (its stash)."""
@@ -2858,7 +2886,8 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.vocab_size = model.cfg.vocab_size
-        self.seed = seed
+        # (vLLM's seed None: unseeded; the requests' generators still need a base, drawn once)
+        self.seed = int(torch.randint(2 ** 31, ())) if seed is None else seed
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
         self.runner.stop_ids = sorted(self.stop_ids)
@@ -3303,6 +3332,37 @@ class Tokenizer:
         (enable_thinking=False, ...). -> the prompt's ids, or its text with tokenize=False."""
         text = (self.template or ChatTemplate()).render(conversation, tools, add_generation_prompt, **kwargs)
         return self.encode(text) if tokenize else text
+
+    # -- what vLLM users call on llm.get_tokenizer() (a transformers tokenizer there): the same answers --
+    def __call__(self, text, add_special_tokens=True, **kwargs):
+        """transformers' tokenizer(text): {"input_ids", "attention_mask"} of a string or of a list of them."""
+        ids = [self.encode(t) for t in text] if isinstance(text, (list, tuple)) else self.encode(text)
+        mask = [[1] * len(i) for i in ids] if isinstance(text, (list, tuple)) else [1] * len(ids)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def __len__(self):
+        return self.vocab_size
+
+    @property
+    def eos_token(self):
+        return None if self.eos_token_id is None else self.convert_ids_to_tokens(self.eos_token_id)
+
+    def batch_decode(self, sequences, skip_special_tokens=False, **kwargs):
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def get_vocab(self):
+        """Token (byte-level form, or an added token's text) -> id, as transformers' get_vocab."""
+        return {**self._vocab, **self.special_ids}
+
+    def convert_ids_to_tokens(self, ids):
+        names = getattr(self, "_names", None)
+        if names is None:
+            names = self._names = {i: t for t, i in self.get_vocab().items()}
+        return names.get(ids) if isinstance(ids, int) else [names.get(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens):
+        vocab = self.get_vocab()
+        return vocab.get(tokens) if isinstance(tokens, str) else [vocab.get(t) for t in tokens]
 
     def id_of(self, token):
         """Id of an added token ("<|im_end|>"), a vocab token in byte-level form ("Ġthe"), or a plain
@@ -4182,6 +4242,13 @@ def histogram(name, labels, bounds, values):
 
 def resolve_device_dtype(device, dtype):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"device {device!r} (--device) is not available here: use cpu"
+                          + (" or cuda" if torch.cuda.is_available() else " (this torch has no CUDA device)"))
     if dtype in (None, "auto"):
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
     dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -4459,6 +4526,9 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             return self.encode_prompt(prompt.get("prompt_token_ids", prompt.get("prompt")))
+        if not (isinstance(prompt, (list, tuple)) and all(_integer(t) for t in prompt)):
+            raise ConfigError(f"a prompt is a string, a list of token ids (integers) or a dict with 'prompt' or "
+                              f"'prompt_token_ids', got {str(prompt)[:80]!r}")
         return None, list(prompt)
 
     def get_tokenizer(self):
@@ -4494,7 +4564,14 @@ class LLM:
         bar = self._progress(use_tqdm, len(reqs))
         t0 = time.perf_counter()
         while any(not r.finished for _, _, rs in reqs for r in rs):
-            self.engine.step()
+            try:
+                self.engine.step()
+            except Exception:  # this call's requests end (as the server ends those of a step that failed), so
+                for _, _, rs in reqs:  # that the engine does not step them again in the next call
+                    for r in rs:
+                        if not r.finished:
+                            self.engine.abort(r)
+                raise
             done = [rs for _, _, rs in reqs if all(r.finished for r in rs)]
             if bar is not None and len(done) > bar.n:
                 dt = max(time.perf_counter() - t0, 1e-9)
@@ -4553,6 +4630,12 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
+        # as vLLM, chat_template_kwargs go over the template's own arguments (not the messages or documents)
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        tools = kwargs.pop("tools", tools)
+        clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
+        if clash:
+            raise ConfigError(f"chat_template_kwargs may not set {', '.join(clash)}")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [template.render(m, tools, add_generation_prompt, **kwargs) for m in convs]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -267,11 +267,11 @@ def save_tensors(path, w, shards=1):
 
 
 def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, shards=1, per_expert=False, seed=0,
-                          tokenizer=True, extra=None, drop=None, predictable=False, sizes=None):
+                          tokenizer=True, extra=None, drop=None, predictable=False, sizes=None, bf16=False):
     """Write config.json, generation_config.json, tokenizer files and safetensors in the published layout:
     `wrapper` = multimodal Qwen3_5ForConditionalGeneration names (model.language_model.*, a vision tower
     that must be skipped) else text-only Qwen3_5ForCausalLM names (model.*). `predictable`: make_predictable.
-    `sizes`: text_config entries over tiny_text_config's."""
+    `sizes`: text_config entries over tiny_text_config's. `bf16`: the tensors stored in bf16 (as published)."""
     os.makedirs(path, exist_ok=True)
     tok_vocab = 0
     if tokenizer:
@@ -299,6 +299,8 @@ def write_tiny_checkpoint(path, moe=False, tie=False, mtp=True, wrapper=True, sh
     w.update(extra or {})
     for name in drop or []:
         w.pop(name)
+    if bf16:
+        w = {k: v.bfloat16() for k, v in w.items()}
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(top, fh, indent=1)
     if tokenizer:
@@ -467,11 +469,17 @@ def our_logits(llm, ids, mode):
         return torch.stack(out)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "dense-tied-text-sharded", "moe-per-expert-text"])
-def test_logits_match_transformers(kind, tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "moe", "dense-tied-text-sharded", "moe-per-expert-text", "dense-bf16"])
+def test_logits_match_transformers(kind, tmp_path, monkeypatch):
+    """Our fp32 logits == transformers' within 1e-4, prefill and decode; "bf16": a checkpoint of bf16 values (as
+    published), whose small CPU steps take FBGEMM's fp16-weight GEMM (kernels._fp16_weight; counted)."""
     moe = kind.startswith("moe")
     path = write_tiny_checkpoint(str(tmp_path / kind), moe=moe, tie="tied" in kind, wrapper="text" not in kind,
-                                 shards=2 if "sharded" in kind else 1, per_expert="per-expert" in kind, seed=3)
+                                 shards=2 if "sharded" in kind else 1, per_expert="per-expert" in kind, seed=3,
+                                 bf16="bf16" in kind)
+    calls = []
+    real = K._fp16
+    monkeypatch.setattr(K, "_fp16", lambda rows, wp: calls.append(1) or real(rows, wp))
     llm = LLM(model=path, device="cpu", dtype="float32")
     hf = hf_model(path) if "per-expert" not in kind else None
     if hf is None:  # the per-expert layout must load to the same model as the fused one
@@ -484,6 +492,7 @@ def test_logits_match_transformers(kind, tmp_path):
         ours = our_logits(llm, ids, mode)
         err = (ours - ref).abs().max().item()
         assert err <= 1e-4, (mode, err)
+    assert bool(calls) == ("bf16" in kind and K._fp16_gemm_here())
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -650,6 +659,12 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
     ttft = by["vllm:time_to_first_token_seconds", None]
     assert ttft.count == ttft.buckets["+Inf"] == 4
     assert per_pos.labels == {"model_name": tiny_spec, "engine": "0"}
+    # chat_template_kwargs go over the template's own arguments, as vLLM merges them (not the messages)
+    over = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=1),
+                    chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False})
+    assert over[0].prompt_token_ids == tok.encode(sd.apply_chat_template(msgs, False, False))
+    with pytest.raises(ConfigError, match="may not set messages"):
+        llm.chat(msgs, chat_template_kwargs={"messages": []})
 
 
 # ==============================================================================================
@@ -2524,9 +2539,33 @@ def test_request_errors(tiny):
     with pytest.raises(ConfigError, match="prompt is empty"):
         llm.generate([[]], SamplingParams())
     for bad, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
-                     (dict(top_k=-2), "top_k must be 0 \\(disable\\), or at least 1, got -2")):
+                     (dict(top_k=-2), "top_k must be 0 \\(disable\\), or at least 1, got -2"),
+                     # a value of another type: refused here, not by the step it would fail (which, offline, left
+                     # its request in the engine to fail every later generate)
+                     (dict(stop=[5]), "stop must be a string or a list of strings"), (dict(stop=5), "stop must be"),
+                     (dict(logprobs=1.5), "logprobs must be an integer"), (dict(logprobs=True), "logprobs must"),
+                     (dict(seed=1.5), "seed must be an integer"), (dict(seed=2 ** 70), "seed must be an integer"),
+                     (dict(temperature=None), "temperature must be a number"), (dict(max_tokens=4.5), "max_tokens"),
+                     (dict(bad_words=[5]), "bad_words must be a list of strings")):
         with pytest.raises(ConfigError, match=msg):
             SamplingParams(**bad)
+    with pytest.raises(ConfigError, match="list of token ids \\(integers\\)"):
+        llm.generate({"prompt_token_ids": [474.0, 286.0]}, SamplingParams(max_tokens=2))
+    launch, calls = llm.engine.runner.launch, []
+
+    def fail_once(*a, **kw):  # a step that raises: that call's requests end, the engine goes on
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return launch(*a, **kw)
+    llm.engine.runner.launch = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(r is None for r in llm.engine.slots) and not llm.engine.waiting
+    out = llm.generate(["a"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3
+    unseeded = LLM(model=tiny, device="cpu", max_model_len=64, seed=None)  # vLLM's seed None: not a fixed seed
+    assert len(unseeded.generate([[1]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
     for choice in ("ab", {"a": 1}):  # a string or a dict is not a list of strings (a string passed before)
         with pytest.raises(ConfigError, match="choice must be a non-empty list of strings"):
             llm.generate([[1]], SamplingParams(max_tokens=2, structured_outputs=sd.StructuredOutputsParams(
@@ -2792,6 +2831,7 @@ def test_cli_generates_with_stats_and_speculation(tiny_spec, capsys):
     (["--speculative-config", '{"method":"mtp"}'], "num_speculative_tokens must be provided"),
     (["--model", "/nonexistent/dir"], "does not exist"),
     (["--dtype", "int3"], "unsupported dtype"),
+    (["--device", "tpu"], "device 'tpu' (--device) is not available here"),
     (["--model", "Qwen/Qwen3.6-NotCached"], "hf download Qwen/Qwen3.6-NotCached"),
     (["--tensor_parallel_size", "2"], "tensor parallelism is not supported yet"),
     (["-q", "gptq"], "quantization='gptq' (--quantization) is not supported; specdec supports fp8"),
@@ -3451,6 +3491,26 @@ def test_dtype_and_per_expert_input(tmp_path):
 
 
 @needs_gguf
+def test_tokenizer_as_transformers_for_vllm_users():
+    """What vLLM users call on llm.get_tokenizer() (a transformers tokenizer in vLLM): tokenizer(text) and of a list,
+    len, eos_token, batch_decode, get_vocab, convert_ids_to_tokens / convert_tokens_to_ids: transformers' answers on
+    the shipped toy's tokenizer."""
+    from transformers import AutoTokenizer
+    ref, tok = AutoTokenizer.from_pretrained(TOY), LLM(TOY, device="cpu", max_model_len=64).get_tokenizer()
+    texts = ["def fib(n):\n    return n", "città <think>x</think> <|im_end|>", ""]
+    for t in texts + [texts]:
+        assert tok(t) == dict(ref(t))
+    assert len(tok) == len(ref) and tok.eos_token == ref.eos_token and tok.eos_token_id == ref.eos_token_id
+    ids = [ref(t)["input_ids"] for t in texts]
+    for skip in (False, True):
+        assert tok.batch_decode(ids, skip_special_tokens=skip) == ref.batch_decode(ids, skip_special_tokens=skip)
+    assert tok.get_vocab() == ref.get_vocab()
+    some = [0, 255, 474, 7440, 8192, 8194, 8198]
+    names = ref.convert_ids_to_tokens(some)
+    assert tok.convert_ids_to_tokens(some) == names and tok.convert_ids_to_tokens(474) == names[2]
+    assert tok.convert_tokens_to_ids(names) == some and tok.convert_tokens_to_ids(names[3]) == 7440
+
+
 def test_tokenizer(tmp_path):
     tj = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "\u0120": 3, "\u0120ab": 4},
                     "merges": ["a b", ["\u0120", "ab"]]},
@@ -8207,7 +8267,7 @@ def chat_both_ways(client, **kw):
 
 
 @pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
-def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser):
+def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser, capfd):
     """tool_choice named or "required" (server.forced_calls): xgrammar's structural tag of the parser's format as
     the request's grammar. A random model held to it writes a call the parser reads, with arguments of the schema's
     types (a boolean, one of an enum), greedy and sampled, and speculating (MTP k=2: the grammar's masks per
@@ -8235,6 +8295,7 @@ def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser):
                 # (an XML call's string value keeps the whitespace around it, which its grammar allows)
                 mode_value = args["mode"].strip() if parser == "qwen3_coder" else args["mode"]
                 assert set(args) == {"on", "mode"} and isinstance(args["on"], bool) and mode_value in ("fast", "slow")
+    assert "cannot accept" not in capfd.readouterr().err  # drafts the masks refuse never reach xgrammar's matcher
     with pytest.raises(srvmod.ApiError, match="cannot be held to"):
         srvmod.forced_calls(app, {}, [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "f")
@@ -8484,24 +8545,43 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("path", ["dnn", "dnn rows alone", "bmm"])
+@pytest.mark.parametrize("path", ["fp16", "dnn", "dnn padded", "dnn rows alone", "bmm"])
 @pytest.mark.parametrize("N,Kin", [(8256, 256), (2048, 256), (256, 1024), (1352, 256), (1536, 256),
                                    (256, 256), (512, 256), (4, 256), (1, 256), (1, 512), (256, 512),
                                    (776, 256)])
 def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch, one_thread):
     """The CPU linear, every way it runs (oneDNN's GEMM with one call per step where _dnn_rows passes on this
-    CPU, or one 1-row call per row where it fails; without oneDNN one batched call, every row its own (1, in)
-    @ (in, out) product): a row alone == the row in steps of 2 .. 40 rows at any offset, bit for bit (the
-    toy's shapes and some odd ones; F.linear's GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round
-    differently), and == F.linear within fp32. At one thread, the engine's: at two the bmm path's rows round
-    differently on session 18's Xeon, which the test saw only when run without the tests that set one first."""
+    CPU, or one 1-row call per row where it fails; steps of 1-3 rows padded to 4 with zero rows
+    (kernels.CPU_PADDED); without oneDNN one batched call, every row its own (1, in) @ (in, out) product; a weight of
+    bf16 values through FBGEMM's fp16-weight GEMM, every call of it counted): a row
+    alone == the row in steps of 2 .. 40 rows at any offset, bit for bit (the toy's shapes and some odd ones;
+    F.linear's GEMM fails this on this CPU: M = 1, 2-3 and >= 4 round differently), and == F.linear within fp32;
+    padded, a row alone has the bits of its unpadded 1-row call. At one thread, the engine's: at two the bmm
+    path's rows round differently on session 18's Xeon, which the test saw only when run without the tests that
+    set one first."""
+    monkeypatch.setattr(K, "CPU_PADDED", frozenset())
     if path == "dnn rows alone":
         monkeypatch.setattr(K, "_dnn_rows", lambda w, M, dtype=None: False)
     if path == "bmm":
         monkeypatch.setattr(K, "_dnn_ok", lambda w: False)
     g = torch.Generator().manual_seed(N + Kin)
     w, x = torch.randn(N, Kin, generator=g), torch.randn(48, Kin, generator=g)
+    fp16_calls = []
+    real_fp16 = K._fp16
+    monkeypatch.setattr(K, "_fp16", lambda rows, wp: fp16_calls.append(rows.shape[0]) or real_fp16(rows, wp))
+    if path == "fp16":
+        w = w.bfloat16().float()                                                  # a bf16 checkpoint's values
     alone = torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)])
+    assert bool(fp16_calls) == (path == "fp16" and K._fp16_gemm_here())          # (fp32 weights: not fp16s)
+    if path == "dnn padded":
+        pads = K._dnn_rows(w, 4)                 # does a 4-row call give each row its bits? (its check's calls first)
+        shapes = []
+        real = K._dnn
+        monkeypatch.setattr(K, "_dnn", lambda rows, wp: shapes.append(rows.shape[0]) or real(rows, wp))
+        monkeypatch.setattr(K, "CPU_PADDED", frozenset({1, 2, 3}))
+        assert torch.equal(torch.cat([K._linear_cpu(x[i:i + 1], w) for i in range(48)]), alone)
+        assert torch.equal(K._linear_cpu(x[5:8], w), alone[5:8])
+        assert set(shapes) == {4} if pads else 4 not in shapes                    # padded: every call 4 rows
     for M in (2, 3, 4, 5, 8, 9, 13, 16, 17, 40):
         for s in (0, 3, 8 - (M % 8)):
             assert torch.equal(K._linear_cpu(x[s:s + M], w), alone[s:s + M]), (M, s)
@@ -8511,6 +8591,147 @@ def test_cpu_linear_row_invariant(N, Kin, path, monkeypatch, one_thread):
     K._linear_cpu(x[:1], w2)
     w2.mul_(2)                                                                    # written in place: a fresh w^T
     assert torch.equal(K._linear_cpu(x[:1], w2), K._linear_cpu(x[:1], w2.clone()))
+
+
+def test_cpu_token_steps_keep_rows_alone_at_any_size(tiny_spec, monkeypatch):
+    """The target's decode and verify steps keep each row's 1-row bits however many rows they have
+    (kernels.token_steps); other CPU steps of more than CPU_MKL_ROWS rows (prefill chunks) take F.linear. Here the
+    limit is 0 and F.linear a stand-in whose row r gets r * 1e-3 added (MKL's rows depend on the call's size too, by
+    rounding): greedy MTP k=3 over five prompts at once (20-row verifies) equals plain decoding (5-row steps)
+    token for token, and the stand-in did run (the prompts' prefills, the drafts)."""
+    real = F.linear
+    sizes = []
+
+    def skewed(x, w, b=None):
+        y = real(x, w, b)
+        rows = y.reshape(-1, y.shape[-1])
+        sizes.append(rows.shape[0])
+        return (rows + torch.arange(rows.shape[0], dtype=y.dtype)[:, None] * 1e-3).view(y.shape)
+    monkeypatch.setattr(K, "CPU_MKL_ROWS", 0)
+    monkeypatch.setattr(F, "linear", skewed)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=tiny_spec, device="cpu").generate(SPEC_PROMPTS, sp)
+    llm = LLM(model=tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    outs = llm.generate(SPEC_PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert max(sizes) > 1 and llm.engine.stats.mean_acceptance_length > 1.5
+
+
+def test_cpu_fp16_weight_gemm(monkeypatch, one_thread):
+    """kernels._fp16_weight: a weight whose elements times 2^s are all fp16s (bf16 values over a range fp16's can
+    hold at some scale, as a bf16 checkpoint's) goes to FBGEMM's fp16-weight GEMM as w * 2^s, and 2^-s times its
+    result has the bits of the same GEMM on the unscaled weight (a power of two changes no rounding of a normal
+    result), within fp32 rounding of the float64 product; fp32 values, too wide a range, a zero or NaN weight, one
+    so small that 2^s would overflow, CPU_FP16 off, no FBGEMM or a quantized engine without it: None, and linear()
+    takes oneDNN's fp32 GEMM (the same values within fp32)."""
+    if not K._fp16_gemm_here():
+        pytest.skip("this torch has no FBGEMM fp16 GEMM")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=g)
+    w = torch.randn(40, 96, generator=g).half().float()                          # fp16s: max ~4, so s = 12
+    packed = K._fp16_weight(w)
+    assert packed is not None and packed[1].item() == 2.0 ** -14                   # max |w| * 2^14 in [2^15, 2^16)
+    unscaled = torch.ops.quantized.linear_prepack_fp16(w, None)
+    y = K._fp16_rows_call(x, w, packed)
+    assert torch.equal(y, torch.ops.quantized.linear_dynamic_fp16(x, unscaled))
+    ref = x.double() @ w.double().t()
+    assert ((y.double() - ref).abs() / ref.abs().clamp_min(1)).max() < 1e-5
+    tiny = (torch.randn(40, 96, generator=g) * 1e-6).bfloat16().float()          # bf16s far below fp16's range
+    assert K._fp16_weight(tiny) is not None
+    assert torch.equal(K.linear(x, tiny), K._fp16_rows_call(x, tiny, K._fp16_weight(tiny)))
+    assert torch.allclose(K.linear(x, tiny), x @ tiny.t(), rtol=1e-5, atol=1e-12)
+    wide = tiny.clone()
+    wide[0, 0] = 2.0 ** -60                        # ~2^42 below the max: under fp16's smallest subnormal at any s
+    zero, nan = torch.zeros(40, 96), w.clone()
+    nan[3, 3] = float("nan")
+    minute = (torch.randn(40, 96, generator=g) * 1e-35).bfloat16().float()       # 2^s would overflow fp32
+    for v in (torch.randn(40, 96, generator=g), wide, zero, nan, minute):
+        assert K._fp16_weight(v) is None
+    assert torch.allclose(K.linear(x, wide), x @ wide.t(), rtol=1e-5, atol=1e-12)
+    assert torch.allclose(K.linear(x, minute), x @ minute.t(), rtol=1e-5, atol=0)
+    if "qnnpack" in torch.backends.quantized.supported_engines:                  # an engine without the fp16 GEMM
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "qnnpack"
+        try:
+            w4 = w.clone()
+            assert K._fp16_weight(w4) is None and torch.allclose(K.linear(x, w4), x @ w.t(), rtol=1e-5, atol=1e-5)
+        finally:
+            torch.backends.quantized.engine = engine
+    monkeypatch.setattr(K, "CPU_FP16", False)
+    assert K._fp16_weight(w.clone()) is None
+    monkeypatch.setattr(K, "CPU_FP16", True)
+    monkeypatch.setattr(K, "_FP16_GEMM", [False])                                # a torch without FBGEMM
+    w3 = w.clone()
+    assert K._fp16_weight(w3) is None and torch.allclose(K.linear(x, w3), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_rows_calibration(monkeypatch):
+    """kernels.calibrate_cpu_rows pads the step sizes (1-3 rows) whose timed steps ran faster padded, times each
+    size with and without, keeps its choice per model (key) and sets CPU_PADDED from it, and times nothing more for
+    a model whose 1-token step is slower than CALIBRATE_STEP_S or calls oneDNN nowhere (its weights on the fp16-weight
+    GEMM); a step it cannot pad (oneDNN's 4-row call not giving each row its 1-row bits: _dnn_rows) is not padded
+    whatever CPU_PADDED says."""
+    monkeypatch.setattr(K, "_CALIBRATED", {})
+    monkeypatch.setattr(K, "CPU_PADDED", frozenset())
+    calls = []
+
+    def dnn(f):  # a stand-in step that calls oneDNN (as a model of fp32 weights does)
+        def step(M):
+            K._DNN_CALLS[0] += 1
+            return f(M)
+        return step
+
+    @dnn
+    def step(M):  # a stand-in for a model's step of M rows: faster padded at M = 2 only
+        calls.append((M, M in K.CPU_PADDED))
+        time.sleep(0.002 if (M == 2) == (M in K.CPU_PADDED) else 0.02)
+    nodnn = []
+    assert K.calibrate_cpu_rows(lambda M: nodnn.append(M), "no oneDNN") == set() and nodnn == [1, 1]
+    assert K.calibrate_cpu_rows(step, "a") == {2} and K.CPU_PADDED == {2}
+    assert calls[:2] == [(1, False), (1, False)]                       # a first step, then one timed alone
+    assert all(calls[2:].count((M, p)) == 4 for M in (1, 2, 3) for p in (0, 1)) and len(calls) == 26
+    K.CPU_PADDED = frozenset()
+    n = len(calls)
+    assert K.calibrate_cpu_rows(step, "a") == {2} and K.CPU_PADDED == {2} and len(calls) == n  # kept per key
+    assert K.calibrate_cpu_rows(dnn(lambda M: time.sleep(0.02 if M in K.CPU_PADDED else 0.002)), "b") == set()
+    slow = []                                                 # a step slower than CALIBRATE_STEP_S: not timed further
+    monkeypatch.setattr(K, "CALIBRATE_STEP_S", 0.005)
+    assert K.calibrate_cpu_rows(dnn(lambda M: slow.append(M) or time.sleep(0.01)), "c") == set() and slow == [1, 1]
+    w, x = torch.randn(64, 32), torch.randn(2, 32)
+    shapes = []
+    monkeypatch.setattr(K, "_ROWS_ALONE", {})
+    monkeypatch.setattr(K, "_dnn", lambda rows, wp: shapes.append(rows.shape[0]) or rows @ w.t()
+                        + torch.arange(rows.shape[0])[:, None] * 1e-3)                  # rows differ by place
+    monkeypatch.setattr(K, "CPU_PADDED", frozenset({1, 2, 3}))
+    assert not K._dnn_rows(w, 4) and not K._dnn_rows(w, 2)
+    shapes.clear()
+    assert torch.equal(K.linear(x[1:2], w), K.linear(x, w)[1:2]) and shapes == [1, 1, 1]      # alone, alone, alone
+
+
+def test_cpu_padded_steps_equal_unpadded(tiny_spec, monkeypatch):
+    """Greedy MTP (k = 1, 3) and plain decoding, one request and three at once, with every short CPU step padded to 4
+    rows (kernels.CPU_PADDED {1, 2, 3}: decode steps of 1 and 3 rows, k = 1's 2-row verify) and with none: the same
+    tokens and the same logprobs, bit for bit, and the padded runs called oneDNN with 4 rows more often; the engine
+    calibrated the model (kernels._CALIBRATED) when it was built."""
+    calibrated = len(K._CALIBRATED)
+    LLM(model=tiny_spec, device="cpu", max_model_len=64)
+    assert len(K._CALIBRATED) >= max(1, calibrated)
+    monkeypatch.setattr(K, "calibrate_cpu_rows", lambda step, key: K.CPU_PADDED)  # the tests' choice stays
+    real, fours = K._dnn, []
+    monkeypatch.setattr(K, "_dnn", lambda rows, wp: fours.append(rows.shape[0] == 4) or real(rows, wp))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 1}, {"method": "mtp", "num_speculative_tokens": 3}):
+        for prompts in (SPEC_PROMPTS[:1], SPEC_PROMPTS[:3]):
+            got, n4 = [], []
+            for padded in (frozenset(), frozenset({1, 2, 3})):
+                monkeypatch.setattr(K, "CPU_PADDED", padded)
+                llm = LLM(model=tiny_spec, device="cpu", speculative_config=spec)
+                fours.clear()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                n4.append(sum(fours))
+                got.append([(o.outputs[0].token_ids, [{t: l.logprob for t, l in d.items()}
+                                                      for d in o.outputs[0].logprobs]) for o in outs])
+            assert got[0] == got[1] and n4[1] > n4[0], (spec, len(prompts), n4)
 
 
 def test_cpu_dnn_rows_check(monkeypatch):
@@ -8654,7 +8875,7 @@ def test_cpu_gdn_few_heads(B, T, Hk, Hv):
     assert torch.equal(alone[:, 0], o[:, 0])
 
 def test_cpu_norms_fast():
-    """The CPU fast norms (torch's fused F.rms_norm) against the references (fp32, within 2e-6), and a row's
+    """The CPU fast norms (torch's LayerNorm over [x, -x]) against the references (fp32, within 2e-6), and a row's
     bits whatever the number of rows (1 .. 70)."""
     g = torch.Generator().manual_seed(3)
     for D in (64, 256):

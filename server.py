@@ -492,15 +492,15 @@ def parse_chat(app, body):
         prompt += f"\n{END_THINK}\n\n"
     parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
     start = prompt_reasoning(prompt) if app.reasoning_parser else None
-    one_call = not get(body, "parallel_tool_calls", "boolean", True)  # vLLM: the calls after the first dropped
+    parallel = get(body, "parallel_tool_calls", "boolean", True)  # false: the calls after the first dropped (vLLM)
     spec = ChatSpec(start, parser, tool_choice, get(body, "include_reasoning", "boolean", True),
-                    1 if one_call else None)
+                    None if parallel else 1)
     if forced:
         if params.structured_outputs is not None:
             raise bad("tool_choice 'required' or a named function holds the answer to tool calls: it cannot be "
                       "combined with structured outputs (response_format, structured_outputs, guided_*)",
                       "tool_choice")
-        params = dataclasses.replace(params, structured_outputs=forced_calls(app, body, tools, tool_choice))
+        params = dataclasses.replace(params, structured_outputs=forced_calls(app, tools, tool_choice, parallel))
     ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt), params)
     return [(ids, "")], params, spec
 
@@ -510,7 +510,7 @@ def parse_chat(app, body):
 CALL_FORMATS = {"qwen3_coder": "qwen_3_coder", "qwen3_xml": "qwen_3_coder", "hermes": "qwen_3"}
 
 
-def forced_calls(app, body, tools, tool_choice):
+def forced_calls(app, tools, tool_choice, parallel):
     """tool_choice "required" or a named function, as vLLM holds it (structured outputs): the answer may be only
     tool calls in the parser's own format (a named function: its one call; required: text, then one call or
     more, one with parallel_tool_calls false), each call's arguments valid under its tool's JSON schema. The
@@ -524,7 +524,7 @@ def forced_calls(app, body, tools, tool_choice):
     try:
         tag = xgr.get_builtin_structural_tag(CALL_FORMATS[app.tool_parser_name], tools, choice,
                                              reasoning="disabled", max_whitespace_cnt=16,
-                                             parallel_tool_calls=get(body, "parallel_tool_calls", "boolean", True))
+                                             parallel_tool_calls=parallel)
         return StructuredOutputsParams(grammar=str(xgr.Grammar.from_structural_tag(tag)))
     except (ValueError, RuntimeError, TypeError) as e:
         raise bad(f"the tools' parameters cannot be held to by a grammar: {e}", "tools") from None

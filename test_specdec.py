@@ -8279,7 +8279,7 @@ def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser, capfd):
     app = types.SimpleNamespace(tool_parser_name=parser)
     llm = LLM(tiny_spec, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     for choice, tools in (("set_mode", [mode, ping]), ("required", [mode, ping])):
-        so = srvmod.forced_calls(app, {}, tools, choice)
+        so = srvmod.forced_calls(app, tools, choice, True)
         for t in (0.0, 1.0):
             o = llm.generate("Set it.", SamplingParams(temperature=t, seed=3, max_tokens=160,
                                                       structured_outputs=so), use_tqdm=False)[0].outputs[0]
@@ -8297,8 +8297,8 @@ def test_forced_tool_calls_hold_to_the_schema(tiny_spec, parser, capfd):
                 assert set(args) == {"on", "mode"} and isinstance(args["on"], bool) and mode_value in ("fast", "slow")
     assert "cannot accept" not in capfd.readouterr().err  # drafts the masks refuse never reach xgrammar's matcher
     with pytest.raises(srvmod.ApiError, match="cannot be held to"):
-        srvmod.forced_calls(app, {}, [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "f")
+        srvmod.forced_calls(app, [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "f", True)
 
 
 def test_reasoning_and_tool_calls_through_the_server(srv_scripted):

@@ -354,11 +354,17 @@ def _rms_norm_cpu(x, weight, eps):
     zero (up to rounding), so LayerNorm's variance is x's mean square and the first half of its output is
     RMSNorm(x); the weight (1 + w) is repeated over both halves. LayerNorm reduces each row on its own: a
     row's bits do not depend on the other rows (test_cpu_norms_fast); within 1e-6 of the reference."""
-    D = x.shape[-1]
     w = _derived(weight, "(1+w)x2", lambda w: (1.0 + w.float()).repeat(2))
-    xf = x.float()
-    y = F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), w, None, eps)[..., :D]
+    y = _rms_normalize_cpu(x.float(), eps, w)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _rms_normalize_cpu(xf, eps, w2=None):
+    """xf [..., D] (fp32) * rsqrt(mean(xf^2) + eps), times w2's first half if given ([2D]: the weight repeated):
+    LayerNorm over [xf, -xf], whose mean is zero (_rms_norm_cpu). The CPU's RMSNorms and the GDN gated norm's and
+    attention's q / k norms go through it."""
+    D = xf.shape[-1]
+    return F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), w2, None, eps)[..., :D]
 
 
 def rms_norm(x, weight, eps):
@@ -387,9 +393,7 @@ def gated_rms_norm(x, z, weight, eps):
         return _norm_launch(x, weight, eps, z=z)
     if _cpu_fast(x):  # the normalisation as _rms_norm_cpu's one LayerNorm over [x, -x] (F.rms_norm: a
         # composite of eight ops on a CPU, ~30 us a call on the toy against ~7)
-        D = x.shape[-1]
-        xf = x.float()
-        y = F.layer_norm(torch.cat([xf, -xf], -1), (2 * D,), None, None, eps)[..., :D].to(x.dtype)
+        y = _rms_normalize_cpu(x.float(), eps).to(x.dtype)
         return (weight * y * exact(F.silu, z.float())).to(x.dtype)
     return gated_rms_norm_ref(x, z, weight, eps)
 
@@ -1236,12 +1240,19 @@ def _bmm(rows, w):
 
 
 def _bmm_rows(rows, w):
-    """_bmm of rows [M, in], each row with the bits of its own 1-row call: one bmm where _rows_alone finds that
-    it gives them (for w's shape, M and the thread count), else one bmm per row."""
+    """_bmm of rows [M, in], each row with the bits of its own 1-row call (_rows_call)."""
+    fn = lambda x: _bmm(x, w)  # noqa: E731
+    return _rows_call(rows, fn, lambda M: _rows_alone("bmm", w, M, fn, w.dtype))
+
+
+def _rows_call(rows, fn, alone):
+    """fn (a GEMM) of rows [M, in], each row with the bits of its own 1-row call: one M-row call where alone(M)
+    (the check at first use, _rows_alone: per weight shape, M and thread count) finds that it gives them, else
+    one call per row. The CPU's three GEMMs (_bmm_rows, _dnn_rows_call, _fp16_rows_call) go through it."""
     M = rows.shape[0]
-    if M == 1 or _rows_alone("bmm", w, M, lambda x: _bmm(x, w), w.dtype):
-        return _bmm(rows, w)
-    return torch.cat([_bmm(r, w) for r in rows.split(1)])
+    if M == 1 or alone(M):
+        return fn(rows)
+    return torch.cat([fn(r) for r in rows.split(1)])
 
 
 def _rows_alone(how, w, M, fn, dtype):
@@ -1290,9 +1301,7 @@ def _dnn_rows_call(rows, w, dtype=None):
     M = rows.shape[0]
     if M in CPU_PADDED and rows.dtype == torch.float32 and _dnn_rows(w, CPU_PAD_ROWS, dtype):
         return _dnn(torch.cat([rows, _zero_rows(CPU_PAD_ROWS - M, rows.shape[1], rows.dtype)]), wp)[:M]
-    if M == 1 or _dnn_rows(w, M, dtype):
-        return _dnn(rows, wp)
-    return torch.cat([_dnn(r, wp) for r in rows.split(1)])
+    return _rows_call(rows, lambda x: _dnn(x, wp), lambda M: _dnn_rows(w, M, dtype))
 
 
 # fp32 CPU linears through FBGEMM's fp16-weight GEMM (torch.ops.quantized.linear_dynamic_fp16), for a weight w
@@ -1347,15 +1356,10 @@ def _fp16(x, wp):
 
 def _fp16_rows_call(rows, w, packed):
     """rows [M, in] @ w^T through FBGEMM's fp16 GEMM on packed = _fp16_weight(w), each row with the bits of its
-    own 1-row call: one M-row call where _rows_alone finds that it gives them (for w's shape, M and the thread
-    count), else one call per row."""
+    own 1-row call (_rows_call)."""
     wp, scale = packed
-    M = rows.shape[0]
-    if M == 1 or _rows_alone("fp16", w, M, lambda x: _fp16(x, wp), torch.float32):
-        y = _fp16(rows.contiguous(), wp)
-    else:
-        y = torch.cat([_fp16(r, wp) for r in rows.split(1)])
-    return y.mul_(scale)
+    fn = lambda x: _fp16(x, wp)  # noqa: E731
+    return _rows_call(rows.contiguous(), fn, lambda M: _rows_alone("fp16", w, M, fn, torch.float32)).mul_(scale)
 
 
 _CALIBRATED = {}  # a model's calibration key -> the CPU_PADDED calibrate_cpu_rows chose for it
@@ -2171,7 +2175,7 @@ def _attention_prep_cpu(qg, k, v, q_norm_w, k_norm_w, eps, inv_freq, k_cache, v_
         qk = torch.cat([qg[..., :hd], k], 2)                                      # [B, T, nh + nkv, hd]
         wq, wk = (w if plain else _derived(w, "1+w", lambda w: 1.0 + w) for w in (q_norm_w, k_norm_w))
         w = torch.cat([wq.expand(nh, hd), wk.expand(nkv, hd)])                    # [nh + nkv, hd]
-        qk = F.layer_norm(torch.cat([qk, -qk], -1), (2 * hd,), None, None, eps)[..., :hd] * w
+        qk = _rms_normalize_cpu(qk, eps) * w
     else:
         norm = plain_rms_norm_ref if plain else (lambda x, w, eps: _rms_norm_cpu(x.contiguous(), w, eps))
         qk = torch.cat([norm(qg[..., :hd], q_norm_w, eps), norm(k, k_norm_w, eps)], 2)  # [B, T, nh + nkv, hd]

@@ -167,7 +167,7 @@ def parse_json(raw):
 
 
 # OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (others: ignored)
-UNSUPPORTED = {"suffix": "", "continue_final_message": False, "prompt_embeds": None}
+UNSUPPORTED = {"suffix": "", "prompt_embeds": None}
 # The sampling fields' JSON types and vLLM's range checks (before SamplingParams, so that a value JSON allows
 # and Python would choke on - an integer of 400 digits - gets vLLM's message)
 PENALTY = (lambda v: -2 <= v <= 2, "must be in [-2, 2]")
@@ -438,12 +438,16 @@ def render_chat(app, body, msgs, tools):
     # as vLLM, they go over the template's own arguments: they may set add_generation_prompt and the tools (what
     # the template shows; the tool parser keeps the request's), not the messages or documents
     add_generation_prompt = kwargs.pop("add_generation_prompt", get(body, "add_generation_prompt", "boolean", True))
+    continue_final = kwargs.pop("continue_final_message", get(body, "continue_final_message", "boolean", False))
     tools = kwargs.pop("tools", tools)
     clash = [k for k in app.template.RESERVED if k in kwargs]
     if clash:
         raise bad(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    if continue_final and add_generation_prompt:  # (vLLM's check, before the template)
+        raise bad("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                  "continue_final_message")
     try:
-        return app.template.render(msgs, tools, add_generation_prompt, **kwargs)
+        return app.template.render(msgs, tools, add_generation_prompt, continue_final, **kwargs)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad(f"invalid messages: {e}", "messages") from None
     except RecursionError:  # a template recursing too deep (deep tool arguments: refused before, _tool_call_object)
@@ -462,7 +466,7 @@ ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning ma
 
 
 def parse_chat(app, body):
-    """A /v1/chat/completions body -> ([(prompt ids, "" (no echo))], SamplingParams, ChatSpec). The prompt is
+    """A /v1/chat/completions body -> ([(prompt ids, echo text)], SamplingParams, ChatSpec). The prompt is
     the chat template's rendering (with the tools and the chat_template_kwargs over the server's defaults);
     tool_choice required or a named function holds the answer to calls (forced_calls)."""
     msgs = parse_messages(body.get("messages"))
@@ -502,7 +506,16 @@ def parse_chat(app, body):
                       "tool_choice")
         params = dataclasses.replace(params, structured_outputs=forced_calls(app, tools, tool_choice, parallel))
     ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt), params)
-    return [(ids, "")], params, spec
+    return [(ids, chat_echo(body, msgs))], params, spec
+
+
+def chat_echo(body, msgs):
+    """vLLM's chat `echo`: the last message's text, which leads the answer's content, where that message is the
+    assistant's own (an answer the caller began: continue_final_message); else ""."""
+    if not get(body, "echo", "boolean", False) or msgs[-1].get("role") != "assistant":
+        return ""
+    content = msgs[-1].get("content")
+    return "\n".join(p["text"] for p in content) if isinstance(content, list) else content or ""
 
 
 # The tool-call parsers' formats as xgrammar's structural tags name them: qwen3_coder's XML calls (Qwen3.5 / 3.6,
@@ -1358,11 +1371,13 @@ def chat_delta(delta, spec):
     return {**out, **{k: delta[k] for k in ("content", "tool_calls") if k in delta}}
 
 
-def chat_message(chat, spec):
-    """The whole answer (ChatStream fed it with final=True) as the assistant's message."""
+def chat_message(chat, spec, echo=""):
+    """The whole answer (ChatStream fed it with final=True) as the assistant's message; echo: chat_echo's text,
+    before the content."""
     reasoning = (chat.reasoning or None) if spec.include_reasoning else None
     parsed = spec.start is not None or spec.parser is not None  # a parser may leave no content at all
-    return {"role": "assistant", "content": (chat.content or None) if parsed else chat.content,
+    content = (chat.content or None) if parsed else chat.content
+    return {"role": "assistant", "content": echo + (content or "") if echo else content,
             "reasoning_content": reasoning, "reasoning": reasoning, "tool_calls": chat.calls}
 
 
@@ -1760,7 +1775,7 @@ class Handler(BaseHTTPRequestHandler):
                     if chat:
                         out = ChatStream(spec.start, spec.parser, spec.max_calls)
                         out.feed(text, final=True)
-                        answer, finish = {"message": chat_message(out, spec)}, chat_finish(finish, out, spec)
+                        answer, finish = {"message": chat_message(out, spec, echo)}, chat_finish(finish, out, spec)
                     else:
                         answer = {"text": echo + text, **extra}  # completions': in the choice
                     fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
@@ -1850,6 +1865,8 @@ class Handler(BaseHTTPRequestHandler):
             if first and chat is not None:  # vLLM sends the chat role with the first output, not before
                 role = {"delta": {"role": "assistant", "content": ""}}
                 self.sse(dict(head, choices=[choice(role, None, None, None, index)], **extra))
+                if echo:  # chat's echo (chat_echo): a chunk of its own after the role's, as vLLM's
+                    self.sse(dict(head, choices=[choice({"delta": {"content": echo}}, None, None, None, index)]))
             if chat is None:
                 answer = {"text": (echo if first else "") + text[sent:end]}
             else:

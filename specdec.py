@@ -3591,7 +3591,7 @@ class ChatTemplate:
     (bos_token, eos_token, ...) as variables, or, with no source, the built-in apply_chat_template."""
     SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                       "mask_token")
-    RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # set by render itself
+    RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")  # render's
 
     def __init__(self, source=None, special_tokens=None, origin="the built-in Qwen3.6 template"):
         self.source, self.origin = source, origin
@@ -3640,25 +3640,49 @@ class ChatTemplate:
                               "template itself)")
         return cls(value, special_tokens, "--chat-template")
 
-    def render(self, messages, tools=None, add_generation_prompt=True, **kwargs):
+    def render(self, messages, tools=None, add_generation_prompt=True, continue_final_message=False, **kwargs):
         """The prompt text. kwargs: the chat_template_kwargs (enable_thinking, preserve_thinking, ...). A
-        template's own refusal (raise_exception) or failure is a ValueError with its message."""
+        template's own refusal (raise_exception) or failure is a ValueError with its message.
+        continue_final_message (vLLM's, from transformers): the chat rendered whole and cut just after the last
+        message's text, so that the model goes on with that message (an assistant's answer begun by the
+        caller) instead of closing it; it cannot be combined with add_generation_prompt."""
         clash = [k for k in self.RESERVED if k in kwargs]
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         messages = chat_messages(messages, developer_as_system=not self.knows_developer)
         if self.template is None:
             thinking = kwargs.get("enable_thinking") is not False  # the template's "is false" / "is true"
-            return apply_chat_template(messages, add_generation_prompt, thinking,
+            text = apply_chat_template(messages, add_generation_prompt, thinking,
                                        kwargs.get("preserve_thinking") is True, tools)
-        try:
-            return self.template.render(messages=messages, tools=tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **{**self.special_tokens, **kwargs})
-        except jinja2.exceptions.TemplateError as e:  # raise_exception(...), an undefined name, the sandbox
-            raise ValueError(f"chat template: {e}") from None
-        except Exception as e:  # the template is the checkpoint's code: whatever it raises is about this chat
-            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+        else:
+            try:
+                text = self.template.render(messages=messages, tools=tools, documents=None,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**self.special_tokens, **kwargs})
+            except jinja2.exceptions.TemplateError as e:  # raise_exception(...), an undefined name, the sandbox
+                raise ValueError(f"chat template: {e}") from None
+            except Exception as e:  # the template is the checkpoint's code: whatever it raises is about this chat
+                raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+        return _cut_after_final_message(text, messages) if continue_final_message else text
+
+
+def _cut_after_final_message(text, messages):
+    """The rendered chat `text` up to the end of its last message's text (transformers' continue_final_message:
+    the last occurrence of that text, stripped; its trailing whitespace kept where the template kept it)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # content parts: the last text part is what goes on
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict)
+                        and isinstance(p.get("text"), str)), None)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message is set but the final message has no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError("continue_final_message is set but the final message does not appear in the chat "
+                         "after applying the chat template")
+    whole = content.lstrip()
+    return text[:at + (len(whole) if text[at:at + len(whole)] == whole else len(content.strip()))]
 
 
 # ==============================================================================================
@@ -4621,9 +4645,6 @@ class LLM:
              enable_thinking=None):
         """One conversation (a list of messages) or several, through the model's chat template (or the
         `chat_template` given: a path or the template text), as vLLM's LLM.chat."""
-        if continue_final_message:
-            raise ConfigError("continue_final_message is not supported yet (the chat template renders whole "
-                              "messages)")
         template = self.chat_template
         if chat_template is not None:
             template = ChatTemplate.from_arg(chat_template, template.special_tokens)
@@ -4632,12 +4653,17 @@ class LLM:
             kwargs["enable_thinking"] = enable_thinking
         # as vLLM, chat_template_kwargs go over the template's own arguments (not the messages or documents)
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         tools = kwargs.pop("tools", tools)
         clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
         if clash:
             raise ConfigError(f"chat_template_kwargs may not set {', '.join(clash)}")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [template.render(m, tools, add_generation_prompt, **kwargs) for m in convs]
+        try:
+            prompts = [template.render(m, tools, add_generation_prompt, continue_final_message, **kwargs)
+                       for m in convs]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _output(self, text, sp, reqs):

@@ -667,6 +667,46 @@ def test_offline_api_as_vllm(tiny_spec, capsys):
         llm.chat(msgs, chat_template_kwargs={"messages": []})
 
 
+def test_chat_continues_the_final_message(tiny_spec):
+    """vLLM's continue_final_message (LLM.chat; the server's in test_chat_continue_and_echo_through_the_server):
+    the chat rendered without what follows its last message's text, so that the model goes on with an answer the
+    caller began. The reference: the whole chat's rendering less the template's end of turn after that text.
+    Where the template trims the text, the cut follows it (transformers'); vLLM's message when
+    add_generation_prompt is set too; a final message with no text, or one the template drops, is refused."""
+    llm = LLM(tiny_spec, device="cpu")
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "write fib"}, {"role": "assistant", "content": "def fib(n):"}]
+    whole = sd.apply_chat_template(msgs, False, True)
+    assert whole.endswith("def fib(n):<|im_end|>\n")
+    want = whole[:-len("<|im_end|>\n")]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.chat(msgs, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt_token_ids == tok.encode(want)
+    assert out[0].outputs[0].token_ids == llm.generate(want, sp, use_tqdm=False)[0].outputs[0].token_ids
+    kwargs = llm.chat(msgs, sp, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False,
+                                                                      "continue_final_message": True})
+    assert kwargs[0].prompt_token_ids == out[0].prompt_token_ids
+    # content parts: the last text part goes on
+    parts = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "def fib(n):"}]}]
+    assert llm.chat(parts, sp, use_tqdm=False, add_generation_prompt=False,
+                    continue_final_message=True)[0].prompt_token_ids == out[0].prompt_token_ids
+    verbatim = sd.ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content }}[end]{% endfor %}")
+    trimmed = sd.ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}[end]{% endfor %}")
+    spaced = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  a b  "}]
+    assert verbatim.render(spaced, None, False, True) == "[user]hi[end][assistant]  a b  "
+    assert trimmed.render(spaced, None, False, True) == "[user]hi[end][assistant]a b"
+    with pytest.raises(ConfigError, match=re.escape("Cannot set both `continue_final_message` and "
+                                                    "`add_generation_prompt` to True.")):
+        llm.chat(msgs, sp, continue_final_message=True)  # add_generation_prompt's default is True (vLLM)
+    for bad, fragment in [([msgs[0], {"role": "assistant", "content": " "}], "the final message has no text"),
+                          ([msgs[0], {"role": "assistant", "content": None, "tool_calls": []}], "no text")]:
+        with pytest.raises(ConfigError, match=fragment):
+            llm.chat(bad, sp, add_generation_prompt=False, continue_final_message=True)
+    dropped = sd.ChatTemplate("{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    with pytest.raises(ValueError, match="the final message does not appear in the chat"):
+        dropped.render(msgs, None, False, True)
+
+
 # ==============================================================================================
 # Speculative decoding: lossless, rollback, rejection sampler, configs
 # ==============================================================================================
@@ -2213,13 +2253,13 @@ def test_load_format_dummy(tmp_path):
         assert got.keys() == dict(want.named_parameters()).keys()
         for n, p in want.named_parameters():
             assert got[n].dtype == p.dtype and torch.equal(got[n].float(), p.float()), n
-    llm = LLM(model=d, load_format="dummy", device="cpu", speculative_config={"method": "mtp",
-              "num_speculative_tokens": 2})
+    short = dict(device="cpu", max_model_len=512)  # (the config's 262144 positions: a KV cache of 3 s to zero)
+    llm = LLM(model=d, load_format="dummy", speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **short)
     same(llm)
     assert llm.model.mtp is not None and llm.cfg.hidden_size == bench.PRESETS["tiny"]["hidden_size"]
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
-    same(LLM(model=d, load_format="dummy", device="cpu", quantization="fp8"), "fp8")
+    same(LLM(model=d, load_format="dummy", quantization="fp8", **short), "fp8")
 
     with open(os.path.join(d, "config.json")) as f:  # an FP8 config: quantized as made, its listed module kept
         cfg = json.load(f)
@@ -2230,7 +2270,7 @@ def test_load_format_dummy(tmp_path):
                                   "weight_block_size": [128, 128], "modules_to_not_convert": [listed]}
     with open(os.path.join(fp8_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
-    fp8 = LLM(model=fp8_dir, load_format="dummy", device="cpu", tokenizer=d)
+    fp8 = LLM(model=fp8_dir, load_format="dummy", tokenizer=d, **short)
     params = dict(fp8.model.named_parameters())
     assert params["layers.1.mlp.down_proj.weight"].dtype == torch.float32
     assert params["layers.0.mlp.down_proj.weight"].dtype == sd.FP8 and "layers.0.mlp.down_proj.weight_scale_inv" in params
@@ -3950,6 +3990,39 @@ def test_openai_client_chat(srv):
     st, body = srv.post("/v1/chat/completions", dict(messages=kw["messages"], max_tokens=2,
                                                      chat_template_kwargs={"messages": []}))
     check_error(st, body, 400, "chat_template_kwargs", "chat_template_kwargs may not set messages")
+
+
+def test_chat_continue_and_echo_through_the_server(srv):
+    """continue_final_message and chat's echo on /v1/chat/completions, as vLLM: the prompt is the chat less what
+    follows the final (assistant) message's text, the answer equals /v1/completions' on that prompt, and with
+    echo the begun text leads the content (streamed: in a chunk of its own after the role's); echo after a
+    user's message adds nothing; both continue_final_message and add_generation_prompt: vLLM's 400."""
+    from specdec import Tokenizer, apply_chat_template
+    tok = Tokenizer.from_dir(srv_model(srv))
+    msgs = [{"role": "user", "content": "write fib"}, {"role": "assistant", "content": "def fib(n):"}]
+    prompt = apply_chat_template(msgs, False, True)[:-len("<|im_end|>\n")]
+    body = dict(messages=msgs, add_generation_prompt=False, continue_final_message=True, max_tokens=6,
+                temperature=0, ignore_eos=True)
+    st, plain = srv.post("/v1/completions", dict(prompt=prompt, max_tokens=6, temperature=0, ignore_eos=True))
+    assert st == 200
+    text = plain["choices"][0]["text"]
+    st, got = srv.post("/v1/chat/completions", body)
+    assert st == 200 and got["usage"]["prompt_tokens"] == len(tok.encode(prompt)) == plain["usage"]["prompt_tokens"]
+    assert got["choices"][0]["message"]["content"] == text
+    st, echoed = srv.post("/v1/chat/completions", dict(body, echo=True))
+    assert st == 200 and echoed["choices"][0]["message"]["content"] == "def fib(n):" + text
+    status, _, data = srv.request("POST", "/v1/chat/completions", dict(body, echo=True, stream=True))
+    chunks = [e["choices"][0]["delta"] for e in sse_events(data) if e["choices"]]
+    assert status == 200 and chunks[0] == {"role": "assistant", "content": ""}
+    assert chunks[1] == {"content": "def fib(n):"}
+    assert "".join(c.get("content") or "" for c in chunks) == "def fib(n):" + text
+    asked = dict(messages=msgs[:1], max_tokens=3, temperature=0, ignore_eos=True)
+    answers = [srv.post("/v1/chat/completions", dict(asked, echo=echo))[1]["choices"][0]["message"]["content"]
+               for echo in (False, True)]
+    assert answers[0] == answers[1]
+    st, both = srv.post("/v1/chat/completions", dict(body, add_generation_prompt=True))
+    check_error(st, both, 400, "continue_final_message",
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
 
 def test_prompt_fields_through_the_server(srv):

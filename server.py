@@ -539,8 +539,9 @@ def forced_calls(app, tools, tool_choice, parallel):
                                              reasoning="disabled", max_whitespace_cnt=16,
                                              parallel_tool_calls=parallel)
         return StructuredOutputsParams(grammar=str(xgr.Grammar.from_structural_tag(tag)))
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise bad(f"the tools' parameters cannot be held to by a grammar: {e}", "tools") from None
+    except (ValueError, RuntimeError, TypeError) as e:  # xgrammar's message less its "[time] file:line: "
+        why = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(\S+\) is false: )?", "", str(e).strip())
+        raise bad(f"the tools' parameters cannot be held to by a grammar: {why}", "tools") from None
 
 
 # ==============================================================================================

@@ -437,6 +437,7 @@ def render_chat(app, body, msgs, tools):
     kwargs = {**app.chat_kwargs, **get(body, "chat_template_kwargs", "object", {})}
     # as vLLM, they go over the template's own arguments: they may set add_generation_prompt and the tools (what
     # the template shows; the tool parser keeps the request's), not the messages or documents
+    from_kwargs = "add_generation_prompt" in kwargs or "continue_final_message" in kwargs
     add_generation_prompt = kwargs.pop("add_generation_prompt", get(body, "add_generation_prompt", "boolean", True))
     continue_final = kwargs.pop("continue_final_message", get(body, "continue_final_message", "boolean", False))
     tools = kwargs.pop("tools", tools)
@@ -445,7 +446,7 @@ def render_chat(app, body, msgs, tools):
         raise bad(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
     if continue_final and add_generation_prompt:  # (vLLM's check, before the template)
         raise bad("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                  "continue_final_message")
+                  "chat_template_kwargs" if from_kwargs else "continue_final_message")
     try:
         return app.template.render(msgs, tools, add_generation_prompt, continue_final, **kwargs)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -462,7 +463,7 @@ def token_str(app, i):
 
 
 # What a chat request's answer goes through: ChatStream's arguments, and the tool choice (for finish_reason)
-ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning max_calls")
+ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning max_calls role")
 
 
 def parse_chat(app, body):
@@ -497,24 +498,30 @@ def parse_chat(app, body):
     parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
     start = prompt_reasoning(prompt) if app.reasoning_parser else None
     parallel = get(body, "parallel_tool_calls", "boolean", True)  # false: the calls after the first dropped (vLLM)
+    # vLLM's response role: the assistant's with a generation prompt, else the last message's (whose text the
+    # answer goes on with: continue_final_message)
+    role = "assistant" if get(body, "add_generation_prompt", "boolean", True) else msgs[-1]["role"]
     spec = ChatSpec(start, parser, tool_choice, get(body, "include_reasoning", "boolean", True),
-                    None if parallel else 1)
+                    None if parallel else 1, role)
     if forced:
         if params.structured_outputs is not None:
             raise bad("tool_choice 'required' or a named function holds the answer to tool calls: it cannot be "
                       "combined with structured outputs (response_format, structured_outputs, guided_*)",
                       "tool_choice")
         params = dataclasses.replace(params, structured_outputs=forced_calls(app, tools, tool_choice, parallel))
-    ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt), params)
-    return [(ids, chat_echo(body, msgs))], params, spec
+    echo = chat_echo(body, msgs, role)
+    # echo implies the prompt's logprobs (vLLM's chat: top_logprobs of them, default 0; not streamed)
+    implied = (top or 0) if echo is not None and not get(body, "stream", "boolean", False) else None
+    ids, params = prompt_fields(app, body, app.tokenizer.encode(prompt), params, implied)
+    return [(ids, echo)], params, spec
 
 
-def chat_echo(body, msgs):
-    """vLLM's chat `echo`: the last message's text, which leads the answer's content, where that message is the
-    assistant's own (an answer the caller began: continue_final_message); else ""."""
-    if not get(body, "echo", "boolean", False) or msgs[-1].get("role") != "assistant":
-        return ""
-    content = msgs[-1].get("content")
+def chat_echo(body, msgs, role):
+    """vLLM's chat `echo`: None without it; else the text that leads the answer's content: the last message's
+    where its role is the answer's (an answer the caller began: continue_final_message), else ""."""
+    if not get(body, "echo", "boolean", False):
+        return None
+    content = msgs[-1].get("content") if msgs[-1].get("role") == role else None
     return "\n".join(p["text"] for p in content) if isinstance(content, list) else content or ""
 
 
@@ -1372,13 +1379,13 @@ def chat_delta(delta, spec):
     return {**out, **{k: delta[k] for k in ("content", "tool_calls") if k in delta}}
 
 
-def chat_message(chat, spec, echo=""):
-    """The whole answer (ChatStream fed it with final=True) as the assistant's message; echo: chat_echo's text,
-    before the content."""
+def chat_message(chat, spec, echo=None):
+    """The whole answer (ChatStream fed it with final=True) as the message of spec.role; echo (chat_echo): the
+    text before the content (with echo the content is never null, as vLLM's)."""
     reasoning = (chat.reasoning or None) if spec.include_reasoning else None
     parsed = spec.start is not None or spec.parser is not None  # a parser may leave no content at all
     content = (chat.content or None) if parsed else chat.content
-    return {"role": "assistant", "content": echo + (content or "") if echo else content,
+    return {"role": spec.role, "content": content if echo is None else echo + (content or ""),
             "reasoning_content": reasoning, "reasoning": reasoning, "tool_calls": chat.calls}
 
 
@@ -1864,10 +1871,12 @@ class Handler(BaseHTTPRequestHandler):
             ids, lps = ids + new_ids, lps + (new_lps or [])  # tokens not sent yet (with their logprobs)
             extra = {"usage": usage(n_prompt, n_before + n) if continuous else None} if with_usage else {}
             if first and chat is not None:  # vLLM sends the chat role with the first output, not before
-                role = {"delta": {"role": "assistant", "content": ""}}
-                self.sse(dict(head, choices=[choice(role, None, None, None, index)], **extra))
+                none_yet = {"usage": usage(n_prompt, n_before) if continuous else None} if with_usage else {}
+                role = {"delta": {"role": spec.role, "content": ""}}
+                self.sse(dict(head, choices=[choice(role, None, None, None, index)], **none_yet))
                 if echo:  # chat's echo (chat_echo): a chunk of its own after the role's, as vLLM's
-                    self.sse(dict(head, choices=[choice({"delta": {"content": echo}}, None, None, None, index)]))
+                    said = {"delta": {"content": echo}}
+                    self.sse(dict(head, choices=[choice(said, None, None, None, index)], **none_yet))
             if chat is None:
                 answer = {"text": (echo if first else "") + text[sent:end]}
             else:

@@ -3644,14 +3644,16 @@ class ChatTemplate:
         """The prompt text. kwargs: the chat_template_kwargs (enable_thinking, preserve_thinking, ...). A
         template's own refusal (raise_exception) or failure is a ValueError with its message.
         continue_final_message (vLLM's, from transformers): the chat rendered whole and cut just after the last
-        message's text, so that the model goes on with that message (an assistant's answer begun by the
-        caller) instead of closing it; it cannot be combined with add_generation_prompt."""
+        message's text, so that the model goes on with that message (an answer the caller began) instead of
+        closing it (_mark_final_message); it cannot be combined with add_generation_prompt."""
         clash = [k for k in self.RESERVED if k in kwargs]
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         messages = chat_messages(messages, developer_as_system=not self.knows_developer)
+        if continue_final_message:
+            messages[-1] = _mark_final_message(messages[-1])
         if self.template is None:
             thinking = kwargs.get("enable_thinking") is not False  # the template's "is false" / "is true"
             text = apply_chat_template(messages, add_generation_prompt, thinking,
@@ -3665,24 +3667,41 @@ class ChatTemplate:
                 raise ValueError(f"chat template: {e}") from None
             except Exception as e:  # the template is the checkpoint's code: whatever it raises is about this chat
                 raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
-        return _cut_after_final_message(text, messages) if continue_final_message else text
+        return _cut_at_mark(text) if continue_final_message else text
 
 
-def _cut_after_final_message(text, messages):
-    """The rendered chat `text` up to the end of its last message's text (transformers' continue_final_message:
-    the last occurrence of that text, stripped; its trailing whitespace kept where the template kept it)."""
-    content = messages[-1].get("content") if messages else None
-    if isinstance(content, list):  # content parts: the last text part is what goes on
-        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict)
-                        and isinstance(p.get("text"), str)), None)
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError("continue_final_message is set but the final message has no text to continue")
-    at = text.rfind(content.strip())
+# continue_final_message's mark: put after the last message's text before rendering, the rendering cut where it
+# lands (as transformers 5 does), so that text the template writes after the message (its end of turn, the
+# message's tool calls) is never taken for the message's own, whatever the text is; the trailing space tells
+# whether the template trims the message (then its trailing whitespace goes too)
+FINAL_MARK = "SPECDEC_CONTINUE_FINAL_MESSAGE "
+
+
+def _mark_final_message(message):
+    """The last message (a copy) with FINAL_MARK after its text (a string, or its last text part)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        at = next((i for i in reversed(range(len(content))) if isinstance(content[i], dict)
+                   and isinstance(content[i].get("text"), str)), None)
+        if at is not None:
+            content = [*content[:at], {**content[at], "text": content[at]["text"] + FINAL_MARK}, *content[at + 1:]]
+            return {**message, "content": content}
+    elif isinstance(content, str):
+        return {**message, "content": content + FINAL_MARK}
+    raise ValueError("continue_final_message is set but the final message has no text to continue")
+
+
+def _cut_at_mark(text):
+    """The rendered chat up to FINAL_MARK (its last occurrence; trailing whitespace dropped too where the
+    template trimmed the mark's own)."""
+    at = text.rfind(FINAL_MARK)
+    if at >= 0:
+        return text[:at]
+    at = text.rfind(FINAL_MARK.rstrip())
     if at < 0:
         raise ValueError("continue_final_message is set but the final message does not appear in the chat "
                          "after applying the chat template")
-    whole = content.lstrip()
-    return text[:at + (len(whole) if text[at:at + len(whole)] == whole else len(content.strip()))]
+    return text[:at].rstrip()
 
 
 # ==============================================================================================

@@ -690,18 +690,29 @@ def test_chat_continues_the_final_message(tiny_spec):
     parts = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "def fib(n):"}]}]
     assert llm.chat(parts, sp, use_tqdm=False, add_generation_prompt=False,
                     continue_final_message=True)[0].prompt_token_ids == out[0].prompt_token_ids
+    # the cut is where the message's text ends, whatever text follows it: its end of turn ("<" + "<|im_end|>"),
+    # its own tool calls (named as the text), a closing tag the text spells ("[end]")
+    cut = lambda m, t=None: (t or sd.ChatTemplate()).render(m, None, False, True)  # noqa: E731
+    turn = lambda text: sd.apply_chat_template([msgs[0], {"role": "assistant", "content": text}], False, True)
+    assert cut([msgs[0], {"role": "assistant", "content": "<"}]) == turn("<")[:-len("<|im_end|>\n")]
+    call = {"function": {"name": "get", "arguments": '{"get": "get"}'}}
+    called = [msgs[0], {"role": "assistant", "content": "get", "tool_calls": [call]}]
+    assert cut(called) == turn("get")[:-len("<|im_end|>\n")]
+    # an empty answer opens the turn after its header (the template trims the text, and the cut its whitespace)
+    assert turn("").endswith("</think>\n\n<|im_end|>\n")
+    assert cut([msgs[0], {"role": "assistant", "content": ""}]) == turn("")[:-len("\n\n<|im_end|>\n")]
     verbatim = sd.ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content }}[end]{% endfor %}")
     trimmed = sd.ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}[end]{% endfor %}")
     spaced = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  a b  "}]
-    assert verbatim.render(spaced, None, False, True) == "[user]hi[end][assistant]  a b  "
-    assert trimmed.render(spaced, None, False, True) == "[user]hi[end][assistant]a b"
+    assert cut(spaced, verbatim) == "[user]hi[end][assistant]  a b  "
+    assert cut(spaced, trimmed) == "[user]hi[end][assistant]a b"
+    assert cut([spaced[0], {"role": "assistant", "content": "end"}], verbatim) == "[user]hi[end][assistant]end"
     with pytest.raises(ConfigError, match=re.escape("Cannot set both `continue_final_message` and "
                                                     "`add_generation_prompt` to True.")):
         llm.chat(msgs, sp, continue_final_message=True)  # add_generation_prompt's default is True (vLLM)
-    for bad, fragment in [([msgs[0], {"role": "assistant", "content": " "}], "the final message has no text"),
-                          ([msgs[0], {"role": "assistant", "content": None, "tool_calls": []}], "no text")]:
-        with pytest.raises(ConfigError, match=fragment):
-            llm.chat(bad, sp, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ConfigError, match="the final message has no text to continue"):
+        llm.chat([msgs[0], {"role": "assistant", "content": None, "tool_calls": [call]}], sp,
+                 add_generation_prompt=False, continue_final_message=True)
     dropped = sd.ChatTemplate("{% for m in messages %}[{{ m.role }}]{% endfor %}")
     with pytest.raises(ValueError, match="the final message does not appear in the chat"):
         dropped.render(msgs, None, False, True)
@@ -4009,20 +4020,34 @@ def test_chat_continue_and_echo_through_the_server(srv):
     st, got = srv.post("/v1/chat/completions", body)
     assert st == 200 and got["usage"]["prompt_tokens"] == len(tok.encode(prompt)) == plain["usage"]["prompt_tokens"]
     assert got["choices"][0]["message"]["content"] == text
+    assert "prompt_logprobs" not in got
     st, echoed = srv.post("/v1/chat/completions", dict(body, echo=True))
     assert st == 200 and echoed["choices"][0]["message"]["content"] == "def fib(n):" + text
-    status, _, data = srv.request("POST", "/v1/chat/completions", dict(body, echo=True, stream=True))
-    chunks = [e["choices"][0]["delta"] for e in sse_events(data) if e["choices"]]
+    plps = echoed["prompt_logprobs"]  # echo implies the prompt's logprobs (top_logprobs of them: 0)
+    assert len(plps) == got["usage"]["prompt_tokens"] and plps[0] is None and all(len(p) == 1 for p in plps[1:])
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    status, _, data = srv.request("POST", "/v1/chat/completions", dict(body, echo=True, stream=True,
+                                                                       stream_options=usage))
+    events = [e for e in sse_events(data) if e["choices"]]
+    chunks = [e["choices"][0]["delta"] for e in events]
     assert status == 200 and chunks[0] == {"role": "assistant", "content": ""}
     assert chunks[1] == {"content": "def fib(n):"}
+    assert [e["usage"]["completion_tokens"] for e in events[:2]] == [0, 0]
     assert "".join(c.get("content") or "" for c in chunks) == "def fib(n):" + text
     asked = dict(messages=msgs[:1], max_tokens=3, temperature=0, ignore_eos=True)
     answers = [srv.post("/v1/chat/completions", dict(asked, echo=echo))[1]["choices"][0]["message"]["content"]
                for echo in (False, True)]
     assert answers[0] == answers[1]
+    # without a generation prompt the answer's role is the last message's (vLLM), so echo repeats its text
+    st, own = srv.post("/v1/chat/completions", dict(asked, add_generation_prompt=False, echo=True))
+    assert st == 200 and own["choices"][0]["message"]["role"] == "user"
+    assert own["choices"][0]["message"]["content"].startswith("write fib")
     st, both = srv.post("/v1/chat/completions", dict(body, add_generation_prompt=True))
     check_error(st, both, 400, "continue_final_message",
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    st, both = srv.post("/v1/chat/completions", dict(messages=msgs, chat_template_kwargs={
+        "continue_final_message": True}))
+    check_error(st, both, 400, "chat_template_kwargs", "Cannot set both `continue_final_message`")
 
 
 def test_prompt_fields_through_the_server(srv):

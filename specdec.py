@@ -3591,7 +3591,8 @@ class ChatTemplate:
     (bos_token, eos_token, ...) as variables, or, with no source, the built-in apply_chat_template."""
     SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                       "mask_token")
-    RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")  # render's
+    # set by render itself, not by chat_template_kwargs
+    RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
     def __init__(self, source=None, special_tokens=None, origin="the built-in Qwen3.6 template"):
         self.source, self.origin = source, origin

@@ -1106,7 +1106,8 @@ class Metrics:
         out = []
 
         def family(name, kind, doc, samples):  # samples: (name suffix, extra labels, value)
-            out.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}"])
+            named = name + "_total" if kind == "counter" else name  # a counter's lines as prometheus_client's
+            out.extend([f"# HELP {named} {doc}", f"# TYPE {named} {kind}"])
             out.extend(f"{name}{sfx}{{{self.labels}{extra}}} {float(v)!r}" for sfx, extra, v in samples)
         with self.lock:
             family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
@@ -1692,9 +1693,10 @@ class Handler(BaseHTTPRequestHandler):
             if not spec.include_reasoning:
                 delta.pop("reasoning", None)
             return items.events(delta)
+        stream = get(body, "stream", "boolean", False)  # (checked before the engine sees the request)
         app.loop.submit(job)
         try:
-            if not get(body, "stream", "boolean", False):
+            if not stream:
                 for text, _, _, n, finish, _ in self.updates(job):
                     pass
                 feed(text, final=True)

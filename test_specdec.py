@@ -3785,8 +3785,8 @@ def parse_prometheus(text):
         m = SAMPLE.match(line)
         assert m, f"not a Prometheus sample line: {line!r}"
         name, labels, value = m[1], tuple(re.findall(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"', m[2] or "")), float(m[3])
-        family = next(n for n in (name, re.sub(r"_(total|bucket|sum|count)$", "", name)) if n in types)
-        assert types[family] != "counter" or name.endswith("_total")
+        family = next(n for n in (name, re.sub(r"_(bucket|sum|count)$", "", name)) if n in types)
+        assert (types[family] == "counter") == name.endswith("_total")  # a counter's TYPE line names it _total
         out[(name, labels)] = value
     for name, kind in types.items():  # cumulative buckets, +Inf == _count
         if kind == "histogram":

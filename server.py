@@ -865,6 +865,13 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
 
 
+def open_turn(msgs):
+    """Is the last message an assistant turn holding only reasoning so far (a Responses reasoning item), which the
+    answer or calls after it join (as vLLM)?"""
+    return bool(msgs) and msgs[-1]["role"] == "assistant" and msgs[-1]["content"] is None \
+        and "reasoning_content" in msgs[-1] and not msgs[-1].get("tool_calls")
+
+
 def response_messages(body):
     """instructions and input (a string or a list of items) -> chat messages."""
     msgs = []
@@ -887,12 +894,15 @@ def response_messages(body):
                     raise bad(f"input[{n}]: content parts must be {{\"type\": \"input_text\", \"text\": ...}} "
                               "(images and files are not supported: specdec's models read text)", "input")
                 content = "".join(p["text"] for p in content)
-            msgs.append({"role": item.get("role"), "content": content})
+            if item.get("role") == "assistant" and open_turn(msgs):
+                msgs[-1]["content"] = content  # the answer after its reasoning: one assistant turn
+            else:
+                msgs.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls"):
-                msgs[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if open_turn(msgs) or (msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls")):
+                msgs[-1].setdefault("tool_calls", []).append(call)  # parallel calls, reasoning: one assistant turn
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -900,8 +910,11 @@ def response_messages(body):
             if not isinstance(output, str):
                 raise bad(f"input[{n}]: a function_call_output's 'output' must be a string", "input")
             msgs.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
-        elif kind == "reasoning":
-            continue  # earlier reasoning: the chat template drops it from past turns too
+        elif kind == "reasoning":  # the assistant turn's reasoning (the template shows it after the last query)
+            parts = item.get("content") or []
+            text = "".join(p.get("text") or "" for p in parts if isinstance(p, dict)) if isinstance(parts, list) else ""
+            if text:
+                msgs.append({"role": "assistant", "content": None, "reasoning_content": text})
         else:
             raise bad(f"input[{n}]: item type {short(kind)} is not supported (message, function_call, "
                       "function_call_output, reasoning)", "input")

@@ -8520,6 +8520,27 @@ def test_responses_api(srv_scripted):
         check_error(status, body, 400, param, fragment)
 
 
+
+def test_responses_reasoning_items_join_their_turn(srv_scripted):
+    """A Responses input's reasoning item is the reasoning of the assistant turn it opens, which the calls (or the
+    answer) after it join, as vLLM builds it: a tool loop's prompt is then the chat's for the same turns, where
+    the template shows that reasoning (after the last user message); before, the item was dropped."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    user, result = {"role": "user", "content": "weather?"}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    items = [user, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "SECRET REASON"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    turns = [user, {"role": "assistant", "content": None, "reasoning_content": "SECRET REASON", "tool_calls": [call]},
+             result]
+    count = lambda msgs: srv_scripted.post("/tokenize", {"model": "tiny", "messages": msgs})[1]["count"]  # noqa: E731
+    st, r = srv_scripted.post("/v1/responses", {"model": "tiny", "input": items, "max_output_tokens": 1})
+    assert st == 200 and r["usage"]["input_tokens"] == count(turns)
+    assert count(turns) > count([user, {"role": "assistant", "content": None, "tool_calls": [call]}, result])
+    answered = [user, items[1], {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "ok"}]
+    st, r = srv_scripted.post("/v1/responses", {"model": "tiny", "input": answered, "max_output_tokens": 1})
+    assert st == 200 and r["usage"]["input_tokens"] == count(
+        [user, {"role": "assistant", "content": "It is sunny.", "reasoning_content": "SECRET REASON"}, answered[3]])
+
 def test_tool_request_errors(srv, srv_scripted):
     """vLLM's refusals, as 400s that name the field."""
     body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 2}

@@ -859,7 +859,8 @@ class ChatStream:
 
 PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "logit_bias", "chat_template_kwargs", "include_reasoning",
-                  "parallel_tool_calls", "ignore_eos", "min_tokens", "stream")
+                  "parallel_tool_calls", "ignore_eos", "min_tokens", "stream", "structured_outputs",
+                  "include_stop_str_in_output")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # A chat field an error names -> the Responses field it came from (response_to_chat)
 CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
@@ -930,6 +931,11 @@ def response_to_chat(body):
         raise bad("previous_response_id needs stored responses, which this server does not keep: send the "
                   "conversation so far in 'input'", "previous_response_id")
     chat = {k: body[k] for k in PASSED_TO_CHAT if k in body}
+    truncation = body.get("truncation", "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise bad(f"'truncation' must be \"auto\" or \"disabled\", got {short(truncation)}", "truncation")
+    if truncation == "auto":  # vLLM: the input's last max_model_len tokens
+        chat["truncate_prompt_tokens"] = -1
     chat["messages"] = response_messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]

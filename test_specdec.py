@@ -8541,6 +8541,18 @@ def test_responses_reasoning_items_join_their_turn(srv_scripted):
     assert st == 200 and r["usage"]["input_tokens"] == count(
         [user, {"role": "assistant", "content": "It is sunny.", "reasoning_content": "SECRET REASON"}, answered[3]])
 
+
+def test_responses_pass_vllm_sampling_fields(srv):
+    """vLLM's Responses request takes structured_outputs and include_stop_str_in_output as its chat does (they were
+    ignored: the answer was free text), and truncation only as "auto" (the input's last max_model_len tokens) or
+    "disabled"."""
+    body = {"model": "tiny", "input": "yes or no?", "max_output_tokens": 4, "temperature": 0}
+    st, r = srv.post("/v1/responses", dict(body, structured_outputs={"choice": ["yes", "no"]}))
+    assert st == 200 and r["output"][-1]["content"][0]["text"] in ("yes", "no")
+    assert srv.post("/v1/responses", dict(body, truncation="auto"))[0] == 200
+    st, r = srv.post("/v1/responses", dict(body, truncation="sometimes"))
+    check_error(st, r, 400, "truncation", "'truncation' must be \"auto\" or \"disabled\"")
+
 def test_tool_request_errors(srv, srv_scripted):
     """vLLM's refusals, as 400s that name the field."""
     body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 2}

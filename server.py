@@ -466,6 +466,11 @@ def token_str(app, i):
 ChatSpec = namedtuple("ChatSpec", "start parser tool_choice include_reasoning max_calls role")
 
 
+def chat_stream(spec):
+    """A fresh ChatStream for an answer to the request of ChatSpec spec."""
+    return ChatStream(spec.start, spec.parser, spec.max_calls)
+
+
 def parse_chat(app, body):
     """A /v1/chat/completions body -> ([(prompt ids, echo text)], SamplingParams, ChatSpec). The prompt is
     the chat template's rendering (with the tools and the chat_template_kwargs over the server's defaults);
@@ -1705,7 +1710,7 @@ class Handler(BaseHTTPRequestHandler):
                         usage=response_usage(len(ids), n_out) if status != "in_progress" else None,
                         user=body.get("user"))
         app.log_request(head["id"], ids, params)
-        out, items = ChatStream(spec.start, spec.parser, spec.max_calls), ResponseItems()
+        out, items = chat_stream(spec), ResponseItems()
 
         def feed(text, final):  # the answer so far -> its events (the items grow with them)
             delta = out.feed(text, final)
@@ -1802,7 +1807,7 @@ class Handler(BaseHTTPRequestHandler):
                     if with_prompt:
                         ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
                     if chat:
-                        out = ChatStream(spec.start, spec.parser, spec.max_calls)
+                        out = chat_stream(spec)
                         out.feed(text, final=True)
                         answer, finish = {"message": chat_message(out, spec, echo)}, chat_finish(finish, out, spec)
                     else:
@@ -1881,7 +1886,7 @@ class Handler(BaseHTTPRequestHandler):
         with_usage, continuous = usage_opts
         fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
-        chat = None if spec is None else ChatStream(spec.start, spec.parser, spec.max_calls)
+        chat = None if spec is None else chat_stream(spec)
         sent, n_prompt, first, ids, lps, n = 0, len(job.prompt_ids), True, [], [], 0
         if with_prompt:  # echo with logprobs: the prompt's tokens go first
             ids = list(job.prompt_ids)

@@ -167,7 +167,7 @@ def parse_json(raw):
 
 
 # OpenAI / vLLM fields specdec does not implement: accepted only at their no-op value (others: ignored)
-UNSUPPORTED = {"suffix": "", "prompt_embeds": None}
+UNSUPPORTED = {"suffix": "", "prompt_embeds": None, "use_beam_search": False}
 # The sampling fields' JSON types and vLLM's range checks (before SamplingParams, so that a value JSON allows
 # and Python would choke on - an integer of 400 digits - gets vLLM's message)
 PENALTY = (lambda v: -2 <= v <= 2, "must be in [-2, 2]")
@@ -211,9 +211,17 @@ def structured_outputs(body):
     if choice is not None and not (isinstance(choice, list) and all(isinstance(c, str) for c in choice)):
         raise bad(f"the choice constraint must be a list of strings, got {short(choice)}",
                   "guided_choice" if "choice" in given else "structured_outputs")
+    if so is None:
+        return None
+    so = {k: v for k, v in so.items() if k != "disable_fallback"}  # vLLM's choice among backends: one here
+    known = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+    unknown = [k for k in so if k not in known]
+    if unknown:
+        raise bad(f"structured_outputs: {short(unknown[0])} is not supported (specdec takes {', '.join(known)} "
+                  "and disable_fallback)", "structured_outputs")
     try:
-        return None if so is None else StructuredOutputsParams(**so)
-    except (ConfigError, TypeError) as e:  # not one constraint, or a key it does not have
+        return StructuredOutputsParams(**so)
+    except ConfigError as e:  # not one constraint
         raise bad(f"structured_outputs: {e}", "structured_outputs") from None
 
 
@@ -267,6 +275,9 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     for name, ok in UNSUPPORTED.items():
         if body.get(name) not in (None, ok):
             raise bad(f"'{name}' is not supported by this server (only {json.dumps(ok)} is accepted)", name)
+    priority = get(body, "priority", "integer", 0)
+    if priority != 0:  # vLLM's answer without --scheduling-policy priority (specdec schedules first come first served)
+        raise bad(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
     fields = {name: checked(body, name, kind, None, *rules) for name, (kind, *rules) in RANGES.items()}
     fields = {name: v for name, v in fields.items() if v is not None}
     for name in ("repetition_penalty", "min_p"):  # the generation config's, when the request has none
@@ -325,7 +336,8 @@ def parse_completion(app, body):
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         batch = prompt
     logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
-    max_tokens = max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
+    # vLLM: null is the default too; 0 with echo answers the prompt alone (one token made and dropped: Job.echo_only)
+    max_tokens = 1 if echo and body.get("max_tokens") == 0 else max_tokens_field(body, "max_tokens", 16)
     params = sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling)
     prompts, with_fields = [], params
     for p in batch:
@@ -481,9 +493,6 @@ def parse_chat(app, body):
         raise bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                   "tool_choice")
     forced = tool_choice not in ("none", "auto")
-    if forced and app.tool_parser is None:
-        raise bad("tool_choice 'required' or a named function needs --tool-call-parser (specdec holds the "
-                  "answer to calls in the parser's format)", "tool_choice")
     prompt = render_chat(app, body, msgs, tools)
     max_tokens = max_tokens_field(body, "max_completion_tokens", None)
     if max_tokens is None:
@@ -500,7 +509,10 @@ def parse_chat(app, body):
         # reasoning, held to the grammar, with no </think> allowed (vLLM lets the model think first and holds
         # only what follows; specdec's grammars do not wait for the reasoning's end yet)
         prompt += f"\n{END_THINK}\n\n"
-    parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
+    if forced and app.tool_parser is None:  # vLLM's way: the answer is JSON (json_calls), read as the calls
+        parser = JsonCalls(tools, tool_choice)
+    else:
+        parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
     start = prompt_reasoning(prompt) if app.reasoning_parser else None
     parallel = get(body, "parallel_tool_calls", "boolean", True)  # false: the calls after the first dropped (vLLM)
     # vLLM's response role: the assistant's with a generation prompt, else the last message's (whose text the
@@ -513,7 +525,8 @@ def parse_chat(app, body):
             raise bad("tool_choice 'required' or a named function holds the answer to tool calls: it cannot be "
                       "combined with structured outputs (response_format, structured_outputs, guided_*)",
                       "tool_choice")
-        params = dataclasses.replace(params, structured_outputs=forced_calls(app, tools, tool_choice, parallel))
+        held = forced_calls(app, tools, tool_choice, parallel) if app.tool_parser else json_calls(tools, tool_choice)
+        params = dataclasses.replace(params, structured_outputs=held)
     echo = chat_echo(body, msgs, role)
     # echo implies the prompt's logprobs (vLLM's chat: top_logprobs of them, default 0; not streamed)
     implied = (top or 0) if echo is not None and not get(body, "stream", "boolean", False) else None
@@ -554,6 +567,54 @@ def forced_calls(app, tools, tool_choice, parallel):
     except (ValueError, RuntimeError, TypeError) as e:  # xgrammar's message less its "[time] file:line: "
         why = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(\S+\) is false: )?", "", str(e).strip())
         raise bad(f"the tools' parameters cannot be held to by a grammar: {why}", "tools") from None
+
+
+def json_calls(tools, tool_choice):
+    """tool_choice "required" or a named function on a server without a tool-call parser, as vLLM holds it
+    (ChatCompletionRequest._get_json_schema_from_tool): a named function's answer is its arguments, a JSON object
+    under its parameters' schema (none: not held); required's is a JSON array of one call or more, each
+    {"name": one of the tools, "parameters": under that tool's schema}. JsonCalls reads the answer as the calls."""
+    fns = {t["function"]["name"]: t["function"] for t in tools}
+    if tool_choice != "required":
+        schema = fns[tool_choice].get("parameters")
+        return None if schema is None else StructuredOutputsParams(json=schema)
+    one = lambda f: {"properties": {"name": {"type": "string", "enum": [f["name"]]},  # noqa: E731
+                                    "parameters": f.get("parameters") or {"type": "object", "properties": {}}},
+                     "required": ["name", "parameters"]}
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [one(f) for f in fns.values()]}}
+    defs = {k: v for f in fns.values() for k, v in ((f.get("parameters") or {}).get("$defs") or {}).items()}
+    return StructuredOutputsParams(json=dict(schema, **({"$defs": defs} if defs else {})))
+
+
+class RawCall:
+    """A call whose arguments are the answer's own JSON text (JsonCalls), sent as it grows."""
+
+    def __init__(self, name, arguments):
+        self.name, self.text = name, arguments
+
+    def arguments(self):
+        return self.text
+
+
+class JsonCalls:
+    """The answer json_calls held, as calls (ChatStream's parser): a named function's is its one call's arguments,
+    streamed as they come; required's array becomes its calls once whole (arguments: the parameters' JSON, as
+    vLLM dumps them). An array that does not parse (max_tokens cut it) stays text, with no calls."""
+
+    def __init__(self, tools, tool_choice):
+        self.name = None if tool_choice == "required" else tool_choice
+
+    def parse(self, text, final):
+        if self.name is not None:
+            return ["", RawCall(self.name, text), ""]
+        if not final:
+            return [""]
+        try:
+            calls = json.loads(text)
+            calls = [RawCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return [text]
+        return [x for c in calls for x in ("", c)] + [""]
 
 
 # ==============================================================================================
@@ -1056,12 +1117,22 @@ TTFT, ITL = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_second
 E2E, QUEUE = "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"
 PREFILL, DECODE = "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"
 INFERENCE = "vllm:request_inference_time_seconds"
+# per request, at its end: its prompt and generation tokens, its max_tokens and n, its mean time per output token;
+# per step: the tokens it processed (a prompt's counted in the step that ends its prefill)
+PROMPT_N, GEN_N = "vllm:request_prompt_tokens", "vllm:request_generation_tokens"
+MAX_TOKENS, N_PARAM = "vllm:request_params_max_tokens", "vllm:request_params_n"
+TPOT, STEP_TOKENS = "vllm:request_time_per_output_token_seconds", "vllm:iteration_tokens_total"
 BUCKETS = {TTFT: TTFT_BUCKETS,  # vLLM's (TTFT's and the request latencies' as LLM.get_metrics has them)
            ITL: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0],
            E2E: REQUEST_BUCKETS, QUEUE: REQUEST_BUCKETS, PREFILL: REQUEST_BUCKETS, DECODE: REQUEST_BUCKETS,
            INFERENCE: REQUEST_BUCKETS}
-HISTOGRAM_DOCS = {TTFT: "Histogram of time to first token in seconds.",
+HISTOGRAM_DOCS = {PROMPT_N: "Number of prefill tokens processed.", GEN_N: "Number of generation tokens processed.",
+                  MAX_TOKENS: "Histogram of the max_tokens request parameter.",
+                  N_PARAM: "Histogram of the n request parameter.",
+                  TPOT: "Histogram of time_per_output_token_seconds per request.",
+                  STEP_TOKENS: "Histogram of number of tokens per engine_step.",
+                  TTFT: "Histogram of time to first token in seconds.",
                   ITL: "Histogram of inter-token latency in seconds.",
                   E2E: "Histogram of e2e request latency in seconds.",
                   QUEUE: "Histogram of time spent in WAITING phase for request.",
@@ -1070,21 +1141,36 @@ HISTOGRAM_DOCS = {TTFT: "Histogram of time to first token in seconds.",
                   INFERENCE: "Histogram of time spent in RUNNING phase for request."}
 
 
+def one_two_five(most):
+    """1, 2, 5, 10, 20, 50, ... up to `most` (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > most:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
 class Metrics:
     """Written by the engine thread, read by GET /metrics, under one lock."""
 
-    def __init__(self, model_name, num_spec_tokens):
+    def __init__(self, model_name, num_spec_tokens, max_model_len=4096):
         esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         self.labels, self.k, self.lock = f'model_name="{esc}",engine="0"', num_spec_tokens, threading.Lock()
         self.running = self.waiting = self.prompt_tokens = self.generation_tokens = 0
         self.kv_usage = 0.0  # slot positions in use / all of them
         self.success = dict.fromkeys(("stop", "length", "abort", "error"), 0)
-        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in BUCKETS.items()}  # cumulative counts, sum, n
+        tokens = one_two_five(max_model_len)  # vLLM's build_1_2_5_buckets(max_model_len)
+        self.buckets = dict(BUCKETS, **{PROMPT_N: tokens, GEN_N: tokens, MAX_TOKENS: tokens, N_PARAM: [1, 2, 5, 10, 20],
+                                        TPOT: BUCKETS[ITL], STEP_TOKENS: [1 << i for i in (0, *range(3, 15))]})
+        self.hist = {name: [[0] * len(b), 0.0, 0] for name, b in self.buckets.items()}  # cumulative counts, sum, n
+        self.seen = (0, 0)  # (generation tokens, prompt tokens) at the end of the last step (STEP_TOKENS)
         self.spec = (0, 0, 0, [0] * self.k)  # drafts, draft tokens, accepted tokens, accepted per position
 
     def _observe(self, name, v):
         h = self.hist[name]
-        h[0] = [c + (v <= b) for c, b in zip(h[0], BUCKETS[name])]
+        h[0] = [c + (v <= b) for c, b in zip(h[0], self.buckets[name])]
         h[1] += v
         h[2] += 1
 
@@ -1109,6 +1195,14 @@ class Metrics:
                 self._observe(E2E, now - job.t_arrival)
                 self._observe(DECODE, now - job.t_first)
                 self._observe(INFERENCE, now - job.t_scheduled)
+                n_out = len(req.output_ids)
+                self._observe(PROMPT_N, len(req.prompt_ids))
+                self._observe(GEN_N, n_out)
+                self._observe(TPOT, (now - job.t_first) / (n_out - 1) if n_out > 1 else 0.0)
+                if job.params.max_tokens is not None:
+                    self._observe(MAX_TOKENS, job.params.max_tokens)
+                if job.fork_of is None:  # once a request (its first sample), with its n
+                    self._observe(N_PARAM, job.n_samples)
         job.t_last = now
 
     def after_step(self, eng):
@@ -1118,6 +1212,10 @@ class Metrics:
         prefilling = set(map(id, eng.prefilling))  # their KV holds the pieces prefilled so far
         used = sum(r.prefilled if id(r) in prefilling else len(r.tokens) for r in eng.slots if r is not None)
         with self.lock:
+            step = (self.generation_tokens, self.prompt_tokens)
+            if step != self.seen:  # (a step that made no token, e.g. a prefill's first piece, is not counted)
+                self._observe(STEP_TOKENS, sum(step) - sum(self.seen))
+            self.seen = step
             self.running, self.waiting = sum(r is not None for r in eng.slots), len(eng.waiting)
             self.kv_usage = used / (eng.max_num_seqs * eng.max_model_len)
             self.spec = spec
@@ -1146,9 +1244,16 @@ class Metrics:
                    [("_total", "", self.generation_tokens)])
             family("vllm:request_success", "counter", "Count of successfully processed requests.",
                    [("_total", f',finished_reason="{r}"', n) for r, n in self.success.items()])
+            # (no preemption: a request keeps its slot to the end; no prefix cache)
+            family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+                   [("_total", "", 0)])
+            family("vllm:prefix_cache_queries", "counter",
+                   "Prefix cache queries, in terms of number of queried tokens.", [("_total", "", 0)])
+            family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+                   [("_total", "", 0)])
             for name, (counts, total, n) in self.hist.items():
                 family(name, "histogram", HISTOGRAM_DOCS[name],
-                       [("_bucket", f',le="{b!r}"', c) for b, c in zip(BUCKETS[name], counts)]
+                       [("_bucket", f',le="{float(b)!r}"', c) for b, c in zip(self.buckets[name], counts)]
                        + [("_bucket", ',le="+Inf"', n), ("_sum", "", total), ("_count", "", n)])
             if self.k:  # as in vLLM, only with a speculative config
                 for what, v in zip(("drafts", "draft_tokens", "accepted_tokens"), self.spec):
@@ -1210,6 +1315,8 @@ class Job:
         self.ranked = False  # one of best_of samples: its cumulative logprob is counted
         self.fork_of = None  # n > 1: the first sample's job, whose prefill this one copies
         self.t_scheduled = self.t_first = None  # (engine thread) its first step began, its first token came
+        self.echo_only = False  # completions' echo with max_tokens 0 (vLLM): the answer is the prompt alone
+        self.n_samples = 1  # the request's n (the first sample's job counts it in /metrics)
 
 
 def device_fault(e):
@@ -1410,6 +1517,8 @@ def chat_message(chat, spec, echo=None):
     reasoning = (chat.reasoning or None) if spec.include_reasoning else None
     parsed = spec.start is not None or spec.parser is not None  # a parser may leave no content at all
     content = (chat.content or None) if parsed else chat.content
+    if isinstance(spec.parser, JsonCalls):  # vLLM's message for calls read from JSON: content ""
+        content = content or ""
     return {"role": spec.role, "content": content if echo is None else echo + (content or ""),
             "reasoning_content": reasoning, "reasoning": reasoning, "tool_calls": chat.calls}
 
@@ -1464,7 +1573,7 @@ ROUTES = {"/health": ("GET", "health"), "/ping": ("GET POST", "health"), "/versi
           "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
           "/v1/completions": ("POST", "completions"), "/v1/chat/completions": ("POST", "chat"),
           "/v1/responses": ("POST", "responses_api"), "/tokenize": ("POST", "tokenize"),
-          "/detokenize": ("POST", "detokenize")}
+          "/detokenize": ("POST", "detokenize"), "/invocations": ("POST", "invocations")}
 CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 DROP_MAX = 1 << 20  # an unread body up to this size is read and dropped after an early answer (see drop_body)
 
@@ -1525,6 +1634,11 @@ class Handler(BaseHTTPRequestHandler):
         app, path, self.streaming = self.server.app, urlsplit(self.path).path, False
         try:
             self.unread = self.content_length()
+            origin, method = self.headers.get("Origin"), self.headers.get("Access-Control-Request-Method")
+            if self.command == "OPTIONS" and origin is not None and method is not None:  # a CORS preflight
+                status, body, headers = app.cors.preflight(origin, method,
+                                                           self.headers.get("Access-Control-Request-Headers"))
+                return self.send(status, body, "text/plain; charset=utf-8", headers)
             if path.startswith("/v1") and not app.authorized(self.headers.get("Authorization")):
                 return self.send(401, {"error": "Unauthorized"})
             if path not in ROUTES and path.startswith("/v1/responses/"):  # retrieve, cancel: nothing is stored
@@ -1614,6 +1728,14 @@ class Handler(BaseHTTPRequestHandler):
     def expects_continue(self):
         return self.headers.get("Expect", "").lower() == "100-continue"
 
+    def end_headers(self):
+        headers = getattr(self, "headers", None)  # (none yet when the request line itself was refused)
+        origin = headers.get("Origin") if headers is not None else None
+        if origin is not None:  # a browser's request: vLLM's CORS headers (Cors)
+            for name, value in self.server.app.cors.origin_headers(origin).items():
+                self.send_header(name, value)
+        super().end_headers()
+
     def send(self, status, body, ctype="application/json", headers=None):
         if self.unread:
             self.drop_body()
@@ -1671,6 +1793,16 @@ class Handler(BaseHTTPRequestHandler):
         if wrong:
             raise bad(f"token id {short(wrong[0])} is out of range [0, {app.vocab})", "tokens")
         self.send(200, {"prompt": app.tokenizer.decode(ids)})
+
+    def invocations(self, app, raw):
+        """POST /invocations (SageMaker's, as vLLM routes it): a chat request (messages) or a completion (prompt)."""
+        body = parse_json(raw)
+        if "messages" in body:
+            return self.chat(app, raw)
+        if "prompt" in body:
+            return self.completions(app, raw)
+        raise bad("Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', "
+                  "'CompletionRequest']")
 
     def completions(self, app, raw):
         body = app.check_model(parse_json(raw))
@@ -1764,14 +1896,18 @@ class Handler(BaseHTTPRequestHandler):
                       "best_of")
         chat = spec is not None
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": kind,
+        # vLLM's id: the X-Request-Id header, else the body's request_id, else a random one, after the prefix
+        rid = self.headers.get("X-Request-Id")
+        rid = get(body, "request_id", "string", uuid.uuid4().hex) if rid is None else rid
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": kind,
                 "created": int(time.time()), "model": app.name}
         groups = []  # per prompt: its jobs (one per sample; the first's prefill copied by the others), echo
+        echo_only = not chat and get(body, "echo", "boolean", False) and body.get("max_tokens") == 0
         for ids, echo in prompts:
             app.log_request(head["id"], ids, params)
             group = [Job(ids, p) for p in params.samples()]
             for job in group:
-                job.ranked = params.ranked
+                job.ranked, job.echo_only, job.n_samples = params.ranked, echo_only, len(group)
                 job.fork_of = group[0] if job is not group[0] else None
             groups.append((group, echo))
         jobs = [job for group, _ in groups for job in group]
@@ -1789,7 +1925,7 @@ class Handler(BaseHTTPRequestHandler):
                 submitted.append(job)
             n_prompt = sum(len(group[0].prompt_ids) for group, _ in groups)  # (once per prompt, whatever n)
             if stream:
-                self.stream(groups, n_prompt, head, spec, opts or {}, app.tokenizer, with_prompt)
+                self.stream(groups, n_prompt, head, spec, opts, app.tokenizer, with_prompt)
                 return
             choices, n_out = [], 0
             for group, echo in groups:
@@ -1846,7 +1982,9 @@ class Handler(BaseHTTPRequestHandler):
                 up = more if kind == "error" else more._replace(ids=up.ids + more.ids, logprobs=lps)
             if kind == "error":
                 raise up
-            yield up
+            # echo without generation: vLLM generates one token and answers the prompt alone (counting the token)
+            yield up._replace(text="", ids=[], logprobs=[] if up.logprobs is not None else None) if job.echo_only \
+                else up
             if up.finish_reason is not None:
                 return
 
@@ -1873,15 +2011,17 @@ class Handler(BaseHTTPRequestHandler):
         tokens in all. With n > 1 or several prompts the choices go one after the other (each chunk names its
         index), while the engine runs them all."""
         self.start_sse()
-        with_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+        # vLLM's StreamOptions: include_usage defaults to true once stream_options is given; continuous_usage_stats
+        # puts each choice's own usage so far on its chunks
+        with_usage = opts is not None and bool(opts.get("include_usage", True))
+        continuous = with_usage and bool(opts.get("continuous_usage_stats"))
         jobs = [(job, echo) for group, echo in groups for job in group]
         n_done = 0
         for index, (job, echo) in enumerate(jobs):
-            n_done += self.stream_choice(job, index, head, spec, echo, tok, (with_usage, continuous), n_done,
-                                         with_prompt)
+            n_done += self.stream_choice(job, index, head, spec, echo, tok, (with_usage, continuous), with_prompt)
         self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n_done)) if with_usage else None)
 
-    def stream_choice(self, job, index, head, spec, echo, tok, usage_opts, n_before, with_prompt=False):
+    def stream_choice(self, job, index, head, spec, echo, tok, usage_opts, with_prompt=False):
         """One choice's chunks; returns its number of tokens."""
         with_usage, continuous = usage_opts
         fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
@@ -1895,9 +2035,9 @@ class Handler(BaseHTTPRequestHandler):
             if with_prompt and first:
                 lps = list(job.req.prompt_logprobs)
             ids, lps = ids + new_ids, lps + (new_lps or [])  # tokens not sent yet (with their logprobs)
-            extra = {"usage": usage(n_prompt, n_before + n) if continuous else None} if with_usage else {}
+            extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
             if first and chat is not None:  # vLLM sends the chat role with the first output, not before
-                none_yet = {"usage": usage(n_prompt, n_before) if continuous else None} if with_usage else {}
+                none_yet = {"usage": usage(n_prompt, 0) if continuous else None} if with_usage else {}
                 role = {"delta": {"role": spec.role, "content": ""}}
                 self.sse(dict(head, choices=[choice(role, None, None, None, index)], **none_yet))
                 if echo:  # chat's echo (chat_echo): a chunk of its own after the role's, as vLLM's
@@ -1943,6 +2083,40 @@ class Handler(BaseHTTPRequestHandler):
         self.chunk(b"")
 
 
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what "*" allows (as Starlette)
+
+
+class Cors(namedtuple("Cors", "origins methods headers credentials")):
+    """Cross-origin requests as vLLM answers them (Starlette's CORSMiddleware with --allowed-origins,
+    --allowed-methods, --allowed-headers, --allow-credentials): a browser's preflight (OPTIONS with Origin and
+    Access-Control-Request-Method) gets 200 "OK" or 400 "Disallowed CORS ...", before any route or key check;
+    any other answer to a request with an allowed Origin says so in its headers."""
+
+    def allows(self, origin):
+        return "*" in self.origins or origin in self.origins
+
+    def origin_headers(self, origin):
+        """The headers an answer to a request from `origin` carries (none for an origin not allowed)."""
+        if not self.allows(origin):
+            return {}
+        echo = self.credentials or "*" not in self.origins  # a named origin (or credentials): that origin, Vary
+        out = {"Access-Control-Allow-Origin": origin if echo else "*", **({"Vary": "Origin"} if echo else {})}
+        return dict(out, **({"Access-Control-Allow-Credentials": "true"} if self.credentials else {}))
+
+    def preflight(self, origin, method, headers):
+        """(status, body, headers) of the answer to a preflight asking for `method` and `headers` (or None); the
+        origin's own headers come with every answer (Handler.end_headers)."""
+        methods = HTTP_METHODS if "*" in self.methods else tuple(self.methods)
+        out = {"Access-Control-Allow-Methods": ", ".join(methods), "Access-Control-Max-Age": "600"}
+        wanted = [h.strip().lower() for h in (headers or "").split(",") if h.strip()]
+        allowed = {h.lower() for h in self.headers}
+        failed = [what for what, ok in (("origin", self.allows(origin)), ("method", method in methods),
+                                        ("headers", "*" in self.headers or set(wanted) <= allowed)) if not ok]
+        if headers is not None and "*" in self.headers:
+            out["Access-Control-Allow-Headers"] = headers
+        return (400, b"Disallowed CORS " + ", ".join(failed).encode(), out) if failed else (200, b"OK", out)
+
+
 class App:
     """What the handlers share: the model and the names it is served as, the chat template and the parsers
     (ChatOptions), the engine loop and the metrics."""
@@ -1960,9 +2134,10 @@ class App:
         self.auto_tools = chat.auto_tools and self.tool_parser is not None
         self.added_tokens = {i: t for t, i in llm.tokenizer.special_ids.items()}
         k = llm.spec.num_speculative_tokens if llm.spec else 0
-        self.metrics = Metrics(self.name, k)
+        self.metrics = Metrics(self.name, k, llm.max_model_len)
         interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", 10))
         self.loop = EngineLoop(llm, max_queue, self.metrics, StatsLog(interval) if log_stats else None)
+        self.cors = Cors(["*"], ["*"], ["*"], False)  # vLLM's defaults (--allowed-origins ...)
 
     def log_request(self, rid, ids, params):
         """--enable-log-requests: vLLM's line for each request received."""
@@ -2031,6 +2206,19 @@ ChatOptions = namedtuple("ChatOptions", "template kwargs reasoning_parser tool_p
                          defaults=(None, {}, None, None, False))
 
 
+def json_list(flag):
+    """argparse's type for a flag that takes a JSON list of strings."""
+    def parse(text):
+        try:
+            v = json.loads(text)
+        except ValueError:
+            v = None
+        if not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+        return v
+    return parse
+
+
 def build_parser():
     ap = argparse.ArgumentParser(
         prog="server.py", description="specdec's OpenAI-compatible server, started as vLLM's is: `python "
@@ -2064,6 +2252,11 @@ def build_parser():
                                                               "more get 503")
     ap.add_argument("--max-connections", type=int, default=256, help="open connections served at once; one "
                                                                      "more gets 503 (default 256)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):  # vLLM's CORS flags: JSON lists, default ["*"]
+        ap.add_argument(flag, type=json_list(flag), default=["*"], help=f'CORS: allowed {what}, a JSON list '
+                        '(default ["*"])')
+    ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     ap.add_argument("--request-timeout", type=float, default=30.0,
                     help="seconds a client has to send a request's line and headers (or to start the next "
                     "one on a kept-alive connection), then its body, and to take each write of the answer "
@@ -2140,6 +2333,7 @@ def main(argv=None):
         llm.warmup()  # every graph captured before the first request (on CUDA)
         app = App(llm, a.served_model_name, a.api_key, a.max_queue, chat, a.enable_log_requests,
                   not a.disable_log_stats)
+        app.cors = Cors(a.allowed_origins, a.allowed_methods, a.allowed_headers, a.allow_credentials)
         httpd = Server((a.host, a.port), app, a.max_connections, a.request_timeout)
     except Exception as e:  # a bad config or checkpoint, a busy port: one line, no traceback
         msg = " ".join(str(e).split()) or type(e).__name__

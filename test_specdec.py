@@ -4309,6 +4309,18 @@ def test_metrics_counters(srv):
     assert d("vllm:request_success_total", finished_reason="length") == 1
     assert d("vllm:time_to_first_token_seconds_count") == 1 and d("vllm:e2e_request_latency_seconds_count") == 1
     assert d("vllm:inter_token_latency_seconds_count") == 6  # one per later step (no speculation: 1 token each)
+    # vLLM's per-request histograms (at its end) and tokens per engine step; no preemption, no prefix cache
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert d("vllm:request_prompt_tokens_count") == 1 and d("vllm:request_prompt_tokens_sum") == n_prompt
+    assert d("vllm:request_generation_tokens_sum") == 7 and d("vllm:request_params_max_tokens_sum") == 7
+    assert d("vllm:request_params_n_count") == 1 and d("vllm:request_params_n_bucket", le="1.0") == 1
+    assert d("vllm:request_time_per_output_token_seconds_count") == 1
+    assert d("vllm:iteration_tokens_total_sum") == n_prompt + 7 and d("vllm:iteration_tokens_total_count") == 7
+    # (1-2-5 buckets up to max_model_len: 7 falls in le="10.0", not le="5.0")
+    assert d("vllm:request_params_max_tokens_bucket", le="10.0") == 1
+    assert d("vllm:request_params_max_tokens_bucket", le="5.0") == 0
+    for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert metric(after, name) == 0
     assert all(ls[:2] == (("model_name", "tiny"), ("engine", "0")) for (_, ls) in after)
     assert not any(n.startswith("vllm:spec_decode") for n, _ in after)  # only with a speculative config
 
@@ -8553,12 +8565,177 @@ def test_responses_pass_vllm_sampling_fields(srv):
     st, r = srv.post("/v1/responses", dict(body, truncation="sometimes"))
     check_error(st, r, 400, "truncation", "'truncation' must be \"auto\" or \"disabled\"")
 
+def test_forced_calls_without_a_parser_are_json(tiny_spec, srv):
+    """tool_choice named or "required" on a server without --tool-call-parser, as vLLM serves them (before: a 400
+    asking for a parser): the answer held to JSON (server.json_calls: a named function's arguments under its
+    schema; required's array of {name, parameters}) and read back as tool_calls (server.JsonCalls), a named call's
+    arguments streamed as they come, required's calls once its array is whole; finish_reason "stop" for a named
+    call, "tool_calls" for required; content "" (vLLM's message)."""
+    import server as srvmod
+    mode = {"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object", "required": [
+        "on", "mode"], "properties": {"on": {"type": "boolean"}, "mode": {"type": "string", "enum": ["fast", "slow"]}}}}}
+    ping = {"type": "function", "function": {"name": "ping"}}
+    assert srvmod.json_calls([mode, ping], "ping") is None  # a tool without parameters: not held (vLLM)
+    named = srvmod.json_calls([mode, ping], "set_mode")
+    assert named.json == mode["function"]["parameters"]
+    required = srvmod.json_calls([mode, ping], "required").json
+    assert required["type"] == "array" and required["minItems"] == 1
+    assert [o["properties"]["name"]["enum"] for o in required["items"]["anyOf"]] == [["set_mode"], ["ping"]]
+    assert required["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    # the parser: a named call's arguments grow with the text; required's array is read once whole
+    chat = srvmod.ChatStream(None, srvmod.JsonCalls([mode], "set_mode"))
+    first = chat.feed('{"on": tr', False)["tool_calls"][0]
+    assert first["function"] == {"name": "set_mode", "arguments": '{"on": tr'} and first["id"].startswith(
+        "chatcmpl-tool-")
+    assert chat.feed('{"on": true}', True) == {"tool_calls": [{"index": 0, "function": {"arguments": "ue}"}}]}
+    chat = srvmod.ChatStream(None, srvmod.JsonCalls([mode, ping], "required"))
+    assert chat.feed('[{"name": "ping", "parameters": {}}, {"name": "set_mode", "param', False) == {}
+    chat.feed('[{"name": "ping", "parameters": {}}, {"name": "set_mode", "parameters": {"on": false, '
+              '"mode": "café"}}]', True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in chat.calls] == [
+        ("ping", "{}"), ("set_mode", '{"on": false, "mode": "café"}')]
+    cut = srvmod.ChatStream(None, srvmod.JsonCalls([mode], "required"))
+    assert cut.feed('[{"name": "set_mo', True) == {"content": '[{"name": "set_mo'} and not cut.calls  # max_tokens
+    # a random model held to the grammar writes calls the parser reads (its whitespace held to none here, so
+    # that it ends: vLLM's grammar allows any, which a random model may spend max_tokens on)
+    llm = LLM(tiny_spec, device="cpu")
+    for choice in ("set_mode", "required"):
+        so = dataclasses.replace(srvmod.json_calls([mode, ping], choice), disable_any_whitespace=True)
+        for t in (0.0, 1.0):
+            o = llm.generate("Set it.", SamplingParams(temperature=t, seed=3, max_tokens=200,
+                                                      structured_outputs=so), use_tqdm=False)[0].outputs[0]
+            chat = srvmod.ChatStream(None, srvmod.JsonCalls([mode, ping], choice))
+            chat.feed(o.text, True)
+            assert o.finish_reason == "stop" and chat.calls and not chat.content, (choice, t, o.text)
+            for call in chat.calls:
+                args = json.loads(call["function"]["arguments"])
+                if call["function"]["name"] == "set_mode":
+                    assert set(args) == {"on", "mode"} and isinstance(args["on"], bool) and args["mode"] in (
+                        "fast", "slow")
+                else:
+                    assert call["function"]["name"] == "ping" and choice == "required"
+    # through the server (no --tool-call-parser): the message and the stream's pieces agree
+    body = {"messages": CHAT, "tools": [mode, ping], "max_tokens": 12, "temperature": 0}
+    for choice, finish in (({"type": "function", "function": {"name": "set_mode"}}, "stop"), ("required", None)):
+        st, r = srv.post("/v1/chat/completions", dict(body, tool_choice=choice))
+        msg = r["choices"][0]["message"]
+        assert st == 200 and (msg["content"] == "" if msg["tool_calls"] else  # (12 tokens may cut required's
+                              r["choices"][0]["finish_reason"] == "length" and msg["content"][:1] == "["), r  # array)
+        if choice != "required":
+            assert msg["content"] == ""
+            assert [c["function"]["name"] for c in msg["tool_calls"]] == ["set_mode"]
+            assert msg["tool_calls"][0]["function"]["arguments"].startswith("{")
+            assert r["choices"][0]["finish_reason"] in (finish, "length")
+            status, _, data = srv.request("POST", "/v1/chat/completions", dict(body, tool_choice=choice,
+                                                                               stream=True))
+            pieces = [t["function"].get("arguments", "") for e in sse_events(data) if e["choices"]
+                      for t in e["choices"][0]["delta"].get("tool_calls", [])]
+            assert status == 200 and "".join(pieces) == msg["tool_calls"][0]["function"]["arguments"]
+
+
+def test_stream_usage_request_ids_and_refusals(srv):
+    """vLLM's stream_options: include_usage defaults to true once stream_options is given ({} sends the usage chunk;
+    before, none), null or false sends none; continuous_usage_stats gives each chunk its own choice's tokens so far
+    (before: the earlier choices' counted in). The response id is cmpl- / chatcmpl- and the X-Request-Id header,
+    else the body's request_id (vLLM's _base_request_id). priority other than 0 and use_beam_search are refused as
+    vLLM refuses them without priority scheduling / as unsupported (they were ignored)."""
+    body = {"prompt": "a b", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True}
+    for opts, last in (({}, 3), ({"include_usage": None}, None), ({"include_usage": False}, None)):
+        status, _, data = srv.request("POST", "/v1/completions", dict(body, stream_options=opts))
+        usage = [e["usage"] for e in sse_events(data) if e.get("usage")]
+        assert status == 200 and [u["completion_tokens"] for u in usage] == ([] if last is None else [last]), opts
+    status, _, data = srv.request("POST", "/v1/completions", dict(body, n=2, temperature=1.0, seed=1, stream_options={
+        "continuous_usage_stats": True}))
+    events = sse_events(data)
+    per_choice = {}
+    for e in events[:-1]:  # each chunk: its own choice's tokens so far (choice 1's used to start at choice 0's 3)
+        i = e["choices"][0]["index"]
+        assert per_choice.get(i, 0) < e["usage"]["completion_tokens"] <= 3
+        per_choice[i] = e["usage"]["completion_tokens"]
+    assert per_choice == {0: 3, 1: 3} and events[-1]["usage"]["completion_tokens"] == 6
+    chat = {"messages": CHAT, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    status, _, data = srv.request("POST", "/v1/chat/completions", dict(chat, stream=True, stream_options={}))
+    assert status == 200 and sse_events(data)[-1]["usage"]["completion_tokens"] == 2
+    status, _, data = srv.request("POST", "/v1/completions", dict(body, stream=False), headers={"X-Request-Id": "r-7"})
+    assert status == 200 and json.loads(data)["id"] == "cmpl-r-7"
+    st, r = srv.post("/v1/chat/completions", dict(chat, request_id="mine"))
+    assert st == 200 and r["id"] == "chatcmpl-mine"
+    status, _, data = srv.request("POST", "/v1/chat/completions", dict(chat, request_id="mine", stream=True),
+                                  headers={"X-Request-Id": "hdr"})
+    assert {e["id"] for e in sse_events(data)} == {"chatcmpl-hdr"}
+    check_error(*srv.post("/v1/completions", dict(body, stream=False, priority=3)), 400, "priority",
+                "Got priority 3 but Priority scheduling is not enabled.")
+    assert srv.post("/v1/completions", dict(body, stream=False, priority=0))[0] == 200
+    check_error(*srv.post("/v1/chat/completions", dict(chat, use_beam_search=True)), 400, "use_beam_search",
+                "not supported")
+    # structured_outputs: vLLM's disable_fallback accepted (one backend here); a key specdec lacks named, in one
+    # line (it was Python's "__init__() got an unexpected keyword argument")
+    assert srv.post("/v1/completions", dict(body, stream=False, structured_outputs={
+        "choice": ["a", "b"], "disable_fallback": True}))[0] == 200
+    st, r = srv.post("/v1/completions", dict(body, stream=False, structured_outputs={
+        "json": {"type": "object"}, "whitespace_pattern": " "}))
+    check_error(st, r, 400, "structured_outputs", 'structured_outputs: "whitespace_pattern" is not supported')
+    assert "__init__" not in r["error"]["message"]
+
+
+def test_echo_without_generation_and_invocations(srv):
+    """Completions' echo with max_tokens 0 (vLLM: scoring a text) answers the prompt alone: its text, its tokens'
+    logprobs, finish_reason "length" and one completion token counted (vLLM makes one and drops it); streamed, the
+    same text; max_tokens 0 without echo stays vLLM's 400. POST /invocations (SageMaker's) takes a chat request or a
+    completion by its fields, as vLLM routes it."""
+    body = {"prompt": "def fib(n):", "max_tokens": 0, "echo": True, "temperature": 0}
+    st, r = srv.post("/v1/completions", dict(body, logprobs=1))
+    c = r["choices"][0]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert st == 200 and c["text"] == "def fib(n):" and c["finish_reason"] == "length"
+    assert len(c["logprobs"]["tokens"]) == n_prompt and "".join(c["logprobs"]["tokens"]) == "def fib(n):"
+    assert c["logprobs"]["token_logprobs"][0] is None and r["usage"]["completion_tokens"] == 1
+    status, _, data = srv.request("POST", "/v1/completions", dict(body, stream=True))
+    assert status == 200 and "".join(e["choices"][0]["text"] for e in sse_events(data)) == "def fib(n):"
+    check_error(*srv.post("/v1/completions", dict(body, echo=False)), 400, "max_tokens",
+                "max_tokens must be at least 1")
+    st, r = srv.post("/invocations", {"prompt": "a", "max_tokens": 2})
+    assert st == 200 and r["object"] == "text_completion"
+    st, r = srv.post("/invocations", {"messages": CHAT, "max_tokens": 2})
+    assert st == 200 and r["object"] == "chat.completion"
+    check_error(*srv.post("/invocations", {"input": "x"}), 400, None, "Cannot find suitable handler for request")
+
+
+def test_cors_as_vllm(srv):
+    """vLLM's CORS (Starlette's middleware, --allowed-origins / --allowed-methods / --allowed-headers /
+    --allow-credentials, default ["*"]): a browser's preflight gets 200 "OK" with the allowed methods and the
+    headers it asked for, before the route's method check (it was 405); an answer to a request with an Origin
+    says Access-Control-Allow-Origin; one without says nothing. Named origins and credentials: the origin itself
+    and Vary, and a preflight from elsewhere is "Disallowed CORS origin"."""
+    import server as srvmod
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "content-type, authorization"}
+    status, headers, data = srv.request("OPTIONS", "/v1/chat/completions", headers=pre)
+    assert status == 200 and data == b"OK" and headers["Access-Control-Allow-Origin"] == "*"
+    assert headers["Access-Control-Allow-Headers"] == "content-type, authorization"
+    assert "POST" in headers["Access-Control-Allow-Methods"] and headers["Access-Control-Max-Age"] == "600"
+    status, headers, _ = srv.request("GET", "/v1/models", headers={"Origin": "http://app.example"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    assert "Access-Control-Allow-Origin" not in srv.request("GET", "/v1/models")[1]
+    assert srv.request("OPTIONS", "/v1/models")[0] == 405  # no preflight: the route's methods, as before
+    named = srvmod.Cors(["http://app.example"], ["GET", "POST"], ["content-type"], True)
+    assert named.origin_headers("http://app.example") == {"Access-Control-Allow-Origin": "http://app.example",
+                                                          "Vary": "Origin", "Access-Control-Allow-Credentials": "true"}
+    assert named.origin_headers("http://evil.example") == {}
+    assert named.preflight("http://app.example", "POST", "Content-Type")[:2] == (200, b"OK")
+    assert named.preflight("http://evil.example", "PUT", "x-other")[:2] == (400, b"Disallowed CORS origin, method, headers")
+    ap = srvmod.build_parser()
+    a = ap.parse_args(["--allowed-origins", '["http://a"]', "--allow-credentials"])
+    assert a.allowed_origins == ["http://a"] and a.allowed_methods == ["*"] and a.allow_credentials
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--allowed-origins", "http://a"])  # not a JSON list
+
+
 def test_tool_request_errors(srv, srv_scripted):
     """vLLM's refusals, as 400s that name the field."""
     body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 2}
     for server, fields, param, fragment in [
             (srv, {}, "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
-            (srv, {"tool_choice": "required"}, "tool_choice", "needs --tool-call-parser"),
             (srv_scripted, {"tools": None, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
             (srv_scripted, {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
              "does not match any of the specified `tools`"),

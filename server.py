@@ -309,6 +309,9 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
     allowed = id_list(body, "allowed_token_ids")
     if allowed and not all(0 <= t < vocab for t in allowed):
         raise bad("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+    # each id once (the same set of tokens): the engine builds the request's mask from the list at every step, and
+    # 800,000 repeated ids made every other request's steps 0.01 -> 0.16-0.33 s for that request's life
+    allowed = sorted(set(allowed)) if allowed else allowed
     bias = get(body, "logit_bias", "object")
     if bias is not None and not all(JSON_TYPES["number"](v) and abs(v) < math.inf for v in bias.values()):
         raise bad("'logit_bias' must map token ids to finite numbers", "logit_bias")

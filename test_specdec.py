@@ -8638,7 +8638,8 @@ def test_stream_usage_request_ids_and_refusals(srv):
     before, none), null or false sends none; continuous_usage_stats gives each chunk its own choice's tokens so far
     (before: the earlier choices' counted in). The response id is cmpl- / chatcmpl- and the X-Request-Id header,
     else the body's request_id (vLLM's _base_request_id). priority other than 0 and use_beam_search are refused as
-    vLLM refuses them without priority scheduling / as unsupported (they were ignored)."""
+    vLLM refuses them without priority scheduling / as unsupported (they were ignored); allowed_token_ids are kept
+    once each; an unknown structured_outputs key is named in one line."""
     body = {"prompt": "a b", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True}
     for opts, last in (({}, 3), ({"include_usage": None}, None), ({"include_usage": False}, None)):
         status, _, data = srv.request("POST", "/v1/completions", dict(body, stream_options=opts))
@@ -8668,6 +8669,11 @@ def test_stream_usage_request_ids_and_refusals(srv):
     assert srv.post("/v1/completions", dict(body, stream=False, priority=0))[0] == 200
     check_error(*srv.post("/v1/chat/completions", dict(chat, use_beam_search=True)), 400, "use_beam_search",
                 "not supported")
+    # allowed_token_ids: each id once (the engine builds its mask from the list every step)
+    import server as srvmod
+    app = types.SimpleNamespace(tokenizer=None, vocab=1024, llm=types.SimpleNamespace(default_sampling={}, max_model_len=64))
+    params = srvmod.parse_completion(app, {"prompt": [1, 2], "allowed_token_ids": [5, 3, 5] * 1000})[1]
+    assert params.allowed_token_ids == [3, 5]
     # structured_outputs: vLLM's disable_fallback accepted (one backend here); a key specdec lacks named, in one
     # line (it was Python's "__init__() got an unexpected keyword argument")
     assert srv.post("/v1/completions", dict(body, stream=False, structured_outputs={

@@ -1320,6 +1320,7 @@ class Job:
         self.t_scheduled = self.t_first = None  # (engine thread) its first step began, its first token came
         self.echo_only = False  # completions' echo with max_tokens 0 (vLLM): the answer is the prompt alone
         self.n_samples = 1  # the request's n (the first sample's job counts it in /metrics)
+        self.return_ids = False  # vLLM's return_token_ids: the answer's token ids (and the prompt's) in its choices
 
 
 def device_fault(e):
@@ -1906,11 +1907,15 @@ class Handler(BaseHTTPRequestHandler):
                 "created": int(time.time()), "model": app.name}
         groups = []  # per prompt: its jobs (one per sample; the first's prefill copied by the others), echo
         echo_only = not chat and get(body, "echo", "boolean", False) and body.get("max_tokens") == 0
+        return_ids = get(body, "return_token_ids", "boolean", False)
+        if return_ids and not chat:  # vLLM: the token ids stand for the echoed prompt, its text is left out
+            prompts = [(ids, "") for ids, _ in prompts]
         for ids, echo in prompts:
             app.log_request(head["id"], ids, params)
             group = [Job(ids, p) for p in params.samples()]
             for job in group:
                 job.ranked, job.echo_only, job.n_samples = params.ranked, echo_only, len(group)
+                job.return_ids = return_ids
                 job.fork_of = group[0] if job is not group[0] else None
             groups.append((group, echo))
         jobs = [job for group, _ in groups for job in group]
@@ -1943,19 +1948,22 @@ class Handler(BaseHTTPRequestHandler):
                 plps = group[0].req.prompt_logprobs  # set before the request's first update
                 extra = {} if plps is None else {"prompt_logprobs": prompt_logprobs_json(plps)}
                 for job, text, ids, lps, n, finish, stop in answers:
+                    made = {"token_ids": ids} if return_ids else {}  # (the answer's own: before the prompt's)
                     if with_prompt:
                         ids, lps = job.prompt_ids + ids, job.req.prompt_logprobs + lps
                     if chat:
                         out = chat_stream(spec)
                         out.feed(text, final=True)
-                        answer, finish = {"message": chat_message(out, spec, echo)}, chat_finish(finish, out, spec)
-                    else:
-                        answer = {"text": echo + text, **extra}  # completions': in the choice
+                        answer, finish = {"message": chat_message(out, spec, echo), **made}, \
+                            chat_finish(finish, out, spec)
+                    else:  # completions': the prompt's logprobs and ids in the choice
+                        answer = {"text": echo + text, **extra, **made,
+                                  **({"prompt_token_ids": job.prompt_ids} if return_ids else {})}
                     fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
                     choices.append(choice(answer, fmt(ids, lps), finish, stop, len(choices)))
                 n_out += sum(a[4] for a in answers)
-            if chat:
-                head = dict(head, **extra)  # vLLM: chat's prompt_logprobs beside its choices (one prompt)
+            if chat:  # vLLM: chat's prompt_logprobs (and prompt_token_ids) beside its choices (one prompt)
+                head = dict(head, **extra, **({"prompt_token_ids": jobs[0].prompt_ids} if return_ids else {}))
             self.send(200, dict(head, choices=choices, usage=usage(n_prompt, n_out)))
         except BaseException:  # the client left, or a failure: free the slots now
             for job in submitted:
@@ -2030,7 +2038,7 @@ class Handler(BaseHTTPRequestHandler):
         fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
         chat = None if spec is None else chat_stream(spec)
-        sent, n_prompt, first, ids, lps, n = 0, len(job.prompt_ids), True, [], [], 0
+        sent, n_prompt, first, ids, lps, n, made = 0, len(job.prompt_ids), True, [], [], 0, []
         if with_prompt:  # echo with logprobs: the prompt's tokens go first
             ids = list(job.prompt_ids)
         for text, new_ids, new_lps, n, finish, stop in self.updates(job):
@@ -2038,16 +2046,20 @@ class Handler(BaseHTTPRequestHandler):
             if with_prompt and first:
                 lps = list(job.req.prompt_logprobs)
             ids, lps = ids + new_ids, lps + (new_lps or [])  # tokens not sent yet (with their logprobs)
+            made += new_ids  # (return_token_ids: the answer's own, not sent yet)
             extra = {"usage": usage(n_prompt, n) if continuous else None} if with_usage else {}
             if first and chat is not None:  # vLLM sends the chat role with the first output, not before
                 none_yet = {"usage": usage(n_prompt, 0) if continuous else None} if with_usage else {}
                 role = {"delta": {"role": spec.role, "content": ""}}
-                self.sse(dict(head, choices=[choice(role, None, None, None, index)], **none_yet))
+                prompt_ids = {"prompt_token_ids": job.prompt_ids} if job.return_ids else {}
+                self.sse(dict(head, choices=[choice(role, None, None, None, index)], **none_yet, **prompt_ids))
                 if echo:  # chat's echo (chat_echo): a chunk of its own after the role's, as vLLM's
                     said = {"delta": {"content": echo}}
                     self.sse(dict(head, choices=[choice(said, None, None, None, index)], **none_yet))
             if chat is None:
                 answer = {"text": (echo if first else "") + text[sent:end]}
+                if job.return_ids and first:
+                    answer["prompt_token_ids"] = job.prompt_ids
             else:
                 delta = chat_delta(chat.feed(text[:end], final=finish is not None), spec)
                 finish = finish and chat_finish(finish, chat, spec)
@@ -2056,8 +2068,10 @@ class Handler(BaseHTTPRequestHandler):
                     continue
                 answer = {"delta": delta or {"content": ""}}
             sent, first = max(sent, end), False
+            if job.return_ids:
+                answer["token_ids"] = made
             self.sse(dict(head, choices=[choice(answer, fmt(ids, lps), finish, stop, index)], **extra))
-            ids, lps = [], []
+            ids, lps, made = [], [], []
         return n
 
     def start_sse(self):

@@ -8707,6 +8707,33 @@ def test_echo_without_generation_and_invocations(srv):
     check_error(*srv.post("/invocations", {"input": "x"}), 400, None, "Cannot find suitable handler for request")
 
 
+def test_return_token_ids(srv):
+    """vLLM's return_token_ids (RL frameworks read the tokens, not the text): completions' choices carry the
+    answer's token_ids and the prompt_token_ids, chat's choices the token_ids and the response the
+    prompt_token_ids; streamed, each chunk the ids it brings and the first the prompt's (it was ignored). The ids
+    are the text's: /detokenize gives it back."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    st, r = srv.post("/v1/completions", body)
+    c = r["choices"][0]
+    assert st == 200 and c["prompt_token_ids"] == [5, 6, 7] and len(c["token_ids"]) == 6
+    assert srv.post("/detokenize", {"tokens": c["token_ids"]})[1]["prompt"] == c["text"]
+    status, _, data = srv.request("POST", "/v1/completions", dict(body, stream=True))
+    events = sse_events(data)
+    assert events[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == c["token_ids"]
+    assert "token_ids" not in srv.post("/v1/completions", dict(body, return_token_ids=False))[1]["choices"][0]
+    chat = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    st, r = srv.post("/v1/chat/completions", chat)
+    assert st == 200 and len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+    ids = r["choices"][0]["token_ids"]
+    assert len(ids) == 5 and srv.post("/detokenize", {"tokens": ids})[1]["prompt"] == r["choices"][0]["message"]["content"]
+    status, _, data = srv.request("POST", "/v1/chat/completions", dict(chat, stream=True))
+    events = sse_events(data)
+    assert events[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == ids
+
+
 def test_cors_as_vllm(srv):
     """vLLM's CORS (Starlette's middleware, --allowed-origins / --allowed-methods / --allowed-headers /
     --allow-credentials, default ["*"]): a browser's preflight gets 200 "OK" with the allowed methods and the

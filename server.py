@@ -1321,6 +1321,7 @@ class Job:
         self.echo_only = False  # completions' echo with max_tokens 0 (vLLM): the answer is the prompt alone
         self.n_samples = 1  # the request's n (the first sample's job counts it in /metrics)
         self.return_ids = False  # vLLM's return_token_ids: the answer's token ids (and the prompt's) in its choices
+        self.as_ids = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def device_fault(e):
@@ -1547,15 +1548,18 @@ class LogprobFormat:
     completions {tokens, token_logprobs, top_logprobs, text_offset}, chat {content: [{token, logprob, bytes,
     top_logprobs}]}. Called once per stream chunk (text_offset keeps counting) or once for a whole answer."""
 
-    def __init__(self, tok, chat, n_top):
-        self.tok, self.chat, self.n_top, self.offset = tok, chat, n_top, 0
+    def __init__(self, tok, chat, n_top, as_ids=False):
+        self.tok, self.chat, self.n_top, self.offset, self.as_ids = tok, chat, n_top, 0, as_ids
 
     def __call__(self, ids, lps):
         if self.n_top is None:
             return None
-        text, lp = lambda t: self.tok.decode([t]), lambda v: max(v.logprob, -9999.0)  # -inf is not JSON
+        lp = lambda v: max(v.logprob, -9999.0)  # -inf is not JSON
+        # vLLM's return_tokens_as_token_ids: each token as "token_id:N" (and its bytes those of that text)
+        text = (lambda t: f"token_id:{t}") if self.as_ids else (lambda t: self.tok.decode([t]))
+        raw = (lambda t: list(text(t).encode())) if self.as_ids else (lambda t: list(self.tok.token_bytes(t)))
         if self.chat:
-            entry = lambda t, v: {"token": text(t), "logprob": lp(v), "bytes": list(self.tok.token_bytes(t))}
+            entry = lambda t, v: {"token": text(t), "logprob": lp(v), "bytes": raw(t)}
             top = lambda d: [entry(i, v) for i, v in list(d.items())[:self.n_top]]
             return {"content": [dict(entry(t, d[t]), top_logprobs=top(d)) for t, d in zip(ids, lps)]}
         # an echoed prompt's first token has no logprob (None), as in vLLM
@@ -1915,7 +1919,7 @@ class Handler(BaseHTTPRequestHandler):
             group = [Job(ids, p) for p in params.samples()]
             for job in group:
                 job.ranked, job.echo_only, job.n_samples = params.ranked, echo_only, len(group)
-                job.return_ids = return_ids
+                job.return_ids, job.as_ids = return_ids, get(body, "return_tokens_as_token_ids", "boolean", False)
                 job.fork_of = group[0] if job is not group[0] else None
             groups.append((group, echo))
         jobs = [job for group, _ in groups for job in group]
@@ -1959,7 +1963,7 @@ class Handler(BaseHTTPRequestHandler):
                     else:  # completions': the prompt's logprobs and ids in the choice
                         answer = {"text": echo + text, **extra, **made,
                                   **({"prompt_token_ids": job.prompt_ids} if return_ids else {})}
-                    fmt = LogprobFormat(app.tokenizer, chat, params.logprobs)
+                    fmt = LogprobFormat(app.tokenizer, chat, params.logprobs, job.as_ids)
                     choices.append(choice(answer, fmt(ids, lps), finish, stop, len(choices)))
                 n_out += sum(a[4] for a in answers)
             if chat:  # vLLM: chat's prompt_logprobs (and prompt_token_ids) beside its choices (one prompt)
@@ -2035,7 +2039,7 @@ class Handler(BaseHTTPRequestHandler):
     def stream_choice(self, job, index, head, spec, echo, tok, usage_opts, with_prompt=False):
         """One choice's chunks; returns its number of tokens."""
         with_usage, continuous = usage_opts
-        fmt = LogprobFormat(tok, spec is not None, job.params.logprobs)
+        fmt = LogprobFormat(tok, spec is not None, job.params.logprobs, job.as_ids)
         hold = max(map(len, job.params.stop), default=1) - 1  # may start a stop string a later token ends
         chat = None if spec is None else chat_stream(spec)
         sent, n_prompt, first, ids, lps, n, made = 0, len(job.prompt_ids), True, [], [], 0, []

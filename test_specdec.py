@@ -8711,7 +8711,7 @@ def test_return_token_ids(srv):
     """vLLM's return_token_ids (RL frameworks read the tokens, not the text): completions' choices carry the
     answer's token_ids and the prompt_token_ids, chat's choices the token_ids and the response the
     prompt_token_ids; streamed, each chunk the ids it brings and the first the prompt's (it was ignored). The ids
-    are the text's: /detokenize gives it back."""
+    are the text's: /detokenize gives it back. return_tokens_as_token_ids names the logprobs' tokens "token_id:N"."""
     body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     st, r = srv.post("/v1/completions", body)
     c = r["choices"][0]
@@ -8723,6 +8723,14 @@ def test_return_token_ids(srv):
     assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == c["token_ids"]
     assert "token_ids" not in srv.post("/v1/completions", dict(body, return_token_ids=False))[1]["choices"][0]
+    # return_tokens_as_token_ids: the logprobs' tokens as "token_id:N" (vLLM), on both endpoints
+    lp = srv.post("/v1/completions", dict(body, logprobs=1, return_tokens_as_token_ids=True))[1]["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for d in lp["top_logprobs"] for k in d)
+    st, r = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "temperature": 0, "logprobs": True,
+                                              "top_logprobs": 1, "return_tokens_as_token_ids": True})
+    entry = r["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"].startswith("token_id:") and bytes(entry["bytes"]).decode() == entry["token"]
     chat = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     st, r = srv.post("/v1/chat/completions", chat)
     assert st == 200 and len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]

@@ -101,13 +101,38 @@ def short(v):
     return s if len(s) <= 40 else s[:37] + "..."
 
 
+TRUE, FALSE = ("1", "on", "t", "true", "y", "yes"), ("0", "off", "f", "false", "n", "no")
+
+
+def lax(v, kind):
+    """What pydantic's lax mode (vLLM's request models) makes of a JSON value of another type, else v: an integer
+    from a float without a fraction, a string of an integer or a boolean; a number from a numeric string or a
+    boolean; a boolean from 0 / 1 or pydantic's true / false words. (A string never from a number.)"""
+    if kind == "integer" and not isinstance(v, str):
+        return int(v) if isinstance(v, bool) or (isinstance(v, float) and v.is_integer()) else v
+    if kind == "integer":
+        return int(v) if re.fullmatch(r"\s*[-+]?\d{1,4300}\s*", v) else v
+    if kind == "number" and isinstance(v, (str, bool)):
+        try:
+            return float(v) if isinstance(v, bool) or re.fullmatch(r"\s*[-+]?[\d.eE+-]+\s*", v) else v
+        except ValueError:
+            return v
+    if kind == "boolean" and isinstance(v, str) and v.strip().lower() in TRUE + FALSE:
+        return v.strip().lower() in TRUE
+    if kind == "boolean" and isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    return v
+
+
 def get(body, name, kind, default=None):
-    """body[name] checked against a JSON type; absent or null gives `default`."""
+    """body[name] checked against a JSON type (after pydantic's lax conversions, as vLLM reads it); absent or
+    null gives `default`."""
     v = body.get(name)
     if v is None:
         return default
+    v = v if JSON_TYPES[kind](v) else lax(v, kind)
     if not JSON_TYPES[kind](v):
-        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {short(v)}", name)
+        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {short(body[name])}", name)
     return v
 
 
@@ -340,7 +365,7 @@ def parse_completion(app, body):
         batch = prompt
     logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
     # vLLM: null is the default too; 0 with echo answers the prompt alone (one token made and dropped: Job.echo_only)
-    max_tokens = 1 if echo and body.get("max_tokens") == 0 else max_tokens_field(body, "max_tokens", 16)
+    max_tokens = 1 if echo and get(body, "max_tokens", "integer") == 0 else max_tokens_field(body, "max_tokens", 16)
     params = sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling)
     prompts, with_fields = [], params
     for p in batch:
@@ -1910,7 +1935,7 @@ class Handler(BaseHTTPRequestHandler):
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": kind,
                 "created": int(time.time()), "model": app.name}
         groups = []  # per prompt: its jobs (one per sample; the first's prefill copied by the others), echo
-        echo_only = not chat and get(body, "echo", "boolean", False) and body.get("max_tokens") == 0
+        echo_only = not chat and get(body, "echo", "boolean", False) and get(body, "max_tokens", "integer") == 0
         return_ids = get(body, "return_token_ids", "boolean", False)
         if return_ids and not chat:  # vLLM: the token ids stand for the echoed prompt, its text is left out
             prompts = [(ids, "") for ids, _ in prompts]

@@ -4095,7 +4095,7 @@ def test_prompt_fields_through_the_server(srv):
              "`prompt_logprobs` must be a positive value or -1."),
             ("/v1/completions", dict(body, prompt_logprobs=21), "prompt_logprobs",
              "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
-            ("/v1/completions", dict(body, prompt_logprobs="2"), "prompt_logprobs", "must be an integer"),
+            ("/v1/completions", dict(body, prompt_logprobs="two"), "prompt_logprobs", "must be an integer"),
             ("/v1/completions", dict(body, truncate_prompt_tokens=0), "truncate_prompt_tokens",
              "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
             ("/v1/chat/completions", dict(chat, truncate_prompt_tokens=5000), "truncate_prompt_tokens",
@@ -4137,7 +4137,8 @@ def test_sse_framing_and_stop_strings(srv):
 # ==============================================================================================
 
 BAD = [  # (path, body, status, param or None, message fragment)
-    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "must be an integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5x"}, 400, "max_tokens", "must be an integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "must be an integer, got 2.5"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "non-negative"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
@@ -4709,7 +4710,8 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
     ("seed int64 max", "/v1/completions", {"seed": 2 ** 63 - 1}, 200, None, None),
     ("seed int64 min", "/v1/completions", {"seed": -2 ** 63}, 200, None, None),
     ("seed -1 is none (vLLM)", "/v1/completions", {"seed": -1}, 200, None, None),
-    ("seed as a string", "/v1/completions", {"seed": "7"}, 400, "seed", "must be an integer"),
+    ("seed as a string of an integer (pydantic's lax mode, as vLLM)", "/v1/completions", {"seed": "7"}, 200, None, None),
+    ("seed as a word", "/v1/completions", {"seed": "seven"}, 400, "seed", "must be an integer"),
     ("temperature inf (1e999)", "/v1/completions", {"temperature": 1e999}, 400, "temperature",
      "temperature must be a finite number, got Infinity."),
     ("temperature -inf", "/v1/completions", {"temperature": -1e999}, 400, "temperature", "finite number"),
@@ -4785,8 +4787,9 @@ CORPUS = [  # (class, path, body, status, param, message fragment or None); each
     ("prompt token beyond int64", "/v1/completions", {"prompt": [BIG]}, 400, None, "out of range"),
     ("prompt token negative", "/v1/completions", {"prompt": [-1]}, 400, None, "out of range"),
     ("echo of a token out of range", "/v1/completions", {"prompt": [BIG], "echo": True}, 400, None, "out of range"),
-    ("echo as a number", "/v1/completions", {"echo": 1}, 400, "echo", "must be a boolean"),
-    ("stream as a string", "/v1/completions", {"stream": "yes"}, 400, "stream", "must be a boolean"),
+    ("echo as a number other than 0 / 1", "/v1/completions", {"echo": 2}, 400, "echo", "must be a boolean"),
+    ("stream as a string pydantic does not read", "/v1/completions", {"stream": "maybe"}, 400, "stream",
+     "must be a boolean"),
 ]
 RAW_CORPUS = [  # (class, raw body, fragment): bodies json.dumps cannot write; all 400
     ("NaN literal", b'{"prompt": "x", "temperature": NaN}', "not valid JSON"),
@@ -8740,6 +8743,21 @@ def test_return_token_ids(srv):
     events = sse_events(data)
     assert events[0]["prompt_token_ids"] == r["prompt_token_ids"]
     assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == ids
+
+
+def test_values_pydantic_converts(srv):
+    """vLLM's request models read JSON in pydantic's lax mode, so a vLLM client may send 2.0 or "2" for an integer,
+    "0" for a number, 1 or "true" for a boolean: the same answer as the exact types (they were 400s); what
+    pydantic refuses (2.5 for an integer, "hot" for a number) stays a 400 (the BAD corpus)."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 1, "seed": 3}
+    want = srv.post("/v1/completions", body)[1]["choices"][0]
+    for loose in ({"max_tokens": 4.0}, {"max_tokens": "4"}, {"temperature": "0"}, {"logprobs": True},
+                  {"ignore_eos": "true"}, {"ignore_eos": 1}, {"seed": "3"}, {"n": 1.0}):
+        st, r = srv.post("/v1/completions", dict(body, **loose))
+        assert st == 200 and r["choices"][0]["text"] == want["text"], (loose, r)
+        assert r["choices"][0]["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    st, r = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "logprobs": 1, "top_logprobs": "2"})
+    assert st == 200 and len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
 
 def test_cors_as_vllm(srv):

@@ -8674,7 +8674,8 @@ def test_stream_usage_request_ids_and_refusals(srv):
                 "not supported")
     # allowed_token_ids: each id once (the engine builds its mask from the list every step)
     import server as srvmod
-    app = types.SimpleNamespace(tokenizer=None, vocab=1024, llm=types.SimpleNamespace(default_sampling={}, max_model_len=64))
+    app = types.SimpleNamespace(tokenizer=None, vocab=1024, llm=types.SimpleNamespace(default_sampling={}, max_model_len=64,
+                                                                                  max_logprobs=20))
     params = srvmod.parse_completion(app, {"prompt": [1, 2], "allowed_token_ids": [5, 3, 5] * 1000})[1]
     assert params.allowed_token_ids == [3, 5]
     # structured_outputs: vLLM's disable_fallback accepted (one backend here); a key specdec lacks named, in one

@@ -618,6 +618,11 @@ WORDS = ("the of and to in is it that for on with as was at by be this from or h
          "think also around another came come work three word must because does part even place well").split()
 
 
+def under(url, path):
+    """path under the base URL's own path (vLLM: base_url + endpoint): http://h:p/prefix + /v1/models."""
+    return urlsplit(url).path.rstrip("/") + path
+
+
 def connect(url, timeout):
     u = urlsplit(url)
     cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
@@ -627,7 +632,7 @@ def connect(url, timeout):
 def http_get(url, path, headers, timeout=30):
     conn = connect(url, timeout)
     try:
-        conn.request("GET", path, headers=headers)
+        conn.request("GET", under(url, path), headers=headers)
         r = conn.getresponse()
         data = r.read()
         if r.status != 200:
@@ -677,7 +682,7 @@ def send(url, endpoint, body, headers, timeout):
     conn = connect(url, timeout)
     st = rec["start"] = time.perf_counter()
     try:
-        conn.request("POST", endpoint, body=json.dumps(body), headers=headers)
+        conn.request("POST", under(url, endpoint), body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             rec["error"] = f"HTTP {resp.status}: {resp.read()[:300]!r}"
@@ -861,7 +866,8 @@ def key_values(items, flag):
 
 def serve_args(argv):
     """vllm bench serve's command line (the options specdec implements, under vLLM's names and defaults; our older
-    names --url, --prompt-len, --gen-len stay as aliases)."""
+    names --url, --prompt-len, --gen-len stay as aliases; an underscore in a flag's name works as a dash, as in
+    vLLM)."""
     ap = argparse.ArgumentParser(prog="bench.py serve", description="vllm bench serve's metrics against a server")
     ap.add_argument("--backend", choices=["openai", "vllm", "openai-chat"], default="openai",
                     help="openai / vllm: the completions endpoint; openai-chat: --endpoint /v1/chat/completions")
@@ -928,7 +934,7 @@ def serve_args(argv):
     ap.add_argument("--disable-tqdm", action="store_true", help="accepted (no progress bar is drawn)")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    return ap.parse_args(argv)
+    return ap.parse_args(sd.vllm_argv(sys.argv[2:] if argv is None else argv))
 
 
 def serve_benchmark(argv=None):
@@ -955,6 +961,22 @@ def serve_benchmark(argv=None):
         extra_headers, metadata = key_values(a.header, "--header"), key_values(a.metadata, "--metadata")
         if not a.burstiness > 0:
             raise DatasetError(f"--burstiness must be > 0, not {a.burstiness}")
+        if a.max_concurrency is not None and a.max_concurrency <= 0:  # vLLM's message
+            raise DatasetError("--max-concurrency must be greater than 0")
+        if a.num_prompts < 1:
+            raise DatasetError(f"--num-prompts must be at least 1, not {a.num_prompts}")
+        if a.dataset_name == "random" and (a.input_len < 0 or a.input_len + a.random_prefix_len < 1 or
+                                           a.output_len < 1):
+            raise DatasetError(f"the random dataset needs prompts of at least one token (--random-input-len "
+                               f"{a.input_len} + --random-prefix-len {a.random_prefix_len}) and --random-output-len "
+                               f">= 1 ({a.output_len})")
+        base = urlsplit(a.base_url or f"http://{a.host}:{a.port}")
+        try:
+            base.port  # (raises on a port that is not a number)
+        except ValueError:
+            base = None
+        if base is None or base.scheme not in ("http", "https") or not base.hostname:
+            raise DatasetError(f"--base-url {a.base_url!r} (or --host / --port): use http://HOST[:PORT][/PATH]")
         if not a.request_rate > 0:  # (inf, the default: every request at once)
             raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), "
                                f"not {a.request_rate}")
@@ -991,14 +1013,16 @@ def serve_benchmark(argv=None):
         return 1
     ignore_eos = a.dataset_name == "random" if a.ignore_eos is None else a.ignore_eos
     num = len(prompts)  # --no-oversample: maybe fewer than --num-prompts
-    url = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
+    url = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")  # (its path, if any, leads every request's)
     headers = {"Content-Type": "application/json", **extra_headers}
     if a.api_key:
         headers["Authorization"] = f"Bearer {a.api_key}"
     deadline = time.perf_counter() + a.ready_check_timeout_sec
-    while True:
+    while True:  # the server's first model (without --model), or with --ready-check-timeout-sec its readiness
         try:
-            model = a.model or json.loads(http_get(url, "/v1/models", headers))["data"][0]["id"]
+            if a.model is None or a.ready_check_timeout_sec > 0:
+                listed = json.loads(http_get(url, "/v1/models", headers))["data"][0]["id"]
+            model = a.model or listed
             break
         except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
             if time.perf_counter() >= deadline:
@@ -1041,8 +1065,9 @@ def serve_benchmark(argv=None):
         arrival = time.perf_counter()
         threads = []
         for i in range(len(batch)):
-            if i and math.isfinite(a.request_rate):  # gamma gaps of mean 1 / rate (burstiness 1: Poisson)
-                arrival += rng.gammavariate(a.burstiness, 1 / (a.request_rate * a.burstiness))
+            if i and math.isfinite(a.request_rate):  # gamma gaps of mean 1 / rate (burstiness 1: Poisson; inf:
+                arrival += 1 / a.request_rate if math.isinf(a.burstiness) else \
+                    rng.gammavariate(a.burstiness, 1 / (a.request_rate * a.burstiness))  # evenly spaced, as vLLM)
                 time.sleep(max(0.0, arrival - time.perf_counter()))
             slots.acquire()
             threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
@@ -1069,7 +1094,7 @@ def serve_benchmark(argv=None):
     n_out = sum(r["output_tokens"] for r in ok)
     peak_tok_s, peak_requests = peaks(results)
     res = {"bench": "serve", "date": time.strftime("%Y%m%d-%H%M%S"), "backend": a.backend,
-           "label": a.label or a.backend, "endpoint": a.endpoint, "model_id": model, "model": model,
+           "endpoint_type": a.backend, "label": a.label, "endpoint": a.endpoint, "model_id": model, "model": model,
            "tokenizer_id": a.tokenizer or model, **metadata, "dataset_name": a.dataset_name,
            "dataset_path": a.dataset_path, "num_prompts": num,
            "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": a.burstiness,
@@ -1109,7 +1134,6 @@ def serve_benchmark(argv=None):
     line = lambda label, v, f="": print(f"{label:<40} {v:<10{f}}")
     head = lambda s, c="-": print(f"{s:{c}^50}")
     head(" Serving Benchmark Result ", "=")
-    line("Dataset:", a.dataset_name + (f" ({a.dataset_path})" if a.dataset_path else ""))
     line("Successful requests:", len(ok))
     line("Failed requests:", res["failed"])
     if a.max_concurrency:
@@ -1147,7 +1171,7 @@ def serve_benchmark(argv=None):
         print(f"error: {e}", file=sys.stderr)
     if a.save_result or a.append_result:
         conc = f"-concurrency{a.max_concurrency}" if a.max_concurrency is not None else ""
-        path = a.result_filename or (f"{res['label']}-{res['request_rate']}qps{conc}-{model.split('/')[-1]}-"
+        path = a.result_filename or (f"{a.label or a.backend}-{res['request_rate']}qps{conc}-{model.split('/')[-1]}-"
                                      f"{res['date']}.json")
         if a.result_dir:  # (made before the run)
             path = os.path.join(a.result_dir, path)
@@ -1296,9 +1320,9 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[2048],
                     help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
-    for flag, values in (("--batch", a.batch), ("--prompt-len", a.prompt_len), ("--gen-len", [a.gen_len])):
-        if min(values) < 1:
-            ap.error(f"{flag} must be at least 1, not {min(values)}")
+    for flag, values in (("--batch", a.batch), ("--prompt-len", a.prompt_len), ("--gen-len", [a.gen_len - 1])):
+        if min(values) < 1:  # (--gen-len: two tokens at least, or no time per output token after the first)
+            ap.error(f"{flag} must be at least {1 + (flag == '--gen-len')}, not {min(values) + (flag == '--gen-len')}")
     try:
         return offline(ap, a)
     except sd.ConfigError as e:  # what the engine refuses (a model path, a config, a length): one line

@@ -4472,15 +4472,23 @@ def test_bench_flag_errors_are_one_line(tmp_path, capsys):
                         (["--request-rate", "-1"], "--request-rate must be > 0"),
                         (["--extra-body", "{bad"], "--extra-body is not valid JSON"),
                         (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
+                        (["--max-concurrency", "0"], "--max-concurrency must be greater than 0"),  # (vLLM's)
+                        (["--max-concurrency", "-1"], "--max-concurrency must be greater than 0"),
+                        (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+                        (["--random-input-len", "0"], "the random dataset needs prompts of at least one token"),
+                        (["--base-url", "127.0.0.1:8000"], "--base-url '127.0.0.1:8000' (or --host / --port): use"),
+                        (["--base-url", "http://127.0.0.1:abc", "--model", "x"], "--base-url 'http://127.0.0.1:abc'"),
                         (["--save-result", "--result-dir", str(tmp_path / "f" / "x")], None)):
         if want is None:  # a result dir that cannot be made: a file where a directory should be
             (tmp_path / "f").write_text("")
             want = "--result-dir"
-        assert bench.serve_benchmark(["--url", "http://127.0.0.1:1", "--num-prompts", "2"] + flags) == 1, want
+        assert bench.serve_benchmark(["--url", "http://127.0.0.1:1", "--num-prompts", "2"] + flags
+                                     if "--base-url" not in flags else flags) == 1, want
         out, err = capsys.readouterr()
         assert out == "" and err.startswith("error: " + want) and err.count("\n") == 1, err
     small = ["--batch", "1", "--prompt-len", "8", "--gen-len", "8"]
     for flags, want in ((["--batch", "0"], "--batch must be at least 1"), (["--gen-len", "0"], "--gen-len must be"),
+                        (["--gen-len", "1"], "--gen-len must be at least 2, not 1"),  # (TPOT needs a second token)
                         (["--speculative-config", "{bad"], "--speculative-config '{bad' is not valid JSON"),
                         (["--model", str(tmp_path / "none")], "no config.json"),
                         (["--max-model-len", "4"], "maximum context length is 4 tokens")):
@@ -4488,6 +4496,50 @@ def test_bench_flag_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         last = err.splitlines()[-1]  # (argparse's usage lines before a flag's error, as any command line)
         assert code == 2 and "Traceback" not in err and want in last, err
+
+
+def test_bench_serve_as_vllm_bench_serve(capsys):
+    """vllm bench serve's ways: a --base-url path leads every request's (vLLM: base_url + endpoint; it was dropped),
+    --ready-check-timeout-sec waits for the server even with --model given (it asked nothing then), --burstiness inf
+    spaces the arrivals evenly (it was a traceback), flags take underscores, and the result has endpoint_type and a
+    null label without --label."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    paths = []
+
+    class Fake(BaseHTTPRequestHandler):  # an OpenAI-compatible server under /prefix: models, one chunk, usage
+        def do_GET(self):
+            paths.append(self.path)
+            body = b'{"data": [{"id": "m"}]}' if self.path == "/prefix/v1/models" else b"nope"
+            self.send_response(200 if self.path == "/prefix/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            paths.append(self.path)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            chunks = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]
+            body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+            self.send_response(200 if self.path == "/prefix/v1/completions" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/prefix"
+        assert bench.serve_benchmark(["--base_url", url, "--num_prompts", "3", "--model", "m", "--request-rate", "200",
+                                      "--burstiness", "inf", "--ready-check-timeout-sec", "5", "--random-input-len",
+                                      "4"]) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert res["completed"] == 3 and res["endpoint_type"] == "openai" and res["label"] is None
+        assert paths[0] == "/prefix/v1/models" and paths.count("/prefix/v1/completions") == 3
+    finally:
+        httpd.shutdown()
 
 
 def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
@@ -4513,7 +4565,7 @@ def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
     res = json.loads(out.strip().splitlines()[-1])
     assert res["total_input_tokens"] is None and res["total_token_throughput"] is None and res["prompt_len"] is None
     assert re.search(r"^Total input tokens: +unknown", out, re.M) and "Total token throughput" not in out
-    assert re.search(rf"^Dataset: +custom \({re.escape(path)}\)", out, re.M)
+    assert "Dataset:" not in out and re.search(r"=\n(Successful requests:)", out)  # vLLM's table: no dataset line
     assert [(b["prompt"], b["max_tokens"]) for b in sent] == [("def f(x):", 128), ("import os", 4), ("def f(x):", 128)]
     sent.clear()
     assert bench.serve_benchmark(["--num-prompts", "1", "--dataset-name", "custom", "--dataset-path", path, "--seed",
@@ -4651,7 +4703,7 @@ def test_bench_serve_custom_dataset(srv_spec, tmp_path):
         after = wait_idle(srv_spec)
         d = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
         res = json.loads(p.stdout.strip().splitlines()[-1])
-        assert res["dataset_name"] == "custom" and res["dataset_path"] == path and "Dataset:" in p.stdout
+        assert res["dataset_name"] == "custom" and res["dataset_path"] == path
         assert res["num_prompts"] == res["completed"] == d("vllm:request_success_total") == n and res["failed"] == 0
         assert res["total_input_tokens"] == d("vllm:prompt_tokens_total") > 0
         assert res["total_output_tokens"] == d("vllm:generation_tokens_total") == out

@@ -6,6 +6,7 @@
     python bench.py --model PATH --speculative-config '{"method":"ngram","num_speculative_tokens":4}'
     python bench.py serve --base-url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 4
     python bench.py serve --dataset-name custom --dataset-path prompts.jsonl    (or sharegpt, a ShareGPT .json)
+    python bench.py latency --input-len 32 --output-len 128 --batch-size 8     (vllm bench latency; and throughput)
 
 Serve mode is `vllm bench serve` (its flags and defaults: --host / --port / --base-url, --backend, --random-input-len
 / --random-output-len / --random-range-ratio / --random-prefix-len, --burstiness, --goodput, --percentile-metrics /
@@ -834,6 +835,13 @@ def pct_name(p):
     return str(int(p)) if int(p) == p else str(p)
 
 
+def percentile(xs, p):
+    """numpy's percentile (linear interpolation) of sorted xs."""
+    k = (len(xs) - 1) * p / 100
+    lo = math.floor(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+
 def summarize(xs, percentiles=(99,)):
     """mean / median / std / p<each percentile> in ms; numpy's linear-interpolation percentile; zeros for an empty
     list."""
@@ -842,9 +850,7 @@ def summarize(xs, percentiles=(99,)):
         return out
     s = sorted(xs)
     for p in percentiles:
-        k = (len(s) - 1) * p / 100
-        lo, hi = math.floor(k), min(math.floor(k) + 1, len(s) - 1)
-        out[f"p{pct_name(p)}"] = 1e3 * (s[lo] + (s[hi] - s[lo]) * (k - lo))
+        out[f"p{pct_name(p)}"] = 1e3 * percentile(s, p)
     out.update(mean=1e3 * statistics.fmean(s), median=1e3 * statistics.median(s), std=1e3 * statistics.pstdev(s))
     return out
 
@@ -1187,6 +1193,78 @@ def serve_benchmark(argv=None):
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
 
+def engine_benchmark(kind, argv):
+    """bench.py latency / throughput: vllm bench latency / throughput on the offline engine (LLM.generate), with
+    their flags, defaults, printed lines and --output-json. latency: one batch of --batch-size random prompts of
+    --input-len token ids, --output-len tokens each (ignore_eos, temperature 1), timed --num-iters times after
+    --num-iters-warmup; throughput: --num-prompts such requests at once, their tokens over the time they took.
+    Engine flags as specdec.py's (--model, --speculative-config, --device, ...). Returns the exit status."""
+    ap = argparse.ArgumentParser(prog=f"bench.py {kind}", description=f"vllm bench {kind} on specdec's engine")
+    sd.add_engine_args(ap)
+    if kind == "latency":
+        ap.add_argument("--input-len", type=int, default=32)
+        ap.add_argument("--output-len", type=int, default=128)
+        ap.add_argument("--batch-size", type=int, default=8)
+        ap.add_argument("--num-iters-warmup", type=int, default=10)
+        ap.add_argument("--num-iters", type=int, default=30)
+    else:
+        ap.add_argument("--dataset-name", choices=["random"], default="random", help="random token ids (vLLM's)")
+        ap.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024)
+        ap.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+        ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--n", type=int, default=1, help="sequences per prompt")
+    ap.add_argument("--output-json", default=None, help="write the results here as JSON")
+    ap.add_argument("--disable-detokenize", action="store_true", help="accepted (the text costs little here)")
+    a = ap.parse_args(sd.vllm_argv(argv))
+    counts = [("--input-len", a.input_len), ("--output-len", a.output_len), ("--n", a.n)] + (
+        [("--batch-size", a.batch_size), ("--num-iters", a.num_iters), ("--num-iters-warmup", a.num_iters_warmup + 1)]
+        if kind == "latency" else [("--num-prompts", a.num_prompts)])
+    bad = [f"{flag} must be at least {1 - (flag == '--num-iters-warmup')}" for flag, v in counts if v < 1]
+    if bad:
+        ap.error(bad[0])
+    try:
+        llm = sd.llm_from_args(a)
+        rng = random.Random(a.seed)
+        vocab = min(10000, llm.cfg.vocab_size)  # vLLM draws ids below 10000
+        n = a.batch_size if kind == "latency" else a.num_prompts
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(a.input_len)]} for _ in range(n)]
+        sp = sd.SamplingParams(n=a.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=a.output_len)
+
+        def run():  # -> (seconds, output tokens)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            return time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs)
+        if kind == "latency":
+            for _ in range(a.num_iters_warmup):
+                run()
+            lat = [run()[0] for _ in range(a.num_iters)]
+            pct = {p: percentile(sorted(lat), p) for p in (10, 25, 50, 75, 90, 99)}
+            print(f"Avg latency: {statistics.mean(lat)} seconds")
+            for p, v in pct.items():
+                print(f"{p}% percentile latency: {v} seconds")
+            res = {"avg_latency": statistics.mean(lat), "latencies": lat, "percentiles": pct}
+        else:
+            run_s, n_out = run()
+            n_in = a.input_len * n
+            print(f"Throughput: {n / run_s:.2f} requests/s, {(n_in + n_out) / run_s:.2f} total tokens/s, "
+                  f"{n_out / run_s:.2f} output tokens/s")
+            print(f"Total num prompt tokens:  {n_in}")
+            print(f"Total num output tokens:  {n_out}")
+            res = {"elapsed_time": run_s, "num_requests": n, "total_num_tokens": n_in + n_out,
+                   "requests_per_second": n / run_s, "tokens_per_second": (n_in + n_out) / run_s}
+    except sd.ConfigError as e:  # what the engine refuses (a model path, a config, a length): one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.output_json:
+        try:
+            with open(a.output_json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=4)
+        except OSError as e:
+            print(f"error: cannot write {a.output_json}: {e.strerror}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def step_ids(model, B, T, seed=0):
     """Random token ids [B, T] for a measured step. Not all equal: a MoE routes each token by its hidden state,
     and B x T copies of one token choose the same top-k experts, so such a step reads 8 experts a layer where
@@ -1255,6 +1333,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
         return serve_benchmark(argv[1:])
+    if argv and argv[0] in ("latency", "throughput"):
+        return engine_benchmark(argv[0], argv[1:])
     ap = argparse.ArgumentParser(description="specdec offline benchmark")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory or .gguf")

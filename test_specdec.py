@@ -4542,6 +4542,33 @@ def test_bench_serve_as_vllm_bench_serve(capsys):
         httpd.shutdown()
 
 
+def test_bench_latency_and_throughput_as_vllm(tmp_path, capsys):
+    """bench.py latency / throughput: vllm bench latency / throughput's flags, printed lines and --output-json, on
+    the offline engine (they were unrecognized arguments); bad counts and models are one error line."""
+    out_json = str(tmp_path / "lat.json")
+    assert bench.main(["latency", "--device", "cpu", "--input-len", "8", "--output-len", "4", "--batch-size", "2",
+                       "--num-iters-warmup", "0", "--num_iters", "3", "--output-json", out_json]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"Avg latency: [\d.e-]+ seconds", lines[0])
+    assert [ln.split("%")[0] for ln in lines[1:]] == ["10", "25", "50", "75", "90", "99"]
+    res = json.load(open(out_json))
+    assert set(res) == {"avg_latency", "latencies", "percentiles"} and len(res["latencies"]) == 3
+    assert min(res["latencies"]) <= res["percentiles"]["50"] <= max(res["latencies"])
+    out_json = str(tmp_path / "tp.json")
+    assert bench.main(["throughput", "--device", "cpu", "--input-len", "16", "--output-len", "8", "--num-prompts", "6",
+                       "--n", "2", "--output-json", out_json]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, [\d.]+ output tokens/s$", out, re.M)
+    assert "Total num prompt tokens:  96" in out and "Total num output tokens:  96" in out  # 6 x 2 samples x 8
+    res = json.load(open(out_json))
+    assert res["num_requests"] == 6 and res["total_num_tokens"] == 96 + 96 and res["tokens_per_second"] > 0
+    assert exit_code(bench.main, ["latency", "--num-iters", "0"]) == 2
+    assert "--num-iters must be at least 1" in capsys.readouterr().err
+    assert bench.main(["throughput", "--model", str(tmp_path / "none"), "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
 def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
     """Without the server's usage, a token-id prompt's input tokens are its length; a text prompt's are unknown:
     total_input_tokens is None (and the table says unknown), not --prompt-len."""

@@ -4,6 +4,7 @@ written here in the real published layouts. Run: python -m pytest -q test_specde
 
 Also a tool: `python test_specdec.py make-tiny DIR [--moe]` writes a tiny random checkpoint.
 """
+import concurrent.futures
 import dataclasses
 import functools
 import gc
@@ -5034,20 +5035,23 @@ def closed_after(sock, send=b"", gap=0.0, limit=5.0):
 
 def test_read_timeouts(srv_limits):
     port = srv_limits.port
-    with socket.create_connection(("127.0.0.1", port)) as s:  # a silent client
-        took, got = closed_after(s)
-        assert 0.8 < took < 3 and got == b""
-    with socket.create_connection(("127.0.0.1", port)) as s:  # headers trickled a byte every 0.2 s: a deadline
-        took, got = closed_after(s, send=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100, gap=0.2)
-        assert 0.8 < took < 3 and got == b""
-    with socket.create_connection(("127.0.0.1", port)) as s:  # a body that stops coming: 408
-        s.sendall(post_head(length=100) + b'{"prompt":')
-        took, got = closed_after(s)
-        assert 0.8 < took < 3 and got.startswith(b"HTTP/1.1 408 ") and b'"code": 408' in got
-    with socket.create_connection(("127.0.0.1", port)) as s:  # keep-alive: idle after an answer, then closed
-        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
-        took, got = closed_after(s)
-        assert got.startswith(b"HTTP/1.1 200 ") and 0.8 < took < 3
+
+    def probe(kind):  # -> (seconds until the server closed the connection, what it sent); the four at once
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            if kind == "trickle":  # headers trickled a byte every 0.2 s: a deadline
+                return closed_after(s, send=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100, gap=0.2)
+            if kind == "body":  # a body that stops coming: 408
+                s.sendall(post_head(length=100) + b'{"prompt":')
+            elif kind == "keep-alive":  # idle after an answer, then closed
+                s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            return closed_after(s)  # (kind "silent": a client that sends nothing)
+    kinds = ("silent", "trickle", "body", "keep-alive")
+    with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
+        got = dict(zip(kinds, pool.map(probe, kinds)))
+    assert all(0.8 < took < 3 for took, _ in got.values()), got
+    assert got["silent"][1] == got["trickle"][1] == b""
+    assert got["body"][1].startswith(b"HTTP/1.1 408 ") and b'"code": 408' in got["body"][1]
+    assert got["keep-alive"][1].startswith(b"HTTP/1.1 200 ")
     assert srv_limits.request("GET", "/health")[0] == 200
 
 
@@ -5126,13 +5130,17 @@ def test_a_large_grammar_does_not_stall_other_requests(srv):
 
 def test_half_closed_client_gets_its_answer(srv):
     before = wait_idle(srv)
-    for stream in (False, True):
+
+    def ask(stream):  # (both at once: the server batches them, so the test takes the time of one)
         # 1500 tokens: long enough to span two of the server's checks on a fast CPU (400 took 0.75 s on one)
         body = json.dumps({"prompt": "half", "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
                            "stream": stream}).encode()
         t0 = time.time()
-        status, headers, data = raw_http(srv.port, post_head(length=len(body)) + body, half_close=True, timeout=60)
-        took = time.time() - t0
+        answer = raw_http(srv.port, post_head(length=len(body)) + body, half_close=True, timeout=60)
+        return time.time() - t0, answer
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, (False, True)))
+    for stream, (took, (status, headers, data)) in zip((False, True), answers):
         assert took > 1.0  # the server looks for gone clients every 0.5 s: it saw this one's half-close
         assert status == 200
         if stream:

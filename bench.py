@@ -5,7 +5,8 @@
         "rejection_sample_method":"synthetic","synthetic_acceptance_rates":[0.85]}'
     python bench.py --model PATH --speculative-config '{"method":"ngram","num_speculative_tokens":4}'
     python bench.py serve --base-url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 4
-    python bench.py serve --dataset-name custom --dataset-path prompts.jsonl    (or sharegpt, a ShareGPT .json)
+    python bench.py serve --dataset-name custom --dataset-path prompts.jsonl    (or sharegpt, a ShareGPT .json, or
+        spec_bench, Spec-Bench's question.jsonl; --model DIR: its tokenizer counts and templates them, as vLLM's)
     python bench.py latency --input-len 32 --output-len 128 --batch-size 8     (vllm bench latency; and throughput)
 
 Serve mode is `vllm bench serve` (its flags and defaults: --host / --port / --base-url, --backend, --random-input-len
@@ -728,17 +729,44 @@ def send(url, endpoint, body, headers, timeout):
     return rec
 
 
+def local_tokenizer(a):
+    """(Tokenizer, ChatTemplate) of --tokenizer or --model where either names a local checkpoint (a directory, or a
+    hub id in the local cache) with a tokenizer.json, else (None, None): what vllm bench serve counts and templates
+    a dataset's prompts with, on the client."""
+    for name in (a.tokenizer, a.model):
+        try:
+            path = sd.resolve_model(name) if name else None
+        except sd.ConfigError:
+            path = None
+        if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tok = sd.Tokenizer.from_dir(path)
+            return tok, sd.ChatTemplate.from_checkpoint(path, tok)
+    return None, None
+
+
 class DatasetError(ValueError):
     """A dataset file that cannot be used: serve_benchmark prints it as one `error:` line."""
 
 
-def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True):
+def valid_sequence(prompt_len, output_len, fixed_output):
+    """vLLM's ShareGPT filter (is_valid_sequence): a prompt and a reply of 4 tokens or more (the reply's length not
+    checked when --sharegpt-output-len fixes it), a prompt of 1024 at most, both together 2048 at most."""
+    return (prompt_len >= 4 and (fixed_output or output_len >= 4) and prompt_len <= 1024
+            and prompt_len + output_len <= 2048)
+
+
+def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True, tok=None, output_len=None,
+                 category=None):
     """The prompts of a dataset file, as vllm bench serve reads them: [(text, max_tokens or None)], shuffled with
     `seed` unless shuffle=False, then cut to num_prompts or, with fewer entries, cycled up to it (unless
     oversample=False: the file's count). custom: JSON lines, each {"prompt": str}, an optional "output_tokens"
     (that request's max_tokens). sharegpt: a JSON list of {"conversations": [{"from": "human", "value": str},
-    {"from": "gpt", ...}, ...]}; the first human turn is the prompt; conversations of fewer than two turns, or
-    without a human turn, are skipped (vLLM skips the former too). Raises DatasetError naming the file and line."""
+    {"from": "gpt", ...}, ...]}; the first human turn is the prompt and the turn after it the reply; conversations
+    without those are skipped (vLLM skips those of fewer than two turns). With a tokenizer `tok`, as vLLM: each
+    request's max_tokens is its reply's length in tokens (or output_len, --sharegpt-output-len), and pairs outside
+    vLLM's lengths are skipped (valid_sequence); without one, max_tokens is output_len (None: the caller's).
+    spec_bench: Spec-Bench's question.jsonl, each {"turns": [str, ...], "category": str}: the first turn is the
+    prompt, only `category`'s if given (vLLM's SpecBench). Raises DatasetError naming the file and line."""
     if not path:
         raise DatasetError(f"--dataset-name {name} needs --dataset-path")
     try:
@@ -764,6 +792,16 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
             if out is not None and (type(out) is not int or out < 1):  # type(): true is an int to isinstance
                 raise DatasetError(f'{path}:{n}: "output_tokens" must be a positive integer, not {out!r}')
             entries.append((obj["prompt"], out))
+    elif name == "spec_bench":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            obj = parse(line, n)
+            turns = obj.get("turns") if isinstance(obj, dict) else None
+            if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
+                raise DatasetError(f'{path}:{n}: no "turns" list of strings')
+            if category is None or obj.get("category") == category:
+                entries.append((turns[0], None))
     elif name == "sharegpt":
         data = parse(text)
         if not isinstance(data, list):
@@ -772,17 +810,26 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True)
             turns = item.get("conversations") if isinstance(item, dict) else None
             if not isinstance(turns, list):
                 raise DatasetError(f'{path}: entry {i}: no "conversations" list')
-            human = next((t for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
-            if len(turns) < 2 or human is None:
+            at = next((j for j, t in enumerate(turns) if isinstance(t, dict) and t.get("from") == "human"), None)
+            if at is None or at + 1 >= len(turns):  # no human turn, or none answered
                 continue
+            human, reply = turns[at], turns[at + 1]
             if not isinstance(human.get("value"), str):
                 raise DatasetError(f'{path}: entry {i}: the human turn has no "value" string')
-            entries.append((human["value"], None))
+            if tok is None:
+                entries.append((human["value"], output_len))
+                continue
+            n_in = len(tok.encode(human["value"]))
+            n_out = output_len or len(tok.encode(reply.get("value") if isinstance(reply.get("value"), str) else ""))
+            if valid_sequence(n_in, n_out, output_len is not None):
+                entries.append((human["value"], n_out))
     else:
         raise DatasetError(f"unknown dataset {name!r}")
     if not entries:
-        raise DatasetError(f"{path}: no prompts in it" if name == "custom" else
-                           f"{path}: no conversation of two or more turns with a human turn")
+        raise DatasetError({"custom": f"{path}: no prompts in it",
+                            "spec_bench": f"{path}: no questions in it" + (f" of category {category!r}" if category
+                                                                            else "")}.get(
+            name, f"{path}: no conversation with an answered human turn" + (" within vLLM's lengths" if tok else "")))
     if shuffle:
         random.Random(seed).shuffle(entries)
     if oversample:  # cycle through the file again (vLLM draws the extra requests at random from it)
@@ -901,20 +948,28 @@ def serve_args(argv):
                                                                 "before the timed run")
     ap.add_argument("--ready-check-timeout-sec", type=int, default=0,
                     help="wait up to this long for the server's /v1/models to answer (0: do not wait)")
-    ap.add_argument("--dataset-name", choices=["random", "custom", "sharegpt"], default="random",
+    ap.add_argument("--dataset-name", choices=["random", "custom", "sharegpt", "spec_bench"], default="random",
                     help="random: --random-input-len random token ids (random words to the chat endpoint); custom: "
                          "a JSONL file of {\"prompt\": ...} (an optional \"output_tokens\": that request's "
-                         "max_tokens); sharegpt: a ShareGPT JSON file, its first human turns (their max_tokens: "
-                         "--random-output-len, not the recorded reply's length). The text is sent as it is, no chat "
-                         "template applied (vLLM's --skip-chat-template); the chat endpoint's server applies its own")
+                         "max_tokens); sharegpt: a ShareGPT JSON file, its first human turns (max_tokens: the "
+                         "recorded reply's length, given a local tokenizer); spec_bench: Spec-Bench's question.jsonl. "
+                         "custom and spec_bench prompts to /v1/completions get the model's chat template when a "
+                         "local tokenizer is found (--tokenizer or --model: a directory), as vLLM's")
+    ap.add_argument("--custom-output-len", type=int, default=None, help="custom dataset: max_tokens (vLLM: 256)")
+    ap.add_argument("--skip-chat-template", action="store_true", help="custom dataset: send the prompts as they are")
+    ap.add_argument("--sharegpt-output-len", type=int, default=None,
+                    help="sharegpt: max_tokens of every request (default: the recorded reply's length)")
+    ap.add_argument("--spec-bench-output-len", type=int, default=None, help="spec_bench: max_tokens (vLLM: 256)")
+    ap.add_argument("--spec-bench-category", default=None, help="spec_bench: only this category's questions")
     ap.add_argument("--dataset-path", default=None, help="the file of --dataset-name custom or sharegpt")
     ap.add_argument("--disable-shuffle", action="store_true", help="the file's order (default: shuffled with --seed)")
     ap.add_argument("--no-oversample", action="store_true",
                     help="with fewer entries than --num-prompts, send each once (default: cycle through them again)")
     ap.add_argument("--random-input-len", "--input-len", "--prompt-len", dest="input_len", type=int, default=1024,
                     help="prompt tokens (random dataset)")
-    ap.add_argument("--random-output-len", "--output-len", "--gen-len", dest="output_len", type=int, default=128,
-                    help="max_tokens of every request (unless its custom line sets output_tokens)")
+    ap.add_argument("--random-output-len", "--output-len", "--gen-len", dest="output_len", type=int, default=None,
+                    help="max_tokens of every request (default 128; a file's own lengths, or its dataset's "
+                         "--*-output-len, come first)")
     ap.add_argument("--random-range-ratio", type=float, default=0.0,
                     help="random dataset: each prompt's and output's length drawn from [L(1-r), L(1+r)]")
     ap.add_argument("--random-prefix-len", type=int, default=0, help="random dataset: a prefix of this many tokens "
@@ -949,6 +1004,9 @@ def serve_benchmark(argv=None):
     (what --save-result writes). Returns the exit status: 1 when no request succeeded or the input is bad."""
     a = serve_args(argv)
     chat = "chat" in a.endpoint
+    # max_tokens where a request has none of its own: the dataset's flag, else --output-len, else vLLM's default
+    a.output_len = {"custom": a.custom_output_len, "spec_bench": a.spec_bench_output_len}.get(
+        a.dataset_name) or a.output_len or (256 if a.dataset_name in ("custom", "spec_bench") else 128)
     rng = random.Random(a.seed)  # the random dataset's prompts, then the Poisson arrivals
     try:  # [(prompt, max_tokens or None)], made or read before the server is asked
         if a.backend == "openai-chat" and not chat:
@@ -1008,12 +1066,25 @@ def serve_benchmark(argv=None):
                 raise DatasetError(f"--goodput {pair!r}: use KEY:MS with KEY ttft, tpot or e2el and MS >= 0")
         if a.dataset_name == "random":
             if a.dataset_path:
-                raise DatasetError("--dataset-path needs --dataset-name custom or sharegpt")
+                raise DatasetError("--dataset-path needs --dataset-name custom, sharegpt or spec_bench")
             prompts = random_prompts(rng, a.num_prompts, a.input_len, chat, a.output_len, a.random_range_ratio,
                                      a.random_prefix_len)
         else:
+            tok, template = local_tokenizer(a)
             prompts = load_dataset(a.dataset_name, a.dataset_path, a.num_prompts, a.seed,
-                                   shuffle=not a.disable_shuffle, oversample=not a.no_oversample)
+                                   shuffle=not a.disable_shuffle, oversample=not a.no_oversample, tok=tok,
+                                   output_len=a.sharegpt_output_len, category=a.spec_bench_category)
+            templated = a.dataset_name == "spec_bench" or (a.dataset_name == "custom" and not a.skip_chat_template)
+            if templated and not chat:  # (the chat endpoint's server applies its own)
+                if template is None:
+                    print("warning: no local tokenizer (--tokenizer or --model: a directory), so the prompts go "
+                          "without the model's chat template (vLLM applies it)", file=sys.stderr)
+                else:
+                    prompts = [(template.render([{"role": "user", "content": p}]), m) for p, m in prompts]
+            elif a.dataset_name == "sharegpt" and tok is None and a.sharegpt_output_len is None:
+                print(f"warning: no local tokenizer (--tokenizer or --model: a directory): max_tokens "
+                      f"{a.output_len} for every request, not its recorded reply's length, and no length filter",
+                      file=sys.stderr)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

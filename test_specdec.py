@@ -4428,6 +4428,48 @@ def test_bench_load_dataset_custom_and_sharegpt(tmp_path):
         [("first?", None), ("second?", None)]
 
 
+def test_bench_datasets_with_a_local_tokenizer(tmp_path, monkeypatch, capsys):
+    """With the model's tokenizer on the client (--model or --tokenizer a directory), as vllm bench serve: a ShareGPT
+    request's max_tokens is its recorded reply's length in tokens (--sharegpt-output-len fixes it) and vLLM's
+    length filter drops pairs of a prompt or reply under 4 tokens; custom and spec_bench prompts to the completions
+    endpoint get the model's chat template (--skip-chat-template: custom's as they are); spec_bench reads
+    Spec-Bench's question.jsonl (first turns; --spec-bench-category) with max_tokens 256 (vLLM's default)."""
+    tok = sd.Tokenizer.from_dir(TOY)
+    turn = lambda who, text: {"from": who, "value": text}
+    reply = "It is a list of numbers in the order they were given, one per line."
+    sharegpt = tmp_path / "s.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [turn("human", "What does this function return when called?"), turn("gpt", reply)]},
+        {"conversations": [turn("human", "Hi"), turn("gpt", reply)]},                   # prompt < 4 tokens
+        {"conversations": [turn("human", "Tell me about the weather today"), turn("gpt", "Ok")]}]))  # reply < 4
+    got = bench.load_dataset("sharegpt", str(sharegpt), 3, shuffle=False, oversample=False, tok=tok)
+    assert got == [("What does this function return when called?", len(tok.encode(reply)))]
+    got = bench.load_dataset("sharegpt", str(sharegpt), 3, shuffle=False, oversample=False, tok=tok, output_len=9)
+    assert [m for _, m in got] == [9, 9]  # a fixed length skips the reply's check, not the prompt's
+    questions = write_lines(tmp_path / "q.jsonl", json.dumps({"category": "math", "turns": ["2 + 2?", "and 3?"]}),
+                            json.dumps({"category": "coding", "turns": ["Write fib."]}))
+    assert bench.load_dataset("spec_bench", questions, 2, shuffle=False, oversample=False, category="coding") == \
+        [("Write fib.", None)]
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+    sent = []
+
+    def send(url, endpoint, body, headers, timeout):
+        sent.append(body)
+        return {"ok": True, "start": time.perf_counter(), "ttft": 0.01, "itl": [0.01], "latency": 0.02,
+                "output_tokens": 2, "prompt_tokens": 5, "chunks": 2, "error": ""}
+    monkeypatch.setattr(bench, "send", send)
+    template = sd.ChatTemplate.from_checkpoint(TOY, tok)
+    for flags, want in ((["--dataset-name", "spec_bench", "--dataset-path", questions],
+                         [(template.render([{"role": "user", "content": q}]), 256) for q in ("2 + 2?", "Write fib.")]),
+                        (["--dataset-name", "custom", "--dataset-path", write_lines(tmp_path / "c.jsonl", json.dumps(
+                            {"prompt": "hello"})), "--num-prompts", "1", "--skip-chat-template"], [("hello", 256)])):
+        sent.clear()
+        assert bench.serve_benchmark(["--model", TOY, "--disable-shuffle", "--no-oversample"] + flags) == 0
+        assert [(b["prompt"], b["max_tokens"]) for b in sent] == want
+        capsys.readouterr()
+
+
 def test_bench_dataset_errors(tmp_path, capsys):
     """Bad dataset input: exit status 1 and one `error:` line naming the problem and the file (and line), before
     the server is asked (none listens at port 1: its error would be a different line)."""
@@ -4435,7 +4477,7 @@ def test_bench_dataset_errors(tmp_path, capsys):
     cases = [
         (("custom", None), "error: --dataset-name custom needs --dataset-path"),
         (("sharegpt", None), "error: --dataset-name sharegpt needs --dataset-path"),
-        (("random", str(tmp_path)), "error: --dataset-path needs --dataset-name custom or sharegpt"),
+        (("random", str(tmp_path)), "error: --dataset-path needs --dataset-name custom, sharegpt or spec_bench"),
         (("custom", str(tmp_path / "gone.jsonl")), f"error: cannot read {tmp_path}/gone.jsonl: No such file or "
                                                    "directory"),
         (("custom", str(tmp_path)), f"error: cannot read {tmp_path}: Is a directory"),
@@ -4454,7 +4496,10 @@ def test_bench_dataset_errors(tmp_path, capsys):
         (("sharegpt", write_lines(tmp_path / "s3.json", '[{"conversations": []}, {"turns": []}]')),
          f'error: {tmp_path}/s3.json: entry 1: no "conversations" list'),
         (("sharegpt", write_lines(tmp_path / "s4.json", '[{"conversations": [{"from": "gpt", "value": "x"}]}]')),
-         f"error: {tmp_path}/s4.json: no conversation of two or more turns with a human turn"),
+         f"error: {tmp_path}/s4.json: no conversation with an answered human turn"),
+        (("spec_bench", None), "error: --dataset-name spec_bench needs --dataset-path"),
+        (("spec_bench", write_lines(tmp_path / "q.jsonl", '{"turns": "not a list"}')),
+         f'error: {tmp_path}/q.jsonl:1: no "turns" list of strings'),
     ]
     for (name, path), want in cases:
         argv = ["--url", "http://127.0.0.1:1", "--dataset-name", name] + (["--dataset-path", path] if path else [])
@@ -4594,7 +4639,8 @@ def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
     assert res["total_input_tokens"] is None and res["total_token_throughput"] is None and res["prompt_len"] is None
     assert re.search(r"^Total input tokens: +unknown", out, re.M) and "Total token throughput" not in out
     assert "Dataset:" not in out and re.search(r"=\n(Successful requests:)", out)  # vLLM's table: no dataset line
-    assert [(b["prompt"], b["max_tokens"]) for b in sent] == [("def f(x):", 128), ("import os", 4), ("def f(x):", 128)]
+    # (a custom prompt's max_tokens: its output_tokens, else vLLM's --custom-output-len default, 256)
+    assert [(b["prompt"], b["max_tokens"]) for b in sent] == [("def f(x):", 256), ("import os", 4), ("def f(x):", 256)]
     sent.clear()
     assert bench.serve_benchmark(["--num-prompts", "1", "--dataset-name", "custom", "--dataset-path", path, "--seed",
                                   "3", "--endpoint", "/v1/chat/completions", "--gen-len", "9"]) == 0

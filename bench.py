@@ -36,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from urllib.parse import urlsplit
 
 import torch
@@ -995,6 +996,9 @@ def serve_args(argv):
     ap.add_argument("--disable-tqdm", action="store_true", help="accepted (no progress bar is drawn)")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    ap.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-",
+                    help="each request's X-Request-Id is this and its number (default: bench-<random>-)")
+    ap.add_argument("--logprobs", type=int, default=None, help="completions: logprobs of each request (vLLM's)")
     return ap.parse_args(sd.vllm_argv(sys.argv[2:] if argv is None else argv))
 
 
@@ -1122,7 +1126,7 @@ def serve_benchmark(argv=None):
                     "max_completion_tokens": max_tokens}
         else:
             body = {"model": name, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": max_tokens,
-                    "logprobs": None}
+                    "logprobs": a.logprobs}
         body.update(stream=True, stream_options={"include_usage": True})
         if ignore_eos:
             body["ignore_eos"] = True
@@ -1130,13 +1134,15 @@ def serve_benchmark(argv=None):
         body.update(extra_body)
         bodies.append(body)
 
-    def run(batch):  # send the bodies, at most --max-concurrency at once, at --request-rate; -> records
+    def run(batch, tag=""):  # send the bodies, at most --max-concurrency at once, at --request-rate; -> records
         results = [None] * len(batch)
         slots = threading.Semaphore(a.max_concurrency or len(batch))
 
         def worker(i):
             try:
-                results[i] = send(url, a.endpoint, batch[i], headers, a.timeout)
+                # each request's id (vLLM: --request-id-prefix and its number, as the x-request-id header)
+                own = dict(headers, **{"X-Request-Id": f"{a.request_id_prefix}{tag}{i}"})
+                results[i] = send(url, a.endpoint, batch[i], own, a.timeout)
             finally:
                 slots.release()
         arrival = time.perf_counter()
@@ -1154,7 +1160,7 @@ def serve_benchmark(argv=None):
         return results
 
     if a.num_warmups > 0:
-        run([bodies[0]] * a.num_warmups)
+        run([bodies[0]] * a.num_warmups, "warmup-")
     before = scrape_spec(url, headers)
     t0 = time.perf_counter()
     results = run(bodies)

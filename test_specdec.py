@@ -4550,7 +4550,7 @@ def test_bench_serve_as_vllm_bench_serve(capsys):
     spaces the arrivals evenly (it was a traceback), flags take underscores, and the result has endpoint_type and a
     null label without --label."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    paths = []
+    paths, ids = [], []
 
     class Fake(BaseHTTPRequestHandler):  # an OpenAI-compatible server under /prefix: models, one chunk, usage
         def do_GET(self):
@@ -4563,6 +4563,7 @@ def test_bench_serve_as_vllm_bench_serve(capsys):
 
         def do_POST(self):
             paths.append(self.path)
+            ids.append(self.headers["X-Request-Id"])
             self.rfile.read(int(self.headers["Content-Length"]))
             chunks = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
                       {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]
@@ -4580,10 +4581,11 @@ def test_bench_serve_as_vllm_bench_serve(capsys):
         url = f"http://127.0.0.1:{httpd.server_address[1]}/prefix"
         assert bench.serve_benchmark(["--base_url", url, "--num_prompts", "3", "--model", "m", "--request-rate", "200",
                                       "--burstiness", "inf", "--ready-check-timeout-sec", "5", "--random-input-len",
-                                      "4"]) == 0
+                                      "4", "--request-id-prefix", "run7-"]) == 0
         res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert res["completed"] == 3 and res["endpoint_type"] == "openai" and res["label"] is None
         assert paths[0] == "/prefix/v1/models" and paths.count("/prefix/v1/completions") == 3
+        assert sorted(ids) == ["run7-0", "run7-1", "run7-2"]  # --request-id-prefix: each request's X-Request-Id
     finally:
         httpd.shutdown()
 

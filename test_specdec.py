@@ -16,6 +16,7 @@ import random
 import re
 import shlex
 import socket
+import statistics
 import subprocess
 import struct
 import sys
@@ -5146,7 +5147,8 @@ def test_a_large_grammar_does_not_stall_other_requests(srv):
     """A request whose grammar takes seconds to compile (an enum of 8000 strings) is compiled by its own handler
     thread (EngineLoop._compile; the engine thread's compile is then a hit in xgrammar's cache): a stream running
     beside it keeps getting its tokens (before, the engine thread compiled it and every request in flight stopped
-    for as long), and the request is answered with one of its choices."""
+    for as long), a small grammar sent meanwhile is answered first (compiles one at a time made it wait), and the
+    request is answered with one of its choices."""
     pytest.importorskip("xgrammar")
     choices = [f"option number {i}" for i in range(8000)]
     got = {}
@@ -5156,12 +5158,21 @@ def test_a_large_grammar_does_not_stall_other_requests(srv):
         got["status"], got["out"] = srv.post("/v1/completions", {"prompt": "pick", "max_tokens": 40, "temperature": 0,
                                                                  "structured_outputs": {"choice": choices}},
                                              timeout=120)
-        got["took"] = time.perf_counter() - t
+        got["end"] = time.perf_counter()
+        got["took"] = got["end"] - t
+
+    def small():  # a small grammar sent while the big one compiles: compiled at once, not after it
+        t = time.perf_counter()
+        status, out = srv.post("/v1/completions", {"prompt": "yes?", "max_tokens": 3, "temperature": 0,
+                                                   "structured_outputs": {"choice": ["yes", "no"]}})
+        got["small"] = (status, out["choices"][0]["text"], time.perf_counter() - t)
     conn, r = open_stream(srv, {"prompt": "stall", "max_tokens": 1500, "ignore_eos": True, "temperature": 0})
     try:
         assert r.readline().startswith(b"data: ")                                   # the stream is running
         th = threading.Thread(target=big)
         th.start()
+        time.sleep(0.2)                                                              # (its compile under way)
+        threading.Thread(target=small).start()
         gaps, last = [], time.perf_counter()
         while th.is_alive():
             if not r.readline():                                                     # (the stream ended first)
@@ -5174,6 +5185,40 @@ def test_a_large_grammar_does_not_stall_other_requests(srv):
         conn.close()
     assert got["status"] == 200 and got["out"]["choices"][0]["text"] in choices, got
     assert got["took"] > 0.5 and max(gaps) < 0.3 * got["took"], (max(gaps), got["took"])
+    # the small one answered at once (one compile at a time made it wait for most of the big one's ~2 s compile)
+    assert got["small"][:2] in ((200, "yes"), (200, "no")) and got["small"][2] < 0.4 * got["took"], got
+
+
+def test_kept_alive_answers_do_not_wait_for_the_clients_ack(srv):
+    """An answer's headers and body are two writes: on a kept-alive connection the body waited for the client's
+    delayed ACK of the headers (Nagle's algorithm: ~40 ms more for every non-streamed answer after a connection's
+    first, as the openai client reuses connections); the server's sockets send at once (TCP_NODELAY)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    took = []
+    try:
+        for _ in range(7):
+            t0 = time.perf_counter()
+            conn.request("GET", "/version")
+            r = conn.getresponse()
+            assert r.status == 200 and r.read()
+            took.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    assert statistics.median(took[1:]) < 0.025, took  # (~0.04 each before)
+
+
+def test_refused_requests_count_no_aborts(srv):
+    """A request refused after some of its sequences were queued (a batch whose third prompt is too long: 400) has
+    them withdrawn without counting them as aborted requests in /metrics (vLLM refuses it before any runs); the
+    first two prompts' requests were counted as aborts before."""
+    aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")  # noqa: E731
+    before = wait_idle(srv)
+    st, r = srv.post("/v1/completions", {"prompt": ["a b", "c d", [5] * 10000], "max_tokens": 4})
+    check_error(st, r, 400, None, "maximum context length")
+    after = wait_idle(srv)
+    assert aborted(after) == aborted(before) and metric(after, "vllm:request_success_total") == metric(
+        before, "vllm:request_success_total")
+    assert srv.post("/v1/completions", {"prompt": "a b", "max_tokens": 2})[0] == 200  # (and the server goes on)
 
 
 def test_half_closed_client_gets_its_answer(srv):
@@ -5188,7 +5233,7 @@ def test_half_closed_client_gets_its_answer(srv):
         return time.time() - t0, answer
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(ask, (False, True)))
-    for stream, (took, (status, headers, data)) in zip((False, True), answers):
+    for stream, (took, (status, headers, data)) in zip((False, True), answers):  # (each its own connection)
         assert took > 1.0  # the server looks for gone clients every 0.5 s: it saw this one's half-close
         assert status == 200
         if stream:

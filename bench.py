@@ -681,7 +681,7 @@ def scrape_spec(url, headers, settle=0.0):
 def send(url, endpoint, body, headers, timeout):
     """One streaming request, timed as vllm bench serve times it."""
     rec = {"ok": False, "ttft": 0.0, "itl": [], "latency": 0.0, "output_tokens": None, "prompt_tokens": None,
-           "chunks": 0, "error": ""}
+           "chunks": 0, "error": "", "text": ""}
     conn = connect(url, timeout)
     st = rec["start"] = time.perf_counter()
     try:
@@ -707,6 +707,8 @@ def send(url, endpoint, body, headers, timeout):
                 rec["error"] = str(chunk["error"])
                 return rec
             if chunk.get("choices"):  # TTFT at the first chunk with choices, even if its text is empty
+                c = chunk["choices"][0]
+                rec["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
                 if last is None:
                     rec["ttft"] = now - st
                 else:
@@ -987,8 +989,9 @@ def serve_args(argv):
     ap.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles of each, e.g. 25,50,99")
     ap.add_argument("--save-result", action="store_true", help="write the result JSON to a file")
     ap.add_argument("--append-result", action="store_true", help="append it as a line to the file")
-    ap.add_argument("--save-detailed", action="store_true", help="with per-request lists (lengths, start times, "
-                                                                 "TTFTs, ITLs, errors)")
+    ap.add_argument("--save-detailed", action="store_true", help="with per-request lists (lengths, start times "
+                                                                 "(perf_counter, as vLLM's), TTFTs, ITLs, the "
+                                                                 "generated texts, errors)")
     ap.add_argument("--result-dir", default=None)
     ap.add_argument("--result-filename", default=None,
                     help="default: LABEL-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json")
@@ -1209,7 +1212,8 @@ def serve_benchmark(argv=None):
                                                               / d["drafts"] for p in sorted(after["per_pos"])])
     if a.save_detailed:
         res.update(input_lens=ins, output_lens=[r["output_tokens"] if r["ok"] else 0 for r in results],
-                   start_times=[r.get("start", 0.0) - t0 for r in results], ttfts=[r["ttft"] for r in results],
+                   start_times=[r.get("start", 0.0) for r in results], ttfts=[r["ttft"] for r in results],
+                   generated_texts=[r.get("text", "") for r in results],
                    itls=[r["itl"] for r in results], errors=[r["error"] for r in results])
     errors = sorted({r["error"] for r in results if not r["ok"]})
 

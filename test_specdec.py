@@ -4582,8 +4582,9 @@ def test_bench_serve_as_vllm_bench_serve(capsys):
         url = f"http://127.0.0.1:{httpd.server_address[1]}/prefix"
         assert bench.serve_benchmark(["--base_url", url, "--num_prompts", "3", "--model", "m", "--request-rate", "200",
                                       "--burstiness", "inf", "--ready-check-timeout-sec", "5", "--random-input-len",
-                                      "4", "--request-id-prefix", "run7-"]) == 0
+                                      "4", "--request-id-prefix", "run7-", "--save-detailed"]) == 0
         res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert res["generated_texts"] == ["ab"] * 3  # (--save-detailed: each request's text, as vLLM's)
         assert res["completed"] == 3 and res["endpoint_type"] == "openai" and res["label"] is None
         assert paths[0] == "/prefix/v1/models" and paths.count("/prefix/v1/completions") == 3
         assert sorted(ids) == ["run7-0", "run7-1", "run7-2"]  # --request-id-prefix: each request's X-Request-Id
@@ -4706,6 +4707,7 @@ def test_bench_serve_vllm_flags(tmp_path, monkeypatch, capsys):
     saved = [json.loads(x) for x in (tmp_path / "r.json").read_text().splitlines()]
     assert len(saved) == 2 and saved[1] == json.loads(cap.out.strip().splitlines()[-1])
     assert saved[1]["ttfts"] == [0.01, 0.01] and saved[1]["output_lens"] == [3, 3] and saved[1]["errors"] == ["", ""]
+    assert saved[1]["generated_texts"] == ["", ""] and len(saved[1]["start_times"]) == 2  # (the stand-in sends none)
     for argv, want in [(["--backend", "openai-chat"], "error: --backend openai-chat needs a chat endpoint "
                                                       "(--endpoint /v1/chat/completions), not /v1/completions"),
                        (["--percentile-metrics", "ttft,goodput"], "error: --percentile-metrics 'ttft,goodput': use "

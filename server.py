@@ -1058,9 +1058,27 @@ def response_to_chat(body):
     return chat
 
 
-def response_usage(n_prompt, n_out):
+def response_usage(n_prompt, n_out, n_reasoning=0):
     return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_prompt + n_out}
+            "output_tokens_details": {"reasoning_tokens": n_reasoning}, "total_tokens": n_prompt + n_out}
+
+
+def reasoning_tokens(app, spec, ids):
+    """How many of the answer's tokens ids are reasoning, as vLLM's reasoning parser counts them
+    (count_reasoning_tokens): those inside <think> ... </think>, the answer starting inside one where the prompt
+    opened it; the tags themselves not counted. 0 without --reasoning-parser."""
+    if spec.start is None:
+        return 0
+    think, end = app.tokenizer.special_ids[THINK], app.tokenizer.special_ids[END_THINK]
+    depth, n = int(spec.start == "thinking"), 0
+    for t in ids:
+        if t == think:
+            depth += 1
+        elif t == end:
+            depth = max(0, depth - 1)
+        elif depth:
+            n += 1
+    return n
 
 
 class ResponseItems:
@@ -1883,7 +1901,8 @@ class Handler(BaseHTTPRequestHandler):
                         text={"format": fmt or {"type": "text"}}, tool_choice=body.get("tool_choice", "auto"),
                         tools=body.get("tools", []), top_p=params.top_p,
                         truncation=body.get("truncation", "disabled"),
-                        usage=response_usage(len(ids), n_out) if status != "in_progress" else None,
+                        usage=response_usage(len(ids), n_out, reasoning_tokens(
+                            app, spec, job.req.output_ids if job.req else [])) if status != "in_progress" else None,
                         user=body.get("user"))
         app.log_request(head["id"], ids, params)
         out, items = chat_stream(spec), ResponseItems()

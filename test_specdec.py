@@ -8653,8 +8653,9 @@ def test_responses_api(srv_scripted):
     """POST /v1/responses through the official client (its types parse every object and event): the answer as
     output items (reasoning, message with output_text, function_call) that say what the same chat request says,
     whole and streamed (deltas adding up to the items, sequence numbers in order, response.completed last);
-    instructions and function-call history as input items; max_output_tokens cutting it short; vLLM's stateless
-    refusals (background, previous_response_id) and malformed input as 400s naming the field."""
+    instructions and function-call history as input items; max_output_tokens cutting it short; the usage's
+    reasoning tokens; vLLM's stateless refusals (background, previous_response_id) and malformed input as 400s
+    naming the field."""
     import openai
     client = openai.OpenAI(base_url=srv_scripted.url + "/v1", api_key="unused")
     tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
@@ -8682,6 +8683,9 @@ def test_responses_api(srv_scripted):
     assert r.output[0].content[0].text == summed["reasoning"] == "Some thinking\n"
     assert r.output_text == summed["text"] == "\n\nThe answer is 42."
     assert r.usage.output_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the tokens of "Some thinking\n", before </think> (vLLM's count_reasoning_tokens; it was always 0)
+    thinking = srv_scripted.post("/tokenize", {"model": "tiny", "prompt": "Some thinking\n"})[1]["count"]
+    assert r.usage.output_tokens_details.reasoning_tokens == thinking > 0
     assert types.count("response.output_item.added") == types.count("response.output_item.done") == 2
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "CASE-TEXT"}],
                                           max_tokens=100).choices[0].message

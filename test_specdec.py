@@ -5215,7 +5215,8 @@ def test_refused_requests_count_no_aborts(srv):
     first two prompts' requests were counted as aborts before."""
     aborted = lambda m: metric(m, "vllm:request_success_total", finished_reason="abort")  # noqa: E731
     before = wait_idle(srv)
-    st, r = srv.post("/v1/completions", {"prompt": ["a b", "c d", [5] * 10000], "max_tokens": 4})
+    # (200 tokens each: the first two are still running when the third is refused and they are withdrawn)
+    st, r = srv.post("/v1/completions", {"prompt": ["a b", "c d", [5] * 10000], "max_tokens": 200, "ignore_eos": True})
     check_error(st, r, 400, None, "maximum context length")
     after = wait_idle(srv)
     assert aborted(after) == aborted(before) and metric(after, "vllm:request_success_total") == metric(

@@ -1274,6 +1274,13 @@ def serve_benchmark(argv=None):
     return 0 if ok else 1  # an exit status; the results are the JSON line
 
 
+def at_least(ap, checks):
+    """argparse's error for the first (flag, value, least) whose value is below least."""
+    for flag, v, least in checks:
+        if v < least:
+            ap.error(f"{flag} must be at least {least}, not {v}")
+
+
 def engine_benchmark(kind, argv):
     """bench.py latency / throughput: vllm bench latency / throughput on the offline engine (LLM.generate), with
     their flags, defaults, printed lines and --output-json. latency: one batch of --batch-size random prompts of
@@ -1297,12 +1304,9 @@ def engine_benchmark(kind, argv):
     ap.add_argument("--output-json", default=None, help="write the results here as JSON")
     ap.add_argument("--disable-detokenize", action="store_true", help="accepted (the text costs little here)")
     a = ap.parse_args(sd.vllm_argv(argv))
-    counts = [("--input-len", a.input_len), ("--output-len", a.output_len), ("--n", a.n)] + (
-        [("--batch-size", a.batch_size), ("--num-iters", a.num_iters), ("--num-iters-warmup", a.num_iters_warmup + 1)]
-        if kind == "latency" else [("--num-prompts", a.num_prompts)])
-    bad = [f"{flag} must be at least {1 - (flag == '--num-iters-warmup')}" for flag, v in counts if v < 1]
-    if bad:
-        ap.error(bad[0])
+    counts = [("--batch-size", a.batch_size, 1), ("--num-iters", a.num_iters, 1),
+              ("--num-iters-warmup", a.num_iters_warmup, 0)] if kind == "latency" else [("--num-prompts", a.num_prompts, 1)]
+    at_least(ap, [("--input-len", a.input_len, 1), ("--output-len", a.output_len, 1), ("--n", a.n, 1)] + counts)
     try:
         llm = sd.llm_from_args(a)
         rng = random.Random(a.seed)
@@ -1481,9 +1485,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[2048],
                     help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
-    for flag, values in (("--batch", a.batch), ("--prompt-len", a.prompt_len), ("--gen-len", [a.gen_len - 1])):
-        if min(values) < 1:  # (--gen-len: two tokens at least, or no time per output token after the first)
-            ap.error(f"{flag} must be at least {1 + (flag == '--gen-len')}, not {min(values) + (flag == '--gen-len')}")
+    # (--gen-len: two tokens at least, or there is no time per output token after the first)
+    at_least(ap, [("--batch", min(a.batch), 1), ("--prompt-len", min(a.prompt_len), 1), ("--gen-len", a.gen_len, 2)])
     try:
         return offline(ap, a)
     except sd.ConfigError as e:  # what the engine refuses (a model path, a config, a length): one line

@@ -364,8 +364,9 @@ def parse_completion(app, body):
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         batch = prompt
     logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
-    # vLLM: null is the default too; 0 with echo answers the prompt alone (one token made and dropped: Job.echo_only)
-    max_tokens = 1 if echo and get(body, "max_tokens", "integer") == 0 else max_tokens_field(body, "max_tokens", 16)
+    max_tokens = 1 if echo_only(body) else max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
+    # vLLM: with return_token_ids the ids stand for the echoed prompt (prompt_token_ids), its text is left out
+    echo_text = echo and not get(body, "return_token_ids", "boolean", False)
     params = sampling_params(body, max_tokens, logprobs, vocab, app.llm.default_sampling)
     prompts, with_fields = [], params
     for p in batch:
@@ -378,8 +379,14 @@ def parse_completion(app, body):
                       "'prompt' must be a string, a list of token ids, or a list of either", "prompt")
         whole = ids
         ids, with_fields = prompt_fields(app, body, ids, params, logprobs if echo else None)  # (the same each time)
-        prompts.append((ids, (p if p is not None and ids == whole else tok.decode(ids)) if echo else ""))
+        prompts.append((ids, (p if p is not None and ids == whole else tok.decode(ids)) if echo_text else ""))
     return prompts, with_fields, None
+
+
+def echo_only(body):
+    """Completions' echo with max_tokens 0 (vLLM: scoring a text): the answer is the prompt alone (one token is made,
+    for max_tokens' sake, and dropped: Job.echo_only)."""
+    return get(body, "echo", "boolean", False) and get(body, "max_tokens", "integer") == 0
 
 
 def prompt_fields(app, body, ids, params, implied=None):
@@ -538,7 +545,7 @@ def parse_chat(app, body):
         # only what follows; specdec's grammars do not wait for the reasoning's end yet)
         prompt += f"\n{END_THINK}\n\n"
     if forced and app.tool_parser is None:  # vLLM's way: the answer is JSON (json_calls), read as the calls
-        parser = JsonCalls(tools, tool_choice)
+        parser = JsonCalls(tool_choice)
     else:
         parser = None if tool_choice == "none" else TOOL_PARSERS[app.tool_parser_name](tools)
     start = prompt_reasoning(prompt) if app.reasoning_parser else None
@@ -629,7 +636,7 @@ class JsonCalls:
     streamed as they come; required's array becomes its calls once whole (arguments: the parameters' JSON, as
     vLLM dumps them). An array that does not parse (max_tokens cut it) stays text, with no calls."""
 
-    def __init__(self, tools, tool_choice):
+    def __init__(self, tool_choice):
         self.name = None if tool_choice == "required" else tool_choice
 
     def parse(self, text, final):
@@ -1965,16 +1972,15 @@ class Handler(BaseHTTPRequestHandler):
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": kind,
                 "created": int(time.time()), "model": app.name}
         groups = []  # per prompt: its jobs (one per sample; the first's prefill copied by the others), echo
-        echo_only = not chat and get(body, "echo", "boolean", False) and get(body, "max_tokens", "integer") == 0
+        prompt_only = not chat and echo_only(body)
         return_ids = get(body, "return_token_ids", "boolean", False)
-        if return_ids and not chat:  # vLLM: the token ids stand for the echoed prompt, its text is left out
-            prompts = [(ids, "") for ids, _ in prompts]
+        as_ids = get(body, "return_tokens_as_token_ids", "boolean", False)
         for ids, echo in prompts:
             app.log_request(head["id"], ids, params)
             group = [Job(ids, p) for p in params.samples()]
             for job in group:
-                job.ranked, job.echo_only, job.n_samples = params.ranked, echo_only, len(group)
-                job.return_ids, job.as_ids = return_ids, get(body, "return_tokens_as_token_ids", "boolean", False)
+                job.ranked, job.echo_only, job.n_samples = params.ranked, prompt_only, len(group)
+                job.return_ids, job.as_ids = return_ids, as_ids
                 job.fork_of = group[0] if job is not group[0] else None
             groups.append((group, echo))
         jobs = [job for group, _ in groups for job in group]

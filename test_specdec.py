@@ -4429,6 +4429,21 @@ def test_bench_load_dataset_custom_and_sharegpt(tmp_path):
         [("first?", None), ("second?", None)]
 
 
+def stub_bench_server(monkeypatch, prompt_tokens):
+    """bench.py serve against no server: model "m", no /metrics, each request answered at once with 2 tokens (and
+    the usage's prompt_tokens given, None: no usage). -> the list the request bodies are appended to."""
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+    sent = []
+
+    def send(url, endpoint, body, headers, timeout):
+        sent.append(body)
+        return {"ok": True, "start": time.perf_counter(), "ttft": 0.01, "itl": [0.01], "latency": 0.02,
+                "output_tokens": 2, "prompt_tokens": prompt_tokens, "chunks": 2, "error": ""}
+    monkeypatch.setattr(bench, "send", send)
+    return sent
+
+
 def test_bench_datasets_with_a_local_tokenizer(tmp_path, monkeypatch, capsys):
     """With the model's tokenizer on the client (--model or --tokenizer a directory), as vllm bench serve: a ShareGPT
     request's max_tokens is its recorded reply's length in tokens (--sharegpt-output-len fixes it) and vLLM's
@@ -4451,15 +4466,7 @@ def test_bench_datasets_with_a_local_tokenizer(tmp_path, monkeypatch, capsys):
                             json.dumps({"category": "coding", "turns": ["Write fib."]}))
     assert bench.load_dataset("spec_bench", questions, 2, shuffle=False, oversample=False, category="coding") == \
         [("Write fib.", None)]
-    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
-    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
-    sent = []
-
-    def send(url, endpoint, body, headers, timeout):
-        sent.append(body)
-        return {"ok": True, "start": time.perf_counter(), "ttft": 0.01, "itl": [0.01], "latency": 0.02,
-                "output_tokens": 2, "prompt_tokens": 5, "chunks": 2, "error": ""}
-    monkeypatch.setattr(bench, "send", send)
+    sent = stub_bench_server(monkeypatch, prompt_tokens=5)
     template = sd.ChatTemplate.from_checkpoint(TOY, tok)
     for flags, want in ((["--dataset-name", "spec_bench", "--dataset-path", questions],
                          [(template.render([{"role": "user", "content": q}]), 256) for q in ("2 + 2?", "Write fib.")]),
@@ -4622,15 +4629,7 @@ def test_bench_latency_and_throughput_as_vllm(tmp_path, capsys):
 def test_bench_serve_input_tokens_without_usage(tmp_path, monkeypatch, capsys):
     """Without the server's usage, a token-id prompt's input tokens are its length; a text prompt's are unknown:
     total_input_tokens is None (and the table says unknown), not --prompt-len."""
-    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
-    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
-    sent = []
-
-    def send(url, endpoint, body, headers, timeout):
-        sent.append(body)
-        return {"ok": True, "start": time.perf_counter(), "ttft": 0.01, "itl": [0.01], "latency": 0.02,
-                "output_tokens": 2, "prompt_tokens": None, "chunks": 2, "error": ""}
-    monkeypatch.setattr(bench, "send", send)
+    sent = stub_bench_server(monkeypatch, prompt_tokens=None)
     assert bench.serve_benchmark(["--num-prompts", "3", "--prompt-len", "7"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["dataset_name"] == "random" and res["total_input_tokens"] == 21 and res["total_token_throughput"] > 0
@@ -8773,18 +8772,18 @@ def test_forced_calls_without_a_parser_are_json(tiny_spec, srv):
     assert [o["properties"]["name"]["enum"] for o in required["items"]["anyOf"]] == [["set_mode"], ["ping"]]
     assert required["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
     # the parser: a named call's arguments grow with the text; required's array is read once whole
-    chat = srvmod.ChatStream(None, srvmod.JsonCalls([mode], "set_mode"))
+    chat = srvmod.ChatStream(None, srvmod.JsonCalls("set_mode"))
     first = chat.feed('{"on": tr', False)["tool_calls"][0]
     assert first["function"] == {"name": "set_mode", "arguments": '{"on": tr'} and first["id"].startswith(
         "chatcmpl-tool-")
     assert chat.feed('{"on": true}', True) == {"tool_calls": [{"index": 0, "function": {"arguments": "ue}"}}]}
-    chat = srvmod.ChatStream(None, srvmod.JsonCalls([mode, ping], "required"))
+    chat = srvmod.ChatStream(None, srvmod.JsonCalls("required"))
     assert chat.feed('[{"name": "ping", "parameters": {}}, {"name": "set_mode", "param', False) == {}
     chat.feed('[{"name": "ping", "parameters": {}}, {"name": "set_mode", "parameters": {"on": false, '
               '"mode": "café"}}]', True)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in chat.calls] == [
         ("ping", "{}"), ("set_mode", '{"on": false, "mode": "café"}')]
-    cut = srvmod.ChatStream(None, srvmod.JsonCalls([mode], "required"))
+    cut = srvmod.ChatStream(None, srvmod.JsonCalls("required"))
     assert cut.feed('[{"name": "set_mo', True) == {"content": '[{"name": "set_mo'} and not cut.calls  # max_tokens
     # a random model held to the grammar writes calls the parser reads (its whitespace held to none here, so
     # that it ends: vLLM's grammar allows any, which a random model may spend max_tokens on)
@@ -8794,7 +8793,7 @@ def test_forced_calls_without_a_parser_are_json(tiny_spec, srv):
         for t in (0.0, 1.0):
             o = llm.generate("Set it.", SamplingParams(temperature=t, seed=3, max_tokens=200,
                                                       structured_outputs=so), use_tqdm=False)[0].outputs[0]
-            chat = srvmod.ChatStream(None, srvmod.JsonCalls([mode, ping], choice))
+            chat = srvmod.ChatStream(None, srvmod.JsonCalls(choice))
             chat.feed(o.text, True)
             assert o.finish_reason == "stop" and chat.calls and not chat.content, (choice, t, o.text)
             for call in chat.calls:

@@ -2210,7 +2210,7 @@ class App:
     (ChatOptions), the engine loop and the metrics."""
 
     def __init__(self, llm, served_model_name=None, api_key=None, max_queue=64, chat=None,
-                 log_requests=False, log_stats=True):
+                 log_requests=False, log_stats=True, cors=None):
         self.llm, self.tokenizer, self.api_key, self.vocab = llm, llm.tokenizer, api_key, llm.cfg.vocab_size
         names = served_model_name or [llm.model_path]
         self.names = [names] if isinstance(names, str) else list(names)
@@ -2225,7 +2225,7 @@ class App:
         self.metrics = Metrics(self.name, k, llm.max_model_len)
         interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", 10))
         self.loop = EngineLoop(llm, max_queue, self.metrics, StatsLog(interval) if log_stats else None)
-        self.cors = Cors(["*"], ["*"], ["*"], False)  # vLLM's defaults (--allowed-origins ...)
+        self.cors = cors or Cors(["*"], ["*"], ["*"], False)  # vLLM's defaults (--allowed-origins ...)
 
     def log_request(self, rid, ids, params):
         """--enable-log-requests: vLLM's line for each request received."""
@@ -2420,8 +2420,8 @@ def main(argv=None):
             chat = chat._replace(template=template)
         llm.warmup()  # every graph captured before the first request (on CUDA)
         app = App(llm, a.served_model_name, a.api_key, a.max_queue, chat, a.enable_log_requests,
-                  not a.disable_log_stats)
-        app.cors = Cors(a.allowed_origins, a.allowed_methods, a.allowed_headers, a.allow_credentials)
+                  not a.disable_log_stats, Cors(a.allowed_origins, a.allowed_methods, a.allowed_headers,
+                                                a.allow_credentials))
         httpd = Server((a.host, a.port), app, a.max_connections, a.request_timeout)
     except Exception as e:  # a bad config or checkpoint, a busy port: one line, no traceback
         msg = " ".join(str(e).split()) or type(e).__name__

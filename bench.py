@@ -655,24 +655,23 @@ def scrape_spec(url, headers, settle=0.0):
     busy = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     t0 = time.perf_counter()
     while True:
-        try:
-            text = http_get(url, "/metrics", headers).decode()
-        except (OSError, RuntimeError, http.client.HTTPException):
-            return None
         out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
         queued = 0.0
-        for line in text.splitlines():
-            if line.startswith(busy):
-                queued += float(line.rsplit(" ", 1)[1])
-            if not line.startswith("vllm:spec_decode_"):
-                continue
-            head, value = line.rsplit(" ", 1)
-            name = head.split("{")[0]
-            if name in names:
-                out[names[name]] += float(value)
-            elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                pos = int(head.split('position="')[1].split('"')[0])
-                out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+        try:  # (ValueError: a header http.client refuses, or lines not of Prometheus' text format: unreadable too)
+            for line in http_get(url, "/metrics", headers).decode().splitlines():
+                if line.startswith(busy):
+                    queued += float(line.rsplit(" ", 1)[1])
+                if not line.startswith("vllm:spec_decode_"):
+                    continue
+                head, value = line.rsplit(" ", 1)
+                name = head.split("{")[0]
+                if name in names:
+                    out[names[name]] += float(value)
+                elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                    pos = int(head.split('position="')[1].split('"')[0])
+                    out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+        except (OSError, RuntimeError, ValueError, IndexError, http.client.HTTPException):
+            return None
         if queued == 0 or time.perf_counter() - t0 >= settle:
             return out
         time.sleep(0.05)
@@ -684,6 +683,7 @@ def send(url, endpoint, body, headers, timeout):
            "chunks": 0, "error": "", "text": ""}
     conn = connect(url, timeout)
     st = rec["start"] = time.perf_counter()
+    data = b""  # the chunk being read
     try:
         conn.request("POST", under(url, endpoint), body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
@@ -718,6 +718,9 @@ def send(url, endpoint, body, headers, timeout):
             elif chunk.get("usage"):
                 rec["output_tokens"] = chunk["usage"].get("completion_tokens")
                 rec["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
+                if any(n is not None and (type(n) is not int or n < 0) for n in (rec["output_tokens"],
+                                                                                  rec["prompt_tokens"])):
+                    raise TypeError("usage")  # (summed into the totals: a count that is not one fails the request)
         if last is None:
             rec["error"] = "no content chunk received"
             return rec
@@ -726,10 +729,20 @@ def send(url, endpoint, body, headers, timeout):
             rec["output_tokens"] = rec["chunks"]
         rec["ok"] = True
     except (OSError, ValueError, http.client.HTTPException) as e:
-        rec["error"] = f"{type(e).__name__}: {e}"
+        rec["error"] = f"{type(e).__name__}: {str(e).strip()}"  # (a bad status line ends in its newline)
+    except (AttributeError, TypeError, KeyError, IndexError):  # a chunk not of the OpenAI shape: this request fails,
+        rec.update(error=f"malformed stream chunk: {data[:200]!r}", output_tokens=None, prompt_tokens=None)  # not all
     finally:
         conn.close()
     return rec
+
+
+def first_model(data):
+    """The first model's id in a /v1/models answer (vLLM: data[0].id), or a ValueError saying that it lists none."""
+    try:
+        return json.loads(data)["data"][0]["id"]
+    except (ValueError, TypeError, KeyError, IndexError):  # not JSON, or not of the OpenAI list's shape
+        raise ValueError(f"no model listed in its answer {data[:200]!r}") from None
 
 
 def local_tokenizer(a):
@@ -823,7 +836,8 @@ def load_dataset(name, path, num_prompts, seed=0, shuffle=True, oversample=True,
                 entries.append((human["value"], output_len))
                 continue
             n_in = len(tok.encode(human["value"]))
-            n_out = output_len or len(tok.encode(reply.get("value") if isinstance(reply.get("value"), str) else ""))
+            said = reply.get("value") if isinstance(reply, dict) else None  # (a reply turn of another shape: no text)
+            n_out = output_len or len(tok.encode(said if isinstance(said, str) else ""))
             if valid_sequence(n_in, n_out, output_len is not None):
                 entries.append((human["value"], n_out))
     else:
@@ -916,6 +930,8 @@ def key_values(items, flag):
         if "=" not in item:
             raise DatasetError(f"{flag} {item!r}: use KEY=VALUE")
         k, v = item.split("=", 1)
+        if not k.strip():  # (an HTTP header with no name: http.client refuses it mid-run)
+            raise DatasetError(f"{flag} {item!r}: use KEY=VALUE, KEY not empty")
         out[k.strip()] = v.strip()
     return out
 
@@ -1011,11 +1027,18 @@ def serve_benchmark(argv=None):
     (what --save-result writes). Returns the exit status: 1 when no request succeeded or the input is bad."""
     a = serve_args(argv)
     chat = "chat" in a.endpoint
-    # max_tokens where a request has none of its own: the dataset's flag, else --output-len, else vLLM's default
-    a.output_len = {"custom": a.custom_output_len, "spec_bench": a.spec_bench_output_len}.get(
-        a.dataset_name) or a.output_len or (256 if a.dataset_name in ("custom", "spec_bench") else 128)
     rng = random.Random(a.seed)  # the random dataset's prompts, then the Poisson arrivals
     try:  # [(prompt, max_tokens or None)], made or read before the server is asked
+        if a.custom_output_len == -1:  # vLLM's -1: each line's own output_tokens (here they always come first)
+            a.custom_output_len = None
+        for flag, n in (("--random-output-len", a.output_len), ("--custom-output-len", a.custom_output_len),
+                        ("--sharegpt-output-len", a.sharegpt_output_len),
+                        ("--spec-bench-output-len", a.spec_bench_output_len)):
+            if n is not None and n < 1:  # (0 read as "not given" below would silently send the default instead)
+                raise DatasetError(f"{flag} must be at least 1, not {n}")
+        # max_tokens where a request has none of its own: the dataset's flag, else --output-len, else vLLM's default
+        a.output_len = {"custom": a.custom_output_len, "spec_bench": a.spec_bench_output_len}.get(
+            a.dataset_name) or a.output_len or (256 if a.dataset_name in ("custom", "spec_bench") else 128)
         if a.backend == "openai-chat" and not chat:
             raise DatasetError(f"--backend openai-chat needs a chat endpoint (--endpoint /v1/chat/completions), "
                                f"not {a.endpoint}")
@@ -1036,18 +1059,20 @@ def serve_benchmark(argv=None):
             raise DatasetError("--max-concurrency must be greater than 0")
         if a.num_prompts < 1:
             raise DatasetError(f"--num-prompts must be at least 1, not {a.num_prompts}")
-        if a.dataset_name == "random" and (a.input_len < 0 or a.input_len + a.random_prefix_len < 1 or
-                                           a.output_len < 1):
+        if a.dataset_name == "random" and (a.input_len < 0 or a.random_prefix_len < 0 or
+                                           a.input_len + a.random_prefix_len < 1):
             raise DatasetError(f"the random dataset needs prompts of at least one token (--random-input-len "
-                               f"{a.input_len} + --random-prefix-len {a.random_prefix_len}) and --random-output-len "
-                               f">= 1 ({a.output_len})")
+                               f"{a.input_len} + --random-prefix-len {a.random_prefix_len}, neither negative)")
+        if not a.timeout > 0:  # (0 makes every socket non-blocking, and each request fails with an OS error)
+            raise DatasetError(f"--timeout must be > 0 seconds, not {a.timeout}")
         base = urlsplit(a.base_url or f"http://{a.host}:{a.port}")
         try:
-            base.port  # (raises on a port that is not a number)
+            base.port  # (raises on a port that is not a number or out of range)
         except ValueError:
             base = None
         if base is None or base.scheme not in ("http", "https") or not base.hostname:
-            raise DatasetError(f"--base-url {a.base_url!r} (or --host / --port): use http://HOST[:PORT][/PATH]")
+            raise DatasetError(f"--base-url {a.base_url or f'http://{a.host}:{a.port}'!r} (or --host / --port): use "
+                               f"http://HOST[:PORT][/PATH]")
         if not a.request_rate > 0:  # (inf, the default: every request at once)
             raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), "
                                f"not {a.request_rate}")
@@ -1062,6 +1087,9 @@ def serve_benchmark(argv=None):
                 os.makedirs(a.result_dir, exist_ok=True)
             except OSError as e:
                 raise DatasetError(f"--result-dir {a.result_dir!r}: {e.strerror}") from None
+        folder = os.path.dirname(os.path.join(a.result_dir or "", a.result_filename or ""))
+        if (a.save_result or a.append_result) and folder and not os.path.isdir(folder):  # (as --result-dir's)
+            raise DatasetError(f"--result-filename {a.result_filename!r}: no directory {folder}")
         slo = {}
         for pair in a.goodput or []:
             k, _, v = pair.partition(":")
@@ -1069,7 +1097,7 @@ def serve_benchmark(argv=None):
                 slo[k] = float(v)
             except ValueError:
                 slo[k] = -1.0
-            if k not in ("ttft", "tpot", "e2el") or slo[k] < 0:
+            if k not in ("ttft", "tpot", "e2el") or not slo[k] >= 0:  # (nan: no request would ever be good)
                 raise DatasetError(f"--goodput {pair!r}: use KEY:MS with KEY ttft, tpot or e2el and MS >= 0")
         if a.dataset_name == "random":
             if a.dataset_path:
@@ -1105,12 +1133,13 @@ def serve_benchmark(argv=None):
     while True:  # the server's first model (without --model), or with --ready-check-timeout-sec its readiness
         try:
             if a.model is None or a.ready_check_timeout_sec > 0:
-                listed = json.loads(http_get(url, "/v1/models", headers))["data"][0]["id"]
+                listed = first_model(http_get(url, "/v1/models", headers))
             model = a.model or listed
             break
-        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
+        except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:  # (the last: not an HTTP server)
             if time.perf_counter() >= deadline:
-                print(f"error: cannot reach {url}/v1/models: {e}", file=sys.stderr)
+                print(f"error: {url}/v1/models: {e}" if isinstance(e, ValueError) else
+                      f"error: cannot reach {url}/v1/models: {type(e).__name__}: {str(e).strip()}", file=sys.stderr)
                 return 1
             time.sleep(1.0)
     if a.temperature is None:
@@ -1307,6 +1336,8 @@ def engine_benchmark(kind, argv):
     counts = [("--batch-size", a.batch_size, 1), ("--num-iters", a.num_iters, 1),
               ("--num-iters-warmup", a.num_iters_warmup, 0)] if kind == "latency" else [("--num-prompts", a.num_prompts, 1)]
     at_least(ap, [("--input-len", a.input_len, 1), ("--output-len", a.output_len, 1), ("--n", a.n, 1)] + counts)
+    if a.output_json and not os.path.isdir(os.path.dirname(a.output_json) or "."):  # found out now, not after the run
+        ap.error(f"--output-json {a.output_json!r}: no directory {os.path.dirname(a.output_json)}")
     try:
         llm = sd.llm_from_args(a)
         rng = random.Random(a.seed)
@@ -1486,7 +1517,14 @@ def main(argv=None):
                     help="with --stall: the step budgets to compare (chunked prefill); 0 = chunked prefill off")
     a = ap.parse_args(argv)
     # (--gen-len: two tokens at least, or there is no time per output token after the first)
-    at_least(ap, [("--batch", min(a.batch), 1), ("--prompt-len", min(a.prompt_len), 1), ("--gen-len", a.gen_len, 2)])
+    at_least(ap, [("--batch", min(a.batch), 1), ("--prompt-len", min(a.prompt_len), 1), ("--gen-len", a.gen_len, 2)]
+             # (given flags only: a 0 here was read as "not given", and a negative one failed inside the engine)
+             + [(flag, v, 1) for flag, v in (("--max-model-len", a.max_model_len), ("--stall", a.stall),
+                                             ("--ngram-cost", a.ngram_cost),
+                                             ("--verify-cost", min(a.verify_cost or [1]))) if v is not None])
+    for flag, v in (("--random-drafter", a.random_drafter), ("--random-draft-lm", a.random_draft_lm)):
+        if v and not a.random_weights:  # (shaped for the target preset: there is none without it)
+            ap.error(f"{flag} needs --random-weights (the preset the drafter is shaped for)")
     try:
         return offline(ap, a)
     except sd.ConfigError as e:  # what the engine refuses (a model path, a config, a length): one line

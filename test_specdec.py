@@ -9649,3 +9649,215 @@ def test_kernel_ngram_lookup(k, lo, hi):
         n = int(last[b]) + 1
         want = sd.ngram_lookup(hist[s, :n].tolist(), min(k, int(room[b])), lo, hi) if n > 1 else []
         assert ref[b].tolist() == want + [-1] * (k - len(want)), (b, s)
+
+
+
+# ==============================================================================================
+# bench.py against careless input, session 49
+# ==============================================================================================
+# A vLLM user's bad flags, files and servers: one `error:` line naming the problem (argparse's, or serve's before the
+# server is asked), a failed request for a bad reply, never a traceback, and never a value read as another.
+
+def serve_fails_at_once(argv, capsys):
+    """bench.py serve's exit status and its one stderr line, against no server (port 1: nothing listens)."""
+    code = bench.serve_benchmark(["--url", "http://127.0.0.1:1", "--num-prompts", "2"] + argv)
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    return code, err.rstrip("\n")
+
+
+def test_s49_bench_serve_counts_refused_not_replaced(tmp_path, capsys):
+    """A zero or negative output length, prefix, timeout or SLO is refused before the server is asked; before, a 0
+    of --random-output-len (and --custom- / --spec-bench-output-len) was read as "not given" and the default 128
+    (256) sent, a negative one sent as max_tokens, a negative prefix dropped, --timeout 0 failed every request with
+    an OS error, and --goodput ttft:nan counted no request good. vLLM's --custom-output-len -1 (each line's own
+    output_tokens) is accepted."""
+    c = write_lines(tmp_path / "c.jsonl", '{"prompt": "x"}')
+    s = write_lines(tmp_path / "s.json", "[]")
+    for argv, want in ((["--random-output-len", "0"], "--random-output-len must be at least 1, not 0"),
+                       (["--output-len", "-3"], "--random-output-len must be at least 1, not -3"),
+                       (["--dataset-name", "custom", "--dataset-path", c, "--custom-output-len", "0"],
+                        "--custom-output-len must be at least 1, not 0"),
+                       (["--dataset-name", "sharegpt", "--dataset-path", s, "--sharegpt-output-len", "-2"],
+                        "--sharegpt-output-len must be at least 1, not -2"),
+                       (["--dataset-name", "spec_bench", "--dataset-path", c, "--spec-bench-output-len", "0"],
+                        "--spec-bench-output-len must be at least 1, not 0"),
+                       (["--random-prefix-len", "-3"], "the random dataset needs prompts of at least one token "
+                                                       "(--random-input-len 1024 + --random-prefix-len -3, neither "
+                                                       "negative)"),
+                       (["--timeout", "0"], "--timeout must be > 0 seconds, not 0.0"),
+                       (["--timeout", "nan"], "--timeout must be > 0 seconds, not nan"),
+                       (["--goodput", "ttft:nan"], "--goodput 'ttft:nan': use KEY:MS with KEY ttft, tpot or e2el and "
+                                                   "MS >= 0")):
+        assert serve_fails_at_once(argv, capsys) == (1, "error: " + want), argv
+    code, err = serve_fails_at_once(["--dataset-name", "custom", "--dataset-path", c, "--custom-output-len", "-1",
+                                     "--skip-chat-template"], capsys)
+    assert code == 1 and err.startswith("error: cannot reach http://127.0.0.1:1/v1/models")  # (accepted: asked)
+
+
+def test_s49_bench_serve_flags_named_before_the_run(tmp_path, capsys):
+    """A port out of range names the URL it makes (before: "--base-url None"); a result file in a directory that is
+    not there, and an HTTP header without a name, are refused before the run (before: found after it, or a
+    traceback from http.client with --model given); latency's --output-json likewise (before: after the run)."""
+    for argv, want in (
+            (["--port", "99999"], "--base-url 'http://127.0.0.1:99999' (or --host / --port): use "
+                                  "http://HOST[:PORT][/PATH]"),
+            (["--save-result", "--result-filename", str(tmp_path / "gone" / "r.json")],
+             f"--result-filename '{tmp_path}/gone/r.json': no directory {tmp_path}/gone"),
+            (["--append-result", "--result-dir", str(tmp_path / "d"), "--result-filename", "sub/r.json"],
+             f"--result-filename 'sub/r.json': no directory {tmp_path}/d/sub"),
+            (["--model", "m", "--header", "=x"], "--header '=x': use KEY=VALUE, KEY not empty")):
+        argv = argv if "--port" not in argv else ["--port", "99999", "--num-prompts", "2"]
+        code = bench.serve_benchmark((["--url", "http://127.0.0.1:1", "--num-prompts", "2"] if "--port" not in argv
+                                      else []) + argv)
+        out, err = capsys.readouterr()
+        assert (code, out, err) == (1, "", f"error: {want}\n"), argv
+    t0 = time.perf_counter()
+    code = exit_code(bench.main, ["latency", "--device", "cpu", "--input-len", "4", "--output-len", "2", "--batch-size",
+                                  "1", "--num-iters-warmup", "0", "--num-iters", "1", "--output-json",
+                                  str(tmp_path / "gone" / "lat.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and time.perf_counter() - t0 < 5  # (no engine built: before the run)
+    assert err.splitlines()[-1] == (f"bench.py latency: error: --output-json '{tmp_path}/gone/lat.json': no "
+                                    f"directory {tmp_path}/gone")  # (its prog is named: the subcommand's parser)
+
+
+def test_s49_bench_offline_counts_refused(capsys):
+    """The offline benchmark's --max-model-len, --stall, --verify-cost and --ngram-cost below 1 are argparse's error
+    (before: 0 was read as "not given" and a negative one failed inside the engine, or, on CUDA, in a step of -1
+    tokens), and --random-drafter / --random-draft-lm need the --random-weights preset they are shaped for (before: a
+    KeyError traceback)."""
+    small = ["--device", "cpu", "--batch", "1", "--prompt-len", "8", "--gen-len", "4", "--no-draft-time"]
+    spec = lambda m: ["--speculative-config", json.dumps({"method": m, "num_speculative_tokens": 2})]  # noqa: E731
+    for flags, want in ((["--max-model-len", "0"], "--max-model-len must be at least 1, not 0"),
+                        (["--max-model-len", "-5"], "--max-model-len must be at least 1, not -5"),
+                        (["--stall", "0"], "--stall must be at least 1, not 0"),
+                        (["--verify-cost", "4", "-1"], "--verify-cost must be at least 1, not -1"),
+                        (["--ngram-cost", "0"], "--ngram-cost must be at least 1, not 0"),
+                        (["--random-drafter", "/nonexistent/d"] + spec("dflash"),
+                         "--random-drafter needs --random-weights (the preset the drafter is shaped for)"),
+                        (["--random-draft-lm", "/nonexistent/d"] + spec("draft_model"),
+                         "--random-draft-lm needs --random-weights (the preset the drafter is shaped for)")):
+        code = exit_code(bench.main, small + flags)
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and err.splitlines()[-1].endswith(": error: " + want), err
+
+
+def test_s49_bench_sharegpt_reply_of_another_shape(tmp_path):
+    """A ShareGPT reply turn that is not an object, read with a local tokenizer, is a reply without text (vLLM's
+    length filter then drops the pair, unless --sharegpt-output-len fixes the length); before: AttributeError."""
+    tok = sd.Tokenizer.from_dir(TOY)
+    path = tmp_path / "s.json"
+    human = {"from": "human", "value": "What does this function return when it is called?"}
+    path.write_text(json.dumps([{"conversations": [human, "a reply as a bare string"]},
+                                {"conversations": [human, {"from": "gpt", "value": "It returns the sum of both."}]}]))
+    got = bench.load_dataset("sharegpt", str(path), 2, shuffle=False, oversample=False, tok=tok)
+    assert got == [(human["value"], len(tok.encode("It returns the sum of both.")))]
+    got = bench.load_dataset("sharegpt", str(path), 2, shuffle=False, oversample=False, tok=tok, output_len=7)
+    assert got == [(human["value"], 7)] * 2
+
+
+def serve_stub_http(replies):
+    """A server on a free port: GET /v1/models answers replies["models"] (bytes), POST the SSE lines of
+    replies["chunks"] (strings, each sent as `data: ...`, then [DONE]). -> (url, shutdown)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Stub(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def do_GET(self):
+            body = replies["models"]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write("".join(f"data: {c}\n\n" for c in replies["chunks"] + ["[DONE]"]).encode())
+
+        def log_message(self, *a):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}", httpd.shutdown
+
+
+def test_s49_bench_malformed_stream_chunks_fail_the_request(capsys):
+    """A stream chunk not of the OpenAI shape (not an object, choices or delta of another type, a usage count that is
+    not a whole number) fails that request with an error naming the chunk; before, it raised in the request's
+    thread and the run ended in a traceback (TypeError on its missing record, or on summing a string count)."""
+    replies = {"models": b'{"data": [{"id": "m"}]}', "chunks": []}
+    url, shutdown = serve_stub_http(replies)
+    text = '{"choices": [{"text": "a"}]}'
+    try:
+        for chunks in (["[1]"], ["null"], ['{"choices": {"a": 1}}'], ['{"choices": ["x"]}'],
+                       ['{"choices": [{"text": 5}]}'], ['{"choices": [{"delta": "x"}]}'], [text, '{"usage": [1]}'],
+                       [text, '{"usage": {"completion_tokens": "5", "prompt_tokens": 3}}'],
+                       [text, '{"usage": {"completion_tokens": 2, "prompt_tokens": -3}}']):
+            replies["chunks"] = chunks
+            rec = bench.send(url, "/v1/completions", {"prompt": [1]}, {}, 10)
+            assert not rec["ok"] and rec["error"] == f"malformed stream chunk: {chunks[-1].encode()!r}", rec
+            code = bench.serve_benchmark(["--url", url, "--num-prompts", "2", "--random-input-len", "3"])
+            out, err = capsys.readouterr()
+            res = json.loads(out.strip().splitlines()[-1])
+            assert code == 1 and (res["completed"], res["failed"]) == (0, 2) and "Traceback" not in err
+            assert err.splitlines()[-1] == "error: " + rec["error"]
+        replies["chunks"] = [text, '{"usage": {"completion_tokens": 1, "prompt_tokens": 3}}']
+        assert bench.send(url, "/v1/completions", {"prompt": [1]}, {}, 10)["ok"]
+    finally:
+        shutdown()
+
+
+def test_s49_bench_models_list_and_non_http_server(capsys):
+    """/v1/models answered without a model (an empty list, another shape, not JSON) is one line saying so (before: a
+    TypeError traceback, or "cannot reach ...: list index out of range"), and a server that does not speak HTTP at
+    that port is one line too (before: http.client's BadStatusLine traceback)."""
+    replies = {"models": b"", "chunks": []}
+    url, shutdown = serve_stub_http(replies)
+    try:
+        for body in (b'{"data": []}', b"[1]", b"<html>"):
+            replies["models"] = body
+            assert bench.serve_benchmark(["--url", url, "--num-prompts", "1"]) == 1
+            assert capsys.readouterr() == ("", f"error: {url}/v1/models: no model listed in its answer {body!r}\n")
+    finally:
+        shutdown()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+
+    def not_http():  # answers each connection with an SSH banner, as an SSH server at a mistyped port
+        while True:
+            try:
+                c, _ = sock.accept()
+            except OSError:
+                return
+            c.recv(65536)
+            c.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            c.close()
+    threading.Thread(target=not_http, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        assert bench.serve_benchmark(["--url", url, "--num-prompts", "1"]) == 1
+        assert capsys.readouterr() == ("", f"error: cannot reach {url}/v1/models: BadStatusLine: SSH-2.0-OpenSSH_9.6\n")
+    finally:
+        sock.close()
+
+
+def test_s49_bench_unreadable_metrics_are_none(monkeypatch):
+    """/metrics that cannot be read is None (no spec-decode keys), whatever the reason: a header http.client refuses
+    (it raised ValueError with --model given, a traceback) or lines not in Prometheus' text format."""
+    def refuse(url, path, headers, timeout=30):
+        raise ValueError("Invalid header value b'a\\nb'")
+    monkeypatch.setattr(bench, "http_get", refuse)
+    assert bench.scrape_spec("http://h", {}) is None
+    for text in (b"vllm:spec_decode_num_drafts_total abc", b"vllm:num_requests_running", b"vllm:num_requests_waiting x",
+                 b'vllm:spec_decode_num_accepted_tokens_per_pos_total{pos="0"} 1'):
+        monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: text)
+        assert bench.scrape_spec("http://h", {}) is None, text
+    text = b"vllm:spec_decode_num_drafts_total 3"
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: text)
+    assert bench.scrape_spec("http://h", {})["drafts"] == 3.0

@@ -53,10 +53,9 @@ import torch
 
 from specdec import (BYTE_OF_CHAR, REQUEST_BUCKETS, TTFT_BUCKETS, ChatTemplate, ConfigError, SamplingParams,
                      SpecStats, StructuredOutputsParams, add_engine_args, llm_from_args, truncate_prompt,
-                     vllm_argv)
+                     vllm_argv, xgrammar_reason)
 
 VERSION = "0.1.0"  # GET /version
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 16384      # vLLM's VLLM_MAX_N_SEQUENCES: the most samples a request may ask for (n, best_of)
 MAX_BODY = 1 << 26  # bytes of one request body
 INT64 = 1 << 63  # seeds are signed 64-bit, as in vLLM's protocol
@@ -124,15 +123,17 @@ def lax(v, kind):
     return v
 
 
-def get(body, name, kind, default=None):
+def get(body, name, kind, default=None, within=None):
     """body[name] checked against a JSON type (after pydantic's lax conversions, as vLLM reads it); absent or
-    null gives `default`."""
+    null gives `default`. within: the field whose value body is; an error names a nested field by its path, as
+    OpenAI's errors do ("stream_options.include_usage"), not by its own name alone, which no request field has."""
     v = body.get(name)
     if v is None:
         return default
     v = v if JSON_TYPES[kind](v) else lax(v, kind)
+    field = name if within is None else f"{within}.{name}"
     if not JSON_TYPES[kind](v):
-        raise bad(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {short(body[name])}", name)
+        raise bad(f"'{field}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {short(body[name])}", field)
     return v
 
 
@@ -254,16 +255,18 @@ def max_tokens_field(body, name, default):
     return checked(body, name, "integer", default, (lambda v: v >= 1, "must be at least 1"))
 
 
-def logprobs_count(body, name, vocab, kind="sample"):
+def logprobs_count(body, name, app, kind="sample"):
     """`logprobs` (completions), `top_logprobs` (chat) or `prompt_logprobs` (kind "prompt") as vLLM reads
     it: -1 asks for the whole vocabulary, and no more than --max-logprobs (and the vocabulary) may be asked
     for."""
+    vocab = app.vocab
+    cap = vocab if app.llm.max_logprobs == -1 else app.llm.max_logprobs  # (-1: the whole vocabulary)
     v = get(body, name, "integer")
     if v is None:
         return None
     if v < -1:
         raise bad(f"`{name}` must be a positive value or -1.", name)
-    n, most = vocab if v == -1 else v, min(MAX_LOGPROBS, vocab)
+    n, most = vocab if v == -1 else v, min(cap, vocab)
     if n > most:
         raise bad(f"Requested {kind} logprobs of {short(n)}, which is greater than max allowed: {most}", name)
     return n
@@ -278,8 +281,9 @@ def id_list(body, name, kind="integer"):
     return v
 
 
-# At most this many bad_words a request: the engine tokenizes them as it admits the request, in the loop that
-# runs every request's steps (~9 us a word on the toy: 4096 words 36 ms; 2.5 million stalled the others 45 s)
+# At most this many bad_words a request: each step checks each of them. (The handler thread tokenizes them: once the
+# engine did, as it admitted the request, in the loop that runs every request's steps: 2.5 million stalled the others
+# 45 s, and 100 words of 100 KB 1.8 s)
 MAX_BAD_WORDS = 4096
 # At most this many stop strings a request (OpenAI takes 4; vLLM sets no bound): the engine looks for each in the
 # new text of every step, in that same loop (500,000 made the others' small requests 0.03 -> 0.4-0.8 s)
@@ -344,14 +348,19 @@ def sampling_params(body, max_tokens, logprobs, vocab, defaults):
         if body.get(name) is not None:
             fields[name] = get(body, name, "boolean")
     try:
-        return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
-                              stop=stop or [], stop_token_ids=ids, logprobs=logprobs,
-                              seed=None if seed == -1 else seed,  # vLLM: seed -1 means none
-                              logit_bias=bias, allowed_token_ids=allowed,
-                              bad_words=bad_words(body),
-                              structured_outputs=structured_outputs(body), **fields)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k,
+                                stop=stop or [], stop_token_ids=ids, logprobs=logprobs,
+                                seed=None if seed == -1 else seed,  # vLLM: seed -1 means none
+                                logit_bias=bias, allowed_token_ids=allowed,
+                                bad_words=bad_words(body),
+                                structured_outputs=structured_outputs(body), **fields)
     except ConfigError as e:  # "temperature must be ...": the first word names the field
         raise bad(str(e), str(e).split()[0]) from None
+    wrong = [t for t in params.logit_bias or {} if not 0 <= t < vocab]  # (its keys are ints now)
+    if wrong:  # vLLM's message, naming the field (its VLLMValidationError's parameter), as stop_token_ids' above
+        raise bad(f"token_id(s) {short(wrong)} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                  f"{vocab}", "logit_bias")
+    return params
 
 
 def parse_completion(app, body):
@@ -363,7 +372,7 @@ def parse_completion(app, body):
     batch = [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         batch = prompt
-    logprobs, echo = logprobs_count(body, "logprobs", vocab), get(body, "echo", "boolean", False)
+    logprobs, echo = logprobs_count(body, "logprobs", app), get(body, "echo", "boolean", False)
     max_tokens = 1 if echo_only(body) else max_tokens_field(body, "max_tokens", 16)  # vLLM: null is the default too
     # vLLM: with return_token_ids the ids stand for the echoed prompt (prompt_token_ids), its text is left out
     echo_text = echo and not get(body, "return_token_ids", "boolean", False)
@@ -406,13 +415,17 @@ def prompt_fields(app, body, ids, params, implied=None):
     want = get(body, "prompt_logprobs", "integer")
     if want is not None and (want > 0 or want == -1) and get(body, "stream", "boolean", False):
         raise bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    want = logprobs_count(body, "prompt_logprobs", app.vocab, "prompt")
+    want = logprobs_count(body, "prompt_logprobs", app, "prompt")
     return ids, dataclasses.replace(params, prompt_logprobs=implied if want is None else want,
                                     truncate_prompt_tokens=n)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FUNCTION_SHAPE = '{"type": "function", "function": {"name": ...}}'
+# The content parts vLLM reads as text (its TEXT_PART_TYPES): most hold it as "text"; a refusal (an assistant turn's,
+# as OpenAI sends it back) under "refusal", a thinking part under "thinking" (TEXT_KEYS)
+TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal", "thinking")
+TEXT_KEYS = {"refusal": "refusal", "thinking": "thinking"}
 
 
 def parse_messages(msgs):
@@ -426,6 +439,15 @@ def parse_messages(msgs):
             raise bad(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {short(m.get('role'))}",
                       "messages")
         content = m.get("content")
+        wrong = [p.get("type") for p in content if isinstance(p, dict) and p.get("type") not in TEXT_PART_TYPES] \
+            if isinstance(content, list) else []
+        if wrong:  # an image, a typo: refused by its type, as vLLM does (not read as text for a "text" it may hold)
+            what = "a content part has no 'type'" if wrong[0] is None else \
+                f"content part type {short(wrong[0])} is not supported"
+            raise bad(f"{where}: {what} (this server takes text parts: {', '.join(TEXT_PART_TYPES)})", "messages")
+        if isinstance(content, list):  # a refusal or a thinking part: a text part of its text (vLLM's reading)
+            content = m["content"] = [{"type": "text", "text": p.get(TEXT_KEYS[p["type"]])}
+                                      if isinstance(p, dict) and p.get("type") in TEXT_KEYS else p for p in content]
         parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                   for p in content)
         if not (content is None or isinstance(content, str) or parts):
@@ -535,7 +557,7 @@ def parse_chat(app, body):
     want, top = get(body, "logprobs", "boolean", False), get(body, "top_logprobs", "integer")
     if top is not None and (top == -1 or top > 0) and not want:
         raise bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    top = logprobs_count(body, "top_logprobs", app.vocab)
+    top = logprobs_count(body, "top_logprobs", app)
     logprobs = (top or 0) if want else None
     params = sampling_params(body, max_tokens, logprobs, app.vocab, app.llm.default_sampling)
     if (forced or params.structured_outputs is not None) and prompt_reasoning(prompt) == "thinking":
@@ -599,9 +621,8 @@ def forced_calls(app, tools, tool_choice, parallel):
                                              reasoning="disabled", max_whitespace_cnt=16,
                                              parallel_tool_calls=parallel)
         return StructuredOutputsParams(grammar=str(xgr.Grammar.from_structural_tag(tag)))
-    except (ValueError, RuntimeError, TypeError) as e:  # xgrammar's message less its "[time] file:line: "
-        why = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(\S+\) is false: )?", "", str(e).strip())
-        raise bad(f"the tools' parameters cannot be held to by a grammar: {why}", "tools") from None
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise bad(f"the tools' parameters cannot be held to by a grammar: {xgrammar_reason(e)}", "tools") from None
 
 
 def json_calls(tools, tool_choice):
@@ -964,7 +985,7 @@ PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "include_stop_str_in_output")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # A chat field an error names -> the Responses field it came from (response_to_chat)
-CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
 def open_turn(msgs):
@@ -1038,8 +1059,11 @@ def response_to_chat(body):
     if truncation == "auto":  # vLLM: the input's last max_model_len tokens
         chat["truncate_prompt_tokens"] = -1
     chat["messages"] = response_messages(body)
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    # read here, by its own name: a value of another type is named as vLLM's pydantic names it (max_output_tokens);
+    # one below 1 gets the chat path's "max_tokens must be at least 1", vLLM's too (its SamplingParams' check)
+    max_output_tokens = get(body, "max_output_tokens", "integer")
+    if max_output_tokens is not None:
+        chat["max_tokens"] = max_output_tokens
     tools = body.get("tools")
     if tools is not None:
         if not (isinstance(tools, list) and all(isinstance(t, dict) and t.get("type") == "function"
@@ -1056,7 +1080,7 @@ def response_to_chat(body):
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
-    fmt = get(get(body, "text", "object", {}), "format", "object")
+    fmt = get(get(body, "text", "object", {}), "format", "object", within="text")
     if fmt is not None and fmt.get("type") == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
@@ -1372,6 +1396,8 @@ class Job:
         self.n_samples = 1  # the request's n (the first sample's job counts it in /metrics)
         self.return_ids = False  # vLLM's return_token_ids: the answer's token ids (and the prompt's) in its choices
         self.as_ids = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+        self.bad_words_ids = None  # the bad words' token sequences, tokenized by the handler (EngineLoop.check)
+        self.checked = False  # checked by its handler as the engine will check it (EngineLoop.check)
 
 
 def device_fault(e):
@@ -1393,10 +1419,30 @@ class EngineLoop:
         self.live = set()               # jobs inside the engine (engine thread only)
         threading.Thread(target=self.run, name="engine", daemon=True).start()
 
-    def submit(self, job):
-        """(Handler thread) Queue a job in the engine; raises ApiError 400 (e.g. too long) or 503 (full)."""
+    def check(self, job):
+        """(Handler thread) Refuse, with a 400, a job the engine would refuse as it adds it: a grammar that cannot be
+        compiled, a bad word of no tokens, a prompt empty, out of the vocabulary or too long for the context. A
+        request's handler checks every job of it this way before it submits any (a batch's later prompt bad: nothing
+        of it runs, or is counted in /metrics, as in vLLM, which validates every prompt first); submit checks the
+        job too, if its handler did not."""
         if job.params.structured_outputs is not None:
             self._compile(job.params.structured_outputs)
+        if job.params.bad_words and job.bad_words_ids is None:  # tokenized here, not in the loop stepping every request
+            try:  # (a sample of n > 1: its first sample's, submitted before it)
+                job.bad_words_ids = job.fork_of.bad_words_ids if job.fork_of is not None else \
+                    self.engine.bad_words_token_ids(job.params.bad_words)
+            except ConfigError as e:
+                raise bad(str(e), "bad_words") from None
+        try:  # (the engine's own checks, as add_request makes them on the engine thread)
+            self.engine.check_request(job.prompt_ids, job.params)
+        except ConfigError as e:
+            raise bad(str(e)) from None
+        job.checked = True
+
+    def submit(self, job):
+        """(Handler thread) Queue a job in the engine; raises ApiError 400 (e.g. too long) or 503 (full)."""
+        if not job.checked:
+            self.check(job)
         with self.lock:
             if self.dead:
                 raise ApiError(503, f"the engine has stopped ({self.dead})")
@@ -1504,7 +1550,8 @@ class EngineLoop:
     def _add(self, job):
         try:
             parent = job.fork_of.req if job.fork_of is not None else None
-            job.req = self.engine.add_request(job.prompt_ids, job.params, fork_of=parent)
+            job.req = self.engine.add_request(job.prompt_ids, job.params, fork_of=parent,
+                                              bad_words_ids=job.bad_words_ids)
         except Exception as e:  # ConfigError: too long for the context, a token id out of range, no prompt
             if device_fault(e):
                 raise
@@ -1896,7 +1943,7 @@ class Handler(BaseHTTPRequestHandler):
         job.ranked, job.fork_of = False, None
         head = {"id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
                 "model": app.name}
-        fmt = get(get(body, "text", "object", {}), "format", "object")
+        fmt = get(get(body, "text", "object", {}), "format", "object", within="text")
 
         def response(status, items, n_out=0, finish=None):
             return dict(head, status="incomplete" if finish == "length" else status, background=False, error=None,
@@ -1961,6 +2008,13 @@ class Handler(BaseHTTPRequestHandler):
         stream, opts = get(body, "stream", "boolean", False), get(body, "stream_options", "object")
         if opts is not None and not stream:
             raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
+        # vLLM's StreamOptions, two booleans read before anything runs (a string "false" is false): include_usage
+        # defaults to true once stream_options is given (null: false); continuous_usage_stats puts each choice's own
+        # usage so far on its chunks
+        with_usage = opts is not None and ("include_usage" not in opts or
+                                           get(opts, "include_usage", "boolean", False, within="stream_options"))
+        continuous = opts is not None and get(opts, "continuous_usage_stats", "boolean", False, within="stream_options")
+        usage_opts = (with_usage, with_usage and continuous)
         if stream and params.ranked:
             raise bad("best_of > n is not supported with stream=true (the best are known only at the end)",
                       "best_of")
@@ -1989,6 +2043,8 @@ class Handler(BaseHTTPRequestHandler):
             raise bad(f"this request needs {len(jobs)} sequences ({len(groups)} prompt(s) x "
                       f"{len(jobs) // len(groups)} samples), more than the server takes at once: {most} "
                       f"(--max-num-seqs + --max-queue)", "prompt" if len(groups) > 1 else "n")
+        for job in jobs:  # every prompt checked before any is submitted: a bad one refuses the request, none runs
+            app.loop.check(job)
         submitted = []
         # completions' echo with logprobs: the prompt's tokens lead the logprobs (vLLM)
         with_prompt = not chat and get(body, "echo", "boolean", False) and params.logprobs is not None
@@ -2004,7 +2060,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise
             n_prompt = sum(len(group[0].prompt_ids) for group, _ in groups)  # (once per prompt, whatever n)
             if stream:
-                self.stream(groups, n_prompt, head, spec, opts, app.tokenizer, with_prompt)
+                self.stream(groups, n_prompt, head, spec, usage_opts, app.tokenizer, with_prompt)
                 return
             choices, n_out = [], 0
             for group, echo in groups:
@@ -2088,20 +2144,16 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def stream(self, groups, n_prompt, head, spec, opts, tok, with_prompt=False):
+    def stream(self, groups, n_prompt, head, spec, usage_opts, tok, with_prompt=False):
         """The answer as server-sent events: groups [(one prompt's jobs, its echo text)], n_prompt their prompt
-        tokens in all. With n > 1 or several prompts the choices go one after the other (each chunk names its
-        index), while the engine runs them all."""
+        tokens in all; usage_opts (with_usage, continuous) from stream_options. With n > 1 or several prompts the
+        choices go one after the other (each chunk names its index), while the engine runs them all."""
         self.start_sse()
-        # vLLM's StreamOptions: include_usage defaults to true once stream_options is given; continuous_usage_stats
-        # puts each choice's own usage so far on its chunks
-        with_usage = opts is not None and bool(opts.get("include_usage", True))
-        continuous = with_usage and bool(opts.get("continuous_usage_stats"))
         jobs = [(job, echo) for group, echo in groups for job in group]
         n_done = 0
         for index, (job, echo) in enumerate(jobs):
-            n_done += self.stream_choice(job, index, head, spec, echo, tok, (with_usage, continuous), with_prompt)
-        self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n_done)) if with_usage else None)
+            n_done += self.stream_choice(job, index, head, spec, echo, tok, usage_opts, with_prompt)
+        self.end_stream(dict(head, choices=[], usage=usage(n_prompt, n_done)) if usage_opts[0] else None)
 
     def stream_choice(self, job, index, head, spec, echo, tok, usage_opts, with_prompt=False):
         """One choice's chunks; returns its number of tokens."""
@@ -2238,8 +2290,9 @@ class App:
         return not self.api_key or hmac.compare_digest((header or "").encode(), want)
 
     def check_model(self, body):
-        if body.get("model") is not None and body["model"] not in self.names:
-            raise ApiError(404, f"The model `{body['model']}` does not exist.", "model")
+        model = get(body, "model", "string")  # (a list or an object is a 400, as vLLM's: not a model not found)
+        if model is not None and model not in self.names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
         return body
 
 
@@ -2335,7 +2388,6 @@ def build_parser():
                     help='JSON object of chat template kwargs for every request, e.g. '
                     '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it)')
     ap.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
-    ap.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / spec-decode lines")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                               "more get 503")
     ap.add_argument("--max-connections", type=int, default=256, help="open connections served at once; one "

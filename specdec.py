@@ -40,7 +40,7 @@ requests, launches a step and reads the step before back (asynchronous steps), e
 applying the stops.
 """
 import argparse
-import codecs
+import copy
 import dataclasses
 import datetime
 import functools
@@ -90,6 +90,37 @@ MODEL_CHECKS = [
     ("hidden_act", "silu", ("silu",), "unsupported hidden_act {v!r}; only silu is implemented"),
 ]
 
+# The text_config's numbers: (key, required, kind); kind "int" a positive integer, "int0" a non-negative one,
+# "float" a positive number. A missing required key or another type is refused naming the key (it was a KeyError,
+# a TypeError deep in torch, or a division by zero).
+_POS_INT, _INT0, _POS_FLOAT = "a positive integer", "a non-negative integer", "a positive number"
+CONFIG_NUMBERS = [*[(k, True, _POS_INT) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                   "num_attention_heads", "num_key_value_heads",
+                                                   "linear_num_key_heads", "linear_num_value_heads",
+                                                   "linear_key_head_dim", "linear_value_head_dim")],
+                  *[(k, False, _POS_INT) for k in ("head_dim", "linear_conv_kernel_dim", "intermediate_size",
+                                                    "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                    "shared_expert_intermediate_size", "max_position_embeddings",
+                                                    "full_attention_interval")],
+                  ("mtp_num_hidden_layers", False, _INT0),
+                  *[(k, False, _POS_FLOAT) for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")]]
+
+
+def _config_number(v, kind):
+    if kind == _POS_FLOAT:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if kind == _INT0 else v > 0)
+
+
+def read_json(path, what="file"):
+    """A JSON file's value; a file that is not JSON is a ConfigError naming it (json's message alone named none)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: this {what} is not valid JSON ({e})") from None
+
+
 # What ModelConfig.from_hf accepts of a checkpoint's `quantization_config` (Qwen's block-FP8): as MODEL_CHECKS
 QUANT_CHECKS = [
     ("quant_method", None, ("fp8",),
@@ -101,6 +132,12 @@ QUANT_CHECKS = [
     ("activation_scheme", "dynamic", ("dynamic",),
      "unsupported FP8 activation_scheme {v!r}; only dynamic is implemented (weight-only scales)"),
 ]
+
+
+def _eos_ids(v):
+    """Whether v is what a config may give as eos_token_id: None, a token id, or a list of them."""
+    is_id = lambda t: isinstance(t, int) and not isinstance(t, bool) and t >= 0  # noqa: E731
+    return v is None or is_id(v) or (isinstance(v, list) and all(is_id(t) for t in v))
 
 
 def _layer_types(cfg):
@@ -173,7 +210,23 @@ class ModelConfig:
 
     @staticmethod
     def check(cfg):
-        """Refuse a text_config specdec does not implement: MODEL_CHECKS, layer types, RoPE, MoE layers."""
+        """Refuse a text_config specdec does not implement or cannot read: its numbers (CONFIG_NUMBERS),
+        MODEL_CHECKS, layer types, RoPE, MoE layers."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"the text config must be a JSON object, got {str(cfg)[:80]!r}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters must be a JSON object, got {str(rope)[:80]!r}")
+        dense = cfg.get("model_type", "qwen3_5_text") == "qwen3_5_text"
+        for key, required, kind in CONFIG_NUMBERS:
+            v = rope.get(key, cfg.get(key)) if key in ("rope_theta", "partial_rotary_factor") else cfg.get(key)
+            if v is None and (required or (key == "intermediate_size" and dense)):
+                raise ConfigError(f"the text config has no {key!r}")
+            if v is not None and not _config_number(v, kind):
+                raise ConfigError(f"the text config's {key} must be {kind}, got {v!r}")
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) > 1:
+            raise ConfigError(f"partial_rotary_factor must be at most 1, got "
+                              f"{rope.get('partial_rotary_factor', cfg.get('partial_rotary_factor'))!r}")
         for key, default, accepted, message in MODEL_CHECKS:
             if cfg.get(key, default) not in accepted:
                 raise ConfigError(message.format(v=cfg[key]))
@@ -199,6 +252,8 @@ class ModelConfig:
         moe_key = lambda key: cfg.get(key, 0) if moe else 0                            # MoE fields only
         rope = _rope(cfg)
         eos = cfg.get("eos_token_id", top.get("eos_token_id"))
+        if not _eos_ids(eos):
+            raise ConfigError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
         tie = cfg.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
         return cls(
             moe=moe,
@@ -236,25 +291,36 @@ class ModelConfig:
         if not os.path.isfile(f):
             raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a "
                               ".gguf file)")
-        with open(f) as fh:
-            top = json.load(fh)
+        top = read_json(f, "config")
+        if not isinstance(top, dict):
+            raise ConfigError(f"{f}: a config is a JSON object, got {str(top)[:80]!r}")
         mt = top.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        text = top["text_config"] if mt in ("qwen3_5", "qwen3_5_moe") else top
+        text = top.get("text_config") if mt in ("qwen3_5", "qwen3_5_moe") else top
+        if not isinstance(text, dict):
+            raise ConfigError(f"{f}: model_type {mt!r} needs a text_config object, got {str(text)[:80]!r}")
         if mt in ("qwen3_5", "qwen3_5_moe") and "model_type" not in text:
             text = dict(text, model_type=mt + "_text")
-        cfg = cls.from_dict(text, top)
+        try:
+            cfg = cls.from_dict(text, top)
+        except ConfigError as e:
+            raise ConfigError(f"{f}: {e}") from None
         quant = top.get("quantization_config", text.get("quantization_config"))
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigError(f"{f}: quantization_config must be a JSON object, got {str(quant)[:80]!r}")
         if quant is not None:
             cfg.quantization = check_quantization(quant, f)
             cfg.modules_to_not_convert = [e.removeprefix("model.language_model.").removeprefix("model.")
                                           for e in quant.get("modules_to_not_convert") or []]
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
-            with open(gen) as fh:
-                eos = json.load(fh).get("eos_token_id")
+            g = read_json(gen, "generation config")
+            eos = g.get("eos_token_id") if isinstance(g, dict) else None
+            if not isinstance(g, dict) or not _eos_ids(eos):
+                raise ConfigError(f"{gen}: a JSON object whose eos_token_id is a token id or a list of them, got "
+                                  f"{str(g)[:80]!r}")
             for e in [eos] if isinstance(eos, int) else (eos or []):
                 if e not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(e)
@@ -821,8 +887,12 @@ class SpeculativeConfig:
             raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
         if self.method == "ngram":
             self._lookup_window()
-        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise ConfigError("prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'")
+        else:  # vLLM: the lookup window is ngram's; another method sets it to 0 (a value given is still checked)
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                v = getattr(self, name)
+                if v is not None and not _positive_int(v):
+                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+                setattr(self, name, 0)
         for name, accepted, message in SPEC_CHECKS:
             v = getattr(self, name)
             if not accepted(v, self):
@@ -887,9 +957,18 @@ def infer_from_draft(obj, target=None):
     path = model if os.path.exists(model) else find_in_hf_cache(model)
     cfg = {}
     if path is not None and os.path.isfile(os.path.join(path, "config.json")):
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = read_json(os.path.join(path, "config.json"), "config")
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path}/config.json: a config is a JSON object, got {str(cfg)[:80]!r}")
     obj = dict(obj, model=path or model)
+    method = obj.get("method")
+    if isinstance(method, str) and (method == "mtp" or method.endswith("_mtp")):  # vLLM would load the MTP
+        # layer from `model`; specdec's is the target's own
+        if target is None or path is None or not os.path.samefile(path, target):
+            raise ConfigError(f"method 'mtp' with model {model!r}: specdec's mtp drafts with the target's own "
+                              "MTP head: leave 'model' out (or name the target), or pass \"method\": "
+                              "\"draft_model\" to draft with that model as a separate LM")
+        return dict(obj, model=None)
     archs, model_type, n_predict = cfg.get("architectures") or [], cfg.get("model_type"), cfg.get("n_predict")
     if obj.get("method") is None:
         method = next((m for key, m in METHOD_BY_NAME if key in model.lower()), None)
@@ -1151,11 +1230,27 @@ class DraftConfig:
     confidence_with_markov: bool = False
 
 
+# A Qwen3 drafter config's numbers (qwen3_fields), as CONFIG_NUMBERS for the target: (key, required, kind)
+QWEN3_NUMBERS = [*[(k, True, _POS_INT) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                  "intermediate_size", "vocab_size")],
+                 *[(k, False, _POS_INT) for k in ("num_key_value_heads", "head_dim")],
+                 *[(k, False, _POS_FLOAT) for k in ("rms_norm_eps", "rope_theta")]]
+
+
 def qwen3_fields(d, where):
-    """DraftConfig fields of a Qwen3 config dict, and its layer_types."""
+    """DraftConfig fields of a Qwen3 config dict, and its layer_types. A number missing or of another type is
+    refused naming the key (it was a KeyError, or a TypeError inside torch)."""
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: unsupported hidden_act {d['hidden_act']!r}; only silu is implemented")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters must be a JSON object, got {str(rope)[:80]!r}")
+    for key, required, kind in QWEN3_NUMBERS:
+        v = rope.get(key, d.get(key)) if key == "rope_theta" else d.get(key)
+        if v is None and required:
+            raise ConfigError(f"{where}: the config has no {key!r}")
+        if v is not None and not _config_number(v, kind):
+            raise ConfigError(f"{where}: {key} must be {kind}, got {v!r}")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"{where}: unsupported RoPE scaling {rope!r}; only default RoPE is implemented")
     n = d["num_hidden_layers"]
@@ -1178,18 +1273,29 @@ def qwen3_fields(d, where):
 
 
 def read_config(path, what):
-    """A drafter's config.json; a quantized drafter (FP8 or other) is refused: drafters run unquantized."""
+    """A drafter's config.json; a quantized drafter (FP8 or other) is refused: drafters run unquantized. A hub id
+    the local cache lacks gets resolve_model's line, with its `hf download` hint."""
     f = os.path.join(str(path), "config.json")
+    if not os.path.exists(path) and HUB_ID.fullmatch(str(path)):  # a hub id that infer_from_draft did not find
+        raise not_in_hf_cache(str(path), what)                    # in the cache: the target's line and hint
     if not os.path.isfile(f):
         raise ConfigError(f"{what} {path}: no config.json (expected a Hugging Face checkpoint directory)")
-    with open(f) as fh:
-        top = json.load(fh)
+    top = read_json(f, "config")
+    if not isinstance(top, dict):
+        raise ConfigError(f"{f}: a config is a JSON object, got {str(top)[:80]!r}")
     for c in (top, top.get("text_config") or {}, top.get("transformer_layer_config") or {}):
-        if c.get("quantization_config"):
+        if isinstance(c, dict) and c.get("quantization_config"):
+            if not isinstance(c["quantization_config"], dict):
+                raise ConfigError(f"{f}: quantization_config must be a JSON object")
             method = c["quantization_config"].get("quant_method")
             raise ConfigError(f"{what} {path} is quantized (quant_method {method!r}); specdec runs drafters "
                               "unquantized, in the target's dtype: use the drafter's bf16 checkpoint")
     return top
+
+
+def _layer_ids(v):
+    """Whether v is what a drafter config gives as its target layers: a non-empty list of layer numbers."""
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
 
 def block_layout(top, method, path):
@@ -1198,9 +1304,17 @@ def block_layout(top, method, path):
     arch = top.get("architectures") or []
     smt = top.get("speculators_model_type")
     if smt in ("dflash", "dspark"):  # speculators: the layer config nested, vLLM's aux ids ("entering L")
-        ids = [i - 1 for i in top["aux_hidden_state_layer_ids"]]
+        aux = top.get("aux_hidden_state_layer_ids")
+        if not _layer_ids(aux):
+            raise ConfigError(f"{method} draft {path} (speculators {smt}): aux_hidden_state_layer_ids must be a "
+                              f"list of layer numbers, got {aux!r}")
+        ids = [i - 1 for i in aux]
         from_anchor = top.get("sample_from_anchor", smt == "dspark")
-        return smt, top["transformer_layer_config"], {}, f"speculators {smt}", ids, from_anchor
+        layer = top.get("transformer_layer_config")  # the drafter's Qwen3 config: qwen3_fields reads it
+        if not isinstance(layer, dict):
+            raise ConfigError(f"{method} draft {path} (speculators {smt}): transformer_layer_config must be a JSON "
+                              f"object (the draft layers' Qwen3 config), got {str(layer)[:80]!r}")
+        return smt, layer, {}, f"speculators {smt}", ids, from_anchor
     if "DFlashDraftModel" in arch:  # z-lab
         dc = top.get("dflash_config") or {}
         ids = dc.get("target_layer_ids")
@@ -1220,7 +1334,7 @@ def read_block_config(path, method):
     where = f"{method} draft {path} ({layout})"
     if kind != method:
         raise ConfigError(f"{where} is a {kind} checkpoint: use method {kind!r}")
-    fields, types = qwen3_fields(base, where)
+    fields, types = qwen3_fields(base, where if base is top else f"{where} transformer_layer_config")
     for key, ok in (("use_aux_hidden_state", (True,)), ("attention_sink_bias", (False,)),
                     ("projector_type", (None, "linear")), ("markov_head_type", ("vanilla",))):
         v = dc.get(key, top.get(key, ok[0]))
@@ -1228,8 +1342,22 @@ def read_block_config(path, method):
             raise ConfigError(f"{where}: {key}={v!r} is not supported (only {ok[0]!r})")
     if ids is None or (mask := dc.get("mask_token_id", top.get("mask_token_id"))) is None:
         raise ConfigError(f"{where}: the config must give target_layer_ids and mask_token_id")
+    forced = top.get("is_causal", dc.get("causal"))
+    non_causal = top.get("sliding_window_non_causal", False)
+    for key, v in (("sample_from_anchor", from_anchor), ("is_causal / causal", forced),
+                   ("sliding_window_non_causal", non_causal), ("use_swa", dc.get("use_swa"))):
+        if v is not None and not isinstance(v, bool):  # JSON true / false: a string "false" is not false
+            raise ConfigError(f"{where}: {key} must be true or false, got {v!r}")
     if method == "dflash" and from_anchor:
         raise ConfigError(f"{where}: sample_from_anchor=true is not supported for dflash")
+    block = top.get("block_size", dc.get("block_size", 16))
+    rank = dc.get("markov_rank", top.get("markov_rank", 0))
+    for key, v, least in (("mask_token_id", mask, 0), ("block_size", block, 1), ("markov_rank", rank, 0)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
+            kind = "a positive" if least else "a non-negative"
+            raise ConfigError(f"{where}: {key} must be {kind} integer, got {v!r}")
+    if not _layer_ids(ids):
+        raise ConfigError(f"{where}: target_layer_ids must be a list of layer numbers, got {ids!r}")
     # attention per layer, vLLM's rule: sliding layers (or all with use_swa) get the window; is_causal, then
     # dflash_config.causal, override the default "sliding layers are causal" (speculators: unless non-causal)
     sliding = [t == "sliding_attention" for t in types]
@@ -1239,9 +1367,7 @@ def read_block_config(path, method):
     if any(sliding) and not window:
         raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or "
                           "sliding_window)")
-    forced = top.get("is_causal", dc.get("causal"))
-    causal = [bool(forced) if forced is not None else s and not top.get("sliding_window_non_causal", False)
-              for s in sliding]
+    causal = [forced if forced is not None else s and not non_causal for s in sliding]
     return DraftConfig(**fields, windows=[window if s else None for s in sliding], causal=causal,
                        block_size=int(top.get("block_size", dc.get("block_size", 16))),
                        mask_token_id=int(mask), target_layer_ids=list(ids), from_anchor=bool(from_anchor),
@@ -1487,9 +1613,7 @@ class BlockProposer:
         self.mask_vec = self.embed.weight[c.mask_token_id]                           # [H]
         override = os.path.join(path, "mask_embedding.pt")  # some checkpoints ship a trained mask embedding
         if os.path.isfile(override):
-            e = torch.load(override, weights_only=True)
-            e = e["embedding"] if isinstance(e, dict) else e
-            self.mask_vec = e.reshape(-1).to(io.device, io.dtype)
+            self.mask_vec = self._mask_embedding(override, self.mask_vec.numel()).to(io.device, io.dtype)
         self.logits = (lambda h: net.lm_head(h).float()) if net.lm_head is not None else io.model.draft_logits
         self.io = io
         self.k = K
@@ -1501,6 +1625,30 @@ class BlockProposer:
         self.order = [self.taps.index(i) for i in c.target_layer_ids]
         self.cache = KVCache(c, io.num_slots, io.max_model_len + self.extra(c, K), io.dtype, io.device)
         self.cfg = c
+
+    @staticmethod
+    def _mask_embedding(f, H):
+        """mask_embedding.pt: a tensor of H elements, or a dict holding it under "embedding" -> [H]. Anything else
+        is one line naming the file: a wrong size or type failed deep inside the first draft, or not at all."""
+        try:
+            e = torch.load(f, weights_only=True)  # weights_only: a pickle may hold only tensors and plain types
+        except Exception as err:  # an empty, cut or foreign file: UnpicklingError, EOFError, IndexError, struct.error..
+            raise ConfigError(f"{f}: not a readable torch.save file ({type(err).__name__}); expected the mask "
+                              f"embedding, a tensor of hidden_size ({H}) elements") from None
+        if isinstance(e, dict):
+            if "embedding" not in e:
+                raise ConfigError(f"{f}: a dict without an 'embedding' key (keys {sorted(map(str, e))[:8]}); "
+                                  f"expected the mask embedding, a tensor of hidden_size ({H}) elements")
+            e = e["embedding"]
+        if not isinstance(e, torch.Tensor):
+            raise ConfigError(f"{f}: holds a {type(e).__name__}, expected the mask embedding, a tensor of "
+                              f"hidden_size ({H}) elements")
+        if not e.is_floating_point():  # as load_weights: an int / bool tensor is refused, not cast
+            raise ConfigError(f"{f}: the mask embedding is {e.dtype}, expected a floating-point tensor")
+        if e.numel() != H:  # [H] or [1, H] as exported; reshape(-1) of any other size was a wrong-sized query
+            raise ConfigError(f"{f}: the mask embedding has shape {tuple(e.shape)}, expected hidden_size ({H}) "
+                              "elements")
+        return e.reshape(-1)
 
     @staticmethod
     def queries(c, K):
@@ -1843,6 +1991,7 @@ SAMPLING_CHECKS = [  # the types first: a value of another type is refused here,
                                                                    "min_p")],
     ("max_tokens", lambda v: v is None or _integer(v), "max_tokens must be an integer, got {v!r}."),
     ("logprobs", lambda v: v is None or _integer(v), "logprobs must be an integer, got {v!r}."),
+    ("prompt_logprobs", lambda v: v is None or _integer(v), "prompt_logprobs must be an integer, got {v!r}."),
     ("seed", lambda v: v is None or (_integer(v) and -2 ** 63 <= v < 2 ** 63),
      "seed must be an integer of int64's range, got {v!r}."),
     ("stop", lambda v: all(isinstance(x, str) for x in v), "stop must be a string or a list of strings, got {v!r}."),
@@ -1862,9 +2011,8 @@ SAMPLING_CHECKS = [  # the types first: a value of another type is refused here,
     ("max_tokens", lambda v: v is None or not v < 1, "max_tokens must be at least 1, got {v}."),
     ("min_tokens", lambda v: isinstance(v, int), "min_tokens must be an integer, got {v!r}"),
     ("min_tokens", lambda v: v >= 0, "min_tokens must be greater than or equal to 0, got {v}."),
-    ("logprobs", lambda v: v is None or not v < 0, "logprobs must be non-negative, got {v}."),
-    ("prompt_logprobs", lambda v: v is None or (isinstance(v, int) and v >= -1),
-     "prompt_logprobs must be non-negative or -1, got {v}."),
+    ("logprobs", lambda v: v is None or v >= -1, "logprobs must be non-negative or -1, got {v}."),
+    ("prompt_logprobs", lambda v: v is None or v >= -1, "prompt_logprobs must be non-negative or -1, got {v}."),
     ("truncate_prompt_tokens", lambda v: v is None or (isinstance(v, int) and (v >= 1 or v == -1)),
      "truncate_prompt_tokens must be an integer >= 1 or -1, got {v}"),
     ("stop", lambda v: all(v), "stop cannot contain an empty string."),
@@ -1872,6 +2020,7 @@ SAMPLING_CHECKS = [  # the types first: a value of another type is refused here,
      "stop_token_ids must contain only integers, got {v}."),
     ("bad_words", lambda v: all(v), "bad_words cannot contain an empty string. Got bad_words={v}"),
     ("allowed_token_ids", lambda v: v is None or len(v) > 0, "allowed_token_ids is not None and empty!"),
+    ("detokenize", lambda v: isinstance(v, bool), "detokenize must be True or False, got {v!r}."),
 ]
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -1888,6 +2037,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
+        if self.json_object is False:  # vLLM's check (False would still select the JSON constraint here)
+            raise ConfigError("structured_outputs.json_object must be True if set; omit structured_outputs to "
+                              "disable structured outputs")
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             what = "multiple are" if given else "none are"
@@ -1917,7 +2069,7 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int = 16
     min_tokens: int = 0                 # EOS and stop_token_ids are masked before this many output tokens
-    logprobs: int = None
+    logprobs: int = None                # per output token: its logprob and the N most likely (-1: all)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # accepted; byte-level BPE decodes without adding spaces
     logit_bias: dict = None             # {token id: bias}, added to the logits (bias clamped to [-100, 100])
@@ -1925,6 +2077,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams = None
     prompt_logprobs: int = None         # per prompt token: its logprob and the N most likely (-1: all)
     truncate_prompt_tokens: int = None  # keep only the prompt's last N tokens (-1: max_model_len)
+    detokenize: bool = True             # False: token ids only (the outputs' text stays "")
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -1937,11 +2090,17 @@ class SamplingParams:
         self.bad_words = list(dict.fromkeys(self.bad_words or []))
         if self.seed == -1:
             self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM: True means 1
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         if self.logit_bias:
             bad = [t for t in self.logit_bias if not _is_int_like(t)]
             if bad:
                 raise ConfigError(f"logit_bias contains key(s) that cannot be converted to integer token "
                                   f"IDs: {bad!r}")
+            bad = {t: b for t, b in self.logit_bias.items() if not _number(b)}
+            if bad:
+                raise ConfigError(f"logit_bias values must be numbers, got {bad!r}")
             self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -1954,6 +2113,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not accepted(v):
                 raise ConfigError(message.format(v=v))
+        if self.stop and not self.detokenize:
+            raise ConfigError("stop strings are only supported when detokenize is True. Set detokenize=True to "
+                              "use stop.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ConfigError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got "
                               f"{self.min_tokens}.")
@@ -1975,8 +2137,10 @@ class SamplingParams:
         m = self.best_of or self.n
         if m == 1:
             return [self]
-        seed = lambda i: None if self.seed is None else self.seed + i  # noqa: E731
-        return [dataclasses.replace(self, n=1, best_of=None, seed=seed(i)) for i in range(m)]
+        children = [copy.copy(self) for _ in range(m)]  # copies, not checked again (vLLM's): a child's seed
+        for i, child in enumerate(children):              # -1 stays -1, and seed + i may pass 2**63 - 1
+            child.n, child.best_of, child.seed = 1, None, None if self.seed is None else self.seed + i
+        return children
 
     @property
     def ranked(self):
@@ -2028,6 +2192,18 @@ def per_row(ids, V, device, h2d, values=None):
     return out
 
 
+def fixed_mask(row, name, ids, V, device, h2d):
+    """A [V] bool of ids that do not change while the request runs (its allowed_token_ids, its prompt's tokens),
+    made at its first processed step and kept on the request (row): per_row would send them to the device at every
+    step, and a request with a long list (an allowed list of 200,000 ids, a 100k-token prompt with penalties) would
+    slow the steps of every request beside it."""
+    mask = getattr(row, "_mask_" + name, None)
+    if mask is None:
+        mask = per_row([ids], V, device, h2d)[0] > 0
+        setattr(row, "_mask_" + name, mask)
+    return mask
+
+
 def banned_tokens(row, drafts, T):
     """(position, token) pairs a row may not emit in a step of T positions: the last token of a bad word whose
     other tokens end the history there (a one-token bad word: always). drafts: the row's drafts (host)."""
@@ -2035,7 +2211,10 @@ def banned_tokens(row, drafts, T):
     for i in range(T):
         history = row.output_ids + drafts[:i]
         for w in row.bad_words_ids:
-            if len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1]:
+            # the history's last token first: a long word is compared whole (a copy of its tokens) only where it may
+            # end here, not at every step (4096 words of 1000 tokens made every request's steps 7x slower)
+            if len(w) == 1 or (len(history) >= len(w) - 1 and history[-1] == w[-2]
+                               and history[len(history) - len(w) + 1:] == w[:-1]):
                 out.append((i, w[-1]))
     return out
 
@@ -2056,7 +2235,8 @@ def process_logits(logits, drafts, rows, stop_ids, h2d, masks=None):
         biases = [p.logit_bias or {} for p in ps]
         x += per_row([list(b) for b in biases], V, dev, h2d, [list(b.values()) for b in biases])[:, None]
     if any(p.allowed_token_ids is not None for p in ps):
-        allowed = per_row([p.allowed_token_ids or [] for p in ps], V, dev, h2d) > 0                # [B, V]
+        allowed = torch.stack([fixed_mask(r, "allowed", p.allowed_token_ids or [], V, dev, h2d)
+                               for p, r in zip(ps, rows)])                                      # [B, V]
         anything = h2d([p.allowed_token_ids is None for p in ps], torch.bool)[:, None]           # [B, 1]
         x.masked_fill_(~(allowed | anything)[:, None], float("-inf"))
     if any(p.min_tokens for p in ps):  # position i emits output token number len(output) + i
@@ -2069,7 +2249,8 @@ def process_logits(logits, drafts, rows, stop_ids, h2d, masks=None):
         if T > 1:  # position i also counts d1..di
             d = F.one_hot(drafts.clamp(min=0), V).float() * (drafts >= 0)[..., None]           # [B, T-1, V]
             counts = counts + F.pad(d.cumsum(1), (0, 0, 1, 0))
-        seen = (per_row([r.prompt_ids for r in rows], V, dev, h2d) > 0)[:, None] | (counts > 0)  # [B, T, V]
+        prompt = torch.stack([fixed_mask(r, "prompt", r.prompt_ids, V, dev, h2d) for r in rows])   # [B, V]
+        seen = prompt[:, None] | (counts > 0)                                                    # [B, T, V]
         rep = each("repetition_penalty")
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x -= each("frequency_penalty") * counts + each("presence_penalty") * (counts > 0)
@@ -2119,8 +2300,13 @@ def compile_grammar(compiler, so):
         if isinstance(e, ConfigError):
             raise
         kind = next(k for k in STRUCTURED_KINDS if getattr(so, k) is not None)
-        why = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(\S+\) is false: )?", "", str(e).strip())
-        raise ConfigError(f"the structured_outputs {kind} cannot be compiled: {why}") from None
+        raise ConfigError(f"the structured_outputs {kind} cannot be compiled: {xgrammar_reason(e)}") from None
+
+
+def xgrammar_reason(e):
+    """An xgrammar error's message less the "[time] file:line: " (and "Check failed: (...) is false: ") its C++
+    side puts before it."""
+    return re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(\S+\) is false: )?", "", str(e).strip())
 
 
 def unpack_bitmask(bitmask, V):
@@ -2382,7 +2568,8 @@ class Request:
         self.slot = None
         self.prefilled = 0  # prompt tokens prefilled so far (chunked prefill spreads them over steps)
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
-        self.detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # None: token ids only
+        self.detok = (IncrementalDecoder(tokenizer, prompt=self.prompt_ids)  # None: token ids only
+                      if tokenizer is not None and params.detokenize else None)  # None: token ids only
         self.spec = SpecStats()
         self.arrival_time = time.perf_counter()
         self.first_token_time = None
@@ -2888,8 +3075,8 @@ class Engine:
         self.vocab_size = model.cfg.vocab_size
         # (vLLM's seed None: unseeded; the requests' generators still need a base, drawn once)
         self.seed = int(torch.randint(2 ** 31, ())) if seed is None else seed
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_ids = set(model.cfg.eos_token_ids) | ({eos} if eos is not None else set())
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)  # the tokenizer's: it stops with stop_reason None
+        self.stop_ids = set(model.cfg.eos_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self.runner.stop_ids = sorted(self.stop_ids)
         self.grammars = None  # the xgrammar compiler, made when a request first asks for structured outputs
         self.special_ids = set(tokenizer._special_id_set) if tokenizer is not None else set()  # not in text
@@ -2902,8 +3089,34 @@ class Engine:
         self.share = PrefillShare(PREFILL_SHARE, device)  # the prefill's time beside running requests
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, params, rid=None, fork_of=None):
-        """Queue a request; fork_of: a request added before with the same prompt, whose prefill it copies."""
+    def add_request(self, prompt_ids, params, rid=None, fork_of=None, output_fits=True, bad_words_ids=None):
+        """Queue a request; fork_of: a request added before with the same prompt, whose prefill it copies.
+        output_fits: prompt + max_tokens must fit in max_model_len (vLLM's server refuses the request otherwise);
+        False: only the prompt must leave room for a token, the output stops at max_model_len ("length"), as in
+        vLLM's LLM.generate (input_processor._validate_prompt_len checks the prompt alone). bad_words_ids: the
+        bad words' token sequences (bad_words_token_ids) when the caller made them already, as the server does on
+        its own threads (vLLM's front end does): the loop that steps every request then does not tokenize them."""
+        prompt_ids, m = self.check_request(prompt_ids, params, output_fits)
+        params = copy.copy(params)  # (not dataclasses.replace: its checks would make a child's seed -1 None)
+        params.max_tokens = m
+        if bad_words_ids is None:
+            bad_words_ids = self.bad_words_token_ids(params.bad_words)
+        grammar = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        self.num_requests += 1
+        req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
+                      self.seed + self.num_requests)
+        req.bad_words_ids = bad_words_ids
+        req.grammar = grammar
+        req.fork_of = fork_of if fork_of is not None and fork_of.prompt_ids == req.prompt_ids else None
+        self.waiting.append(req)
+        return req
+
+    def check_request(self, prompt_ids, params, output_fits=True):
+        """The checks add_request makes of a prompt and its parameters, alone (nothing is queued): the prompt not
+        empty, its ids in the vocabulary, it and max_tokens inside max_model_len (output_fits as add_request's), the
+        parameters' token ids in the vocabulary; raises ConfigError with vLLM's messages. -> (the prompt's ids after
+        truncate_prompt_tokens, the max_tokens it gets). The server checks every prompt of a batch with it before it
+        queues any (vLLM refuses the request before any of it runs), on its handler threads."""
         if not prompt_ids:
             raise ConfigError("the prompt is empty: at least one prompt token is needed")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -2911,27 +3124,25 @@ class Engine:
             raise ConfigError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
         prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len)
         n = len(prompt_ids)
+        if not output_fits and n >= self.max_model_len:  # vLLM's messages
+            more = " plus the number of requested output tokens (at least 1)" if n == self.max_model_len else ""
+            need = " (prompt + requested output tokens)" if more else ""
+            raise ConfigError(f"The decoder prompt (length {n}){more} is longer than the maximum model length of "
+                              f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number "
+                              f"of text tokens{need}.")
         if params.max_tokens is None and n >= self.max_model_len:
             raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"your request has {n} input tokens. Please reduce the length of the input "
                               "messages.")
         m = params.max_tokens or (self.max_model_len - n)
+        if not output_fits:  # the output stops where the context ends
+            m = min(m, self.max_model_len - n)
         if n + m > self.max_model_len:
             raise ConfigError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"you requested {n + m} tokens ({n} in the messages, {m} in the completion). "
                               f"Please reduce the length of the messages or completion.")
-        params = dataclasses.replace(params, max_tokens=m)
         self.check_token_ids(params)
-        bad_words = [self.bad_word_ids(w) for w in params.bad_words]
-        grammar = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
-        self.num_requests += 1
-        req = Request(rid if rid is not None else str(self.num_requests), prompt_ids, params, self.tokenizer,
-                      self.seed + self.num_requests)
-        req.bad_words_ids = [ids for ids_list in bad_words for ids in ids_list]
-        req.grammar = grammar
-        req.fork_of = fork_of if fork_of is not None and fork_of.prompt_ids == req.prompt_ids else None
-        self.waiting.append(req)
-        return req
+        return prompt_ids, m
 
     def check_token_ids(self, p):
         """The request's token ids inside the vocabulary, with vLLM's messages."""
@@ -2946,15 +3157,20 @@ class Engine:
             raise ConfigError("allowed_token_ids contains out-of-vocab token id!")
 
     def bad_word_ids(self, word):
-        """A bad word's token sequences, as vLLM tokenizes it: the word (left-stripped), and with a leading
-        space when that spells it with other tokens of the same count (so it is banned mid-text too)."""
+        """A bad word's token sequences, as vLLM tokenizes it (encode(add_special_tokens=False): an added
+        token's text is its id, "<|im_end|>" bans EOS): the word (left-stripped), and with a leading space when
+        that spells it with other tokens of the same count (so it is banned mid-text too)."""
         if self.tokenizer is None:
             raise ConfigError("bad_words need a tokenizer")
-        plain = self.tokenizer.encode(word.lstrip(), allow_special=False)
+        plain = self.tokenizer.encode(word.lstrip())
         if not plain:
             raise ConfigError("bad_words entries must tokenize to at least one token.")
-        spaced = self.tokenizer.encode(" " + word.lstrip(), allow_special=False)
+        spaced = self.tokenizer.encode(" " + word.lstrip())
         return [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+
+    def bad_words_token_ids(self, words):
+        """Every token sequence that the bad words ban (bad_word_ids of each)."""
+        return [ids for w in words for ids in self.bad_word_ids(w)]
 
     def grammar(self, so):
         """A request's Grammar: its constraint compiled by xgrammar (ConfigError when it cannot be)."""
@@ -3071,7 +3287,7 @@ class Engine:
                 continue
             self.prefilling.popleft()
             if req.prompt_rows is not None:
-                req.prompt_logprobs = [None] + self.logprob_dicts(req.prompt_rows)
+                req.prompt_logprobs = [None] + self.logprob_dicts(req.prompt_rows, req.params.detokenize)
                 req.prompt_rows = None
             forks = [f for f in self.prefilling if f.fork_of is req]  # its siblings with a slot: copies
             outs = [out] + [self.runner.fork(req, f) for f in forks]  # (before req's emit may free its slot)
@@ -3109,9 +3325,11 @@ class Engine:
         return live
 
     # -- output --------------------------------------------------------------------------------
-    def logprob_dicts(self, rows):
-        """logprob_rows as vLLM gives them: {token id: Logprob} per row, with each token's text."""
-        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+    def logprob_dicts(self, rows, detokenize=True):
+        """logprob_rows as vLLM gives them: {token id: Logprob} per row, with each token's text (None with
+        detokenize=False: vLLM's output processor then has no tokenizer for the request)."""
+        tok = self.tokenizer if detokenize else None
+        text = (lambda t: tok.decode([t])) if tok is not None else (lambda t: None)
         return [{t: Logprob(v, r, text(t)) for t, v, r in row} for row in rows]
 
     def _emit(self, req, toks, logits):
@@ -3121,7 +3339,7 @@ class Engine:
             req.first_token_time = time.perf_counter()
         emitted = 0
         lps = None if req.logprobs is None else self.logprob_dicts(logprob_rows(logits[:len(toks)], toks,
-                                                                                  p.logprobs))
+                                                                                  p.logprobs), p.detokenize)
         for i, t in enumerate(toks):
             req.output_ids.append(t)
             req.tokens.append(t)
@@ -3132,8 +3350,12 @@ class Engine:
                 req.cumulative_logprob += float(logits[i].float().log_softmax(-1)[t])
             if req.logprobs is not None:
                 req.logprobs.append(lps[i])
+            # not in the text (vLLM's detokenizer): the token that stop-terminates the request, unless
+            # include_stop_str_in_output (it stays in token_ids); a special token, with skip_special_tokens
+            stop_token = t in p.stop_token_ids or (t in self.stop_ids and not p.ignore_eos)
             special = t in self.special_ids and p.skip_special_tokens
-            if req.detok is not None and not (t in self.stop_ids or special):
+            unseen = special or (stop_token and not p.include_stop_str_in_output)
+            if req.detok is not None and not unseen:
                 old = len(req.text)
                 req.text += req.detok.add([t])
                 for s in p.stop if len(req.output_ids) > p.min_tokens else ():  # vLLM: not before min_tokens
@@ -3145,18 +3367,14 @@ class Engine:
                         break
             if req.finished:
                 break
-            if t in p.stop_token_ids:
-                req.finish_reason = "stop"
-                req.stop_reason = t
-            elif t in self.stop_ids and not p.ignore_eos:
-                req.finish_reason = "stop"
+            if stop_token:  # vLLM: the tokenizer's EOS has no stop_reason; the generation config's other EOS ids
+                req.finish_reason = "stop"  # join stop_token_ids (update_from_generation_config): their id is it
+                req.stop_reason = None if t == self.eos_id and not p.ignore_eos else t
             elif len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
                 req.finish_reason = "length"
             if req.finished:
                 break
-        if req.finished:
-            if req.detok is not None and not isinstance(req.stop_reason, str):
-                req.text += req.detok.flush()
+        if req.finished:  # (text the detokenizer still holds, an unfinished character, is dropped: vLLM)
             req.finish_time = time.perf_counter()
             self._release(req)
         if req.on_update is not None:
@@ -3263,8 +3481,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path):
         """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
-        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
-            tj = json.load(f)
+        tj = read_json(os.path.join(path, "tokenizer.json"), "tokenizer")
+        if not isinstance(tj, dict):
+            raise ValueError(f"{path}/tokenizer.json: a tokenizer is a JSON object, got {str(tj)[:80]!r}")
         model = tj.get("model") or {}
         if model.get("type") != "BPE":
             raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only "
@@ -3296,8 +3515,8 @@ class Tokenizer:
         eos = None
         cfg_path = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
+            tc = read_json(cfg_path, "tokenizer config")
+            eos = tc.get("eos_token") if isinstance(tc, dict) else None
             eos = eos.get("content") if isinstance(eos, dict) else eos
         return cls(model["vocab"], model.get("merges", []), added, steps[0]["pattern"]["Regex"], eos,
                    special, nfc=norm == "NFC", ignore_merges=bool(model.get("ignore_merges")))
@@ -3306,11 +3525,25 @@ class Tokenizer:
         """Text -> ids. Added tokens in the text become single ids (with allow_special=False only the
         non-special ones, e.g. <think>, as HF does with encode_special_tokens=True). add_special_tokens:
         transformers' argument, accepted; Qwen's tokenizer adds no BOS/EOS either way."""
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
         allowed = self._nonspecial | self._special if allow_special else self._nonspecial
-        ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
+        if self.nfc and not unicodedata.is_normalized("NFC", text):
+            # HF matches the added tokens in the text as written and normalizes only the text between them
+            # ("<|im_end|>" + U+0338 would otherwise become "<|im_end|" + U+226F)
+            pieces = self._added_re(frozenset(allowed)).split(text) if allowed else [text]
+            ids = []
+            for i, piece in enumerate(pieces):  # odd i: an added token
+                if i % 2:
+                    ids.append(self._enc.encode_single_token(piece.encode("utf-8")))
+                elif piece:
+                    ids += self._enc.encode_ordinary(unicodedata.normalize("NFC", piece))
+        else:
+            ids = self._enc.encode(text, allowed_special=allowed, disallowed_special=())
         return ids if self._rank_to_id is None else [self._rank_to_id[r] for r in ids]
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (two sets a tokenizer, the tokenizer lives as long as its LLM)
+    def _added_re(self, allowed):
+        """A regex whose split() gives [text, added token, text, ...]: the leftmost, longest one first, as HF."""
+        return re.compile("(" + "|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)) + ")")
 
     def token_bytes(self, i):
         return self._bytes[i] if 0 <= i < self.vocab_size else b""
@@ -3334,9 +3567,20 @@ class Tokenizer:
         return self.encode(text) if tokenize else text
 
     # -- what vLLM users call on llm.get_tokenizer() (a transformers tokenizer there): the same answers --
-    def __call__(self, text, add_special_tokens=True, **kwargs):
-        """transformers' tokenizer(text): {"input_ids", "attention_mask"} of a string or of a list of them."""
-        ids = [self.encode(t) for t in text] if isinstance(text, (list, tuple)) else self.encode(text)
+    # transformers' tokenizer(...) arguments at the values that change nothing here (others are refused)
+    _CALL_DEFAULTS = {"padding": (False, "do_not_pad"), "truncation": (False, None, "do_not_truncate"),
+                      "max_length": (None,), "return_tensors": (None,), "return_attention_mask": (None, True),
+                      "return_token_type_ids": (None, False)}
+
+    def __call__(self, text, add_special_tokens=True, split_special_tokens=False, **kwargs):
+        """transformers' tokenizer(text): {"input_ids", "attention_mask"} of a string or of a list of them.
+        split_special_tokens=True: special tokens' text is plain text (encode's allow_special=False)."""
+        for k, v in kwargs.items():
+            if k not in self._CALL_DEFAULTS or v not in self._CALL_DEFAULTS[k]:
+                raise TypeError(f"tokenizer(..., {k}={v!r}): not supported by specdec's tokenizer (it takes "
+                                "text or a list of texts, add_special_tokens and split_special_tokens)")
+        enc = functools.partial(self.encode, allow_special=not split_special_tokens)
+        ids = [enc(t) for t in text] if isinstance(text, (list, tuple)) else enc(text)
         mask = [[1] * len(i) for i in ids] if isinstance(text, (list, tuple)) else [1] * len(ids)
         return {"input_ids": ids, "attention_mask": mask}
 
@@ -3379,21 +3623,29 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streams text out of token ids; bytes of a not yet complete UTF-8 character are held back."""
+    """Streams text out of token ids as vLLM's detokenizer does (tokenizers' DecodeStream): the bytes since the
+    last release are held while their text ends in U+FFFD (a character split over tokens comes out whole, and
+    the text of the same tokens before it waits with it) and released whole once it does not; what is held when
+    the request ends is never released. prompt: the prompt's ids, run through first with their text dropped,
+    so an output that completes the prompt's last, unfinished character starts with that character (vLLM primes
+    its stream with the prompt's last tokens)."""
 
-    def __init__(self, tokenizer, skip_special=False):
+    def __init__(self, tokenizer, skip_special=False, prompt=()):
         self.tok = tokenizer
         self.skip_special = skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = b""
+        self.text = ""
+        for i in list(prompt)[-8:]:  # 8 tokens hold at least one whole character (at most 4 bytes)
+            self.add([i])
         self.text = ""  # everything emitted so far, for the caller's stop-string checks
 
     def add(self, ids):
-        new = self._utf8.decode(self.tok.decode_bytes(ids, self.skip_special))
-        self.text += new
-        return new
-
-    def flush(self):
-        new = self._utf8.decode(b"", final=True)  # a dangling partial character becomes U+FFFD
+        held = self._held + self.tok.decode_bytes(ids, self.skip_special)
+        new = held.decode("utf-8", errors="replace")
+        if new.endswith("\ufffd"):  # an unfinished character (or a U+FFFD itself: DecodeStream waits too)
+            self._held, new = held, ""
+        else:
+            self._held = b""
         self.text += new
         return new
 
@@ -3615,8 +3867,8 @@ class ChatTemplate:
         cfg = {}
         cfg_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
+            cfg = read_json(cfg_path, "tokenizer config")
+            cfg = cfg if isinstance(cfg, dict) else {}
         special = {k: v.get("content") if isinstance(v, dict) else v
                    for k in cls.SPECIAL_TOKENS if (v := cfg.get(k)) is not None}
         jinja_path = os.path.join(path, "chat_template.jinja")
@@ -3654,7 +3906,7 @@ class ChatTemplate:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         messages = chat_messages(messages, developer_as_system=not self.knows_developer)
         if continue_final_message:
-            messages[-1] = _mark_final_message(messages[-1])
+            final, messages[-1] = messages[-1], _mark_final_message(messages[-1])
         if self.template is None:
             thinking = kwargs.get("enable_thinking") is not False  # the template's "is false" / "is true"
             text = apply_chat_template(messages, add_generation_prompt, thinking,
@@ -3668,7 +3920,7 @@ class ChatTemplate:
                 raise ValueError(f"chat template: {e}") from None
             except Exception as e:  # the template is the checkpoint's code: whatever it raises is about this chat
                 raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
-        return _cut_at_mark(text) if continue_final_message else text
+        return _cut_at_mark(text, final) if continue_final_message else text
 
 
 # continue_final_message's mark: put after the last message's text before rendering, the rendering cut where it
@@ -3692,17 +3944,25 @@ def _mark_final_message(message):
     raise ValueError("continue_final_message is set but the final message has no text to continue")
 
 
-def _cut_at_mark(text):
+def _cut_at_mark(text, final):
     """The rendered chat up to FINAL_MARK (its last occurrence; trailing whitespace dropped too where the
-    template trimmed the mark's own)."""
+    template trimmed the mark's own). final: the message as given, whose text must be in the render whole
+    (transformers' check: a template that reworded it, e.g. moved inline reasoning out of it, is refused)."""
+    missing = ValueError("continue_final_message is set but the final message does not appear in the chat "
+                         "after applying the chat template")
     at = text.rfind(FINAL_MARK)
     if at >= 0:
-        return text[:at]
-    at = text.rfind(FINAL_MARK.rstrip())
-    if at < 0:
-        raise ValueError("continue_final_message is set but the final message does not appear in the chat "
-                         "after applying the chat template")
-    return text[:at].rstrip()
+        text = text[:at]
+    elif text.rfind(FINAL_MARK.rstrip()) >= 0:
+        text = text[:text.rfind(FINAL_MARK.rstrip())].rstrip()
+    else:
+        raise missing
+    content = final.get("content")
+    if isinstance(content, list):  # its last text part, as _mark_final_message marked
+        content = next(p["text"] for p in reversed(content) if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if content.strip() not in text:
+        raise missing
+    return text
 
 
 # ==============================================================================================
@@ -3711,12 +3971,20 @@ def _cut_at_mark(text):
 
 def checkpoint_tensors(path):
     """{tensor name: path of the file holding it} for a directory of model.safetensors or sharded
-    model-*.safetensors (with or without model.safetensors.index.json)."""
+    model-*.safetensors (with or without model.safetensors.index.json). A tensor in two files, an index entry
+    whose file lacks it or lies outside the directory, and a file that is not safetensors are ConfigErrors."""
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
+    mapped = None
     if os.path.isfile(index):
-        with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
+        top = read_json(index, "index")
+        mapped = top.get("weight_map") if isinstance(top, dict) else None
+        if not isinstance(mapped, dict) or not all(isinstance(f, str) for f in mapped.values()):
+            raise ConfigError(f"{index}: no weight_map of tensor names to file names")
+        outside = next((f for f in mapped.values() if os.path.isabs(f) or ".." in f.split("/")), None)
+        if outside is not None:
+            raise ConfigError(f"{index}: shard {outside!r} is outside the checkpoint directory")
+        files = sorted(set(mapped.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -3728,10 +3996,20 @@ def checkpoint_tensors(path):
     for f in files:
         full = os.path.join(path, f)
         if not os.path.isfile(full):
-            raise ConfigError(f"{path}: shard {f} listed in the index is missing")
-        with safe_open(full, "pt") as st:
-            for name in st.keys():
-                out[name] = full
+            listed = "listed in the index " if mapped is not None else ""
+            raise ConfigError(f"{path}: shard {f} {listed}is missing (or not a file)")
+        try:
+            with safe_open(full, "pt") as st:
+                names = list(st.keys())
+        except Exception as e:  # safetensors' own error: truncated, not safetensors, a bad header
+            raise ConfigError(f"{full}: not a readable safetensors file ({e})") from None
+        for name in names:
+            if name in out:
+                raise ConfigError(f"{path}: tensor {name} is in both {os.path.basename(out[name])} and {f}")
+            out[name] = full
+    for name, f in (mapped or {}).items():
+        if out.get(name) != os.path.join(path, f):
+            raise ConfigError(f"{index}: tensor {name} is mapped to {f}, which does not hold it")
     return out
 
 
@@ -3753,8 +4031,8 @@ def load_weights(module, sources, dtype, device, where):
     """The one loader: fill a module built on the meta device from sources {our parameter name: (checkpoint
     name, read())}. Every parameter must be found with its shape and every source used, else a ConfigError
     names the tensor. Floating tensors become `dtype` (the GDN decay A_log and FP8 block scales become fp32,
-    FP8 weights stay float8_e4m3fn; integer ones such as d2t keep theirs); RoPE frequencies are computed on
-    the device."""
+    FP8 weights stay float8_e4m3fn; integer ones such as d2t keep theirs; an integer or bool tensor where a
+    floating one belongs, or the other way round, is refused); RoPE frequencies are computed on the device."""
     want = dict(module.named_parameters())
     for m in sources:
         if m not in want:
@@ -3775,6 +4053,11 @@ def load_weights(module, sources, dtype, device, where):
         if tuple(t.shape) != tuple(p.shape):
             raise ConfigError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} "
                               f"({where})")
+        # an int / bool tensor where a weight goes was cast silently by fuse_projections' torch.cat, or failed deep
+        # inside a matmul; a float d2t cannot index
+        if t.is_floating_point() != p.is_floating_point():
+            raise ConfigError(f"tensor {name!r} is {t.dtype}, expected " + ("a floating-point weight" if
+                              p.is_floating_point() else f"{p.dtype} (integer ids)") + f" ({where})")
         if (t.dtype == FP8) != (p.dtype == FP8):  # declare_fp8 made p FP8 where the scales are
             raise ConfigError(f"tensor {name!r} is {t.dtype} " + ("without block scales (no _scale_inv "
                               "beside it)" if t.dtype == FP8 else "but has block scales: FP8 weights are "
@@ -3872,13 +4155,21 @@ def declare_fp8(model, sources, not_convert, where):
     """Before loading, on the meta model: each weight P whose P_scale_inv is among the sources, where its
     module has room for one (a Linear, the routed experts), becomes float8_e4m3fn with an fp32 P_scale_inv
     [..., ceil(N/128), ceil(K/128)] (gate_up_proj: 2 ceil(I/128) rows, gate's then up's). The scales decide;
-    a module that the checkpoint's modules_to_not_convert lists must have none. Its entries name whole modules
-    (model.language_model.layers.0.mlp.gate; ModelConfig keeps our names, layers.0.mlp.gate): a substring match
-    lets the router `mlp.gate` swallow `mlp.gate_proj`, whose scales are then lost."""
+    a module that the checkpoint's modules_to_not_convert lists must have none, and an FP8_WEIGHTS one that it
+    does not list must have them (as in vLLM's fp8 loader: a bf16 checkpoint whose config says FP8 is refused,
+    not run as bf16). Its entries name whole modules (model.language_model.layers.0.mlp.gate; ModelConfig keeps
+    our names, layers.0.mlp.gate): a substring match lets the router `mlp.gate` swallow `mlp.gate_proj`, whose
+    scales are then lost."""
     B = K.FP8_BLOCK
     for name, p in list(model.named_parameters()):
         mod, _, leaf = name.rpartition(".")
         m = model.get_submodule(mod)
+        if name.endswith(FP8_WEIGHTS) and mod not in not_convert and name in sources \
+                and name + "_scale_inv" not in sources:
+            ckpt, read = sources[name]  # (read for its dtype: one tensor, on the way out)
+            raise ConfigError(f"{where}: tensor {ckpt!r} is {read().dtype} without block scales (no "
+                              f"{ckpt}_scale_inv beside it), but the config's quantization_config is FP8 and "
+                              f"modules_to_not_convert does not list {mod!r}")
         if name + "_scale_inv" not in sources or leaf + "_scale_inv" not in m._parameters:
             continue
         if mod in not_convert:
@@ -3994,6 +4285,9 @@ def load_model(path, dtype, device, want_mtp=False, quantization=None, load_form
     if want_mtp and not has_mtp:
         raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but it has no mtp.* "
                           "tensors (the MTP head is missing)")
+    if want_mtp and cfg.mtp_num_hidden_layers == 0:
+        raise ConfigError(f"{path}: method 'mtp' needs the checkpoint's MTP head, but its config says "
+                          "mtp_num_hidden_layers 0")
     if not has_mtp or cfg.mtp_num_hidden_layers == 0:
         sources = {m: s for m, s in sources.items() if not m.startswith("mtp.")}
     fp8 = quantization == "fp8" or cfg.quantization == "fp8"
@@ -4088,11 +4382,21 @@ def _gguf_tensor(rt):
     (Q8_0, Q4_K, Q5_K, Q6_K, ...) are dequantised to fp32 by gguf.quants."""
     import gguf
     Q = gguf.GGMLQuantizationType
-    if rt.tensor_type in (Q.F32, Q.F16):
-        return torch.from_numpy(rt.data)
-    if rt.tensor_type == Q.BF16:  # the reader gives raw bytes [..., 2n]
-        return torch.from_numpy(rt.data.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type))
+    # every qwen35 tensor is a float weight: one of an integer type is damage, refused as load_weights does, not cast
+    if rt.tensor_type in (Q.I8, Q.I16, Q.I32, Q.I64):
+        raise ValueError(f"tensor {rt.name} is stored as GGUF type {Q(rt.tensor_type).name}, an integer type; "
+                         "expected a float (F32, F16, BF16) or quantized weight")
+    try:
+        if rt.tensor_type in (Q.F32, Q.F16):
+            return torch.from_numpy(rt.data)
+        if rt.tensor_type == Q.BF16:  # the reader gives raw bytes [..., 2n]
+            return torch.from_numpy(rt.data.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type))
+    except (ValueError, TypeError, IndexError) as e:  # numpy's words for a short or damaged file
+        raise ValueError(f"tensor {rt.name}: its data cannot be read ({e}); is the file truncated?") from None
+
+
+REQUIRED = object()  # read_gguf's marker of a metadata key that must be there
 
 
 def _f32(x):  # GGUF floats are float32: give back the shortest repr (1e-06, not 9.99999997e-07)
@@ -4103,19 +4407,32 @@ def read_gguf(path, dtype=torch.float32):
     """-> (text_config in HF form, {HF text-only name: tensor in `dtype`}, tokenizer dict) from a qwen35 /
     qwen35moe GGUF. The MTP block (blk.<num_hidden_layers>) comes back as mtp.*."""
     import gguf
-    r = gguf.GGUFReader(path, "c")  # copy-on-write mmap: torch views need no copy of the file
+    try:
+        r = gguf.GGUFReader(path, "c")  # copy-on-write mmap: torch views need no copy of the file
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as e:  # a truncated file: numpy's words
+        raise ValueError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
     meta = lambda key, default=None: r.fields[key].contents() if key in r.fields else default  # noqa: E731
     arch = meta("general.architecture")
     if arch not in ("qwen35", "qwen35moe"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (specdec reads 'qwen35' and 'qwen35moe')")
     byname = {t.name: t for t in r.tensors}
-    cfg = _gguf_config(lambda key, default=None: meta(f"{arch}.{key}", default), meta, arch, byname)
+
+    def k(key, default=REQUIRED):  # a key of the architecture; without a default it must be there
+        v = meta(f"{arch}.{key}", None if default is REQUIRED else default)
+        if v is None and default is REQUIRED:
+            raise ValueError(f"the GGUF metadata has no {arch}.{key}")
+        return v
+    cfg = _gguf_config(k, meta, arch, byname)
     return cfg, _gguf_tensors(byname, cfg, dtype, path), _gguf_tokenizer(meta)
 
 
 def _gguf_config(k, meta, arch, byname):
     """The text_config from the file's metadata (k: a key of the architecture) and tensor names."""
     nextn = k("nextn_predict_layers", 0)
+    if not all(isinstance(v, int) for v in (nextn, k("block_count"), k("attention.key_length"),
+                                           k("ssm.time_step_rank"), k("ssm.inner_size"),
+                                           k("rope.dimension_count"))):
+        raise ValueError("the GGUF metadata's layer counts and sizes must be integers")
     n = k("block_count") - nextn  # block_count includes the MTP layers
     hd = k("attention.key_length")
     hv = k("ssm.time_step_rank")
@@ -4133,12 +4450,12 @@ def _gguf_config(k, meta, arch, byname):
         layer_types=["linear_attention" if f"blk.{i}.ssm_a" in byname else "full_attention"
                      for i in range(n)],
         rope_parameters=rope, rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
-        vocab_size=int(byname["token_embd.weight"].shape[1]),  # ne = {H, V}
+        vocab_size=int(_gguf_need(byname, "token_embd.weight").shape[1]),  # ne = {H, V}
         tie_word_embeddings="output.weight" not in byname,
         mtp_num_hidden_layers=nextn if any(x.startswith(f"blk.{n}.nextn.") for x in byname) else 0,
         max_position_embeddings=k("context_length"), eos_token_id=meta("tokenizer.ggml.eos_token_id"),
         hidden_act="silu", attn_output_gate=True, attention_bias=False)
-    if k("feed_forward_length") is not None:
+    if k("feed_forward_length", None) is not None:
         cfg["intermediate_size"] = k("feed_forward_length")
     if arch == "qwen35moe":
         cfg.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
@@ -4182,10 +4499,25 @@ def _gguf_tensors(byname, cfg, dtype, path):
     return tensors
 
 
+def _gguf_need(byname, name):
+    if name not in byname:
+        raise ValueError(f"the GGUF file has no tensor {name}")
+    return byname[name]
+
+
 def _gguf_tokenizer(meta):
-    """The tokenizer.ggml.* metadata as a dict (read_gguf_model builds the Tokenizer from it)."""
+    """The tokenizer.ggml.* metadata as a dict (read_gguf_model builds the Tokenizer from it). llama.cpp's
+    byte-level BPE ("gpt2") only, with its tokens and merges (llama.cpp refuses a file without them too)."""
+    if meta("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model {meta('tokenizer.ggml.model')!r}: specdec reads byte-level BPE "
+                         "('gpt2') tokenizers only")
+    if not meta("tokenizer.ggml.tokens"):
+        raise ValueError("the GGUF metadata has no tokenizer.ggml.tokens")
     toks = meta("tokenizer.ggml.tokens", [])
     types = meta("tokenizer.ggml.token_type", [1] * len(toks))  # 1 normal, 3 control, 4 user, 5 unused
+    if not meta("tokenizer.ggml.merges") and any(len(t) > 1 for t, ty in zip(toks, types) if ty == 1):
+        raise ValueError("the GGUF metadata has no tokenizer.ggml.merges (its vocabulary has multi-byte tokens, "
+                         "which only merges reach)")
     eos = meta("tokenizer.ggml.eos_token_id")
     pre_tok = meta("tokenizer.ggml.pre")
     added = {t: i for i, (t, ty) in enumerate(zip(toks, types)) if ty in (3, 4)}
@@ -4204,6 +4536,8 @@ def _gguf_tokenizer(meta):
 
 def read_gguf_model(path, dtype):
     """A .gguf file -> (ModelConfig, tensors under HF text-only names, Tokenizer)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: not a file (a .gguf model is one file)")
     try:
         text, tensors, tok = read_gguf(path, dtype)
         cfg = ModelConfig.from_dict(text)
@@ -4334,6 +4668,9 @@ def find_in_hf_cache(name):
 def resolve_model(name):
     """A model named as vLLM users name it: a local directory or .gguf file as it is; a hub id
     (Qwen/Qwen3.6-27B) as its snapshot in the local Hugging Face cache. Nothing is ever downloaded."""
+    if not isinstance(name, (str, os.PathLike)) or not str(name):
+        raise ConfigError(f"model must be a path or a Hugging Face model id, got {name!r}")
+    name = os.fspath(name)
     if os.path.exists(name):
         return name
     path = find_in_hf_cache(name)
@@ -4341,11 +4678,16 @@ def resolve_model(name):
         return path
     if not HUB_ID.fullmatch(name):
         raise ConfigError(f"model path {name!r} does not exist")
+    raise not_in_hf_cache(name)
+
+
+def not_in_hf_cache(name, what="model"):
+    """The one line for a hub id that is neither a local path nor in the cache (the target's, a drafter's)."""
     repo = os.path.join(hf_hub_cache(), "models--" + name.replace("/", "--"))
-    raise ConfigError(f"model {name!r} is not a local path, and the Hugging Face cache has no snapshot of "
-                      f"it (looked in {repo}/snapshots for the commit refs/main names); specdec does not "
-                      f"download: fetch it with `hf download {name}`, or set HF_HUB_CACHE / HF_HOME to the "
-                      "cache that has it")
+    return ConfigError(f"{what} {name!r} is not a local path, and the Hugging Face cache has no snapshot of "
+                       f"it (looked in {repo}/snapshots for the commit refs/main names); specdec does not "
+                       f"download: fetch it with `hf download {name}`, or set HF_HUB_CACHE / HF_HOME to the "
+                       "cache that has it")
 
 
 # -- Memory: the static slots' KV caches and GDN states (vLLM's --gpu-memory-utilization) ------------
@@ -4475,8 +4817,9 @@ def generation_defaults(model, generation_config="auto", override=None):
         folder = own if auto else generation_config
         where = os.path.join(folder, "generation_config.json")
         if os.path.isfile(where):
-            with open(where) as f:
-                cfg = json.load(f)
+            cfg = read_json(where, "generation config")
+            if not isinstance(cfg, dict):
+                raise ConfigError(f"{where}: a generation config is a JSON object, got {str(cfg)[:80]!r}")
         elif not auto:
             raise ConfigError(f"--generation-config {generation_config!r}: no generation_config.json there "
                               "(give a folder that has one, 'auto' for the model's, or 'vllm' for none)")
@@ -4495,19 +4838,65 @@ def generation_defaults(model, generation_config="auto", override=None):
 
 # -- The offline API ------------------------------------------------------------------------------
 
+def _unused_request_args(lora_request, priority, tokenization_kwargs):
+    """vLLM's per-call arguments of LLM.generate / chat that specdec has no use for: accepted at their defaults
+    (no LoRA, priority 0, the tokenizer's own settings), refused otherwise with vLLM's message where it has one."""
+    each = lambda v: v if isinstance(v, (list, tuple)) else [v]  # noqa: E731 (one value, or one per prompt)
+    lora = next((r for r in each(lora_request) if r is not None), None)
+    if lora is not None:
+        raise ConfigError(f"Got lora_request {lora} but LoRA is not enabled!")
+    p = next((p for p in each(priority) if p not in (None, 0)), None)
+    if p is not None:
+        raise ConfigError(f"Got priority {p} but Priority scheduling is not enabled.")
+    if tokenization_kwargs:
+        raise ConfigError(f"tokenization_kwargs={tokenization_kwargs!r}: specdec tokenizes prompts with the "
+                          "tokenizer's own settings only (None or {})")
+
+
+# vLLM engine arguments that change nothing in specdec, accepted (by LLM and the CLI) where that is true: name ->
+# (its flag's argparse keywords: vLLM's default, accepted(value), what is accepted and why)
+UNUSED_ENGINE_ARGS = {
+    "disable_log_stats": (dict(action="store_true"), lambda v: isinstance(v, bool),
+                          "true or false (server.py: no periodic throughput / spec-decode lines; LLM logs none)"),
+    "enable_prefix_caching": (dict(action=argparse.BooleanOptionalAction, default=None), lambda v: not v,
+                              "off: prefix caching is not implemented (every prompt is prefilled)"),
+    "swap_space": (dict(type=float, default=4), lambda v: _number(v) and v >= 0,
+                   "GiB >= 0 (nothing is swapped: a sequence keeps its slot)"),
+    "block_size": (dict(type=int, default=None), lambda v: v is None or _positive_int(v),
+                   "a positive integer (caches are per slot, indexed by position: no blocks)"),
+    "revision": (dict(default=None), lambda v: v is None, "None (a local model: no hub revisions)"),
+    "kv_cache_dtype": (dict(default="auto"), lambda v: v == "auto", "'auto' (the KV cache has the model's dtype)"),
+    "tokenizer_mode": (dict(default="auto"), lambda v: v == "auto", "'auto' (specdec's own BPE tokenizer)"),
+}
+
+
+def check_unused_engine_args(args):
+    """LLM's keywords beyond its own: UNUSED_ENGINE_ARGS at an accepted value; any other name is a TypeError, as
+    vLLM's EngineArgs raises."""
+    for name, value in args.items():
+        if name not in UNUSED_ENGINE_ARGS:
+            raise TypeError(f"LLM.__init__() got an unexpected keyword argument '{name}'")
+        _, accepted, what = UNUSED_ENGINE_ARGS[name]
+        if not accepted(value):
+            raise ConfigError(f"{name}={value!r} (--{name.replace('_', '-')}) is not supported; specdec takes "
+                              f"{what}")
+
+
 class LLM:
     """vLLM's offline API: LLM(model, **engine_args), then generate / chat (RequestOutputs with Logprob
     objects), get_tokenizer, get_metrics (vLLM's metric objects). The engine arguments have vLLM's names (an
     unknown one is a TypeError, as in vLLM); quantization="fp8" quantizes the weights at load (an FP8
     checkpoint is FP8 without it); tensor_parallel_size is accepted at 1 only (not yet implemented),
-    trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code)."""
+    trust_remote_code is accepted and changes nothing (specdec runs no checkpoint code), as are the others of
+    UNUSED_ENGINE_ARGS where they change nothing."""
 
     def __init__(self, model=None, speculative_config=None, dtype="auto", device=None, max_model_len=None,
                  max_num_seqs=8, seed=0, enforce_eager=False, async_scheduling=None,
                  max_num_batched_tokens=None, enable_chunked_prefill=True, gpu_memory_utilization=0.9,
                  generation_config="auto", override_generation_config=None,
                  tensor_parallel_size=1, quantization=None, trust_remote_code=False, max_logprobs=20,
-                 load_format="auto", tokenizer=None):
+                 load_format="auto", tokenizer=None, **unused):
+        check_unused_engine_args(unused)  # vLLM's that change nothing here (UNUSED_ENGINE_ARGS)
         if tensor_parallel_size not in (None, 1):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size): tensor "
                               "parallelism is not supported yet; specdec runs the model on one device")
@@ -4520,7 +4909,7 @@ class LLM:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-        name = model or default_model_path()
+        name = default_model_path() if model is None else model
         model = resolve_model(name)
         spec = SpeculativeConfig.from_json(speculative_config, target=model)
         if spec is not None and spec.method == "dspark" and str(model).endswith(".gguf"):
@@ -4539,9 +4928,13 @@ class LLM:
         limit = self.cfg.max_position_embeddings
         if want is not None and want > limit:
             raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={limit}")
-        if spec is not None and spec.max_model_len is not None:
-            limit = min(limit, spec.max_model_len)
-            want = None if want is None else min(want, limit)
+        if spec is not None and spec.method != "ngram" and spec.max_model_len is not None:
+            # vLLM (_maybe_override_draft_max_model_len): the draft's context, never above the target's, which it
+            # leaves alone; specdec's drafters share the target's slots, so it is only checked (ngram: ignored)
+            target = limit if want is None else want
+            if spec.max_model_len > target:
+                raise ConfigError(f"speculative_max_model_len={spec.max_model_len} cannot be larger than "
+                                  f"target_max_model_len={target}")
         k = spec.num_speculative_tokens if spec else 0
         d_weights, d_pos, d_slot, d_extra = drafter_bytes(spec, self.dtype)  # loaded later, counted now
         add_draft_head(self.model, quantization, drafts_through_target_head(spec))  # (before the budget)
@@ -4568,8 +4961,13 @@ class LLM:
     def encode_prompt(self, prompt):
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            return self.encode_prompt(prompt.get("prompt_token_ids", prompt.get("prompt")))
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt: each key with its own type
+            key = "prompt_token_ids" if "prompt_token_ids" in prompt else "prompt"
+            value = prompt.get(key)
+            if isinstance(value, str) != (key == "prompt"):
+                want = "a string" if key == "prompt" else "a list of token ids"
+                raise ConfigError(f"a prompt's {key!r} must be {want}, got {str(value)[:80]!r}")
+            return self.encode_prompt(value)
         if not (isinstance(prompt, (list, tuple)) and all(_integer(t) for t in prompt)):
             raise ConfigError(f"a prompt is a string, a list of token ids (integers) or a dict with 'prompt' or "
                               f"'prompt_token_ids', got {str(prompt)[:80]!r}")
@@ -4582,15 +4980,25 @@ class LLM:
         """SamplingParams with the model's generation-config defaults (what generate uses without any)."""
         return SamplingParams(**self.default_sampling)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, *, lora_request=None, priority=None,
+                 tokenization_kwargs=None):
         """Complete prompts (a string, a prompt's token ids, {"prompt"} / {"prompt_token_ids"}, or a list of
-        them) with one SamplingParams or one per prompt (default: the generation config's), batched by the
-        engine. use_tqdm: a progress bar over the requests, as vLLM's (or a tqdm-like class to make it)."""
+        them) with one SamplingParams or a sequence of one per prompt (default: the generation config's), batched
+        by the engine. use_tqdm: a progress bar over the requests, as vLLM's (or a tqdm-like class to make it).
+        lora_request, priority, tokenization_kwargs: vLLM's, accepted at their defaults (_unused_request_args)."""
+        _unused_request_args(lora_request, priority, tokenization_kwargs)
         one_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)  # a prompt's ids
         single = isinstance(prompts, (str, dict)) or one_ids
+        if not (single or isinstance(prompts, (list, tuple))):
+            raise ConfigError(f"prompts: a prompt (a string, its token ids, a dict) or a list of them, got "
+                              f"{str(prompts)[:80]!r}")
         prompts = [prompts] if single else list(prompts)
-        params = sampling_params or self.get_default_sampling_params()
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if not (isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
+            raise ConfigError(f"sampling_params: a SamplingParams or a list of them (one per prompt), got "
+                              f"{str(sampling_params)[:80]!r}")
+        params = list(params)
         if len(params) != len(prompts):
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
         for sp in params:
@@ -4637,7 +5045,7 @@ class LLM:
         then."""
         reqs = []
         for child in sp.samples():
-            reqs.append(self.engine.add_request(ids, child, fork_of=reqs[0] if reqs else None))
+            reqs.append(self.engine.add_request(ids, child, fork_of=reqs[0] if reqs else None, output_fits=False))
             if sp.ranked:  # best_of ranks them by their cumulative logprob
                 reqs[-1].cumulative_logprob = 0.0
         return reqs
@@ -4660,11 +5068,18 @@ class LLM:
             from tqdm import tqdm as make
         return make(total=total, desc="Processed prompts", dynamic_ncols=True)
 
-    def chat(self, messages, sampling_params=None, use_tqdm=True, *, chat_template=None,
-             add_generation_prompt=True, continue_final_message=False, tools=None, chat_template_kwargs=None,
+    def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None, chat_template=None,
+             chat_template_content_format="auto", add_generation_prompt=True, continue_final_message=False,
+             tools=None, chat_template_kwargs=None, tokenization_kwargs=None, mm_processor_kwargs=None, *,
              enable_thinking=None):
         """One conversation (a list of messages) or several, through the model's chat template (or the
-        `chat_template` given: a path or the template text), as vLLM's LLM.chat."""
+        `chat_template` given: a path or the template text), as vLLM's LLM.chat (its arguments in its order;
+        the content format is the template's own: "auto" only; no multimodal inputs: mm_processor_kwargs None)."""
+        _unused_request_args(lora_request, None, tokenization_kwargs)
+        if chat_template_content_format != "auto" or mm_processor_kwargs is not None:
+            raise ConfigError(f"chat_template_content_format={chat_template_content_format!r}, mm_processor_kwargs="
+                              f"{mm_processor_kwargs!r}: specdec takes only 'auto' and None (its chat template "
+                              "reads the messages as they are; no multimodal inputs)")
         template = self.chat_template
         if chat_template is not None:
             template = ChatTemplate.from_arg(chat_template, template.special_tokens)
@@ -4675,10 +5090,14 @@ class LLM:
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         tools = kwargs.pop("tools", tools)
-        clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
+        clash = [k for k in ChatTemplate.RESERVED if k in kwargs]  # (before the call: `messages` would clash there)
         if clash:
             raise ConfigError(f"chat_template_kwargs may not set {', '.join(clash)}")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        is_chat = lambda c: isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c)  # noqa: E731
+        if not (isinstance(convs, (list, tuple)) and all(is_chat(c) for c in convs)):
+            raise ConfigError(f"messages: a conversation (a list of message dicts) or a list of them, got "
+                              f"{str(messages)[:80]!r}")
         try:
             prompts = [template.render(m, tools, add_generation_prompt, continue_final_message, **kwargs)
                        for m in convs]
@@ -4821,6 +5240,10 @@ def add_engine_args(ap):
                     "the real shapes without the checkpoint; drafters still load their own)")
     ap.add_argument("--tokenizer", default=None, help="a directory (or hub id in the local cache) whose "
                     "tokenizer.json and chat template to use instead of the model's")
+    ap.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs / prompt_logprobs a request "
+                    "may ask for; -1: the whole vocabulary (default 20)")
+    for name, (kw, _, what) in UNUSED_ENGINE_ARGS.items():
+        ap.add_argument("--" + name.replace("_", "-"), **kw, help=f"vLLM's; specdec takes {what}")
 
 
 def llm_from_args(a):
@@ -4832,7 +5255,8 @@ def llm_from_args(a):
                gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
                override_generation_config=a.override_generation_config,
                tensor_parallel_size=a.tensor_parallel_size, quantization=a.quantization,
-               trust_remote_code=a.trust_remote_code, load_format=a.load_format, tokenizer=a.tokenizer)
+               trust_remote_code=a.trust_remote_code, load_format=a.load_format, tokenizer=a.tokenizer,
+               max_logprobs=a.max_logprobs, **{name: getattr(a, name) for name in UNUSED_ENGINE_ARGS})
 
 
 COMPARE_ROUNDS = 5  # --compare-plain: timed runs with and without speculation, interleaved, after a warm-up
@@ -4914,8 +5338,9 @@ def print_stats(llm, req, t0, t1, rate):
     print(f"\n[prompt tokens: {len(req.prompt_ids)}, generated tokens: {len(req.output_ids)}, "
           f"time to first token: {(req.first_token_time - t0) * 1e3:.1f} ms, {rate:.1f} tok/s, "
           f"finish: {req.finish_reason}]", file=sys.stderr)
-    if llm.spec is not None:
-        print(f"[{req.spec.summary(t1 - t0)}]", file=sys.stderr)
+    if llm.spec is not None:  # (no drafts at all, e.g. ngram without a match: said so, not a line of empty rates)
+        print(f"[{req.spec.summary(t1 - t0)}]" if req.spec.num_drafts else "[SpecDecoding metrics: no drafts were "
+              "proposed]", file=sys.stderr)
 
 
 def compare_plain(llm, a, first, ids, params, show):

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -2370,6 +2371,23 @@ LOADER_ERRORS = {
     "no gate": (dict(edit=lambda c: c["text_config"].update(attn_output_gate=False)),
                 "unsupported config: attn_output_gate=False"),
     "no weights": (dict(edit="rm-weights"), "no model.safetensors"),
+    # a config's numbers missing or of another type: one line naming the file and the key (session 48; before: a
+    # KeyError, a TypeError or RuntimeError inside torch, a division by zero, or garbage from rope_theta 0)
+    **{f"config {m}": (dict(edit=lambda c, e=e: e(c, c["text_config"])), r"config\.json: .*" + re.escape(m)) for e, m in [
+        (lambda top, t: t.pop("hidden_size"), "the text config has no 'hidden_size'"),
+        (lambda top, t: t.update(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+        (lambda top, t: t.update(hidden_size=64.0), "hidden_size must be a positive integer, got 64.0"),
+        (lambda top, t: t.update(vocab_size=-5), "vocab_size must be a positive integer, got -5"),
+        (lambda top, t: t.update(num_key_value_heads=0), "num_key_value_heads must be a positive integer, got 0"),
+        (lambda top, t: t.update(full_attention_interval=0), "full_attention_interval must be a positive integer"),
+        (lambda top, t: t.update(rms_norm_eps="1e-6"), "rms_norm_eps must be a positive number, got '1e-6'"),
+        (lambda top, t: t.update(max_position_embeddings="4096"), "max_position_embeddings must be a positive integer"),
+        (lambda top, t: t.update(rope_parameters=[1, 2]), "rope_parameters must be a JSON object"),
+        (lambda top, t: t["rope_parameters"].update(partial_rotary_factor=2), "partial_rotary_factor must be at most 1"),
+        (lambda top, t: t["rope_parameters"].update(rope_theta=0), "rope_theta must be a positive number, got 0"),
+        (lambda top, t: t.update(eos_token_id="8192"), "eos_token_id must be a token id or a list of them"),
+        (lambda top, t: top.update(text_config=None), "needs a text_config object, got 'None'"),
+        (lambda top, t: top.update(quantization_config="fp8"), "quantization_config must be a JSON object")]},
 }
 
 
@@ -2431,10 +2449,10 @@ SPEC_ERRORS = [  # (config, the whole message): the user-facing text, vLLM's own
      "prompt_lookup_max must be a positive integer, got True"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"},
      "prompt_lookup_min must be a positive integer, got '3'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-     "prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 3},
-     "prompt_lookup_min / prompt_lookup_max are only valid with method 'ngram'"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 0},     # (vLLM: ge=1 whatever the method)
+     "prompt_lookup_max must be a positive integer, got 0"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": "3"},
+     "prompt_lookup_min must be a positive integer, got '3'"),
     ({"method": "dflash", "num_speculative_tokens": 2}, "num_speculative_tokens was provided but without speculative model."),
     ({"method": "draft_model", "num_speculative_tokens": 2},
      "num_speculative_tokens was provided but without speculative model."),
@@ -2587,8 +2605,10 @@ def test_mtp_without_head_fails_at_load(tmp_path):
 
 def test_request_errors(tiny):
     llm = LLM(model=tiny, device="cpu", max_model_len=64)
+    out = llm.generate([[1] * 60], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")  # vLLM's LLM: the output stops at the context
     with pytest.raises(ConfigError, match="maximum context length is 64 tokens. However, you requested 70 tokens"):
-        llm.generate([[1] * 60], SamplingParams(max_tokens=10))
+        llm.engine.add_request([1] * 60, SamplingParams(max_tokens=10))  # the server's rule (vLLM's server)
     with pytest.raises(ConfigError, match="prompt is empty"):
         llm.generate([[]], SamplingParams())
     for bad, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
@@ -2596,7 +2616,7 @@ def test_request_errors(tiny):
                      # a value of another type: refused here, not by the step it would fail (which, offline, left
                      # its request in the engine to fail every later generate)
                      (dict(stop=[5]), "stop must be a string or a list of strings"), (dict(stop=5), "stop must be"),
-                     (dict(logprobs=1.5), "logprobs must be an integer"), (dict(logprobs=True), "logprobs must"),
+                     (dict(logprobs=1.5), "logprobs must be an integer"), (dict(logprobs="1"), "logprobs must"),
                      (dict(seed=1.5), "seed must be an integer"), (dict(seed=2 ** 70), "seed must be an integer"),
                      (dict(temperature=None), "temperature must be a number"), (dict(max_tokens=4.5), "max_tokens"),
                      (dict(bad_words=[5]), "bad_words must be a list of strings")):
@@ -2644,27 +2664,30 @@ def test_sampling_params_cross_field_checks():
 
 
 def emit_reference(tok, stream, params, eos, room):
-    """A request's output after the tokens of `stream`, by the stop rules written plainly: tokens are appended one at a
-    time; EOS and special ids add no text; after each token, the first of params.stop (in its order) found in the
-    text ends the output (the text cut before it; the token stays), else a stop id (kept), else EOS unless ignore_eos,
-    else max_tokens or the context (room: tokens left). -> (ids, text, finish_reason, stop_reason)."""
-    ids, text_ids = [], []
+    """A request's output after the tokens of `stream`, by vLLM's stop rules written plainly: tokens are appended one
+    at a time; the token that stops the request (a stop id, or EOS unless ignore_eos) adds no text unless
+    include_stop_str_in_output, nor do special ids (vLLM's detokenizer); the text is the decode of the text's ids
+    whenever that does not end in U+FFFD (else it stays as it was: tokenizers' DecodeStream holds an unfinished
+    character, and never releases it if the request ends there); after each token, the first of params.stop (in its
+    order) found in the text ends the output (the text cut before it; the token stays), else the tokenizer's EOS
+    (stop_reason None), else a stop id or another EOS (the generation config's join stop_token_ids: stop_reason its
+    id), else max_tokens or the context (room: tokens left). -> (ids, text, finish_reason, stop_reason)."""
+    ids, text_ids, text = [], [], ""
     for t in stream:
         ids.append(t)
-        if t not in eos and t not in tok._special_id_set:
+        stop_token = t in params.stop_token_ids or (t in eos and not params.ignore_eos)
+        if not (stop_token and not params.include_stop_str_in_output) and t not in tok._special_id_set:
             text_ids.append(t)
-            text = tok.decode(text_ids)
+            if not tok.decode(text_ids).endswith("\ufffd"):
+                text = tok.decode(text_ids)
             hit = next((x for x in params.stop if x in text), None)
             if hit is not None:
                 return ids, text[:text.index(hit)], "stop", hit
-        text = tok.decode(text_ids)
-        if t in params.stop_token_ids:
-            return ids, text, "stop", t
-        if t in eos and not params.ignore_eos:
-            return ids, text, "stop", None
+        if stop_token:
+            return ids, text, "stop", None if t == tok.eos_token_id and not params.ignore_eos else t
         if len(ids) >= min(params.max_tokens, room):
             return ids, text, "length", None
-    return ids, tok.decode(text_ids), None, None
+    return ids, text, None, None
 
 
 def test_stops_inside_runs_match_the_stop_rules(tiny):
@@ -2696,7 +2719,7 @@ def test_stops_inside_runs_match_the_stop_rules(tiny):
             stream[0] = pick(twice)
         if trial % 6 == 1:                                                       # a 2-byte character split over
             at = 1 + int(torch.randint(n, (), generator=g))                      # two tokens (a stop between them:
-            stream[at:at + 1] = [byte[0xC3], byte[0xA9]]                         # the dangling byte flushes as U+FFFD)
+            stream[at:at + 1] = [byte[0xC3], byte[0xA9]]                         # the dangling byte is never released)
             n = len(stream)
         text = tok.decode([t for t in stream if t not in eos and t not in tok._special_id_set])
         stops = []
@@ -2841,7 +2864,8 @@ def test_stops_inside_accepted_runs(tiny_spec, spec_off):
         for key in keys:
             if key[0] == "eos":                                                  # the model's EOS, for this case
                 p, _, args = cases[key]
-                llm.engine.stop_ids = {args["eos"]}
+                llm.engine.stop_ids = {args["eos"]}                             # (the tokenizer's: no stop_reason)
+                llm.engine.eos_id = args["eos"]
                 got[key] = llm.generate([p], SamplingParams(temperature=0, max_tokens=48))[0]
         outs.append({key: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
                            o.outputs[0].stop_reason) for key, o in got.items()})
@@ -3141,14 +3165,14 @@ def test_incremental_decoder(tok):
     ids = tok.encode(text)
     assert any(not tok.token_bytes(i).decode("utf-8", "ignore") for i in ids)  # some ids are partial chars
     dec = IncrementalDecoder(tok)
-    pieces = [dec.add(i) for i in ids] + [dec.flush()]
+    pieces = [dec.add(i) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == dec.text == tok.decode(ids) == text == tok.decode(torch.tensor(ids))
     dec = IncrementalDecoder(tok, skip_special=True)  # lists of ids work too
-    assert dec.add(ids[:3]) + dec.add(ids[3:]) + dec.flush() == text.replace("<|im_end|>", "")
-    dec = IncrementalDecoder(tok)  # a truncated character comes out as one U+FFFD on flush
+    assert dec.add(ids[:3]) + dec.add(ids[3:]) == text.replace("<|im_end|>", "")
+    dec = IncrementalDecoder(tok)  # a truncated character is held (and never released: vLLM's DecodeStream)
     part = tok.encode("😀")[:-1]
-    assert dec.add(part) == "" and dec.flush() == "\ufffd" == tok.decode(part)
+    assert dec.add(part) == "" and dec.text == ""
 
 
 def test_chat_template_system_user():
@@ -8713,7 +8737,7 @@ def test_responses_api(srv_scripted):
                                     # the chat path's checks name this request's fields (chat's before session 34)
                                     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
                                     ({"input": [{"role": "robot", "content": "x"}]}, "input", "role"),
-                                    ({"text": {"format": {"type": "xml"}}}, "text", "is not supported")]:
+                                    ({"text": {"format": {"type": "xml"}}}, "text.format", "is not supported")]:
         status, body = srv_scripted.post("/v1/responses", {"model": "tiny", "input": "CASE-TEXT", **fields})
         check_error(status, body, 400, param, fragment)
 
@@ -9651,6 +9675,1037 @@ def test_kernel_ngram_lookup(k, lo, hi):
         assert ref[b].tolist() == want + [-1] * (k - len(want)), (b, s)
 
 
+# ==============================================================================================
+# vLLM's offline API, session 47
+# ==============================================================================================
+
+@pytest.fixture(scope="module")
+def toy47():
+    if not os.path.isdir(TOY):
+        pytest.skip("models/toy not present")
+    return LLM(TOY, device="cpu", max_num_seqs=4, max_model_len=256)
+
+
+def test_s47_logprobs_true_is_one_and_minus_one_is_all(tiny):
+    """vLLM's SamplingParams.__post_init__ turns logprobs / prompt_logprobs True into 1 (True crashed a step:
+    topk(k=True)); _verify_args takes -1 (the whole vocabulary) for both, as far as max_logprobs lets it; any other
+    type is refused when the params are made, naming the field."""
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    llm = LLM(model=tiny, device="cpu", max_model_len=64, max_logprobs=-1)
+    V = llm.cfg.vocab_size
+    sp = SamplingParams(max_tokens=2, temperature=0, logprobs=-1, prompt_logprobs=True)
+    out = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 3
+    assert all(1 <= len(d) <= 2 for d in out.prompt_logprobs[1:])        # the top one, and the prompt's token
+    assert [len(d) for d in out.outputs[0].logprobs] == [V, V]
+    llm.max_logprobs = 20                                                   # vLLM's default cap: -1 is V > 20
+    with pytest.raises(ValueError, match=f"Requested sample logprobs of {V}, which is greater than max allowed: 20"):
+        llm.generate([[5]], sp, use_tqdm=False)
+    for bad in (False, 1.5, "1"):
+        with pytest.raises(ConfigError, match="prompt_logprobs must be an integer"):
+            SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(ConfigError, match=re.escape("logprobs must be non-negative or -1, got -2.")):
+        SamplingParams(logprobs=-2)
+
+
+def test_s47_stop_token_text_left_out(toy47):
+    """vLLM's detokenizer (v1/engine/detokenizer.py, update(new_token_ids, stop_terminated)) leaves the text of the
+    token that stop-terminated the request out of `text` unless include_stop_str_in_output; token_ids keep it."""
+    llm = toy47
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    ids = llm.generate("def f():", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    t = ids[1]
+    sp = dataclasses.replace(greedy, stop_token_ids=[t])
+    out = llm.generate("def f():", sp, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:ids.index(t) + 1], "stop", t)
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1]) != llm.tokenizer.decode(out.token_ids)
+    inc = llm.generate("def f():", dataclasses.replace(sp, include_stop_str_in_output=True), use_tqdm=False)
+    assert inc[0].outputs[0].text == llm.tokenizer.decode(out.token_ids)
+    # an EOS is a stop token too: its text only with include_stop_str_in_output and skip_special_tokens off
+    eos = llm.tokenizer.eos_token_id
+    forced = SamplingParams(max_tokens=4, temperature=0, logit_bias={eos: 100})
+    for flags, text in ((dict(), ""), (dict(skip_special_tokens=False), ""),
+                        (dict(skip_special_tokens=False, include_stop_str_in_output=True), llm.tokenizer.decode([eos]))):
+        o = llm.generate("def", dataclasses.replace(forced, **flags), use_tqdm=False)[0].outputs[0]
+        assert (o.token_ids, o.text) == ([eos], text), flags
+
+
+def test_s47_server_stop_token_text_left_out(srv):
+    """The server's text (whole and streamed) is the engine's: it ends before the stop token id's text too (and
+    before a character the tokens before it left unfinished, which vLLM's detokenizer never releases then)."""
+    from specdec import Tokenizer
+    body = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    tok = Tokenizer.from_dir(srv_model(srv))
+    tokens = srv.post("/v1/completions", dict(body, logprobs=0))[1]["choices"][0]["logprobs"]["tokens"]
+    t = next(t for t in tokens[3:] if t.isascii() and t.strip() and len(tok.encode(t)) == 1)
+    stop = dict(body, stop_token_ids=[tok.encode(t)[0]])
+    c = srv.post("/v1/completions", dict(stop, include_stop_str_in_output=True))[1]["choices"][0]
+    assert c["text"].endswith(t) and c["text"] == tok.decode(c["token_ids"])
+    ids = c["token_ids"][:-1]
+    want = next(tok.decode(ids[:j]) for j in range(len(ids), -1, -1) if not tok.decode(ids[:j]).endswith("\ufffd"))
+    r = srv.post("/v1/completions", stop)[1]["choices"][0]
+    assert (r["text"], r["finish_reason"], r["stop_reason"]) == (want, "stop", tok.encode(t)[0])
+    chunks = sse_events(srv.request("POST", "/v1/completions", dict(stop, stream=True))[2])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+
+
+def test_s47_generation_config_eos_stop_reason(toy47):
+    """vLLM's SamplingParams.update_from_generation_config adds the generation config's EOS ids other than the
+    tokenizer's to stop_token_ids (unless ignore_eos), so a request they end has stop_reason = the id; the
+    tokenizer's EOS (check_stop's eos_token_id) ends it with stop_reason None."""
+    llm = toy47
+    eos = llm.tokenizer.eos_token_id
+    other = next(e for e in llm.cfg.eos_token_ids if e != eos)
+    out = llm.generate('if __name__ == "__main__":\n    main()\n', SamplingParams(max_tokens=60, temperature=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (other, "stop", other)
+    for t, extra, want in ((eos, {}, ("stop", None)), (other, {}, ("stop", other)),
+                           (other, dict(ignore_eos=True), ("length", None)),        # not a stop id then
+                           (eos, dict(ignore_eos=True, stop_token_ids=[eos]), ("stop", eos))):
+        sp = SamplingParams(max_tokens=3, temperature=0, logit_bias={t: 100}, **extra)
+        o = llm.generate("def", sp, use_tqdm=False)[0].outputs[0]
+        assert (o.finish_reason, o.stop_reason) == want, (t, extra)
+
+
+def test_s47_offline_checks_the_prompt_alone(tiny):
+    """vLLM's LLM.generate checks only the prompt (input_processor._validate_prompt_len: longer than max_model_len,
+    or as long, leaving no room for a token, is refused); prompt + max_tokens may exceed it: the output stops at
+    max_model_len with finish_reason "length". (The server keeps its 400 for prompt + max_tokens > max_model_len.)"""
+    llm = LLM(model=tiny, device="cpu", max_model_len=32)
+    outs = llm.generate([[1] * 30, [2]], SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [(2, "length"), (31, "length")]
+    for n, msg in ((32, "The decoder prompt (length 32) plus the number of requested output tokens (at least 1) is "
+                        "longer than the maximum model length of 32. Make sure that `max_model_len` is no smaller "
+                        "than the number of text tokens (prompt + requested output tokens)."),
+                   (33, "The decoder prompt (length 33) is longer than the maximum model length of 32. Make sure that "
+                        "`max_model_len` is no smaller than the number of text tokens.")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            llm.generate([[1], [1] * n], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert not llm.engine.waiting and all(s is None for s in llm.engine.slots)   # none of that batch stays
+
+
+def test_s47_generate_and_chat_take_vllms_arguments(tiny):
+    """vLLM's LLM.generate(prompts, sampling_params, *, use_tqdm, lora_request, priority, tokenization_kwargs) takes
+    any Sequence of SamplingParams (a tuple raised AttributeError); LLM.chat(messages, sampling_params, use_tqdm,
+    lora_request, chat_template, chat_template_content_format, add_generation_prompt, ...) in that order. The
+    arguments specdec has no use for are accepted at their defaults; other values are ConfigErrors (vLLM's
+    input_processor._validate_lora message for a LoRA request)."""
+    llm = LLM(model=tiny, device="cpu", max_model_len=64)
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    want = [o.outputs[0].token_ids for o in llm.generate(["a", "b"], [sp, sp], use_tqdm=False)]
+    got = llm.generate(["a", "b"], (sp, sp), use_tqdm=False, lora_request=None, priority=[0, 0],
+                       tokenization_kwargs=None)
+    assert [o.outputs[0].token_ids for o in got] == want
+    msgs = [{"role": "user", "content": "hi"}]
+    ref = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.chat(msgs, sp, False, None, None, "auto", True)[0].outputs[0].token_ids == ref
+    for kw, msg in ((dict(lora_request="adapter"), "Got lora_request adapter but LoRA is not enabled!"),
+                    (dict(priority=[0, 1]), "Got priority 1 but Priority scheduling is not enabled."),
+                    (dict(tokenization_kwargs={"truncation": True}), "tokenization_kwargs=")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            llm.generate(["a", "b"], sp, use_tqdm=False, **kw)
+    for kw in (dict(chat_template_content_format="openai"), dict(mm_processor_kwargs={"x": 1}),
+               dict(lora_request=["adapter"])):
+        with pytest.raises(ConfigError):
+            llm.chat(msgs, sp, use_tqdm=False, **kw)
+    assert not llm.engine.waiting and all(s is None for s in llm.engine.slots)
+
+
+def test_s47_unused_engine_args(tiny, capsys):
+    """vLLM's engine arguments that change nothing here (UNUSED_ENGINE_ARGS) are accepted by LLM(...) and as flags
+    at the values where that is true (they were TypeErrors); other values are ConfigErrors naming the argument
+    and its flag; an unknown keyword stays a TypeError (vLLM's EngineArgs). --max-logprobs reaches LLM."""
+    ok = dict(disable_log_stats=True, enable_prefix_caching=False, swap_space=0, block_size=16, revision=None,
+              kv_cache_dtype="auto", tokenizer_mode="auto")
+    llm = LLM(model=tiny, device="cpu", max_model_len=32, **ok)
+    assert len(llm.generate([[1]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 2
+    for name, value in (("enable_prefix_caching", True), ("kv_cache_dtype", "fp8"), ("revision", "main"),
+                        ("swap_space", -1), ("block_size", 0), ("tokenizer_mode", "slow"),
+                        ("disable_log_stats", "yes")):
+        with pytest.raises(ConfigError, match=re.escape(f"{name}={value!r} (--{name.replace('_', '-')}) is not "
+                                                        "supported")):
+            LLM(model=tiny, device="cpu", max_model_len=32, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'enable_lora'"):
+        LLM(model=tiny, device="cpu", enable_lora=True)
+    import argparse
+    ap = argparse.ArgumentParser()
+    sd.add_engine_args(ap)
+    a = ap.parse_args(sd.vllm_argv(["--model", tiny, "--device", "cpu", "--max-model-len", "32", "--disable-log-stats",
+                                    "--no-enable-prefix-caching", "--kv-cache-dtype", "auto", "--block-size", "16",
+                                    "--swap-space", "0", "--revision", "", "--max_logprobs", "-1"]))
+    with pytest.raises(ConfigError, match="revision=''"):                  # a revision names one: refused
+        sd.llm_from_args(a)
+    a.revision = None
+    assert sd.llm_from_args(a).max_logprobs == -1
+    assert sd.main(["--model", tiny, "--device", "cpu", "--max-tokens", "2", "--enable-prefix-caching"]) == 2
+    assert "enable_prefix_caching=True (--enable-prefix-caching) is not supported" in capsys.readouterr().err
+
+
+def test_s47_speculative_max_model_len_never_shrinks_the_target(tiny):
+    """vLLM's speculative max_model_len (config/speculative.py, _maybe_override_draft_max_model_len) is the draft
+    model's context: larger than the target's is an error, smaller leaves the target's alone; ngram has no draft
+    model and ignores it. specdec shrank the target's context to it."""
+    for method, n in (("ngram", 16), ("mtp", 16), ("ngram", 100)):
+        spec = {"method": method, "num_speculative_tokens": 2, "max_model_len": n}
+        assert LLM(model=tiny, device="cpu", max_model_len=64, speculative_config=spec).max_model_len == 64
+    with pytest.raises(ConfigError, match=re.escape("speculative_max_model_len=100 cannot be larger than "
+                                                    "target_max_model_len=64")):
+        LLM(model=tiny, device="cpu", max_model_len=64,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2, "max_model_len": 100})
+
+
+def test_s47_prompt_lookup_with_another_method_is_zero():
+    """vLLM's SpeculativeConfig.__post_init__ sets prompt_lookup_min / max to 0 for a method other than ngram (it
+    raises nothing); specdec refused them ("only valid with method 'ngram'")."""
+    c = sd.SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+                                        "prompt_lookup_max": 4})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("mtp", 0, 0)
+    c = sd.SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+
+
+def test_s47_fixed_masks_are_made_once_a_request(monkeypatch):
+    """allowed_token_ids and a penalized request's prompt tokens go to the device once a request (fixed_mask, kept
+    on it), not at every step: per_row sent each list again every step, so one request with a long list (the server
+    saw 0.01 -> 0.16-0.33 s gaps in another request's stream) slowed every request beside it. The processed logits
+    are the hand reference's at every step."""
+    V = 10
+    rows = [(SamplingParams(allowed_token_ids=[2, 3, 5, 9], presence_penalty=-0.5), [5], [1], []),
+            (SamplingParams(repetition_penalty=1.7), [1, 2, 2], [3], [])]
+    objs = processor_rows(rows)
+    calls = []
+    real = sd.per_row
+    monkeypatch.setattr(sd, "per_row", lambda ids, *a, **kw: calls.append([list(r) for r in ids]) or real(ids, *a, **kw))
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        logits = torch.randn(2, 2, V, generator=g)
+        drafts = [[4], [2]]
+        got = sd.process_logits(logits, torch.tensor(drafts), objs, [], cpu_h2d)
+        assert_processed_as_reference(got, logits, rows, drafts, [])
+        fixed = [c for c in calls if c in ([[2, 3, 5, 9]], [[]], [[5]], [[1, 2, 2]])]
+        assert len(fixed) == 4, (step, calls)  # the allowed lists ([] for row 1) and the prompts: the first step only
+        for r, (_, _, out, _) in zip(objs, rows):
+            r.output_ids = out + [step]  # the next step's history
+        rows = [(p, pr, out + [step], bw) for p, pr, out, bw in rows]
+
+
+# ==============================================================================================
+# The tokenizer and detokenizer against HF tokenizers and vLLM, session 48
+# ==============================================================================================
+
+def test_s48_added_tokens_found_before_nfc(tiny_dir, hf):
+    """HF splits the added tokens out of the text as written and normalizes (NFC) only the text between them:
+    "<|im_end|>" + U+0338 (combining long solidus) is EOS and the mark, not "<|im_end|" + "≯" (U+003E U+0338
+    composes to U+226F); with special tokens as text (HF's encode_special_tokens) the whole text is normalized."""
+    from tokenizers import Tokenizer as HFTokenizer
+    tok = Tokenizer.from_dir(tiny_dir)
+    plain = HFTokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json"))
+    plain.encode_special_tokens = True
+    texts = ["<|im_end|>\u0338", "a<think>\u0338b</think>\u0338c", "e\u0301<|im_start|>x\u0338", "\u0338<|im_end|>",
+             "x<|im_end|>\u0338<|im_end|>\u0338\u0338", "\u1fef<|im_end|>\u0338", "<<|im_start|>\u0338>"]
+    assert any(tok.encode(t) != tok.encode(unicodedata.normalize("NFC", t)) for t in texts)  # the case exists
+    for t in texts:
+        assert tok.encode(t) == hf.encode(t, add_special_tokens=False).ids, t
+        assert tok.encode(t, allow_special=False) == plain.encode(t, add_special_tokens=False).ids, t
+
+
+def test_s48_bad_words_spelled_as_vllm_encodes_them(tiny_dir, hf):
+    """vLLM's SamplingParams.update_from_tokenizer encodes each bad word with encode(add_special_tokens=False),
+    which turns an added token's text into its id: bad_words=["<|im_end|>"] bans EOS (before: the word's
+    letters, which the model never writes, so nothing was banned)."""
+    eng = types.SimpleNamespace(tokenizer=Tokenizer.from_dir(tiny_dir))
+    for word in ("<|im_end|>", "x<|endoftext|>", " hello<think>"):
+        plain = hf.encode(word.lstrip(), add_special_tokens=False).ids
+        spaced = hf.encode(" " + word.lstrip(), add_special_tokens=False).ids
+        want = [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        assert sd.Engine.bad_word_ids(eng, word) == want, word
+    assert sd.Engine.bad_word_ids(eng, "<|im_end|>") == [[eng.tokenizer.id_of("<|im_end|>")]]
+
+
+def _decode_stream_pieces(hf, prompt, ids):
+    """vLLM's FastIncrementalDetokenizer: a DecodeStream primed with the prompt's suffix (its choice of suffix),
+    then one step per output id; None -> ""."""
+    from tokenizers.decoders import DecodeStream
+    stream = DecodeStream(skip_special_tokens=False)
+    suffix = prompt
+    if len(prompt) > 4:
+        for i in range(4, min(len(prompt) + 1, 24)):
+            if "\ufffd" not in hf.decode(prompt[-i:], skip_special_tokens=False):
+                suffix = prompt[-i:]
+                break
+    for t in suffix:
+        stream.step(hf, t)
+    return [stream.step(hf, t) or "" for t in ids]
+
+
+def test_s48_detokenizer_releases_text_as_vllm(tiny_dir, hf):
+    """IncrementalDecoder against tokenizers' DecodeStream as vLLM drives it (the reference: another library):
+    text is released only when it does not end in U+FFFD (a space before a split character waits for it), a
+    prompt that ends mid-character is completed by the output, and an unfinished character at the end is never
+    released. Random prompts and outputs cut from encodings of mixed-script text, at every split point."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    rng = random.Random(48)
+    alphabet = ["a", " ", "\n", "é", "日本", "😀", "👨\u200d👩", "\U0001d400", " \U0001d400", "<|im_end|>", "中文 "]
+    held_once = completed = 0
+    for _ in range(150):
+        ids = tok.encode("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))))
+        cut = rng.randint(0, len(ids))
+        prompt, out = ids[:cut], ids[cut:]
+        dec = IncrementalDecoder(tok, prompt=prompt)
+        got = [dec.add([t]) for t in out]
+        assert got == _decode_stream_pieces(hf, prompt, out), (prompt, out)
+        held_once += any(g == "" and tok.token_bytes(t) for g, t in zip(got, out))
+        completed += bool(got) and got[0] != "" and not tok.decode(out[:1]).startswith(got[0][:1])
+    assert held_once and completed  # both cases were drawn
+
+
+def test_s48_engine_text_completes_and_drops_split_characters(toy47):
+    """Through the engine: an output that completes the prompt's last character starts with that character;
+    one that ends mid-character leaves it out of the text (token_ids keep it), as vLLM's detokenizer."""
+    llm = toy47
+    tok = llm.get_tokenizer()
+    c = tok.encode("\U0001d400")
+    assert len(c) > 1
+    prompt = tok.encode("x = '") + c[:-1]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, allowed_token_ids=c[-1:]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text) == (c[-1:], "\U0001d400")
+    out = llm.generate({"prompt_token_ids": tok.encode("x = '")},
+                       SamplingParams(max_tokens=1, allowed_token_ids=c[:1]), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text) == (c[:1], "")
+
+
+def test_s48_tokenizer_call_arguments(tiny_dir):
+    """tokenizer(text, split_special_tokens=True) treats special tokens' text as text (transformers'); an argument
+    specdec's tokenizer does not implement is refused by name instead of ignored."""
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer.from_dir(tiny_dir)
+    ref = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tiny_dir, "tokenizer.json"))
+    for text in ("a<|im_end|>b<think>c", ["x<|endoftext|>", "y"]):
+        for split in (False, True):
+            want = ref(text, split_special_tokens=split)["input_ids"]
+            assert tok(text, split_special_tokens=split)["input_ids"] == want
+    assert tok("ab", padding=False, truncation=None)["input_ids"] == tok.encode("ab")
+    for kw in ({"return_tensors": "pt"}, {"truncation": True, "max_length": 2}, {"padding": True}, {"foo": 1}):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))}=.*not supported by specdec's tokenizer"):
+            tok("ab", **kw)
+
+
+def test_s48_continue_final_message_must_appear_whole():
+    """transformers refuses continue_final_message when the final message's text is not in the rendered chat (a
+    template that moved inline reasoning out of it); specdec rendered a cut chat that was not the message."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x</think>\n\ny</think>z"}]
+    with pytest.raises(ValueError, match="final message does not appear"):
+        sd.ChatTemplate().render(msgs, add_generation_prompt=False, continue_final_message=True)
+    msgs[-1]["content"] = [{"type": "text", "text": "Sure, "}]
+    assert sd.ChatTemplate().render(msgs, add_generation_prompt=False, continue_final_message=True).endswith("Sure,")
+
+
+def test_s48_child_seeds_are_seed_plus_index(toy47):
+    """vLLM seeds a request's n samples seed + i on copies of its params (ParentRequest._get_child_sampling_params:
+    no check again), so a parent seed of -2 gives a child seeded -1 (not unseeded: it repeats run to run), and a
+    seed near 2**63 - 1 gives children past int64's range rather than an error."""
+    llm = toy47
+    sp = SamplingParams(temperature=1.0, seed=-2, n=3, max_tokens=12)
+    assert [c.seed for c in sp.samples()] == [-2, -1, 0] and sp.seed == -2 and sp.n == 3
+    runs = [[c.token_ids for c in llm.generate(["def f(x):"], sp, use_tqdm=False)[0].outputs] for _ in range(2)]
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
+    big = SamplingParams(temperature=1.0, seed=2 ** 63 - 1, n=2, max_tokens=3)
+    assert [len(c.token_ids) for c in llm.generate("def", big, use_tqdm=False)[0].outputs] == [3, 3]
+
+
+def test_s48_detokenize_false(toy47):
+    """vLLM's detokenize=False: the same tokens, no text (the output processor has no tokenizer for the request, so
+    the logprobs' decoded_token is None too); stop strings are refused with vLLM's message."""
+    llm = toy47
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=1, prompt_logprobs=1)
+    on = llm.generate("def fib(n):", sp, use_tqdm=False)[0]
+    off = llm.generate("def fib(n):", dataclasses.replace(sp, detokenize=False), use_tqdm=False)[0]
+    assert off.outputs[0].token_ids == on.outputs[0].token_ids and on.outputs[0].text and off.outputs[0].text == ""
+    assert all(lp.decoded_token is None for d in off.outputs[0].logprobs + off.prompt_logprobs[1:] for lp in d.values())
+    assert all(lp.decoded_token is not None for d in on.outputs[0].logprobs for lp in d.values())
+    with pytest.raises(ConfigError, match=re.escape("stop strings are only supported when detokenize is True.")):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: SamplingParams(structured_outputs=sd.StructuredOutputsParams(json_object=False)),
+     "structured_outputs.json_object must be True if set; omit structured_outputs to disable structured outputs"),
+    (lambda llm: llm.generate(["a", "b"], [], use_tqdm=False), "The lengths of prompts and sampling_params"),
+    (lambda llm: llm.generate({"prompt_token_ids": "abc"}, use_tqdm=False),
+     "a prompt's 'prompt_token_ids' must be a list of token ids, got 'abc'"),
+    (lambda llm: llm.generate({"prompt": [5, 6]}, use_tqdm=False), "a prompt's 'prompt' must be a string"),
+    (lambda llm: SamplingParams(logit_bias={198: "x"}), "logit_bias values must be numbers"),
+    (lambda llm: llm.generate(5, use_tqdm=False), "prompts: a prompt .* or a list of them, got '5'"),
+    (lambda llm: llm.chat("hello", use_tqdm=False), "messages: a conversation .* got 'hello'"),
+    (lambda llm: llm.generate(["x"], {"max_tokens": 2}, use_tqdm=False), "sampling_params: a SamplingParams or"),
+])
+def test_s48_offline_arguments_refused_by_name(toy47, call, message):
+    """Arguments of the wrong kind get one error naming what is wrong (before: json_object=False still constrained
+    the output to JSON; an empty list of params used the defaults; a text under prompt_token_ids was tokenized; the
+    rest were TypeErrors / AttributeErrors from deep inside), and the engine goes on."""
+    with pytest.raises(ValueError, match=message):
+        call(toy47)
+    assert toy47.generate("def", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ==============================================================================================
+# Damaged checkpoints: one line naming the problem (session 48's adversarial pass over loading)
+# ==============================================================================================
+
+def _toy_copy(tmp_path, name="ck"):
+    if not os.path.isdir(TOY):
+        pytest.skip("models/toy not present")
+    d = tmp_path / name
+    shutil.copytree(TOY, d)
+    return str(d)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_s48_invalid_json_names_its_file(tmp_path, name):
+    """A file that is not JSON is named in the error (json's own message names no file)."""
+    d = _toy_copy(tmp_path)
+    with open(os.path.join(d, name), "w") as fh:
+        fh.write("{'not': json")
+    with pytest.raises(ValueError, match=re.escape(os.path.join(d, name)) + ": this .*is not valid JSON"):
+        LLM(d, device="cpu", max_model_len=64)
+
+
+def test_s48_generation_config_of_other_types(tmp_path):
+    """generation_config.json that is not an object, or whose eos_token_id is not ids: one line naming it."""
+    d = _toy_copy(tmp_path)
+    for bad in ([1], {"eos_token_id": "8192"}, {"eos_token_id": [None]}):
+        with open(os.path.join(d, "generation_config.json"), "w") as fh:
+            json.dump(bad, fh)
+        with pytest.raises(ConfigError, match="generation_config.json"):
+            LLM(d, device="cpu", max_model_len=64)
+
+
+def _shard(d, names_by_file, src=None):
+    """Rewrite d's weights as the given shards {file: [tensor names]} (from the toy's own tensors)."""
+    from safetensors.torch import load_file, save_file
+    w = load_file(os.path.join(src or TOY, "model.safetensors"))
+    os.remove(os.path.join(d, "model.safetensors"))
+    for f, names in names_by_file.items():
+        save_file({n: w[n].clone() for n in names}, os.path.join(d, f))
+    return sorted(w)
+
+
+def test_s48_shards_a_tensor_in_two_files_or_misplaced(tmp_path):
+    """The index's weight_map is read: a tensor in two shards (one a zeroed copy, which the last file read used to
+    win: garbage text, exit 0) and an entry whose shard lacks the tensor are refused; an entry outside the directory
+    too. A well-formed sharded checkpoint still loads and decodes as the single file does."""
+    names = _shard(_toy_copy(tmp_path, "probe"), {"a.safetensors": []})
+    half = len(names) // 2
+    ref = LLM(TOY, device="cpu", max_model_len=64).generate("def f():", SamplingParams(temperature=0, max_tokens=6),
+                                                            use_tqdm=False)[0].outputs[0].token_ids
+    d = _toy_copy(tmp_path, "ok")
+    _shard(d, {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]})
+    index = {"weight_map": {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}}
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
+        json.dump(index, fh)
+    out = LLM(d, device="cpu", max_model_len=64).generate("def f():", SamplingParams(temperature=0, max_tokens=6),
+                                                          use_tqdm=False)[0].outputs[0].token_ids
+    assert out == ref
+    dup = _toy_copy(tmp_path, "dup")
+    _shard(dup, {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:] + names[:1]})
+    shutil.copy(os.path.join(d, "model.safetensors.index.json"), dup)
+    with pytest.raises(ConfigError, match=f"tensor {re.escape(names[0])} is in both model-00001"):
+        LLM(dup, device="cpu", max_model_len=64)
+    moved = json.loads(json.dumps(index))
+    moved["weight_map"][names[0]] = "model-00002-of-00002.safetensors"
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
+        json.dump(moved, fh)
+    with pytest.raises(ConfigError, match=f"tensor {re.escape(names[0])} is mapped to model-00002-of-00002"):
+        LLM(d, device="cpu", max_model_len=64)
+    moved["weight_map"][names[0]] = "/etc/passwd"
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
+        json.dump(moved, fh)
+    with pytest.raises(ConfigError, match="'/etc/passwd' is outside the checkpoint directory"):
+        LLM(d, device="cpu", max_model_len=64)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage"])
+def test_s48_unreadable_safetensors_named(tmp_path, damage):
+    """A truncated, empty or foreign weights file (an interrupted download) is one line naming it, in the target and
+    in a drafter (before: safetensors' traceback)."""
+    d = _toy_copy(tmp_path)
+    f = os.path.join(d, "model.safetensors")
+    data = open(f, "rb").read()
+    with open(f, "wb") as fh:
+        fh.write({"truncate": data[:len(data) // 2], "empty": b"", "garbage": os.urandom(4096)}[damage])
+    with pytest.raises(ConfigError, match=re.escape(f) + ": not a readable safetensors file"):
+        LLM(d, device="cpu", max_model_len=64)
+    draft = _toy_copy(tmp_path, "draft")
+    shutil.rmtree(draft)
+    shutil.copytree(os.path.join(os.path.dirname(TOY), "toy-draft"), draft)
+    shutil.copy(f, os.path.join(draft, "model.safetensors"))
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        LLM(TOY, device="cpu", max_model_len=64,
+            speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+
+
+def test_s48_mtp_with_no_mtp_layers_in_config(tmp_path):
+    """method mtp on a checkpoint whose config says mtp_num_hidden_layers 0 (its mtp.* tensors then unused): one line
+    (before: TypeError 'NoneType' object is not callable inside the first step)."""
+    d = _toy_copy(tmp_path)
+    _edit_config(d, lambda c: c["text_config"].update(mtp_num_hidden_layers=0))
+    with pytest.raises(ConfigError, match="mtp_num_hidden_layers 0"):
+        LLM(d, device="cpu", max_model_len=64, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+@needs_gguf
+@pytest.mark.parametrize("key, message", [
+    (b"qwen35.rope.freq_base", "the GGUF metadata has no qwen35.rope.freq_base"),
+    (b"qwen35.attention.layer_norm_rms_epsilon", "has no qwen35.attention.layer_norm_rms_epsilon"),
+    (b"qwen35.block_count", "has no qwen35.block_count"),
+    (b"qwen35.embedding_length", "has no qwen35.embedding_length"),
+    (b"tokenizer.ggml.merges", "has no tokenizer.ggml.merges"),
+    (b"tokenizer.ggml.model", "tokenizer.ggml.model None: specdec reads byte-level BPE"),
+])
+def test_s48_gguf_missing_metadata_named(tmp_path, key, message):
+    """A GGUF file without a metadata key specdec needs is refused naming the key (before: a missing float became
+    NaN weights and the text '!!!!!!!!' with exit 0; no merges tokenized wrongly; a missing integer a TypeError).
+    The key is renamed in place (same length), as a damaged or hand-edited file would have it."""
+    src = str(tmp_path / "ok.gguf")
+    gguf_from_checkpoint(TOY, src, "F32")
+    data = open(src, "rb").read()
+    assert data.count(key) >= 1
+    bad = str(tmp_path / "bad.gguf")
+    with open(bad, "wb") as fh:
+        fh.write(data.replace(key, key[:-1] + b"_", 1))
+    with pytest.raises(ConfigError, match=re.escape(bad) + ": .*" + re.escape(message)):
+        LLM(bad, device="cpu", max_model_len=64)
+
+
+@needs_gguf
+def test_s48_gguf_truncated_or_a_folder(tmp_path):
+    """A truncated GGUF file and a folder named *.gguf: one line each, saying what is wrong."""
+    src = str(tmp_path / "ok.gguf")
+    gguf_from_checkpoint(TOY, src, "F32")
+    data = open(src, "rb").read()
+    for cut in (len(data) // 2, len(data) - 1000, 64):
+        bad = str(tmp_path / f"cut{cut}.gguf")
+        with open(bad, "wb") as fh:
+            fh.write(data[:cut])
+        with pytest.raises(ConfigError, match=re.escape(bad) + ": .*(not a readable GGUF file|truncated)"):
+            LLM(bad, device="cpu", max_model_len=64)
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(ConfigError, match="not a file"):
+        LLM(str(tmp_path / "dir.gguf"), device="cpu", max_model_len=64)
+
+
+def test_s48_model_argument_of_another_type():
+    """LLM(model=123) / model="" are one line (a TypeError inside os.path before; "" silently took the toy model)."""
+    for bad in (123, "", ["models/toy"]):
+        with pytest.raises(ConfigError, match="model must be a path or a Hugging Face model id"):
+            LLM(model=bad, device="cpu")
+
+
+def test_s48_explicit_mtp_with_another_model_refused(tmp_path, tiny):
+    """{"method": "mtp", "model": X}: vLLM loads the MTP layer from X; specdec drafts with the target's own head, so
+    an X that is not the target (or does not exist) is refused in one line instead of ignored; the target itself,
+    or no model, is mtp as before."""
+    spec = lambda **kw: sd.SpeculativeConfig.from_json(kw, target=tiny)  # noqa: E731
+    for other in (str(tmp_path / "nonexistent"), TOY):
+        with pytest.raises(ConfigError, match="specdec's mtp drafts with the target's own MTP head"):
+            spec(method="mtp", model=other, num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="specdec's mtp drafts with the target's own MTP head"):
+        spec(method="qwen3_next_mtp", model=TOY, num_speculative_tokens=2)
+    for c in (spec(method="mtp", model=tiny, num_speculative_tokens=2), spec(method="mtp", num_speculative_tokens=2)):
+        assert (c.method, c.model, c.num_speculative_tokens) == ("mtp", None, 2)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["dflash_config"].update(mask_token_id="x"), "mask_token_id must be a non-negative integer, got 'x'"),
+    (lambda c: c.update(block_size=0), "block_size must be a positive integer, got 0"),
+    (lambda c: c.update(block_size=-3), "block_size must be a positive integer, got -3"),
+    (lambda c: c["dflash_config"].update(target_layer_ids="1,3"), "target_layer_ids must be a list of layer numbers"),
+])
+def test_s48_dflash_config_values_checked(tmp_path, edit, message):
+    """A DFlash drafter's mask_token_id, block_size and target_layer_ids of the wrong type or range are one line
+    naming the key (before: int()'s message naming nothing, or a block of 0 / -3 tokens accepted)."""
+    src = os.path.join(os.path.dirname(TOY), "toy-dflash")
+    if not os.path.isdir(src):
+        pytest.skip("models/toy-dflash not present")
+    d = str(tmp_path / "dflash")
+    shutil.copytree(src, d)
+    assert "DFlashDraftModel" in _read_json(os.path.join(d, "config.json"))["architectures"]
+    _edit_config(d, edit)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        sd.read_block_config(d, "dflash")
+
+
+# ==============================================================================================
+# Loading refusals left alone in session 48, session 49
+# =======================================================================================
+
+
+
+def _s49_retype(path, name, dtype):
+    """Checkpoint path with tensor `name` stored in dtype (bool: its positive entries), as a damaged export has it."""
+    from safetensors.torch import load_file, save_file
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    w[name] = w[name] > 0 if dtype == torch.bool else w[name].to(dtype)
+    save_file(w, f)
+    return path
+
+
+S49_DRAFTERS = {  # layout -> (writer(path, target), method, k)
+    "dflash": (write_dflash, "dflash", 3),
+    "dflash_small_vocab": (lambda p, t: write_dflash(p, t, reduced=True), "dflash", 3),
+    "dspark": (write_dspark_native, "dspark", 4),
+    "dspark_spec": (write_dspark_speculators, "dspark", 4),
+    "qwen3_draft": (lambda p, t: write_qwen3_lm(p, 1024), "draft_model", 2),
+    "hybrid_draft": (lambda p, t: write_tiny_checkpoint(p, mtp=False, seed=5), "draft_model", 2),
+}
+
+
+@pytest.mark.parametrize("layout, name, dtype, message", [
+    ("dflash", "layers.0.self_attn.q_proj.weight", torch.int32, "is torch.int32, expected a floating-point weight"),
+    ("dflash", "layers.0.mlp.up_proj.weight", torch.bool, "is torch.bool, expected a floating-point weight"),
+    ("dflash", "fc.weight", torch.int64, "is torch.int64, expected a floating-point weight"),
+    ("dflash_small_vocab", "d2t", torch.float32, r"is torch.float32, expected torch.int64 \(integer ids\)"),
+    ("dspark", "markov_head.markov_w1.weight", torch.int16, "is torch.int16, expected a floating-point weight"),
+    ("dspark_spec", "layers.1.self_attn.k_proj.weight", torch.bool, "is torch.bool, expected a floating-point"),
+    ("qwen3_draft", "model.layers.0.self_attn.v_proj.weight", torch.int8, "is torch.int8, expected a floating"),
+    ("hybrid_draft", "model.language_model.layers.0.mlp.gate_proj.weight", torch.int32, "is torch.int32, expected"),
+    (None, "model.language_model.layers.3.self_attn.k_proj.weight", torch.bool, "is torch.bool, expected a floating"),
+])
+def test_s49_load_integer_or_bool_weights_refused(tmp_path, tiny, layout, name, dtype, message):
+    """A tensor of an integer or bool dtype where a floating weight belongs (or a floating d2t, the reduced
+    vocabulary's integer offsets) is one line naming the tensor and its dtype, in every drafter layout and in the
+    target (load_weights, the one loader). Before: a projection that fuses (q | k | v, gate | up) was cast silently
+    by torch.cat and the drafter ran on the cast weights; the others failed inside a matmul, a float d2t inside an
+    index."""
+    if layout is None:
+        target = _s49_retype(shutil.copytree(tiny, str(tmp_path / "target")), name, dtype)
+        with pytest.raises(ConfigError, match=f"tensor '{re.escape(name)}' {message}"):
+            LLM(model=target, device="cpu", max_model_len=64)
+        return
+    write, method, k = S49_DRAFTERS[layout]
+    draft = write(str(tmp_path / "draft"), tiny)
+    LLM(model=tiny, device="cpu", max_model_len=64,        # as written it loads
+        speculative_config={"method": method, "model": draft, "num_speculative_tokens": k})
+    _s49_retype(draft, name, dtype)
+    with pytest.raises(ConfigError, match=f"tensor '{re.escape(name)}' {message}.*{re.escape(draft)}"):
+        LLM(model=tiny, device="cpu", max_model_len=64,
+            speculative_config={"method": method, "model": draft, "num_speculative_tokens": k})
+
+
+def test_s49_load_integer_mask_embedding_refused(tmp_path, tiny):
+    """A block drafter's mask_embedding.pt of an integer dtype is refused naming the file (before: cast silently)."""
+    draft = write_dflash(str(tmp_path / "draft"), tiny)
+    torch.save(torch.ones(64, dtype=torch.long), os.path.join(draft, "mask_embedding.pt"))
+    with pytest.raises(ConfigError, match="mask_embedding.pt: the mask embedding is torch.int64, expected a floating"):
+        LLM(model=tiny, device="cpu", max_model_len=64,
+            speculative_config={"method": "dflash", "model": draft, "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("aux", ["1,3", ["0", "2"], [[0], [2]], [True, False], [], 2, None, [1.0, 2.0]])
+def test_s49_load_speculators_aux_ids_of_another_type(tmp_path, tiny, aux):
+    """The speculators layout's aux_hidden_state_layer_ids that is not a list of layer numbers (a string, strings,
+    nested lists, bools, empty, missing) is one line naming the field (before: a TypeError from `i - 1`, a KeyError,
+    or bools taken as layers 0 and -1)."""
+    draft = write_dspark_speculators(str(tmp_path / "dspark"), tiny)
+    assert sd.read_block_config(draft, "dspark").target_layer_ids == [-1, 1, 3]
+    _edit_config(draft, lambda c: c.pop("aux_hidden_state_layer_ids") if aux is None
+                 else c.update(aux_hidden_state_layer_ids=aux))
+    with pytest.raises(ConfigError, match=re.escape(f"(speculators dspark): aux_hidden_state_layer_ids must be a "
+                                                    f"list of layer numbers, got {aux!r}")):
+        sd.read_block_config(draft, "dspark")
+
+
+def test_s49_load_bf16_checkpoint_declaring_fp8_refused(tmp_path):
+    """A bf16 checkpoint whose config.json declares Qwen's FP8 quantization_config, its linears bf16 without
+    weight_scale_inv: one line naming the first such tensor (vLLM's fp8 loader wants float8 weights with scales
+    there; before: loaded as bf16, silently). Modules that modules_to_not_convert lists are bf16 by right: with every
+    linear listed the same files load, unquantized; and Qwen's FP8 layout (to_fp8) still loads as FP8."""
+    src = write_tiny_checkpoint(str(tmp_path / "src"), bf16=True, sizes=FP8_BLOCKS)
+    quant = json.load(open(os.path.join(to_fp8(src, str(tmp_path / "fp8")), "config.json")))["quantization_config"]
+    bf16 = rewrite(src, str(tmp_path / "bf16"), read_tensors(src), quant)
+    first = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
+    with pytest.raises(ConfigError, match=re.escape(f"{bf16}: tensor '{first}' is torch.bfloat16 without block "
+                                                    f"scales (no {first}_scale_inv beside it), but the config's "
+                                                    "quantization_config is FP8 and modules_to_not_convert does not "
+                                                    "list 'layers.0.linear_attn.in_proj_qkv'")):
+        LLM(model=bf16, device="cpu", max_model_len=64)
+    listed = dict(quant, modules_to_not_convert=quant["modules_to_not_convert"] + [first.removesuffix(".weight")])
+    second = rewrite(src, str(tmp_path / "bf16b"), read_tensors(src), listed)
+    with pytest.raises(ConfigError, match="tensor 'model.language_model.layers.0.linear_attn.in_proj_z.weight' is "
+                                          "torch.bfloat16 without block scales"):
+        LLM(model=second, device="cpu", max_model_len=64)                           # the next one is named
+    every = dict(quant, modules_to_not_convert=sorted(n.removesuffix(".weight") for n in read_tensors(src)))
+    llm = LLM(model=rewrite(src, str(tmp_path / "all"), read_tensors(src), every), device="cpu", max_model_len=64)
+    assert not any(p.dtype == sd.FP8 for p in llm.model.parameters())
+    assert LLM(model=str(tmp_path / "fp8"), device="cpu", max_model_len=64).model.layers[0].mlp.up_proj.weight.dtype \
+        == sd.FP8
+
+
+def test_s49_load_drafter_hub_id_not_in_cache(tmp_path, tiny, monkeypatch):
+    """A drafter named by a hub id that the local Hugging Face cache lacks gets the target's line: the path looked in
+    and `hf download` (before: "no config.json", as if the id were a directory). The config still parses (vLLM infers
+    the method from the name, as test_spec_config_inference_and_aliases checks); the drafter's loader refuses. One
+    in the cache loads from its snapshot."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    name = "z-lab/Qwen3.6-27B-DFlash"
+    repo = tmp_path / "hub" / "models--z-lab--Qwen3.6-27B-DFlash"
+    for method, what in (("dflash", "dflash draft"), ("dspark", "dspark draft"), ("draft_model", "draft_model"),
+                         (None, "dflash draft")):                               # None: dflash, from the name
+        spec = {"method": method, "model": name, "num_speculative_tokens": 4}
+        with pytest.raises(ConfigError) as e:
+            LLM(model=tiny, device="cpu", max_model_len=64, speculative_config=spec)
+        assert str(e.value).startswith(f"{what} '{name}' is not a local path") and "\n" not in str(e.value)
+        assert f"looked in {repo}/snapshots" in str(e.value) and f"`hf download {name}`" in str(e.value)
+    (repo / "snapshots").mkdir(parents=True)
+    shutil.copytree(write_dflash(str(tmp_path / "dflash"), tiny), repo / "snapshots" / "abc")
+    llm = LLM(model=tiny, device="cpu", max_model_len=64,
+              speculative_config={"method": "dflash", "model": name, "num_speculative_tokens": 3})
+    assert llm.spec.model == str(repo / "snapshots" / "abc")
+
+
+# ==============================================================================================
+# The server against a hostile client, session 49
+# ==============================================================================================
+# A careless or hostile client's input gets a 400 naming the field (vLLM's error body), never a wrong reading of it,
+# and never makes the other requests wait. This section's server refuses to tokenize bad words on its engine thread
+# (the loop that steps every request): that is the handler threads' work, as it is vLLM's front end's.
+
+ENGINE_THREAD_TOKENIZES_NO_BAD_WORDS = '''
+import threading, specdec
+bad_word_ids = specdec.Engine.bad_word_ids
+
+def _bad_word_ids(self, word):
+    if threading.current_thread().name == "engine":
+        raise RuntimeError("bad words tokenized on the engine thread")
+    return bad_word_ids(self, word)
+
+specdec.Engine.bad_word_ids = _bad_word_ids
+'''
+
+srv_s49 = server_fixture("srv_s49", "--max-num-seqs", "4", prelude=ENGINE_THREAD_TOKENIZES_NO_BAD_WORDS)
+
+
+def test_s49_server_stream_options_are_booleans(srv_s49):
+    """stream_options' include_usage and continuous_usage_stats are booleans read as vLLM's pydantic reads them:
+    "false" is false (before: any non-empty string was true, so the usage came), "abc" or a list is a 400 naming
+    the field, before the stream starts (before: accepted); include_usage null is false, {} has the usage."""
+    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+
+    def events(opts):
+        status, _, data = srv_s49.request("POST", "/v1/completions", dict(body, stream_options=opts))
+        assert status == 200, data
+        return sse_events(data)
+    for opts in ({"include_usage": "false"}, {"include_usage": None}, {"include_usage": 0}):
+        assert all("usage" not in e for e in events(opts)), opts
+    assert events({})[-1]["usage"]["completion_tokens"] == 3
+    every = events({"include_usage": "true", "continuous_usage_stats": "yes"})
+    assert all(e["usage"] is not None for e in every) and every[-1]["usage"]["completion_tokens"] == 3
+    for opts, name in (({"include_usage": "abc"}, "stream_options.include_usage"),
+                       ({"continuous_usage_stats": [1]}, "stream_options.continuous_usage_stats")):
+        check_error(*srv_s49.post("/v1/completions", dict(body, stream_options=opts)), 400, name, "must be a boolean")
+        check_error(*srv_s49.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True,
+                                                           "stream_options": opts}), 400, name, "must be a boolean")
+
+
+def test_s49_server_model_of_another_type(srv_s49):
+    """A `model` that is not a string (a list, an object, a number) is a 400 naming the field, as vLLM's (before: a
+    404 "The model `['x']` does not exist." with Python's spelling of it); an unknown name stays a 404."""
+    name = srv_model(srv_s49)
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}), ("/tokenize", {"prompt": "x"})):
+        for model in ([name], {"id": name}, 5):
+            check_error(*srv_s49.post(path, dict(body, model=model)), 400, "model", "'model' must be a string")
+        check_error(*srv_s49.post(path, dict(body, model="nope")), 404, "model", "The model `nope` does not exist.")
+        assert srv_s49.post(path, dict(body, model=name))[0] == 200
+
+
+def test_s49_server_content_parts_of_other_types(srv_s49):
+    """A chat content part is read as text only if its type is a text type (text, input_text, output_text): one of
+    another type (a typo, an image) or none is a 400 naming it, as vLLM's "Unsupported chat content part type"
+    (before: any part with a "text" string was read as text, whatever its type, and an image part got only "must be
+    a string or a list of text parts")."""
+    def post(part, path="/v1/chat/completions"):
+        return srv_s49.post(path, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}],
+                                   "max_tokens": 1})
+    for part, fragment in (({"type": "txet", "text": "b"}, 'content part type "txet" is not supported'),
+                           ({"text": "b"}, "a content part has no 'type'"),
+                           ({"type": "image_url", "image_url": {"url": "data:,"}},
+                            'content part type "image_url" is not supported')):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            check_error(*post(part, path), 400, "messages", "messages[0]: " + fragment)
+    for kind in ("text", "input_text", "output_text"):
+        assert post({"type": kind, "text": "b"})[0] == 200
+    check_error(*post({"type": "text", "text": None}), 400, "messages", "must be a string or a list of text parts")
+
+
+def test_s49_server_bad_words_tokenized_off_the_engine_thread(srv_s49):
+    """A request's bad words are tokenized by its handler thread: the engine thread (which steps every request) only
+    gets their token ids. Before, it tokenized them as it admitted the request, every other request waiting: 100
+    words of 100 KB held a small request up 0.1 -> 1.8 s (this server's engine thread refuses to: a 500 before).
+    Each of n samples and of a batch's prompts is held to them; a word of no tokens is a 400 naming bad_words."""
+    base = {"prompt": "x", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    status, free = srv_s49.post("/v1/completions", base)
+    assert status == 200, free
+    first = free["choices"][0]["token_ids"][0]
+    word = srv_s49.post("/detokenize", {"tokens": [first]})[1]["prompt"]
+    tok = sd.Tokenizer.from_dir(srv_model(srv_s49))
+    if tok.encode(word.lstrip()) != [first]:
+        pytest.skip(f"the greedy first token {word!r} is not a word of its own")
+    for more in ({}, {"n": 2, "temperature": 1.0, "seed": 1}, {"prompt": ["x", "x"]}):
+        status, out = srv_s49.post("/v1/completions", dict(base, bad_words=[word], **more))
+        assert status == 200, out
+        assert all(first not in c["token_ids"] for c in out["choices"]) and len(out["choices"]) == 1 + bool(more)
+    check_error(*srv_s49.post("/v1/completions", dict(base, bad_words=["  "])), 400, "bad_words",
+                "bad_words entries must tokenize to at least one token")
+    assert srv_s49.request("GET", "/health")[0] == 200
+
+
+def test_s49_server_long_bad_words_checked_from_their_last_tokens():
+    """banned_tokens (each step of a request with bad words, in the loop that steps every request) compares a bad
+    word's tokens whole only where the history ends with its next-to-last token: before, each step copied every
+    word (4096 words of 1000 tokens made the other requests' steps 7x slower for the request's life). The same
+    bans: a one-token word always, a longer one where its other tokens end the history (drafts included)."""
+    slices = []
+
+    class Word(list):
+        def __getitem__(self, k):
+            if isinstance(k, slice):
+                slices.append(k)
+            return super().__getitem__(k)
+    row = types.SimpleNamespace(output_ids=[1, 2, 3], bad_words_ids=[Word([5] * 999 + [6]), Word([4, 6]), Word([9])])
+    assert sd.banned_tokens(row, [4, 7], 3) == [(0, 9), (1, 6), (1, 9), (2, 9)]
+    assert slices == [slice(None, -1)]  # the two-token word's, where the history ends with its 4; never the long one
+    row.output_ids = [0] + [5] * 999
+    assert sd.banned_tokens(row, [], 1) == [(0, 6), (0, 9)]
+
+
+def test_s49_server_hostile_requests_beside_good_ones(srv_s49):
+    """Bad requests of every kind sent at once with good ones: each bad one gets its 400 (JSON, naming the problem),
+    the good ones their greedy answers as when alone, and the server stays healthy with nothing left running."""
+    good = [{"prompt": f"def f{i}(x):", "max_tokens": 12, "temperature": 0, "ignore_eos": True} for i in range(4)]
+    alone = [srv_s49.post("/v1/completions", b)[1]["choices"][0]["text"] for b in good]
+    bad = [(b'{"prompt": "x",', "not valid JSON"), ({"prompt": [10 ** 9]}, "out of range"),
+           ({"prompt": "x", "max_tokens": 10 ** 30}, "maximum context length"),
+           ({"prompt": "x", "stop": ["a", ""]}, "empty string"), ({"prompt": "x", "logprobs": 10 ** 9}, "logprobs"),
+           ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "abc"}}, "include_usage"),
+           ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"), ({"prompt": "x", "model": ["x"]}, "'model' must be"),
+           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url")]
+    with concurrent.futures.ThreadPoolExecutor(len(good) + len(bad)) as pool:
+        goods = [pool.submit(srv_s49.post, "/v1/completions", b) for b in good]
+        path = lambda b: "/v1/chat/completions" if isinstance(b, dict) and "messages" in b else "/v1/completions"
+        bads = [pool.submit(srv_s49.request, "POST", path(b), b, {"Content-Type": "application/json"}) for b, _ in bad]
+        for f, want in zip(goods, alone):
+            status, out = f.result()
+            assert status == 200 and out["choices"][0]["text"] == want
+        for f, (_, fragment) in zip(bads, bad):
+            status, _, data = f.result()
+            assert status == 400 and fragment in json.loads(data)["error"]["message"], data
+    assert srv_s49.request("GET", "/health")[0] == 200
+    wait_idle(srv_s49)
+
+
+# ==============================================================================================
+# Drafter and GGUF loading leftovers, session 49
+# ==============================================================================================
+
+@pytest.mark.parametrize("content, message", [
+    (torch.ones(63), r"the mask embedding has shape \(63,\), expected hidden_size \(64\) elements"),
+    (torch.ones(2, 64), r"the mask embedding has shape \(2, 64\), expected hidden_size \(64\) elements"),
+    ({"embedding": torch.ones(32)}, r"the mask embedding has shape \(32,\), expected hidden_size \(64\)"),
+    ({"emb": torch.ones(64)}, r"a dict without an 'embedding' key \(keys \['emb'\]\)"),
+    ([1.0] * 64, r"holds a list, expected the mask embedding, a tensor of hidden_size \(64\) elements"),
+    ({"embedding": "x"}, r"holds a str, expected the mask embedding"),
+    (b"", r"not a readable torch.save file \(EOFError\)"),
+    (b"PK\x03\x04" + bytes(60), r"not a readable torch.save file \(RuntimeError\)"),
+    (bytes(range(256)) * 4, r"not a readable torch.save file \(\w+\)"),
+], ids=["63", "2x64", "dict-32", "dict-no-embedding", "list", "dict-str", "empty", "cut-zip", "foreign"])
+def test_s49_load2_mask_embedding_damaged_named(tmp_path, tiny, content, message):
+    """A block drafter's mask_embedding.pt of the wrong size, a dict without 'embedding', not a tensor, or not a
+    readable torch.save file (empty, cut, foreign bytes): one line naming the file (before: a wrong size loaded and
+    failed inside the first draft, or none; the rest a KeyError, AttributeError or the unpickler's traceback). The
+    layouts as exported, [H], [1, H] and {"embedding": [H]}, still load, as the trained mask."""
+    draft = write_dflash(str(tmp_path / "draft"), tiny)
+    f = os.path.join(draft, "mask_embedding.pt")
+    spec = {"method": "dflash", "model": draft, "num_speculative_tokens": 3}
+    for good in (torch.full((64,), 0.5), torch.full((1, 64), 0.5), {"embedding": torch.full((64,), 0.5)}):
+        torch.save(good, f)
+        llm = LLM(model=tiny, device="cpu", max_model_len=64, speculative_config=spec)
+        assert torch.equal(llm.engine.runner.proposer.mask_vec.float(), torch.full((64,), 0.5))
+    if isinstance(content, bytes):
+        with open(f, "wb") as fh:
+            fh.write(content)
+    else:
+        torch.save(content, f)
+    with pytest.raises(ConfigError, match=re.escape(f) + ": " + message):
+        LLM(model=tiny, device="cpu", max_model_len=64, speculative_config=spec)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("transformer_layer_config"), "transformer_layer_config must be a JSON object (the draft "
+                                                  "layers' Qwen3 config), got 'None'"),
+    (lambda c: c.update(transformer_layer_config=[64, 2]), "transformer_layer_config must be a JSON object"),
+    (lambda c: c.update(transformer_layer_config="qwen3"), "transformer_layer_config must be a JSON object"),
+    (lambda c: c["transformer_layer_config"].pop("hidden_size"), "transformer_layer_config: the config has no "
+                                                                 "'hidden_size'"),
+    (lambda c: c["transformer_layer_config"].pop("num_attention_heads"), "transformer_layer_config: the config "
+                                                                         "has no 'num_attention_heads'"),
+    (lambda c: c["transformer_layer_config"].update(num_hidden_layers="2"), "transformer_layer_config: "
+                                                                            "num_hidden_layers must be a positive "
+                                                                            "integer, got '2'"),
+    (lambda c: c["transformer_layer_config"].update(intermediate_size=0), "intermediate_size must be a positive "
+                                                                          "integer, got 0"),
+    (lambda c: c["transformer_layer_config"].update(num_key_value_heads=2.5), "num_key_value_heads must be a "
+                                                                              "positive integer, got 2.5"),
+    (lambda c: c["transformer_layer_config"].update(rms_norm_eps="1e-6"), "rms_norm_eps must be a positive "
+                                                                          "number, got '1e-6'"),
+    (lambda c: c["transformer_layer_config"].update(rope_parameters=[1]), "rope_parameters must be a JSON "
+                                                                          "object, got '[1]'"),
+], ids=["missing", "list", "str", "no-hidden_size", "no-heads", "str-layers", "zero-intermediate", "float-kv-heads",
+        "str-eps", "rope-list"])
+def test_s49_load2_speculators_layer_config_checked(tmp_path, tiny, edit, message):
+    """The speculators layout's transformer_layer_config missing or not an object, or a number in it missing or of
+    another type: one line naming the field (before: a KeyError, an AttributeError, or a layer_types complaint for
+    num_hidden_layers "2")."""
+    draft = write_dspark_speculators(str(tmp_path / "dspark"), tiny)
+    assert sd.read_block_config(draft, "dspark").num_hidden_layers == 2
+    _edit_config(draft, edit)
+    with pytest.raises(ConfigError, match=re.escape(f"{draft} (speculators dspark)") + ".*" + re.escape(message)):
+        sd.read_block_config(draft, "dspark")
+
+
+def test_s49_load2_qwen3_fields_checked_in_other_layouts(tmp_path, tiny):
+    """The same check (qwen3_fields) in the z-lab layout's top-level config and a plain Qwen3 draft_model: a missing
+    number is named (before: KeyError 'vocab_size' / 'intermediate_size')."""
+    draft = write_dflash(str(tmp_path / "dflash"), tiny)
+    _edit_config(draft, lambda c: c.pop("vocab_size"))
+    with pytest.raises(ConfigError, match=re.escape(f"{draft} (z-lab DFlashDraftModel): the config has no "
+                                                    "'vocab_size'")):
+        sd.read_block_config(draft, "dflash")
+    lm = write_qwen3_lm(str(tmp_path / "qwen3"), 1024)
+    _edit_config(lm, lambda c: c.pop("intermediate_size"))
+    with pytest.raises(ConfigError, match=re.escape(f"draft_model {lm}: the config has no 'intermediate_size'")):
+        LLM(model=tiny, device="cpu", max_model_len=64,
+            speculative_config={"method": "draft_model", "model": lm, "num_speculative_tokens": 2})
+
+
+@needs_gguf
+@pytest.mark.parametrize("moe, name, dtype", [
+    (False, "token_embd.weight", np.int32),
+    (False, "blk.0.attn_qkv.weight", np.int8),
+    (False, "blk.1.attn_norm.weight", np.int16),
+    (False, "blk.2.ssm_a", np.int64),
+    (True, "blk.0.ffn_up_exps.weight", np.int16),
+])
+def test_s49_load2_gguf_integer_tensor_refused(tmp_path, monkeypatch, tiny, tiny_moe, moe, name, dtype):
+    """A GGUF tensor stored with an integer type (I8 / I16 / I32 / I64) where every qwen35 tensor is a float weight:
+    one line naming the tensor and its GGUF type (before: gguf-py's NotImplementedError traceback, or a silent cast
+    to the model dtype where the reader converts integers). Written by write_gguf, the named tensor handed to the
+    GGUF writer as an integer array (the writer then records its type as I8 .. I64)."""
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add(self, gname, data, raw_shape=None, raw_dtype=None, **kw):
+        if gname == name:  # the float values, rounded: an integer tensor of the same shape
+            return add_tensor(self, gname, np.round(np.asarray(data, np.float32) * 100).astype(dtype), **kw)
+        return add_tensor(self, gname, data, raw_shape, raw_dtype, **kw)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add)
+    f = gguf_from_checkpoint(tiny_moe if moe else tiny, str(tmp_path / "m.gguf"), "F32")
+    monkeypatch.undo()
+    kind = {np.int8: "I8", np.int16: "I16", np.int32: "I32", np.int64: "I64"}[dtype]
+    assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(f).tensors}[name] == kind
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: tensor {name} is stored as GGUF type {kind}, an integer "
+                                                    "type; expected a float (F32, F16, BF16) or quantized weight")):
+        LLM(model=f, device="cpu", max_model_len=64)
+
+
+# ==============================================================================================
+# The server's vLLM parity nits, session 49
+# ==============================================================================================
+# Where the server differed from vLLM in what a refused request leaves behind, the field an error names, or the
+# content it reads: a batch is checked whole before any prompt runs, errors name the request's field (by its path
+# when nested), and a chat's refusal and thinking parts are read as text.
+
+def test_s49_parity_batch_checked_before_any_prompt_runs(srv_s49):
+    """A /v1/completions batch whose last prompt is bad (too long for the context, an id out of the vocabulary,
+    empty) is refused before any of its prompts runs, as vLLM validates every prompt first: nothing of it is counted
+    in /metrics (before, the good prompts before it ran, and were counted as successes, tokens and all)."""
+    names = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+    for bad_prompt, fragment in (([5] * 5000, "maximum context length"), ([10 ** 9], "out of range"),
+                                 ("", "the prompt is empty")):
+        for good in (["a b", "c d", "e f"], [[5, 6], [7, 8], [9, 10]]):
+            before = wait_idle(srv_s49)
+            status, out = srv_s49.post("/v1/completions", {"prompt": good + [bad_prompt], "max_tokens": 1})
+            check_error(status, out, 400, None, fragment)
+            after = wait_idle(srv_s49)
+            assert [metric(after, n) for n in names] == [metric(before, n) for n in names], (good, bad_prompt)
+    status, out = srv_s49.post("/v1/completions", {"prompt": ["a b", "c d"], "max_tokens": 1})
+    assert status == 200 and len(out["choices"]) == 2  # (a good batch still runs whole)
+
+
+def test_s49_parity_logit_bias_out_of_vocab_names_the_field(srv_s49):
+    """A logit_bias token id outside the vocabulary is a 400 naming logit_bias, with vLLM's message (its
+    VLLMValidationError's parameter); before, param was null, the engine's refusal naming no field."""
+    for bias in ({"-1": 1}, {str(10 ** 6): 2, "0": 1}):
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}), ("/v1/responses", {"input": "x"}),
+                           ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})):
+            check_error(*srv_s49.post(path, dict(body, logit_bias=bias)), 400, "logit_bias",
+                        "in logit_bias contain out-of-vocab token ids. Vocabulary size:")
+    assert srv_s49.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"0": 1}})[0] == 200
+
+
+def test_s49_parity_responses_max_output_tokens_named_as_sent(srv_s49):
+    """/v1/responses reads max_output_tokens by its own name: a value of another type is a 400 naming
+    max_output_tokens in its message (vLLM's pydantic error names it so; before: "'max_tokens' must be an
+    integer", the chat field it becomes). One below 1 keeps vLLM's message, which its SamplingParams gives the
+    max_tokens made of it; a numeric string is read as pydantic reads it."""
+    for v in ("abc", [1], 1.5):
+        check_error(*srv_s49.post("/v1/responses", {"input": "x", "max_output_tokens": v}), 400, "max_output_tokens",
+                    "'max_output_tokens' must be an integer")
+    check_error(*srv_s49.post("/v1/responses", {"input": "x", "max_output_tokens": 0}), 400, "max_output_tokens",
+                "max_tokens must be at least 1, got 0.")
+    status, out = srv_s49.post("/v1/responses", {"input": "x", "max_output_tokens": "2", "ignore_eos": True})
+    assert status == 200 and out["usage"]["output_tokens"] == 2, out
+
+
+def test_s49_parity_nested_fields_named_by_their_path(srv_s49):
+    """An error in a nested field names it by its path, as OpenAI's errors do (vLLM's pydantic errors give the same
+    path in their message): stream_options.include_usage, stream_options.continuous_usage_stats, text.format (before:
+    include_usage, continuous_usage_stats, format, and text for the Responses format's other errors)."""
+    stream = {"prompt": "x", "max_tokens": 1, "stream": True}
+    for opts, name in (({"include_usage": "abc"}, "stream_options.include_usage"),
+                       ({"continuous_usage_stats": [1]}, "stream_options.continuous_usage_stats")):
+        check_error(*srv_s49.post("/v1/completions", dict(stream, stream_options=opts)), 400, name,
+                    f"'{name}' must be a boolean")
+    for fmt, fragment in ((5, "'text.format' must be an object"), ({"type": "xml"}, "is not supported"),
+                          ({"type": "json_schema", "schema": 5}, "json_schema")):
+        check_error(*srv_s49.post("/v1/responses", {"input": "x", "text": {"format": fmt}}), 400, "text.format",
+                    fragment)
+    check_error(*srv_s49.post("/v1/responses", {"input": "x", "text": 5}), 400, "text", "'text' must be an object")
+
+
+def test_s49_parity_refusal_and_thinking_parts_read_as_text(srv_s49):
+    """A chat content part of type refusal or thinking is read as text, from its "refusal" or "thinking" key, as
+    vLLM's chat parser reads them (its TEXT_PART_TYPES): the prompt is that of a text part of the same text (before:
+    a 400, "content part type ... is not supported"); one whose text is not a string is still a 400."""
+    def tokens(parts):
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": parts},
+                {"role": "user", "content": "again"}]
+        status, out = srv_s49.post("/tokenize", {"messages": msgs})
+        assert status == 200, out
+        return out["tokens"]
+    text = lambda s: {"type": "text", "text": s}  # noqa: E731
+    assert tokens([{"type": "refusal", "refusal": "no way"}]) == tokens([text("no way")]) != tokens([text("sure")])
+    assert tokens([text("a"), {"type": "thinking", "thinking": "b"}]) == tokens([text("a"), text("b")])
+    msgs = [{"role": "user", "content": [text("q"), {"type": "thinking", "thinking": "hm"}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}, {"role": "user", "content": "x"}]
+    assert srv_s49.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 1})[0] == 200
+    refusal_as_text = [{"role": "user", "content": [{"type": "refusal", "text": "no"}]}]  # (its text is "refusal")
+    check_error(*srv_s49.post("/v1/chat/completions", {"messages": refusal_as_text, "max_tokens": 1}), 400, "messages",
+                "must be a string or a list of text parts")
+
 
 # ==============================================================================================
 # bench.py against careless input, session 49
@@ -9861,3 +10916,34 @@ def test_s49_bench_unreadable_metrics_are_none(monkeypatch):
     text = b"vllm:spec_decode_num_drafts_total 3"
     monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: text)
     assert bench.scrape_spec("http://h", {})["drafts"] == 3.0
+
+
+# ==============================================================================================
+# Two small mends, session 49
+# ==============================================================================================
+
+@pytest.mark.parametrize("key, value, where", [
+    ("sample_from_anchor", "false", "top"), ("sliding_window_non_causal", "true", "top"),
+    ("is_causal", 1, "top"), ("use_swa", "no", "dflash_config"), ("causal", [True], "dflash_config")])
+def test_s49_block_drafter_booleans_are_booleans(tmp_path, tiny, key, value, where):
+    """A block drafter's boolean switches (sample_from_anchor, is_causal / causal, sliding_window_non_causal,
+    use_swa) of another JSON type are one line naming the switch (before: read by truthiness, so a string "false"
+    was true: a DSpark drafter attending causally, or a refusal about sample_from_anchor=true)."""
+    draft = (write_dspark_speculators if key in ("sample_from_anchor", "sliding_window_non_causal") else write_dflash)(
+        str(tmp_path / "d"), tiny)
+    method = "dspark" if key in ("sample_from_anchor", "sliding_window_non_causal") else "dflash"
+    sd.read_block_config(draft, method)
+    _edit_config(draft, lambda c: (c if where == "top" else c.setdefault("dflash_config", {})).update({key: value}))
+    name = "is_causal / causal" if key in ("is_causal", "causal") else key
+    with pytest.raises(ConfigError, match=re.escape(f"{name} must be true or false, got {value!r}")):
+        sd.read_block_config(draft, method)
+
+
+def test_s49_cli_says_when_no_drafts_were_proposed(tiny, capsys):
+    """ngram on a prompt without a repeated n-gram and 2 tokens proposes nothing: the CLI says so, instead of vLLM's
+    acceptance line with an empty per-position list ("Per-position acceptance rate: , ")."""
+    spec = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":4,"prompt_lookup_max":4}'
+    assert sd.main(["--model", tiny, "--prompt", "a b", "--max-tokens", "2", "--device", "cpu", "--ignore-eos",
+                    "--speculative-config", spec]) == 0
+    err = capsys.readouterr().err
+    assert "[SpecDecoding metrics: no drafts were proposed]" in err and "Per-position acceptance rate: ," not in err

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU gate: one device call on the H200, under 10 minutes. A change to kernels.py or specdec.py lands only with
+# The GPU gate: one device call on the H200 (an H100 80GB runs it too), under 10 minutes. A change to kernels.py or specdec.py lands only with
 # a GPU_VERIFIED that this script wrote for exactly those files (README, "Development").
 #   bash tools/gpu_check.sh            (in the repository root on the GPU machine; logs and GPU_VERIFIED under $OUT)
 # 1. the first-run snippet: MTP on the shipped model, bf16, CUDA graphs (64 tokens);

@@ -422,10 +422,11 @@ def prompt_fields(app, body, ids, params, implied=None):
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FUNCTION_SHAPE = '{"type": "function", "function": {"name": ...}}'
-# The content parts vLLM reads as text (its TEXT_PART_TYPES): most hold it as "text"; a refusal (an assistant turn's,
-# as OpenAI sends it back) under "refusal", a thinking part under "thinking" (TEXT_KEYS)
-TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal", "thinking")
-TEXT_KEYS = {"refusal": "refusal", "thinking": "thinking"}
+# The content parts vLLM reads as text (its TEXT_PART_TYPES): most hold it as "text" (TEXT_PARTS, the Responses API's
+# too); a refusal (an assistant turn's, as OpenAI sends it back) and a thinking part under their type's name
+TEXT_PARTS = ("text", "input_text", "output_text")
+TEXT_UNDER_TYPE = ("refusal", "thinking")
+TEXT_PART_TYPES = TEXT_PARTS + TEXT_UNDER_TYPE
 
 
 def parse_messages(msgs):
@@ -446,8 +447,9 @@ def parse_messages(msgs):
                 f"content part type {short(wrong[0])} is not supported"
             raise bad(f"{where}: {what} (this server takes text parts: {', '.join(TEXT_PART_TYPES)})", "messages")
         if isinstance(content, list):  # a refusal or a thinking part: a text part of its text (vLLM's reading)
-            content = m["content"] = [{"type": "text", "text": p.get(TEXT_KEYS[p["type"]])}
-                                      if isinstance(p, dict) and p.get("type") in TEXT_KEYS else p for p in content]
+            content = m["content"] = [{"type": "text", "text": p.get(p["type"])}
+                                      if isinstance(p, dict) and p.get("type") in TEXT_UNDER_TYPE else p
+                                      for p in content]
         parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                   for p in content)
         if not (content is None or isinstance(content, str) or parts):
@@ -983,7 +985,6 @@ PASSED_TO_CHAT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "seed", "stop", "logit_bias", "chat_template_kwargs", "include_reasoning",
                   "parallel_tool_calls", "ignore_eos", "min_tokens", "stream", "structured_outputs",
                   "include_stop_str_in_output")
-TEXT_PARTS = ("input_text", "output_text", "text")
 # A chat field an error names -> the Responses field it came from (response_to_chat)
 CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 

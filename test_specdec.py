@@ -10947,3 +10947,29 @@ def test_s49_cli_says_when_no_drafts_were_proposed(tiny, capsys):
                     "--speculative-config", spec]) == 0
     err = capsys.readouterr().err
     assert "[SpecDecoding metrics: no drafts were proposed]" in err and "Per-position acceptance rate: ," not in err
+
+
+# ==============================================================================================
+# JSON files whose value is not an object, session 49's review
+# ==============================================================================================
+
+@pytest.mark.parametrize("file, what", [("config.json", "config"), ("tokenizer.json", "tokenizer"),
+                                        ("generation_config.json", "generation config"),
+                                        ("draft config.json", "config")])
+def test_s49_json_files_that_are_not_objects(tmp_path, tiny, file, what):
+    """A checkpoint's config.json, tokenizer.json, generation_config.json or a drafter's config.json holding a JSON
+    value that is not an object (here a list) is one line naming the file (read_json(..., obj=True)), not an
+    AttributeError from .get."""
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny, model)
+    spec = None
+    if file.startswith("draft"):
+        draft = write_dflash(str(tmp_path / "dflash"), model)
+        spec, file = {"method": "dflash", "model": draft, "num_speculative_tokens": 3}, "config.json"
+        path = os.path.join(draft, file)
+    else:
+        path = os.path.join(model, file)
+    with open(path, "w") as fh:
+        json.dump([1, 2], fh)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: a {what} is a JSON object, got '[1, 2]'")):
+        LLM(model=model, device="cpu", max_model_len=64, speculative_config=spec)

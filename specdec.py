@@ -112,13 +112,17 @@ def _config_number(v, kind):
     return isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if kind == _INT0 else v > 0)
 
 
-def read_json(path, what="file"):
-    """A JSON file's value; a file that is not JSON is a ConfigError naming it (json's message alone named none)."""
+def read_json(path, what="file", obj=False):
+    """A JSON file's value; a file that is not JSON (json's message alone named none), or with obj=True one whose
+    value is not a JSON object, is a ConfigError naming it."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+            v = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: this {what} is not valid JSON ({e})") from None
+    if obj and not isinstance(v, dict):
+        raise ConfigError(f"{path}: a {what} is a JSON object, got {str(v)[:80]!r}")
+    return v
 
 
 # What ModelConfig.from_hf accepts of a checkpoint's `quantization_config` (Qwen's block-FP8): as MODEL_CHECKS
@@ -291,9 +295,7 @@ class ModelConfig:
         if not os.path.isfile(f):
             raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a "
                               ".gguf file)")
-        top = read_json(f, "config")
-        if not isinstance(top, dict):
-            raise ConfigError(f"{f}: a config is a JSON object, got {str(top)[:80]!r}")
+        top = read_json(f, "config", obj=True)
         mt = top.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {mt!r} in {f}; supported: "
@@ -957,9 +959,7 @@ def infer_from_draft(obj, target=None):
     path = model if os.path.exists(model) else find_in_hf_cache(model)
     cfg = {}
     if path is not None and os.path.isfile(os.path.join(path, "config.json")):
-        cfg = read_json(os.path.join(path, "config.json"), "config")
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{path}/config.json: a config is a JSON object, got {str(cfg)[:80]!r}")
+        cfg = read_json(os.path.join(path, "config.json"), "config", obj=True)
     obj = dict(obj, model=path or model)
     method = obj.get("method")
     if isinstance(method, str) and (method == "mtp" or method.endswith("_mtp")):  # vLLM would load the MTP
@@ -1280,9 +1280,7 @@ def read_config(path, what):
         raise not_in_hf_cache(str(path), what)                    # in the cache: the target's line and hint
     if not os.path.isfile(f):
         raise ConfigError(f"{what} {path}: no config.json (expected a Hugging Face checkpoint directory)")
-    top = read_json(f, "config")
-    if not isinstance(top, dict):
-        raise ConfigError(f"{f}: a config is a JSON object, got {str(top)[:80]!r}")
+    top = read_json(f, "config", obj=True)
     for c in (top, top.get("text_config") or {}, top.get("transformer_layer_config") or {}):
         if isinstance(c, dict) and c.get("quantization_config"):
             if not isinstance(c["quantization_config"], dict):
@@ -2568,7 +2566,7 @@ class Request:
         self.slot = None
         self.prefilled = 0  # prompt tokens prefilled so far (chunked prefill spreads them over steps)
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
-        self.detok = (IncrementalDecoder(tokenizer, prompt=self.prompt_ids)  # None: token ids only
+        self.detok = (IncrementalDecoder(tokenizer, prompt=self.prompt_ids)
                       if tokenizer is not None and params.detokenize else None)  # None: token ids only
         self.spec = SpecStats()
         self.arrival_time = time.perf_counter()
@@ -3481,9 +3479,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path):
         """Load a HF tokenizer.json (+ tokenizer_config.json for eos_token) of the Qwen3.5 kind."""
-        tj = read_json(os.path.join(path, "tokenizer.json"), "tokenizer")
-        if not isinstance(tj, dict):
-            raise ValueError(f"{path}/tokenizer.json: a tokenizer is a JSON object, got {str(tj)[:80]!r}")
+        tj = read_json(os.path.join(path, "tokenizer.json"), "tokenizer", obj=True)
         model = tj.get("model") or {}
         if model.get("type") != "BPE":
             raise ValueError(f"tokenizer.json: model type {model.get('type')!r} is not supported, only "
@@ -3950,11 +3946,11 @@ def _cut_at_mark(text, final):
     (transformers' check: a template that reworded it, e.g. moved inline reasoning out of it, is refused)."""
     missing = ValueError("continue_final_message is set but the final message does not appear in the chat "
                          "after applying the chat template")
-    at = text.rfind(FINAL_MARK)
+    at, trimmed = text.rfind(FINAL_MARK), text.rfind(FINAL_MARK.rstrip())
     if at >= 0:
         text = text[:at]
-    elif text.rfind(FINAL_MARK.rstrip()) >= 0:
-        text = text[:text.rfind(FINAL_MARK.rstrip())].rstrip()
+    elif trimmed >= 0:
+        text = text[:trimmed].rstrip()
     else:
         raise missing
     content = final.get("content")
@@ -4817,9 +4813,7 @@ def generation_defaults(model, generation_config="auto", override=None):
         folder = own if auto else generation_config
         where = os.path.join(folder, "generation_config.json")
         if os.path.isfile(where):
-            cfg = read_json(where, "generation config")
-            if not isinstance(cfg, dict):
-                raise ConfigError(f"{where}: a generation config is a JSON object, got {str(cfg)[:80]!r}")
+            cfg = read_json(where, "generation config", obj=True)
         elif not auto:
             raise ConfigError(f"--generation-config {generation_config!r}: no generation_config.json there "
                               "(give a folder that has one, 'auto' for the model's, or 'vllm' for none)")

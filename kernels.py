@@ -1356,10 +1356,68 @@ def _fp16(x, wp):
 
 def _fp16_rows_call(rows, w, packed):
     """rows [M, in] @ w^T through FBGEMM's fp16 GEMM on packed = _fp16_weight(w), each row with the bits of its
-    own 1-row call (_rows_call)."""
+    own call padded to P rows (P = _fp16_base_rows: 1 where FBGEMM rounds a row alike in calls of any size, so
+    no padding), whatever the step's size: one call of C >= M rows (zero rows after the step's, C from
+    _fp16_call_rows) where a check found such a call giving each row those bits, else one padded call per row.
+
+    Why pad: on an AVX2 EPYC (no AVX-512; session 50) FBGEMM rounds a row one way in 1-row calls, another in
+    2-row calls and a third in calls of 3 or more, except some rows of calls of 7, 14, 31, 32, 37 or 38 rows
+    (of 1 .. 40; those go up to 8, 15, 33 or 39). There every step of M >= 2 rows went row by row: the
+    toy's 53 linears, cycling from memory, 1 / 4 / 8 rows 6.6 / 23.4 / 42 ms a pass (1-row calls), where one
+    call of 3 / 4 / 9 rows takes 6.6 / 6.9 / 11.4 (P = 3; 1 row alone 5.5). On the AVX-512 Zen 5 of session 45
+    FBGEMM rounds every size alike: P = 1, C = M."""
     wp, scale = packed
     fn = lambda x: _fp16(x, wp)  # noqa: E731
-    return _rows_call(rows.contiguous(), fn, lambda M: _rows_alone("fp16", w, M, fn, torch.float32)).mul_(scale)
+    rows = rows.contiguous()
+    M, Kin = rows.shape
+    P = _fp16_base_rows(w, fn)
+    C = _fp16_call_rows(w, fn, M, P)
+    if C == M:
+        y = fn(rows)
+    elif C:
+        y = fn(torch.cat([rows, _zero_rows(C - M, Kin, rows.dtype)]))[:M]
+    else:
+        y = torch.cat([fn(torch.cat([r, _zero_rows(P - 1, Kin, rows.dtype)]))[:1] for r in rows.split(1)])
+    return y.mul_(scale)
+
+
+FP16_BASE_ROWS = 4  # the most rows _fp16_base_rows pads a row to (its bits then define the row's)
+_FP16_ROWS = {}     # (out, in, threads) -> P; (out, in, threads, M) -> C (0: row by row): _fp16_rows_call's calls
+
+
+def _fp16_padded_bits(fn, x, P):
+    """Each row of x [M, in] through fn in its own call padded to P rows: [M, out] (a row's defined bits)."""
+    zeros = _zero_rows(P - 1, x.shape[1], x.dtype)
+    return torch.cat([fn(torch.cat([r, zeros]))[:1] for r in x.split(1)])
+
+
+def _fp16_base_rows(w, fn):
+    """P: the fewest rows (1 .. FP16_BASE_ROWS) to which a row is padded in its own fp16 call such that a call of
+    16 rows gives each of them those bits (the bits most verify and batch rows then get), 1 where none does (and
+    every step of 2+ rows runs row by row, as before session 50). Checked at first use per weight shape and
+    thread count, on random rows (the GEMM's arithmetic does not depend on the values)."""
+    key = (*w.shape, torch.get_num_threads())
+    if key not in _FP16_ROWS:
+        x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(16))
+        y = fn(x)
+        _FP16_ROWS[key] = next((P for P in range(1, FP16_BASE_ROWS + 1)
+                                if torch.equal(_fp16_padded_bits(fn, x, P), y)), 1)
+    return _FP16_ROWS[key]
+
+
+def _fp16_call_rows(w, fn, M, P):
+    """C: the fewest rows, from max(M, P) up to 8 more, of a call that gives each of its rows the bits of its own
+    call padded to P rows (a step of M rows is called with C - M zero rows after its own), or 0 where none of
+    these does (one padded call per row). Checked at first use per weight shape, thread count and M."""
+    key = (*w.shape, torch.get_num_threads(), M)
+    if key not in _FP16_ROWS:
+        _FP16_ROWS[key] = 0
+        for C in range(max(M, P), max(M, P) + 9):
+            x = torch.randn(C, w.shape[1], generator=torch.Generator().manual_seed(C))
+            if torch.equal(fn(x), _fp16_padded_bits(fn, x, P)):
+                _FP16_ROWS[key] = C
+                break
+    return _FP16_ROWS[key]
 
 
 _CALIBRATED = {}  # a model's calibration key -> the CPU_PADDED calibrate_cpu_rows chose for it
@@ -1416,8 +1474,10 @@ def _linear_cpu(x, w):
 
     What runs, fp32: a weight whose values times some 2^s are all fp16s (a bf16 checkpoint's) through FBGEMM's
     fp16-weight GEMM (_fp16_weight, _fp16_rows_call: half the bytes, the same fp32 arithmetic; the toy's plain
-    decoding 137 -> ~195 tok/s on this CI class, session 45), one M-row call where _rows_alone finds that it
-    gives each row its 1-row bits (every M of 2..33 at every toy shape, one and two threads, on this CPU).
+    decoding 137 -> ~195 tok/s on this CI class, session 45), one M-row call where a check at first use finds
+    that it gives each row its 1-row bits (every M of 2..33 at every toy shape, one and two threads, on the
+    AVX-512 EPYC), or where FBGEMM rounds by the call's size (the AVX2 EPYC of session 50) the bits of its call
+    padded to 3 rows, one call of M or a few more rows.
     Other fp32 weights: oneDNN's GEMM on the weight packed once (_packed), and a row's bits are by definition
     those of its own 1-row call. A step of M rows takes one M-row call where a check at first use (_dnn_rows,
     per weight shape, M and thread count) found that call giving each row exactly those bits on the running
@@ -1431,7 +1491,8 @@ def _linear_cpu(x, w):
     multiple of 16 (on the AVX2 EPYC of session 10, out = 70 or 250 rounded every other row differently; such
     widths take the reference's loop).
     test_cpu_linear_row_invariant pins the four paths, test_cpu_dnn_rows_check the check,
-    test_cpu_fp16_weight_gemm the fp16 path's scaling and refusals."""
+    test_cpu_fp16_weight_gemm the fp16 path's scaling and refusals,
+    test_s50_fp16_rows_padded_where_the_gemm_rounds_by_size its padding."""
     rows = x.reshape(-1, x.shape[-1])
     if _CPU_DRAFT and CPU_DRAFT_DTYPE is not None and _dnn_ok(w):
         y = _linear_draft_cpu(rows, w)

@@ -9196,7 +9196,7 @@ def test_cpu_fp16_weight_gemm(monkeypatch, one_thread):
     """kernels._fp16_weight: a weight whose elements times 2^s are all fp16s (bf16 values over a range fp16's can
     hold at some scale, as a bf16 checkpoint's) goes to FBGEMM's fp16-weight GEMM as w * 2^s, and 2^-s times its
     result has the bits of the same GEMM on the unscaled weight (a power of two changes no rounding of a normal
-    result), within fp32 rounding of the float64 product; fp32 values, too wide a range, a zero or NaN weight, one
+    result; each row as in its own call padded to _fp16_base_rows rows), within fp32 rounding of the float64 product; fp32 values, too wide a range, a zero or NaN weight, one
     so small that 2^s would overflow, CPU_FP16 off, no FBGEMM or a quantized engine without it: None, and linear()
     takes oneDNN's fp32 GEMM (the same values within fp32)."""
     if not K._fp16_gemm_here():
@@ -9208,7 +9208,8 @@ def test_cpu_fp16_weight_gemm(monkeypatch, one_thread):
     assert packed is not None and packed[1].item() == 2.0 ** -14                   # max |w| * 2^14 in [2^15, 2^16)
     unscaled = torch.ops.quantized.linear_prepack_fp16(w, None)
     y = K._fp16_rows_call(x, w, packed)
-    assert torch.equal(y, torch.ops.quantized.linear_dynamic_fp16(x, unscaled))
+    P = K._fp16_base_rows(w, lambda r: K._fp16(r, packed[0]))                     # (1 where FBGEMM rounds rows alike)
+    assert torch.equal(y, K._fp16_padded_bits(lambda r: K._fp16(r, unscaled), x, P))
     ref = x.double() @ w.double().t()
     assert ((y.double() - ref).abs() / ref.abs().clamp_min(1)).max() < 1e-5
     tiny = (torch.randn(40, 96, generator=g) * 1e-6).bfloat16().float()          # bf16s far below fp16's range
@@ -9580,6 +9581,11 @@ def test_cpu_draft_linear(N, Kin, path, monkeypatch):
     rows bit for bit (which of the two runs depends on the weight, not on the rows), and fp32 comes back;
     cpu_draft(bmm=False) (the block drafters) takes bf16 for small weights too; outside it (or with
     CPU_DRAFT_DTYPE None) the fp32 linear, bit for bit."""
+    if path.startswith("bf16"):
+        try:  # oneDNN's bf16 GEMM needs AVX-512 (or AVX-NE-CONVERT): not on an AVX2 CPU, where the engine keeps fp32
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), None)
+        except RuntimeError:
+            pytest.skip("oneDNN has no bf16 GEMM on this CPU")
     monkeypatch.setattr(K, "CPU_DRAFT_DTYPE", torch.bfloat16)  # (the default where the CPU has AVX512-BF16)
     if path == "bmm rows alone":
         monkeypatch.setattr(K, "_rows_alone", lambda *a: False)
@@ -10973,3 +10979,45 @@ def test_s49_json_files_that_are_not_objects(tmp_path, tiny, file, what):
         json.dump([1, 2], fh)
     with pytest.raises(ValueError, match=re.escape(f"{path}: a {what} is a JSON object, got '[1, 2]'")):
         LLM(model=model, device="cpu", max_model_len=64, speculative_config=spec)
+
+
+# ==============================================================================================
+# FBGEMM's fp16 GEMM where it rounds a row by the size of its call (an AVX2 CPU), session 50
+# ==============================================================================================
+
+def _size_rounding_gemm(w):
+    """A stand-in for FBGEMM's fp16 GEMM on the AVX2 EPYC of session 50 (so the test does not depend on this
+    CPU): a row rounds one way in a 1-row call, another in a 2-row call, a third in larger calls, except the
+    last row of a call of 7, 13, 19 .. rows (a 6-row block's leftover), which rounds as in a 1-row call."""
+    def gemm(x, wp):
+        M = x.shape[0]
+        tag = [1 if M == 1 or (M % 6 == 1 and r == M - 1) else 2 if M == 2 else 3 for r in range(M)]
+        return (x.double() @ w.double().t() + torch.tensor(tag, dtype=torch.float64)[:, None] * 1e-3).float()
+    return gemm
+
+
+def test_s50_fp16_rows_padded_where_the_gemm_rounds_by_size(monkeypatch):
+    """kernels._fp16_rows_call where the GEMM rounds a row by the size of its call: each row takes the bits of its
+    own call padded to P = 3 rows (_fp16_base_rows: the fewest rows whose bits a 16-row call gives), and a step
+    of M rows is one call of C >= M rows (_fp16_call_rows: 7 -> 8, 13 -> 14), not one call per row; a row alone
+    == the row in steps of 2 .. 40 rows at any offset, bit for bit. A GEMM that rounds every size differently
+    (no P works) runs row by row, each row in its own 1-row call (as before), still the same bits."""
+    g = torch.Generator().manual_seed(50)
+    w, x = torch.randn(24, 32, generator=g), torch.randn(48, 32, generator=g)
+    packed = (None, torch.tensor(1.0))
+    for gemm, P in ((_size_rounding_gemm(w), 3),
+                    (lambda x, wp: (x.double() @ w.double().t() + x.shape[0] * 1e-3).float(), 1)):
+        calls = []
+        monkeypatch.setattr(K, "_FP16_ROWS", {})
+        monkeypatch.setattr(K, "_fp16", lambda x, wp: calls.append(x.shape[0]) or gemm(x, wp))
+        alone = torch.cat([K._fp16_rows_call(x[i:i + 1], w, packed) for i in range(48)])
+        assert K._FP16_ROWS[(24, 32, torch.get_num_threads())] == P
+        assert torch.allclose(alone, x @ w.t() + (3e-3 if P == 3 else 1e-3), atol=1e-5)   # padded: the 3-row bits
+        for M in range(2, 41):
+            for s in (0, 5, 48 - M):
+                assert torch.equal(K._fp16_rows_call(x[s:s + M], w, packed), alone[s:s + M]), (P, M, s)
+        calls.clear()
+        for M, C in ((1, 3), (2, 3), (4, 4), (7, 8), (13, 14)):
+            K._fp16_rows_call(x[:M], w, packed)
+            assert calls[-1:] == ([C] if P == 3 else [1]) and (P == 3 or calls[-M:] == [1] * M), (M, calls)
+    assert [k for k, v in K._FP16_ROWS.items() if len(k) == 4 and v == 0]           # row by row: C = 0

@@ -17,11 +17,13 @@ stdlib files in models/train_log.json, as text), written to a temporary JSONL fo
 Unlike the rows above these are sampled, at the server's default temperature (1.0: the toy's generation_config
 sets only do_sample, which vLLM does not read), so the acceptance there is below eval_toy.py's greedy one;
 --serve-temperature 0 sends greedy requests instead.
-Prints the load average, a markdown table with the ratios to speculation off, then one JSON line.
+Prints the load average and the CPU (its model name and torch's kernel level, AVX2 or AVX512), a markdown table
+with the ratios to speculation off, then one JSON line.
 """
 import argparse
 import json
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -33,6 +35,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import specdec as sd  # noqa: E402
+import torch  # noqa: E402
 from eval_toy import held_out_prompts  # noqa: E402  (this folder: sys.path[0] when run as a script)
 
 M = os.path.join(ROOT, "models")
@@ -66,6 +69,16 @@ def many(llm, n):
     t0 = time.perf_counter()
     outs = llm.generate(PROMPTS, sd.SamplingParams(temperature=0.0, max_tokens=n))
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string: the CPU class varies between
+    runs of the same machine kind (an AVX-512 Zen 5, an AVX2 EPYC), and the rows with it."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "CPU"
 
 
 def spread(xs):
@@ -157,7 +170,8 @@ def main():
     load1 = os.getloadavg()
     med = {k: statistics.median(v) for k, v in rates.items()}
     cmed = {k: statistics.median(v) for k, v in conc.items()}
-    print(f"load average (1, 5, 15 min) before: {load0}, after: {load1}; {os.cpu_count()} CPUs")
+    print(f"load average (1, 5, 15 min) before: {load0}, after: {load1}; {os.cpu_count()} CPUs, {cpu_name()} "
+          f"(torch's CPU kernels: {torch.backends.cpu.get_cpu_capability()})")
     print("| method | tok/s (median of %d) | rounds (min-max) | vs off | tokens == off |" % a.rounds)
     print("|---|---|---|---|---|")
     for k in llms:
@@ -178,7 +192,8 @@ def main():
                       "serve_temperature": a.serve_temperature if served else None,
                       "serve_output_tok_s": {k: v[0] for k, v in served.items()},
                       "serve_acceptance_length": {k: v[1] for k, v in served.items()}, "load_before": load0,
-                      "load_after": load1, "tok_s": med, "rounds": rates,
+                      "load_after": load1, "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                      "tok_s": med, "rounds": rates,
                       "concurrency": a.concurrency, "concurrent_tok_s": cmed,
                       "same_tokens": {k: toks[k] == toks["off"] for k in llms}}))
 

@@ -49,6 +49,9 @@ METHODS = {
     "dflash k=3": {"method": "dflash", "model": os.path.join(M, "toy-dflash"), "num_speculative_tokens": 3},
     "dspark": {"method": "dspark", "model": os.path.join(M, "toy-dspark"), "num_speculative_tokens": 8},
     "draft_model k=4": {"method": "draft_model", "model": os.path.join(M, "toy-draft"), "num_speculative_tokens": 4},
+    # two drafts: each is a pass of the 2-layer draft model, which on a CPU costs ~a quarter of a target step
+    # (session 50, the AVX2 EPYC, one process: k = 1 / 2 / 3 / 4 1.19 / 1.26 / 1.24 / 1.16x)
+    "draft_model k=2": {"method": "draft_model", "model": os.path.join(M, "toy-draft"), "num_speculative_tokens": 2},
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
 }
 PROMPTS = ["def fib(n):", "import os\n\n\ndef walk(path):", "class Stack:\n    def __init__(self):",

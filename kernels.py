@@ -1393,9 +1393,10 @@ def _fp16_padded_bits(fn, x, P):
 
 def _fp16_base_rows(w, fn):
     """P: the fewest rows (1 .. FP16_BASE_ROWS) to which a row is padded in its own fp16 call such that a call of
-    16 rows gives each of them those bits (the bits most verify and batch rows then get), 1 where none does (and
-    every step of 2+ rows runs row by row, as before session 50). Checked at first use per weight shape and
-    thread count, on random rows (the GEMM's arithmetic does not depend on the values)."""
+    16 rows gives each of them those bits (the bits most verify and batch rows then get), 1 where none does (a
+    row's bits then those of its 1-row call, as before session 50: a step takes one call where _fp16_call_rows
+    finds one giving them, else runs row by row). Checked at first use per weight shape and thread count, on
+    random rows (the GEMM's arithmetic does not depend on the values)."""
     key = (*w.shape, torch.get_num_threads())
     if key not in _FP16_ROWS:
         x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(16))

@@ -44,6 +44,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import importlib.metadata
 import itertools
 import json
 import math
@@ -1350,7 +1351,9 @@ def read_block_config(path, method):
         raise ConfigError(f"{where}: sample_from_anchor=true is not supported for dflash")
     block = top.get("block_size", dc.get("block_size", 16))
     rank = dc.get("markov_rank", top.get("markov_rank", 0))
-    for key, v, least in (("mask_token_id", mask, 0), ("block_size", block, 1), ("markov_rank", rank, 0)):
+    vocab = top.get("draft_vocab_size")  # (absent: the lm_head's rows)
+    for key, v, least in (("mask_token_id", mask, 0), ("block_size", block, 1), ("markov_rank", rank, 0),
+                          *([("draft_vocab_size", vocab, 1)] if vocab is not None else [])):
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
             kind = "a positive" if least else "a non-negative"
             raise ConfigError(f"{where}: {key} must be {kind} integer, got {v!r}")
@@ -1365,11 +1368,14 @@ def read_block_config(path, method):
     if any(sliding) and not window:
         raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or "
                           "sliding_window)")
+    if any(sliding) and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        key = "dflash_config.swa_window_size" if "swa_window_size" in dc else "sliding_window"
+        raise ConfigError(f"{where}: {key} must be a positive integer, got {window!r}")
     causal = [forced if forced is not None else s and not non_causal for s in sliding]
     return DraftConfig(**fields, windows=[window if s else None for s in sliding], causal=causal,
                        block_size=int(top.get("block_size", dc.get("block_size", 16))),
                        mask_token_id=int(mask), target_layer_ids=list(ids), from_anchor=bool(from_anchor),
-                       draft_vocab_size=top.get("draft_vocab_size"),
+                       draft_vocab_size=vocab,
                        markov_rank=int(dc.get("markov_rank", top.get("markov_rank", 0))),
                        confidence_with_markov=bool(top.get("confidence_head_with_markov", False)))
 
@@ -4383,11 +4389,14 @@ def _gguf_tensor(rt):
         raise ValueError(f"tensor {rt.name} is stored as GGUF type {Q(rt.tensor_type).name}, an integer type; "
                          "expected a float (F32, F16, BF16) or quantized weight")
     try:
-        if rt.tensor_type in (Q.F32, Q.F16):
+        if rt.tensor_type in (Q.F32, Q.F16, Q.F64):  # (F64: llama.cpp's writers allow it; cast to the dtype later)
             return torch.from_numpy(rt.data)
         if rt.tensor_type == Q.BF16:  # the reader gives raw bytes [..., 2n]
             return torch.from_numpy(rt.data.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(gguf.quants.dequantize(rt.data, rt.tensor_type))
+    except NotImplementedError:  # a type gguf-py cannot dequantize (was its traceback)
+        raise ValueError(f"tensor {rt.name} is stored as GGUF type {Q(rt.tensor_type).name}, which the installed gguf "
+                         f"package ({importlib.metadata.version('gguf')}) cannot dequantize") from None
     except (ValueError, TypeError, IndexError) as e:  # numpy's words for a short or damaged file
         raise ValueError(f"tensor {rt.name}: its data cannot be read ({e}); is the file truncated?") from None
 

@@ -11021,3 +11021,71 @@ def test_s50_fp16_rows_padded_where_the_gemm_rounds_by_size(monkeypatch):
             K._fp16_rows_call(x[:M], w, packed)
             assert calls[-1:] == ([C] if P == 3 else [1]) and (P == 3 or calls[-M:] == [1] * M), (M, calls)
     assert [k for k, v in K._FP16_ROWS.items() if len(k) == 4 and v == 0]           # row by row: C = 0
+
+
+# ==============================================================================================
+# GGUF tensor types gguf-py does not dequantize, session 50
+# ==============================================================================================
+
+@needs_gguf
+def test_s50_gguf_f64_tensors_load_and_unknown_types_are_one_line(tmp_path, monkeypatch, tiny):
+    """A GGUF whose tensors are F64 (llama.cpp's writers allow it) loads, and its logits equal the F32 file's bit for
+    bit (the same values, cast to fp32); a tensor of a type the installed gguf package cannot dequantize (here
+    Q8_1, llama.cpp's intermediate type) is one line naming the tensor and the type. Before: gguf-py's
+    NotImplementedError traceback for both."""
+    f32 = gguf_from_checkpoint(tiny, str(tmp_path / "f32.gguf"), "F32")
+    add_tensor = gguf.GGUFWriter.add_tensor
+    name = "blk.0.attn_qkv.weight"
+
+    def as_f64(self, gname, data, raw_shape=None, raw_dtype=None, **kw):
+        return add_tensor(self, gname, np.asarray(data, np.float32).astype(np.float64), **kw)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", as_f64)
+    f64 = gguf_from_checkpoint(tiny, str(tmp_path / "f64.gguf"), "F32")
+    monkeypatch.undo()
+    assert {t.tensor_type.name for t in gguf.GGUFReader(f64).tensors} == {"F64"}
+    ids = list(range(3, 40))
+    a, b = (our_logits(LLM(model=f, device="cpu", max_model_len=64), ids, "prefill") for f in (f32, f64))
+    assert torch.equal(a, b)
+
+    Q = gguf.GGMLQuantizationType
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+
+    def q8_1(self, gname, data, raw_shape=None, raw_dtype=None, **kw):
+        if gname == name:  # each row as Q8_1 blocks of zero bytes (a type gguf-py stores but cannot dequantize)
+            rows, cols = np.asarray(data).shape
+            return add_tensor(self, gname, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=Q.Q8_1, **kw)
+        return add_tensor(self, gname, data, raw_shape, raw_dtype, **kw)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", q8_1)
+    bad = gguf_from_checkpoint(tiny, str(tmp_path / "q8_1.gguf"), "F32")
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=re.escape(f"{bad}: tensor {name} is stored as GGUF type Q8_1, which the "
+                                                    "installed gguf package (")):
+        LLM(model=bad, device="cpu", max_model_len=64)
+
+
+# ==============================================================================================
+# A block drafter's draft_vocab_size and sliding window, session 50
+# ==============================================================================================
+
+@pytest.mark.parametrize("key, value, where, named", [
+    ("draft_vocab_size", "64", "top", "draft_vocab_size"), ("draft_vocab_size", 0, "top", "draft_vocab_size"),
+    ("draft_vocab_size", -3, "top", "draft_vocab_size"), ("draft_vocab_size", True, "top", "draft_vocab_size"),
+    ("swa_window_size", "2048", "dflash_config", "dflash_config.swa_window_size"),
+    ("swa_window_size", -5, "dflash_config", "dflash_config.swa_window_size"),
+    ("swa_window_size", 1.5, "dflash_config", "dflash_config.swa_window_size"),
+    ("sliding_window", "8", "top", "sliding_window")])
+def test_s50_block_drafter_vocab_and_window_typed(tmp_path, tiny, key, value, where, named):
+    """A DFlash drafter's draft_vocab_size and its sliding layers' window must be positive integers: one line naming
+    the key. Before: a string or bool draft_vocab_size was a TypeError inside torch, a negative one a RuntimeError, 0
+    was read as absent; a string window failed inside the first generate (a TypeError from the attention mask), a
+    negative or fractional one was taken as given (the drafter's sliding layer then saw no keys)."""
+    d = write_dflash(str(tmp_path / "dflash"), tiny, reduced=True)   # a sliding (causal) layer and a full one
+    path = os.path.join(d, "config.json")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    (cfg.setdefault("dflash_config", {}) if where == "dflash_config" else cfg)[key] = value
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+    with pytest.raises(ConfigError, match=re.escape(f"{named} must be a positive integer, got {value!r}")):
+        LLM(model=tiny, device="cpu", max_model_len=64,
+            speculative_config={"method": "dflash", "model": d, "num_speculative_tokens": 3})

@@ -1377,7 +1377,7 @@ def _fp16_rows_call(rows, w, packed):
     elif C:
         y = fn(torch.cat([rows, _zero_rows(C - M, Kin, rows.dtype)]))[:M]
     else:
-        y = torch.cat([fn(torch.cat([r, _zero_rows(P - 1, Kin, rows.dtype)]))[:1] for r in rows.split(1)])
+        y = _fp16_padded_bits(fn, rows, P)
     return y.mul_(scale)
 
 

@@ -141,8 +141,7 @@ QUANT_CHECKS = [
 
 def _eos_ids(v):
     """Whether v is what a config may give as eos_token_id: None, a token id, or a list of them."""
-    is_id = lambda t: isinstance(t, int) and not isinstance(t, bool) and t >= 0  # noqa: E731
-    return v is None or is_id(v) or (isinstance(v, list) and all(is_id(t) for t in v))
+    return v is None or _config_number(v, _INT0) or (isinstance(v, list) and all(_config_number(t, _INT0) for t in v))
 
 
 def _layer_types(cfg):
@@ -777,7 +776,7 @@ CLASS_PATH = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+"  # a dotted Python path (vLLM: cus
 
 
 def _positive_int(v):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    return _config_number(v, _POS_INT)
 
 
 # What SpeculativeConfig.check accepts once the method and k are known, in this order: (field, accepted(value,
@@ -1352,11 +1351,12 @@ def read_block_config(path, method):
     block = top.get("block_size", dc.get("block_size", 16))
     rank = dc.get("markov_rank", top.get("markov_rank", 0))
     vocab = top.get("draft_vocab_size")  # (absent: the lm_head's rows)
-    for key, v, least in (("mask_token_id", mask, 0), ("block_size", block, 1), ("markov_rank", rank, 0),
-                          *([("draft_vocab_size", vocab, 1)] if vocab is not None else [])):
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
-            kind = "a positive" if least else "a non-negative"
-            raise ConfigError(f"{where}: {key} must be {kind} integer, got {v!r}")
+    numbers = [("mask_token_id", mask, _INT0), ("block_size", block, _POS_INT), ("markov_rank", rank, _INT0)]
+    if vocab is not None:
+        numbers.append(("draft_vocab_size", vocab, _POS_INT))
+    for key, v, kind in numbers:
+        if not _config_number(v, kind):
+            raise ConfigError(f"{where}: {key} must be {kind}, got {v!r}")
     if not _layer_ids(ids):
         raise ConfigError(f"{where}: target_layer_ids must be a list of layer numbers, got {ids!r}")
     # attention per layer, vLLM's rule: sliding layers (or all with use_swa) get the window; is_causal, then
@@ -1368,7 +1368,7 @@ def read_block_config(path, method):
     if any(sliding) and not window:
         raise ConfigError(f"{where}: sliding attention needs a window (dflash_config.swa_window_size or "
                           "sliding_window)")
-    if any(sliding) and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+    if any(sliding) and not _config_number(window, _POS_INT):
         key = "dflash_config.swa_window_size" if "swa_window_size" in dc else "sliding_window"
         raise ConfigError(f"{where}: {key} must be a positive integer, got {window!r}")
     causal = [forced if forced is not None else s and not non_causal for s in sliding]

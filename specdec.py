@@ -2223,6 +2223,12 @@ def banned_tokens(row, drafts, T):
     return out
 
 
+# The most a repetition penalty lifts a positive logit to: a penalty below ~1e-28 (1e-300 is 0 as an fp32) would
+# divide past fp32's range, and infinite logits make NaN probabilities (a sampled request then drew an id past the
+# tokenizer's). 1e30 still survives temperature's division (at least 1e-5); the tokens it lifts then tie.
+PENALIZED_MAX = 1e30
+
+
 def process_logits(logits, drafts, rows, stop_ids, h2d, masks=None):
     """vLLM's logits processors, per position of a step. logits [B, T, V] (T = k+1 in a verify, 1 in a
     decode); drafts [B, T-1] long (-1 = padding) or None; rows: per row an object with .params
@@ -2255,8 +2261,8 @@ def process_logits(logits, drafts, rows, stop_ids, h2d, masks=None):
             counts = counts + F.pad(d.cumsum(1), (0, 0, 1, 0))
         prompt = torch.stack([fixed_mask(r, "prompt", r.prompt_ids, V, dev, h2d) for r in rows])   # [B, V]
         seen = prompt[:, None] | (counts > 0)                                                    # [B, T, V]
-        rep = each("repetition_penalty")
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        rep = each("repetition_penalty")  # a positive logit over a tiny one saturates at PENALIZED_MAX (not inf)
+        x = torch.where(seen, torch.where(x > 0, (x / rep).clamp(max=PENALIZED_MAX), x * rep), x)
         x -= each("frequency_penalty") * counts + each("presence_penalty") * (counts > 0)
     if any(r.bad_words_ids for r in rows):
         d = drafts.tolist() if drafts is not None else [[]] * B  # (waits for the drafts: bad words only)

@@ -1297,7 +1297,7 @@ def processed_reference(logits, prompt, history, p, stop_ids, bad_words):
     for t in range(V):
         c = history.count(t)
         if t in prompt or c:
-            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+            x[t] = min(x[t] / p.repetition_penalty, 1e30) if x[t] > 0 else x[t] * p.repetition_penalty
         x[t] -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
     for w in bad_words:
         if len(w) == 1 or (len(history) >= len(w) - 1 and history[len(history) - len(w) + 1:] == w[:-1]):
@@ -11091,3 +11091,32 @@ def test_s50_block_drafter_vocab_and_window_typed(tmp_path, tiny, key, value, wh
     with pytest.raises(ConfigError, match=re.escape(f"{named} must be a positive integer, got {value!r}")):
         LLM(model=tiny, device="cpu", max_model_len=64,
             speculative_config={"method": "dflash", "model": d, "num_speculative_tokens": 3})
+
+
+# ==============================================================================================
+# A tiny repetition penalty saturates instead of overflowing, session 51
+# ==============================================================================================
+
+def test_s51_tiny_repetition_penalty_saturates():
+    """A repetition penalty too small for fp32 (1e-300 is 0 there; 1e-40 lifts a logit of 100 past fp32's range)
+    lifts a seen token's positive logit to PENALIZED_MAX, not to inf: the processed logits are finite and equal the
+    plain-Python reference, and a sampled request draws from the lifted tokens (each a token of its prompt or of its
+    output so far), with finite logprobs. Before: inf logits, NaN probabilities, and every sampled token was id
+    8255 (past the toy's tokenizer: empty text)."""
+    g = torch.Generator().manual_seed(51)
+    V, k = 8, 2
+    for rep in (1e-300, 1e-40):
+        rows = [(SamplingParams(repetition_penalty=rep), [1, 4], [2], [])]
+        drafts = [[3, 5]]
+        logits = torch.randn(1, k + 1, V, generator=g) * 3 + 1
+        got = sd.process_logits(logits, torch.tensor(drafts), processor_rows(rows), [7], cpu_h2d)
+        assert torch.isfinite(got).all()
+        assert_processed_as_reference(got, logits, rows, drafts, [7])
+    llm = LLM(model=TOY, device="cpu")
+    prompt = llm.tokenizer.encode("def fib(n):")
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=12, logprobs=1,
+                                                repetition_penalty=1e-300), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12
+    for i, t in enumerate(out.token_ids):
+        assert t in prompt + list(out.token_ids[:i]), (i, t, out.token_ids)
+        assert math.isfinite(out.logprobs[i][t].logprob)

@@ -3068,6 +3068,11 @@ class Engine:
     def __init__(self, model, tokenizer, spec, max_num_seqs, max_model_len, dtype, device, seed=0,
                  enforce_eager=False, async_steps=None, max_num_batched_tokens=None,
                  enable_chunked_prefill=True):
+        # (LLM, the CLI, the server and bench check these too; an Engine built directly gets the same lines)
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                        ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens)):
+            if not _positive_int(v):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
         if budget < max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens ({budget}) must be greater than or equal to "

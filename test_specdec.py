@@ -11120,3 +11120,22 @@ def test_s51_tiny_repetition_penalty_saturates():
     for i, t in enumerate(out.token_ids):
         assert t in prompt + list(out.token_ids[:i]), (i, t, out.token_ids)
         assert math.isfinite(out.logprobs[i][t].logprob)
+
+
+# ==============================================================================================
+# An Engine built directly checks its sizes, session 51
+# ==============================================================================================
+
+@pytest.mark.parametrize("field, value", [("max_model_len", -5), ("max_model_len", 0), ("max_model_len", 1.5),
+                                          ("max_model_len", "8"), ("max_model_len", True), ("max_num_seqs", 0),
+                                          ("max_num_seqs", 2.0), ("max_num_batched_tokens", -1)])
+def test_s51_engine_built_directly_checks_its_sizes(field, value):
+    """specdec.Engine (the scheduler, which LLM builds after checking its arguments) refuses a size that is not a
+    positive integer with one line naming it. Before: max_model_len -5 was a RuntimeError from torch.zeros, 1.5 a
+    TypeError there, "8" a TypeError from str + int, and 0 built an engine that refused every request."""
+    llm = LLM(model=TOY, device="cpu", max_model_len=64)
+    args = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=None)
+    args[field] = value
+    with pytest.raises(ConfigError, match=re.escape(f"{field} must be a positive integer, got {value!r}")):
+        sd.Engine(llm.engine.runner.model, llm.tokenizer, None, args["max_num_seqs"], args["max_model_len"],
+                  torch.float32, torch.device("cpu"), max_num_batched_tokens=args["max_num_batched_tokens"])

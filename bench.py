@@ -984,11 +984,15 @@ def serve_args(argv):
     ap.add_argument("--disable-shuffle", action="store_true", help="the file's order (default: shuffled with --seed)")
     ap.add_argument("--no-oversample", action="store_true",
                     help="with fewer entries than --num-prompts, send each once (default: cycle through them again)")
-    ap.add_argument("--random-input-len", "--input-len", "--prompt-len", dest="input_len", type=int, default=1024,
-                    help="prompt tokens (random dataset)")
-    ap.add_argument("--random-output-len", "--output-len", "--gen-len", dest="output_len", type=int, default=None,
-                    help="max_tokens of every request (default 128; a file's own lengths, or its dataset's "
-                         "--*-output-len, come first)")
+    ap.add_argument("--random-input-len", dest="input_len", type=int, default=1024, help="random dataset: prompt "
+                                                                                         "tokens")
+    ap.add_argument("--random-output-len", type=int, default=128, help="random dataset: max_tokens of every request")
+    # vLLM's general lengths: given, each sets its datasets' own flags, over them (vllm bench serve's main_async)
+    ap.add_argument("--input-len", "--prompt-len", dest="general_input_len", type=int, default=None,
+                    help="sets --random-input-len (the one dataset here whose prompt length is chosen)")
+    ap.add_argument("--output-len", "--gen-len", dest="output_len", type=int, default=None,
+                    help="sets --random-, --sharegpt-, --custom- and --spec-bench-output-len (a custom line's own "
+                         "output_tokens still come first)")
     ap.add_argument("--random-range-ratio", type=float, default=0.0,
                     help="random dataset: each prompt's and output's length drawn from [L(1-r), L(1+r)]")
     ap.add_argument("--random-prefix-len", type=int, default=0, help="random dataset: a prefix of this many tokens "
@@ -1031,14 +1035,23 @@ def serve_benchmark(argv=None):
     try:  # [(prompt, max_tokens or None)], made or read before the server is asked
         if a.custom_output_len == -1:  # vLLM's -1: each line's own output_tokens (here they always come first)
             a.custom_output_len = None
-        for flag, n in (("--random-output-len", a.output_len), ("--custom-output-len", a.custom_output_len),
-                        ("--sharegpt-output-len", a.sharegpt_output_len),
+        for flag, n in (("--output-len", a.output_len), ("--random-output-len", a.random_output_len),
+                        ("--custom-output-len", a.custom_output_len), ("--sharegpt-output-len", a.sharegpt_output_len),
                         ("--spec-bench-output-len", a.spec_bench_output_len)):
             if n is not None and n < 1:  # (0 read as "not given" below would silently send the default instead)
                 raise DatasetError(f"{flag} must be at least 1, not {n}")
-        # max_tokens where a request has none of its own: the dataset's flag, else --output-len, else vLLM's default
-        a.output_len = {"custom": a.custom_output_len, "spec_bench": a.spec_bench_output_len}.get(
-            a.dataset_name) or a.output_len or (256 if a.dataset_name in ("custom", "spec_bench") else 128)
+        # vLLM's general lengths win over the datasets' own flags, whichever came first on the command line; so
+        # --output-len fixes a ShareGPT request's max_tokens as --sharegpt-output-len does (not its recorded reply's
+        # length), while --random-output-len is the random dataset's alone
+        if a.general_input_len is not None:
+            a.input_len = a.general_input_len
+        if a.output_len is not None:
+            a.random_output_len = a.sharegpt_output_len = a.custom_output_len = a.spec_bench_output_len = a.output_len
+        # max_tokens where a request has none of its own: vLLM's defaults (custom and spec_bench 256); ShareGPT's
+        # reply lengths need a tokenizer, and without one 128 is a stand-in (the warning below says so)
+        default_len = {"random": a.random_output_len, "custom": a.custom_output_len or 256,
+                       "spec_bench": a.spec_bench_output_len or 256, "sharegpt": a.sharegpt_output_len or 128}[
+            a.dataset_name]
         if a.backend == "openai-chat" and not chat:
             raise DatasetError(f"--backend openai-chat needs a chat endpoint (--endpoint /v1/chat/completions), "
                                f"not {a.endpoint}")
@@ -1102,7 +1115,7 @@ def serve_benchmark(argv=None):
         if a.dataset_name == "random":
             if a.dataset_path:
                 raise DatasetError("--dataset-path needs --dataset-name custom, sharegpt or spec_bench")
-            prompts = random_prompts(rng, a.num_prompts, a.input_len, chat, a.output_len, a.random_range_ratio,
+            prompts = random_prompts(rng, a.num_prompts, a.input_len, chat, a.random_output_len, a.random_range_ratio,
                                      a.random_prefix_len)
         else:
             tok, template = local_tokenizer(a)
@@ -1118,7 +1131,8 @@ def serve_benchmark(argv=None):
                     prompts = [(template.render([{"role": "user", "content": p}]), m) for p, m in prompts]
             elif a.dataset_name == "sharegpt" and tok is None and a.sharegpt_output_len is None:
                 print(f"warning: no local tokenizer (--tokenizer or --model: a directory): max_tokens "
-                      f"{a.output_len} for every request, not its recorded reply's length, and no length filter",
+                      f"{default_len} for every request (--output-len or --sharegpt-output-len to choose it), not its "
+                      f"recorded reply's length, and no length filter",
                       file=sys.stderr)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -1151,7 +1165,7 @@ def serve_benchmark(argv=None):
                                   ("repetition_penalty", a.repetition_penalty)) if v is not None}
     bodies = []
     for prompt, max_tokens in prompts:  # the bodies vllm bench serve sends (openai / openai-chat backends)
-        max_tokens = max_tokens or a.output_len
+        max_tokens = max_tokens or default_len
         name = a.served_model_name or model
         if chat:
             body = {"model": name, "messages": [{"role": "user", "content": prompt}],
@@ -1214,7 +1228,7 @@ def serve_benchmark(argv=None):
            "dataset_path": a.dataset_path, "num_prompts": num,
            "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": a.burstiness,
            "max_concurrency": a.max_concurrency, "prompt_len": a.input_len if a.dataset_name == "random" else None,
-           "gen_len": a.output_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "gen_len": default_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
            "output_throughput": n_out / duration,
            "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,

@@ -10738,7 +10738,7 @@ def test_s49_bench_serve_counts_refused_not_replaced(tmp_path, capsys):
     c = write_lines(tmp_path / "c.jsonl", '{"prompt": "x"}')
     s = write_lines(tmp_path / "s.json", "[]")
     for argv, want in ((["--random-output-len", "0"], "--random-output-len must be at least 1, not 0"),
-                       (["--output-len", "-3"], "--random-output-len must be at least 1, not -3"),
+                       (["--output-len", "-3"], "--output-len must be at least 1, not -3"),
                        (["--dataset-name", "custom", "--dataset-path", c, "--custom-output-len", "0"],
                         "--custom-output-len must be at least 1, not 0"),
                        (["--dataset-name", "sharegpt", "--dataset-path", s, "--sharegpt-output-len", "-2"],
@@ -11120,3 +11120,49 @@ def test_s51_tiny_repetition_penalty_saturates():
     for i, t in enumerate(out.token_ids):
         assert t in prompt + list(out.token_ids[:i]), (i, t, out.token_ids)
         assert math.isfinite(out.logprobs[i][t].logprob)
+
+
+# ==============================================================================================
+# bench.py serve's lengths, ramp-up and result keys as vllm bench serve's, session 51
+# ==============================================================================================
+# vllm/benchmarks/serve.py (009e6d4): main_async maps --output-len onto every dataset's own length flag (ShareGPT's
+# too) and --input-len onto --random-input-len; get_request paces a ramp-up's arrivals; the result keeps latencies,
+# queue_times and rtfx, with the ramp's flags and rps_change_events.
+
+def test_s51_bench_output_len_sets_every_dataset(tmp_path, monkeypatch, capsys):
+    """--output-len fixes a ShareGPT request's max_tokens (and so skips vLLM's check of the reply's length), over
+    --sharegpt-output-len; --random-output-len is the random dataset's alone; --input-len wins over
+    --random-input-len in either order. Before: --output-len was an alias of --random-output-len, used only where a
+    request had no length (so ShareGPT with a tokenizer kept each reply's), and on custom prompts it was 9, not
+    vLLM's 256."""
+    reply = "It is a list of numbers in the order they were given, one per line."
+    turn = lambda who, text: {"from": who, "value": text}  # noqa: E731
+    sharegpt = tmp_path / "s.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [turn("human", "What does this function return when called?"), turn("gpt", reply)]},
+        {"conversations": [turn("human", "Tell me about the weather today"), turn("gpt", "Ok")]}]))  # reply < 4
+    custom = write_lines(tmp_path / "c.jsonl", json.dumps({"prompt": "def f(x):"}))
+    sent = stub_bench_server(monkeypatch, prompt_tokens=5)
+    share = ["--model", TOY, "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle",
+             "--no-oversample"]
+    n_reply = len(sd.Tokenizer.from_dir(TOY).encode(reply))
+    for flags, want in ((share + ["--output-len", "9"], [9, 9]),
+                        (share + ["--sharegpt-output-len", "20", "--output-len", "7"], [7, 7]),
+                        (share + ["--gen-len", "6"], [6, 6]),                     # (our older name of --output-len)
+                        (share + ["--random-output-len", "9"], [n_reply]),      # the recorded reply's length
+                        (["--dataset-name", "custom", "--dataset-path", custom, "--skip-chat-template",
+                          "--num-prompts", "1", "--random-output-len", "9"], [256]),
+                        (["--dataset-name", "custom", "--dataset-path", custom, "--skip-chat-template",
+                          "--num-prompts", "1", "--output-len", "5", "--custom-output-len", "30"], [5]),
+                        (["--num-prompts", "2", "--output-len", "4", "--random-output-len", "6"], [4, 4])):
+        sent.clear()
+        assert bench.serve_benchmark(flags) == 0, flags
+        capsys.readouterr()
+        assert [b["max_tokens"] for b in sent] == want, flags
+    for flags in (["--input-len", "5", "--random-input-len", "7"], ["--random-input-len", "7", "--prompt-len", "5"]):
+        sent.clear()
+        assert bench.serve_benchmark(["--num-prompts", "2"] + flags) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert [len(b["prompt"]) for b in sent] == [5, 5] and res["prompt_len"] == 5, flags
+    assert serve_fails_at_once(["--output-len", "0"], capsys) == (1, "error: --output-len must be at least 1, not 0")
+

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import datetime
 from urllib.parse import urlsplit
 
 import torch
@@ -894,6 +895,45 @@ def peaks(results):
     return float(max(per_second.values())), peak
 
 
+def ramp_rate(strategy, start, end, i, n):
+    """vLLM's rate (requests/s) of request i of n under --ramp-up-strategy: start for the first, end for the last,
+    and between them linear or exponential (geometric) in the request's number, not in time."""
+    progress = i / max(n - 1, 1)
+    if strategy == "linear":
+        return start + (end - start) * progress
+    return start * (end / start) ** progress
+
+
+def arrival_schedule(n, rate, burstiness, rng, ramp=None):
+    """vllm bench serve's arrivals (get_request): ([seconds after the run's start at which each of n requests is
+    sent], [the rate each was sent at]). Each request, the first too, waits a gap drawn at its rate: none at an
+    infinite rate, 1 / rate at an infinite burstiness, else gamma-distributed with shape burstiness and mean
+    1 / rate (burstiness 1: Poisson). ramp: (strategy, start, end), each request's rate from ramp_rate; without
+    it vLLM rescales the summed gaps of a finite rate to end at exactly n / rate seconds, so that runs of
+    different seeds send at the same average rate."""
+    rates = [rate if ramp is None else ramp_rate(*ramp, i, n) for i in range(n)]
+    offsets, t = [], 0.0
+    for r in rates:
+        if not math.isinf(r):
+            t += 1 / r if math.isinf(burstiness) else rng.gammavariate(burstiness, 1 / (r * burstiness))
+        offsets.append(t)
+    if ramp is None and t > 0:
+        offsets = [x * (n / rate) / t for x in offsets]
+    return offsets, rates
+
+
+def rps_change_events(start_rps, rates, offsets, wall0):
+    """vLLM's result key rps_change_events of a ramp-up: the whole rates it passes through, each stamped (ISO, local
+    time) when the first request at or above it arrives; the start rate at the run's start (wall0, time.time())."""
+    events, last = [{"rps": start_rps, "timestamp": datetime.fromtimestamp(wall0).isoformat()}], start_rps
+    for r, dt in zip(rates, offsets):
+        if int(r) > last:
+            stamp = datetime.fromtimestamp(wall0 + dt).isoformat()
+            events += [{"rps": v, "timestamp": stamp} for v in range(last + 1, int(r) + 1)]
+            last = int(r)
+    return events
+
+
 def pct_name(p):
     """vLLM's name of a percentile in keys and labels: 99 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if int(p) == p else str(p)
@@ -960,6 +1000,11 @@ def serve_args(argv):
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="with a finite --request-rate: gamma-distributed "
                     "gaps of this shape (1: Poisson; below 1 burstier, above more even)")
+    ap.add_argument("--ramp-up-strategy", choices=["linear", "exponential"], default=None,
+                    help="instead of --request-rate: a rate that grows from --ramp-up-start-rps (the first request's) "
+                         "to --ramp-up-end-rps (the last one's), linearly or geometrically in the request's number")
+    ap.add_argument("--ramp-up-start-rps", type=int, default=None, help="with --ramp-up-strategy: the first rate")
+    ap.add_argument("--ramp-up-end-rps", type=int, default=None, help="with --ramp-up-strategy: the last rate")
     ap.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
                     help="service-level objectives (ttft, tpot, e2el in ms): request goodput counts the requests "
                          "within all of them")
@@ -1089,6 +1134,26 @@ def serve_benchmark(argv=None):
         if not a.request_rate > 0:  # (inf, the default: every request at once)
             raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), "
                                f"not {a.request_rate}")
+        ramp = None  # vLLM's rules (main_async), each one line
+        if a.ramp_up_strategy is None:  # (vLLM ignores the two without it: here they are a mistake named)
+            if a.ramp_up_start_rps is not None or a.ramp_up_end_rps is not None:
+                raise DatasetError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy (linear or "
+                                   "exponential)")
+        else:
+            if math.isfinite(a.request_rate):
+                raise DatasetError(f"--ramp-up-strategy sets the request rate: leave out --request-rate "
+                                   f"{a.request_rate:g}")
+            if a.ramp_up_start_rps is None or a.ramp_up_end_rps is None:
+                raise DatasetError("--ramp-up-strategy needs both --ramp-up-start-rps and --ramp-up-end-rps")
+            # vLLM refuses a negative start, and a start of 0 fails there too, being the first request's rate
+            # (exponential's own check, linear's assertion in get_request)
+            if a.ramp_up_start_rps < 1:
+                raise DatasetError(f"--ramp-up-start-rps must be at least 1 (the first request's rate), not "
+                                   f"{a.ramp_up_start_rps}")
+            if a.ramp_up_end_rps < a.ramp_up_start_rps:
+                raise DatasetError(f"--ramp-up-end-rps {a.ramp_up_end_rps} is below --ramp-up-start-rps "
+                                   f"{a.ramp_up_start_rps}: the ramp goes up")
+            ramp = (a.ramp_up_strategy, a.ramp_up_start_rps, a.ramp_up_end_rps)
         try:
             extra_body = json.loads(a.extra_body) if a.extra_body else {}
         except ValueError as e:
@@ -1180,7 +1245,10 @@ def serve_benchmark(argv=None):
         body.update(extra_body)
         bodies.append(body)
 
-    def run(batch, tag=""):  # send the bodies, at most --max-concurrency at once, at --request-rate; -> records
+    def run(batch, tag="", offsets=None, t0=None):
+        """Send the bodies, request i at t0 + offsets[i] (perf_counter's clock; offsets None: all at once), at most
+        --max-concurrency in flight. -> (records, arrivals): a request that waits for a slot has arrived at its
+        scheduled time (vLLM's arrivals do not wait for the semaphore), so its wait is its client queue time."""
         results = [None] * len(batch)
         slots = threading.Semaphore(a.max_concurrency or len(batch))
 
@@ -1191,25 +1259,24 @@ def serve_benchmark(argv=None):
                 results[i] = send(url, a.endpoint, batch[i], own, a.timeout)
             finally:
                 slots.release()
-        arrival = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
+        arrivals = [t0 + (offsets[i] if offsets else 0.0) for i in range(len(batch))]
         threads = []
         for i in range(len(batch)):
-            if i and math.isfinite(a.request_rate):  # gamma gaps of mean 1 / rate (burstiness 1: Poisson; inf:
-                arrival += 1 / a.request_rate if math.isinf(a.burstiness) else \
-                    rng.gammavariate(a.burstiness, 1 / (a.request_rate * a.burstiness))  # evenly spaced, as vLLM)
-                time.sleep(max(0.0, arrival - time.perf_counter()))
+            time.sleep(max(0.0, arrivals[i] - time.perf_counter()))
             slots.acquire()
             threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
             threads[-1].start()
         for t in threads:
             t.join()
-        return results
+        return results, arrivals
 
-    if a.num_warmups > 0:
+    if a.num_warmups > 0:  # all at once, as vLLM's (neither --request-rate nor the ramp paces them)
         run([bodies[0]] * a.num_warmups, "warmup-")
+    offsets, rates = arrival_schedule(num, a.request_rate, a.burstiness, rng, ramp)
     before = scrape_spec(url, headers)
-    t0 = time.perf_counter()
-    results = run(bodies)
+    wall0, t0 = time.time(), time.perf_counter()  # (the ramp's events are stamped on the wall clock, as vLLM's)
+    results, arrivals = run(bodies, offsets=offsets, t0=t0)
     duration = time.perf_counter() - t0
     after = scrape_spec(url, headers, settle=5.0)  # once the server's snapshot has the run's last step
 
@@ -1234,6 +1301,10 @@ def serve_benchmark(argv=None):
            "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,
            "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests,
            "request_goodput": None}
+    if ramp is not None:
+        res.update(ramp_up_strategy=a.ramp_up_strategy, ramp_up_start_rps=a.ramp_up_start_rps,
+                   ramp_up_end_rps=a.ramp_up_end_rps,
+                   rps_change_events=rps_change_events(a.ramp_up_start_rps, rates, offsets, wall0))
     tpot = lambda r: (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1)  # a request of > 1 output token
     if slo:  # vLLM's: a request is good if each objective holds (its TPOT 0 with one output token)
         per = {"ttft": lambda r: r["ttft"], "e2el": lambda r: r["latency"],
@@ -1301,8 +1372,9 @@ def serve_benchmark(argv=None):
         print(f"error: {e}", file=sys.stderr)
     if a.save_result or a.append_result:
         conc = f"-concurrency{a.max_concurrency}" if a.max_concurrency is not None else ""
-        path = a.result_filename or (f"{a.label or a.backend}-{res['request_rate']}qps{conc}-{model.split('/')[-1]}-"
-                                     f"{res['date']}.json")
+        rate = (f"ramp-up-{a.ramp_up_strategy}-{a.ramp_up_start_rps}qps-{a.ramp_up_end_rps}qps" if ramp else
+                f"{res['request_rate']}qps")  # (vLLM's names: the ramp's in place of the rate)
+        path = a.result_filename or f"{a.label or a.backend}-{rate}{conc}-{model.split('/')[-1]}-{res['date']}.json"
         if a.result_dir:  # (made before the run)
             path = os.path.join(a.result_dir, path)
         try:

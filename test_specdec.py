@@ -11166,3 +11166,67 @@ def test_s51_bench_output_len_sets_every_dataset(tmp_path, monkeypatch, capsys):
         assert [len(b["prompt"]) for b in sent] == [5, 5] and res["prompt_len"] == 5, flags
     assert serve_fails_at_once(["--output-len", "0"], capsys) == (1, "error: --output-len must be at least 1, not 0")
 
+
+def test_s51_bench_ramp_up_schedule():
+    """vLLM's ramp (get_request): request i of n at start + (end - start) * i / (n - 1) requests/s (exponential:
+    start * (end / start) ** (i / (n - 1))), each request after a gap at its own rate, the first too; a fixed finite
+    rate's gaps are rescaled to end at n / rate seconds, a ramp's are not; rps_change_events lists each whole rate
+    passed, stamped at the arrival of the first request at or above it."""
+    import datetime
+    assert [bench.ramp_rate("linear", 1, 5, i, 5) for i in range(5)] == [1, 2, 3, 4, 5]
+    assert [bench.ramp_rate("exponential", 1, 16, i, 5) for i in range(5)] == pytest.approx([1, 2, 4, 8, 16])
+    assert bench.ramp_rate("linear", 3, 9, 0, 1) == 3                                   # one request: the start rate
+    rng = random.Random(0)
+    offsets, rates = bench.arrival_schedule(4, float("inf"), float("inf"), rng, ("linear", 2, 8))
+    assert rates == [2, 4, 6, 8] and offsets == pytest.approx([1 / 2, 1 / 2 + 1 / 4, 1 / 2 + 1 / 4 + 1 / 6,
+                                                               1 / 2 + 1 / 4 + 1 / 6 + 1 / 8])
+    offsets, rates = bench.arrival_schedule(5, 10.0, 1.0, rng)                          # Poisson, rescaled
+    assert rates == [10.0] * 5 and offsets[-1] == pytest.approx(0.5) and 0 < offsets[0] < offsets[1] < offsets[-1]
+    offsets, _ = bench.arrival_schedule(3, 4.0, float("inf"), rng)
+    assert offsets == pytest.approx([0.25, 0.5, 0.75])
+    assert bench.arrival_schedule(3, float("inf"), 1.0, rng) == ([0.0] * 3, [float("inf")] * 3)
+    wall0 = 1_700_000_000.0
+    events = bench.rps_change_events(2, [2, 2.5, 4.9, 5.0, 7.5], [0.1, 0.2, 0.3, 0.4, 0.5], wall0)
+    stamp = lambda dt: datetime.datetime.fromtimestamp(wall0 + dt).isoformat()  # noqa: E731
+    assert events == [{"rps": 2, "timestamp": stamp(0)}, {"rps": 3, "timestamp": stamp(0.3)},
+                      {"rps": 4, "timestamp": stamp(0.3)}, {"rps": 5, "timestamp": stamp(0.4)},
+                      {"rps": 6, "timestamp": stamp(0.5)}, {"rps": 7, "timestamp": stamp(0.5)}]
+
+
+def test_s51_bench_serve_ramp_up(tmp_path, monkeypatch, capsys):
+    """--ramp-up-strategy / --ramp-up-start-rps / --ramp-up-end-rps: the requests go out on the ramp's schedule, the
+    result records the three flags, request_rate "inf" and rps_change_events, the file is named as vLLM's; vLLM's
+    rules are one `error:` line each (and the two rates without a strategy, which vLLM ignores, are refused).
+    Before: unrecognized arguments."""
+    import datetime
+    stub_bench_server(monkeypatch, prompt_tokens=5)
+    argv = ["--num-prompts", "5", "--random-input-len", "4", "--ramp-up-strategy", "linear", "--ramp-up-start-rps",
+            "20", "--ramp-up-end-rps", "60", "--save-result", "--save-detailed", "--result-dir", str(tmp_path)]
+    t0 = time.perf_counter()
+    assert bench.serve_benchmark(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    offsets = [sum(1 / r for r in (20, 30, 40, 50, 60)[:i + 1]) for i in range(5)]   # rates 20, 30, ... 60 req/s
+    starts = [s - t0 for s in res["start_times"]]
+    assert all(s >= dt - 1e-3 for s, dt in zip(starts, offsets)), (starts, offsets)  # none before its arrival
+    assert (res["ramp_up_strategy"], res["ramp_up_start_rps"], res["ramp_up_end_rps"]) == ("linear", 20, 60)
+    assert res["request_rate"] == "inf" and [e["rps"] for e in res["rps_change_events"]] == list(range(20, 61))
+    stamps = [datetime.datetime.fromisoformat(e["timestamp"]) for e in res["rps_change_events"]]
+    assert stamps == sorted(stamps) and len(set(stamps)) == 5                        # the start, then 4 arrivals
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and re.fullmatch(r"openai-ramp-up-linear-20qps-60qps-m-\d{8}-\d{6}\.json", files[0])
+    ramp = ["--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "2", "--ramp-up-end-rps", "8"]
+    for flags, want in (
+            (ramp + ["--request-rate", "5"], "--ramp-up-strategy sets the request rate: leave out --request-rate 5"),
+            (ramp[:4], "--ramp-up-strategy needs both --ramp-up-start-rps and --ramp-up-end-rps"),
+            (ramp[2:], "--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy (linear or exponential)"),
+            (["--ramp-up-strategy", "linear"] + ramp[2:3] + ["0"] + ramp[4:],
+             "--ramp-up-start-rps must be at least 1 (the first request's rate), not 0"),
+            (ramp[:2] + ["--ramp-up-start-rps", "-1"] + ramp[4:],
+             "--ramp-up-start-rps must be at least 1 (the first request's rate), not -1"),
+            (ramp[:2] + ["--ramp-up-start-rps", "9"] + ramp[4:],
+             "--ramp-up-end-rps 8 is below --ramp-up-start-rps 9: the ramp goes up")):
+        assert serve_fails_at_once(flags, capsys) == (1, "error: " + want), flags
+    monkeypatch.undo()  # (vLLM's check is of a finite rate: --request-rate inf is accepted, and the server asked)
+    code, err = serve_fails_at_once(ramp + ["--request-rate", "inf"], capsys)
+    assert code == 1 and err.startswith("error: cannot reach http://127.0.0.1:1/v1/models")
+

@@ -959,8 +959,13 @@ def summarize(xs, percentiles=(99,)):
     return out
 
 
-PERCENTILE_METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-                      "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+# --percentile-metrics' names: (the table's heading, its rows' name), vLLM's; the last two only with --max-concurrency
+# (the second also at a finite --request-rate): a request's wait for a slot, and its latency with that wait
+PERCENTILE_METRICS = {"ttft": ("Time to First Token", "TTFT"),
+                      "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+                      "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL"),
+                      "client_queue_time": ("Client-side Queueing", "Client Queue Time"),
+                      "e2el_including_client_queue": ("Queue-inclusive End-to-end Latency", "E2EL incl. Client Queue")}
 
 
 def key_values(items, flag):
@@ -1104,6 +1109,10 @@ def serve_benchmark(argv=None):
         if not metrics or any(m not in PERCENTILE_METRICS for m in metrics):
             raise DatasetError(f"--percentile-metrics {a.percentile_metrics!r}: use some of "
                                + ",".join(PERCENTILE_METRICS))
+        for m, needs in (("client_queue_time", "--max-concurrency"),
+                         ("e2el_including_client_queue", "--max-concurrency and a finite --request-rate")):
+            if m in metrics and not (a.max_concurrency and (m == "client_queue_time" or math.isfinite(a.request_rate))):
+                print(f"warning: --percentile-metrics {m} needs {needs}; left out, as vLLM does", file=sys.stderr)
         try:
             pcts = [float(p) for p in a.metric_percentiles.split(",")]
         except ValueError:
@@ -1300,7 +1309,12 @@ def serve_benchmark(argv=None):
            "output_throughput": n_out / duration,
            "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,
            "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests,
-           "request_goodput": None}
+           "request_goodput": None,
+           # vLLM keeps these two lists without --save-detailed: each request's end-to-end latency (0 if it failed)
+           # and its client queue time (from its arrival to its send, the wait for a --max-concurrency slot)
+           "latencies": [r["latency"] for r in results],
+           "queue_times": [r["start"] - t for r, t in zip(results, arrivals)],
+           "rtfx": 0.0}  # (vLLM's inverse real-time factor: seconds of input audio a second; no audio is sent here)
     if ramp is not None:
         res.update(ramp_up_strategy=a.ramp_up_strategy, ramp_up_start_rps=a.ramp_up_start_rps,
                    ramp_up_end_rps=a.ramp_up_end_rps,
@@ -1313,7 +1327,12 @@ def serve_benchmark(argv=None):
         res["request_goodput"] = good / duration
     series = {"ttft": [r["ttft"] for r in ok], "tpot": [tpot(r) for r in ok if r["output_tokens"] > 1],
               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
-    for name in metrics:
+    queued = [q for q, r in zip(res["queue_times"], results) if r["ok"]]
+    if a.max_concurrency:  # vLLM's two client-queue metrics: only where a slot can be waited for, and the second
+        series["client_queue_time"] = queued  # only at a finite rate (at inf every request arrives at once)
+        if math.isfinite(a.request_rate):
+            series["e2el_including_client_queue"] = [r["latency"] + q for q, r in zip(queued, ok)]
+    for name in [m for m in metrics if m in series]:  # (one without its series: skipped, as vLLM's, and warned of)
         for stat, v in summarize(series[name], pcts).items():
             res[f"{stat}_{name}_ms"] = v
     if before is not None and after is not None and after["drafts"] > before["drafts"]:
@@ -1352,11 +1371,12 @@ def serve_benchmark(argv=None):
     line("Peak concurrent requests:", peak_requests, ".2f")
     if n_in is not None:
         line("Total token throughput (tok/s):", res["total_token_throughput"], ".2f")
-    for name in metrics:
-        head(PERCENTILE_METRICS[name])
+    for name in [m for m in metrics if m in series]:
+        heading, short = PERCENTILE_METRICS[name]
+        head(heading)
         for stat, label in [("mean", "Mean"), ("median", "Median")] + [(f"p{pct_name(p)}", f"P{pct_name(p)}")
                                                                        for p in pcts]:
-            line(f"{label} {name.upper()} (ms):", res[f"{stat}_{name}_ms"], ".2f")
+            line(f"{label} {short} (ms):", res[f"{stat}_{name}_ms"], ".2f")
     if "spec_decode_num_drafts" in res:
         head("Speculative Decoding")
         line("Acceptance rate (%):", res["spec_decode_acceptance_rate"], ".2f")

@@ -4734,7 +4734,8 @@ def test_bench_serve_vllm_flags(tmp_path, monkeypatch, capsys):
     for argv, want in [(["--backend", "openai-chat"], "error: --backend openai-chat needs a chat endpoint "
                                                       "(--endpoint /v1/chat/completions), not /v1/completions"),
                        (["--percentile-metrics", "ttft,goodput"], "error: --percentile-metrics 'ttft,goodput': use "
-                                                                  "some of ttft,tpot,itl,e2el"),
+                                                                  "some of ttft,tpot,itl,e2el,client_queue_time,"
+                                                                  "e2el_including_client_queue"),
                        (["--metric-percentiles", "99,x"], "error: --metric-percentiles '99,x': numbers in [0, 100], "
                                                           "e.g. 25,50,99"),
                        (["--random-range-ratio", "1.5"], "error: --random-range-ratio must be in [0, 1), not 1.5"),
@@ -11230,3 +11231,38 @@ def test_s51_bench_serve_ramp_up(tmp_path, monkeypatch, capsys):
     code, err = serve_fails_at_once(ramp + ["--request-rate", "inf"], capsys)
     assert code == 1 and err.startswith("error: cannot reach http://127.0.0.1:1/v1/models")
 
+
+def test_s51_bench_serve_result_keys_of_vllm(monkeypatch, capsys):
+    """The result keys of vLLM's that were missing: latencies and queue_times (kept without --save-detailed, as
+    vLLM's), rtfx (0.0: no audio), and with --max-concurrency the percentile metrics client_queue_time and (at a
+    finite rate) e2el_including_client_queue, in the table under vLLM's headings; asked for without
+    --max-concurrency, they are left out with a warning. Before: missing, and the two names refused."""
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+
+    def send(url, endpoint, body, headers, timeout):  # 50 ms a request
+        st = time.perf_counter()
+        time.sleep(0.05)
+        return {"ok": True, "start": st, "ttft": 0.01, "itl": [0.01], "latency": time.perf_counter() - st,
+                "output_tokens": 2, "prompt_tokens": 4, "chunks": 2, "error": "", "text": ""}
+    monkeypatch.setattr(bench, "send", send)
+    argv = ["--num-prompts", "3", "--random-input-len", "4", "--request-rate", "1000", "--percentile-metrics",
+            "e2el,client_queue_time,e2el_including_client_queue", "--metric-percentiles", "50"]
+    assert bench.serve_benchmark(argv + ["--max-concurrency", "1"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    q, lat = res["queue_times"], res["latencies"]
+    assert len(q) == len(lat) == 3 and all(x >= 0.05 for x in lat) and res["rtfx"] == 0.0
+    assert q[0] < q[1] and q[1] >= 0.04 and q[2] >= 0.09                             # one at a time: each waits
+    for name, xs in (("client_queue_time", q), ("e2el_including_client_queue", [a + b for a, b in zip(lat, q)])):
+        assert {k: res[f"{k}_{name}_ms"] for k in ("mean", "median", "std", "p50")} == bench.summarize(xs, [50])
+    for row in ("-------------Client-side Queueing--------------", "Mean Client Queue Time (ms):",
+                "P50 Client Queue Time (ms):", "-------Queue-inclusive End-to-end Latency-------",
+                "Median E2EL incl. Client Queue (ms):"):
+        assert row in out, row
+    assert bench.serve_benchmark(argv) == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.strip().splitlines()[-1])
+    assert not any("client_queue" in k for k in res) and "mean_e2el_ms" in res and len(res["queue_times"]) == 3
+    assert "warning: --percentile-metrics client_queue_time needs --max-concurrency; left out, as vLLM does" in cap.err
+    assert "Client-side Queueing" not in cap.out

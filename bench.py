@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import datetime
 from urllib.parse import urlsplit
 
 import torch
@@ -894,6 +895,45 @@ def peaks(results):
     return float(max(per_second.values())), peak
 
 
+def ramp_rate(strategy, start, end, i, n):
+    """vLLM's rate (requests/s) of request i of n under --ramp-up-strategy: start for the first, end for the last,
+    and between them linear or exponential (geometric) in the request's number, not in time."""
+    progress = i / max(n - 1, 1)
+    if strategy == "linear":
+        return start + (end - start) * progress
+    return start * (end / start) ** progress
+
+
+def arrival_schedule(n, rate, burstiness, rng, ramp=None):
+    """vllm bench serve's arrivals (get_request): ([seconds after the run's start at which each of n requests is
+    sent], [the rate each was sent at]). Each request, the first too, waits a gap drawn at its rate: none at an
+    infinite rate, 1 / rate at an infinite burstiness, else gamma-distributed with shape burstiness and mean
+    1 / rate (burstiness 1: Poisson). ramp: (strategy, start, end), each request's rate from ramp_rate; without
+    it vLLM rescales the summed gaps of a finite rate to end at exactly n / rate seconds, so that runs of
+    different seeds send at the same average rate."""
+    rates = [rate if ramp is None else ramp_rate(*ramp, i, n) for i in range(n)]
+    offsets, t = [], 0.0
+    for r in rates:
+        if not math.isinf(r):
+            t += 1 / r if math.isinf(burstiness) else rng.gammavariate(burstiness, 1 / (r * burstiness))
+        offsets.append(t)
+    if ramp is None and t > 0:
+        offsets = [x * (n / rate) / t for x in offsets]
+    return offsets, rates
+
+
+def rps_change_events(start_rps, rates, offsets, wall0):
+    """vLLM's result key rps_change_events of a ramp-up: the whole rates it passes through, each stamped (ISO, local
+    time) when the first request at or above it arrives; the start rate at the run's start (wall0, time.time())."""
+    events, last = [{"rps": start_rps, "timestamp": datetime.fromtimestamp(wall0).isoformat()}], start_rps
+    for r, dt in zip(rates, offsets):
+        if int(r) > last:
+            stamp = datetime.fromtimestamp(wall0 + dt).isoformat()
+            events += [{"rps": v, "timestamp": stamp} for v in range(last + 1, int(r) + 1)]
+            last = int(r)
+    return events
+
+
 def pct_name(p):
     """vLLM's name of a percentile in keys and labels: 99 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if int(p) == p else str(p)
@@ -919,8 +959,13 @@ def summarize(xs, percentiles=(99,)):
     return out
 
 
-PERCENTILE_METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-                      "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+# --percentile-metrics' names: (the table's heading, its rows' name), vLLM's; the last two only with --max-concurrency
+# (the second also at a finite --request-rate): a request's wait for a slot, and its latency with that wait
+PERCENTILE_METRICS = {"ttft": ("Time to First Token", "TTFT"),
+                      "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+                      "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL"),
+                      "client_queue_time": ("Client-side Queueing", "Client Queue Time"),
+                      "e2el_including_client_queue": ("Queue-inclusive End-to-end Latency", "E2EL incl. Client Queue")}
 
 
 def key_values(items, flag):
@@ -960,6 +1005,11 @@ def serve_args(argv):
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="with a finite --request-rate: gamma-distributed "
                     "gaps of this shape (1: Poisson; below 1 burstier, above more even)")
+    ap.add_argument("--ramp-up-strategy", choices=["linear", "exponential"], default=None,
+                    help="instead of --request-rate: a rate that grows from --ramp-up-start-rps (the first request's) "
+                         "to --ramp-up-end-rps (the last one's), linearly or geometrically in the request's number")
+    ap.add_argument("--ramp-up-start-rps", type=int, default=None, help="with --ramp-up-strategy: the first rate")
+    ap.add_argument("--ramp-up-end-rps", type=int, default=None, help="with --ramp-up-strategy: the last rate")
     ap.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
                     help="service-level objectives (ttft, tpot, e2el in ms): request goodput counts the requests "
                          "within all of them")
@@ -984,11 +1034,15 @@ def serve_args(argv):
     ap.add_argument("--disable-shuffle", action="store_true", help="the file's order (default: shuffled with --seed)")
     ap.add_argument("--no-oversample", action="store_true",
                     help="with fewer entries than --num-prompts, send each once (default: cycle through them again)")
-    ap.add_argument("--random-input-len", "--input-len", "--prompt-len", dest="input_len", type=int, default=1024,
-                    help="prompt tokens (random dataset)")
-    ap.add_argument("--random-output-len", "--output-len", "--gen-len", dest="output_len", type=int, default=None,
-                    help="max_tokens of every request (default 128; a file's own lengths, or its dataset's "
-                         "--*-output-len, come first)")
+    ap.add_argument("--random-input-len", dest="input_len", type=int, default=1024, help="random dataset: prompt "
+                                                                                         "tokens")
+    ap.add_argument("--random-output-len", type=int, default=128, help="random dataset: max_tokens of every request")
+    # vLLM's general lengths: given, each sets its datasets' own flags, over them (vllm bench serve's main_async)
+    ap.add_argument("--input-len", "--prompt-len", dest="general_input_len", type=int, default=None,
+                    help="sets --random-input-len (the one dataset here whose prompt length is chosen)")
+    ap.add_argument("--output-len", "--gen-len", dest="output_len", type=int, default=None,
+                    help="sets --random-, --sharegpt-, --custom- and --spec-bench-output-len (a custom line's own "
+                         "output_tokens still come first)")
     ap.add_argument("--random-range-ratio", type=float, default=0.0,
                     help="random dataset: each prompt's and output's length drawn from [L(1-r), L(1+r)]")
     ap.add_argument("--random-prefix-len", type=int, default=0, help="random dataset: a prefix of this many tokens "
@@ -1031,14 +1085,23 @@ def serve_benchmark(argv=None):
     try:  # [(prompt, max_tokens or None)], made or read before the server is asked
         if a.custom_output_len == -1:  # vLLM's -1: each line's own output_tokens (here they always come first)
             a.custom_output_len = None
-        for flag, n in (("--random-output-len", a.output_len), ("--custom-output-len", a.custom_output_len),
-                        ("--sharegpt-output-len", a.sharegpt_output_len),
+        for flag, n in (("--output-len", a.output_len), ("--random-output-len", a.random_output_len),
+                        ("--custom-output-len", a.custom_output_len), ("--sharegpt-output-len", a.sharegpt_output_len),
                         ("--spec-bench-output-len", a.spec_bench_output_len)):
             if n is not None and n < 1:  # (0 read as "not given" below would silently send the default instead)
                 raise DatasetError(f"{flag} must be at least 1, not {n}")
-        # max_tokens where a request has none of its own: the dataset's flag, else --output-len, else vLLM's default
-        a.output_len = {"custom": a.custom_output_len, "spec_bench": a.spec_bench_output_len}.get(
-            a.dataset_name) or a.output_len or (256 if a.dataset_name in ("custom", "spec_bench") else 128)
+        # vLLM's general lengths win over the datasets' own flags, whichever came first on the command line; so
+        # --output-len fixes a ShareGPT request's max_tokens as --sharegpt-output-len does (not its recorded reply's
+        # length), while --random-output-len is the random dataset's alone
+        if a.general_input_len is not None:
+            a.input_len = a.general_input_len
+        if a.output_len is not None:
+            a.random_output_len = a.sharegpt_output_len = a.custom_output_len = a.spec_bench_output_len = a.output_len
+        # max_tokens where a request has none of its own: vLLM's defaults (custom and spec_bench 256); ShareGPT's
+        # reply lengths need a tokenizer, and without one 128 is a stand-in (the warning below says so)
+        default_len = {"random": a.random_output_len, "custom": a.custom_output_len or 256,
+                       "spec_bench": a.spec_bench_output_len or 256, "sharegpt": a.sharegpt_output_len or 128}[
+            a.dataset_name]
         if a.backend == "openai-chat" and not chat:
             raise DatasetError(f"--backend openai-chat needs a chat endpoint (--endpoint /v1/chat/completions), "
                                f"not {a.endpoint}")
@@ -1046,6 +1109,10 @@ def serve_benchmark(argv=None):
         if not metrics or any(m not in PERCENTILE_METRICS for m in metrics):
             raise DatasetError(f"--percentile-metrics {a.percentile_metrics!r}: use some of "
                                + ",".join(PERCENTILE_METRICS))
+        for m, needs in (("client_queue_time", "--max-concurrency"),
+                         ("e2el_including_client_queue", "--max-concurrency and a finite --request-rate")):
+            if m in metrics and not (a.max_concurrency and (m == "client_queue_time" or math.isfinite(a.request_rate))):
+                print(f"warning: --percentile-metrics {m} needs {needs}; left out, as vLLM does", file=sys.stderr)
         try:
             pcts = [float(p) for p in a.metric_percentiles.split(",")]
         except ValueError:
@@ -1076,6 +1143,26 @@ def serve_benchmark(argv=None):
         if not a.request_rate > 0:  # (inf, the default: every request at once)
             raise DatasetError(f"--request-rate must be > 0 (requests a second; inf: all at once), "
                                f"not {a.request_rate}")
+        ramp = None  # vLLM's rules (main_async), each one line
+        if a.ramp_up_strategy is None:  # (vLLM ignores the two without it: here they are a mistake named)
+            if a.ramp_up_start_rps is not None or a.ramp_up_end_rps is not None:
+                raise DatasetError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy (linear or "
+                                   "exponential)")
+        else:
+            if math.isfinite(a.request_rate):
+                raise DatasetError(f"--ramp-up-strategy sets the request rate: leave out --request-rate "
+                                   f"{a.request_rate:g}")
+            if a.ramp_up_start_rps is None or a.ramp_up_end_rps is None:
+                raise DatasetError("--ramp-up-strategy needs both --ramp-up-start-rps and --ramp-up-end-rps")
+            # vLLM refuses a negative start, and a start of 0 fails there too, being the first request's rate
+            # (exponential's own check, linear's assertion in get_request)
+            if a.ramp_up_start_rps < 1:
+                raise DatasetError(f"--ramp-up-start-rps must be at least 1 (the first request's rate), not "
+                                   f"{a.ramp_up_start_rps}")
+            if a.ramp_up_end_rps < a.ramp_up_start_rps:
+                raise DatasetError(f"--ramp-up-end-rps {a.ramp_up_end_rps} is below --ramp-up-start-rps "
+                                   f"{a.ramp_up_start_rps}: the ramp goes up")
+            ramp = (a.ramp_up_strategy, a.ramp_up_start_rps, a.ramp_up_end_rps)
         try:
             extra_body = json.loads(a.extra_body) if a.extra_body else {}
         except ValueError as e:
@@ -1102,7 +1189,7 @@ def serve_benchmark(argv=None):
         if a.dataset_name == "random":
             if a.dataset_path:
                 raise DatasetError("--dataset-path needs --dataset-name custom, sharegpt or spec_bench")
-            prompts = random_prompts(rng, a.num_prompts, a.input_len, chat, a.output_len, a.random_range_ratio,
+            prompts = random_prompts(rng, a.num_prompts, a.input_len, chat, a.random_output_len, a.random_range_ratio,
                                      a.random_prefix_len)
         else:
             tok, template = local_tokenizer(a)
@@ -1118,7 +1205,8 @@ def serve_benchmark(argv=None):
                     prompts = [(template.render([{"role": "user", "content": p}]), m) for p, m in prompts]
             elif a.dataset_name == "sharegpt" and tok is None and a.sharegpt_output_len is None:
                 print(f"warning: no local tokenizer (--tokenizer or --model: a directory): max_tokens "
-                      f"{a.output_len} for every request, not its recorded reply's length, and no length filter",
+                      f"{default_len} for every request (--output-len or --sharegpt-output-len to choose it), not its "
+                      f"recorded reply's length, and no length filter",
                       file=sys.stderr)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -1151,7 +1239,7 @@ def serve_benchmark(argv=None):
                                   ("repetition_penalty", a.repetition_penalty)) if v is not None}
     bodies = []
     for prompt, max_tokens in prompts:  # the bodies vllm bench serve sends (openai / openai-chat backends)
-        max_tokens = max_tokens or a.output_len
+        max_tokens = max_tokens or default_len
         name = a.served_model_name or model
         if chat:
             body = {"model": name, "messages": [{"role": "user", "content": prompt}],
@@ -1166,7 +1254,10 @@ def serve_benchmark(argv=None):
         body.update(extra_body)
         bodies.append(body)
 
-    def run(batch, tag=""):  # send the bodies, at most --max-concurrency at once, at --request-rate; -> records
+    def run(batch, tag="", offsets=None, t0=None):
+        """Send the bodies, request i at t0 + offsets[i] (perf_counter's clock; offsets None: all at once), at most
+        --max-concurrency in flight. -> (records, arrivals): a request that waits for a slot has arrived at its
+        scheduled time (vLLM's arrivals do not wait for the semaphore), so its wait is its client queue time."""
         results = [None] * len(batch)
         slots = threading.Semaphore(a.max_concurrency or len(batch))
 
@@ -1177,25 +1268,24 @@ def serve_benchmark(argv=None):
                 results[i] = send(url, a.endpoint, batch[i], own, a.timeout)
             finally:
                 slots.release()
-        arrival = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
+        arrivals = [t0 + (offsets[i] if offsets else 0.0) for i in range(len(batch))]
         threads = []
         for i in range(len(batch)):
-            if i and math.isfinite(a.request_rate):  # gamma gaps of mean 1 / rate (burstiness 1: Poisson; inf:
-                arrival += 1 / a.request_rate if math.isinf(a.burstiness) else \
-                    rng.gammavariate(a.burstiness, 1 / (a.request_rate * a.burstiness))  # evenly spaced, as vLLM)
-                time.sleep(max(0.0, arrival - time.perf_counter()))
+            time.sleep(max(0.0, arrivals[i] - time.perf_counter()))
             slots.acquire()
             threads.append(threading.Thread(target=worker, args=(i,), daemon=True))
             threads[-1].start()
         for t in threads:
             t.join()
-        return results
+        return results, arrivals
 
-    if a.num_warmups > 0:
+    if a.num_warmups > 0:  # all at once, as vLLM's (neither --request-rate nor the ramp paces them)
         run([bodies[0]] * a.num_warmups, "warmup-")
+    offsets, rates = arrival_schedule(num, a.request_rate, a.burstiness, rng, ramp)
     before = scrape_spec(url, headers)
-    t0 = time.perf_counter()
-    results = run(bodies)
+    wall0, t0 = time.time(), time.perf_counter()  # (the ramp's events are stamped on the wall clock, as vLLM's)
+    results, arrivals = run(bodies, offsets=offsets, t0=t0)
     duration = time.perf_counter() - t0
     after = scrape_spec(url, headers, settle=5.0)  # once the server's snapshot has the run's last step
 
@@ -1214,12 +1304,21 @@ def serve_benchmark(argv=None):
            "dataset_path": a.dataset_path, "num_prompts": num,
            "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf", "burstiness": a.burstiness,
            "max_concurrency": a.max_concurrency, "prompt_len": a.input_len if a.dataset_name == "random" else None,
-           "gen_len": a.output_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "gen_len": default_len, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(ok) / duration,
            "output_throughput": n_out / duration,
            "total_token_throughput": None if n_in is None else (n_in + n_out) / duration,
            "max_output_tokens_per_s": peak_tok_s, "max_concurrent_requests": peak_requests,
-           "request_goodput": None}
+           "request_goodput": None,
+           # vLLM keeps these two lists without --save-detailed: each request's end-to-end latency (0 if it failed)
+           # and its client queue time (from its arrival to its send, the wait for a --max-concurrency slot)
+           "latencies": [r["latency"] for r in results],
+           "queue_times": [r["start"] - t for r, t in zip(results, arrivals)],
+           "rtfx": 0.0}  # (vLLM's inverse real-time factor: seconds of input audio a second; no audio is sent here)
+    if ramp is not None:
+        res.update(ramp_up_strategy=a.ramp_up_strategy, ramp_up_start_rps=a.ramp_up_start_rps,
+                   ramp_up_end_rps=a.ramp_up_end_rps,
+                   rps_change_events=rps_change_events(a.ramp_up_start_rps, rates, offsets, wall0))
     tpot = lambda r: (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1)  # a request of > 1 output token
     if slo:  # vLLM's: a request is good if each objective holds (its TPOT 0 with one output token)
         per = {"ttft": lambda r: r["ttft"], "e2el": lambda r: r["latency"],
@@ -1228,7 +1327,12 @@ def serve_benchmark(argv=None):
         res["request_goodput"] = good / duration
     series = {"ttft": [r["ttft"] for r in ok], "tpot": [tpot(r) for r in ok if r["output_tokens"] > 1],
               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
-    for name in metrics:
+    queued = [q for q, r in zip(res["queue_times"], results) if r["ok"]]
+    if a.max_concurrency:  # vLLM's two client-queue metrics: only where a slot can be waited for, and the second
+        series["client_queue_time"] = queued  # only at a finite rate (at inf every request arrives at once)
+        if math.isfinite(a.request_rate):
+            series["e2el_including_client_queue"] = [r["latency"] + q for q, r in zip(queued, ok)]
+    for name in [m for m in metrics if m in series]:  # (one without its series: skipped, as vLLM's, and warned of)
         for stat, v in summarize(series[name], pcts).items():
             res[f"{stat}_{name}_ms"] = v
     if before is not None and after is not None and after["drafts"] > before["drafts"]:
@@ -1267,11 +1371,12 @@ def serve_benchmark(argv=None):
     line("Peak concurrent requests:", peak_requests, ".2f")
     if n_in is not None:
         line("Total token throughput (tok/s):", res["total_token_throughput"], ".2f")
-    for name in metrics:
-        head(PERCENTILE_METRICS[name])
+    for name in [m for m in metrics if m in series]:
+        heading, short = PERCENTILE_METRICS[name]
+        head(heading)
         for stat, label in [("mean", "Mean"), ("median", "Median")] + [(f"p{pct_name(p)}", f"P{pct_name(p)}")
                                                                        for p in pcts]:
-            line(f"{label} {name.upper()} (ms):", res[f"{stat}_{name}_ms"], ".2f")
+            line(f"{label} {short} (ms):", res[f"{stat}_{name}_ms"], ".2f")
     if "spec_decode_num_drafts" in res:
         head("Speculative Decoding")
         line("Acceptance rate (%):", res["spec_decode_acceptance_rate"], ".2f")
@@ -1287,8 +1392,9 @@ def serve_benchmark(argv=None):
         print(f"error: {e}", file=sys.stderr)
     if a.save_result or a.append_result:
         conc = f"-concurrency{a.max_concurrency}" if a.max_concurrency is not None else ""
-        path = a.result_filename or (f"{a.label or a.backend}-{res['request_rate']}qps{conc}-{model.split('/')[-1]}-"
-                                     f"{res['date']}.json")
+        rate = (f"ramp-up-{a.ramp_up_strategy}-{a.ramp_up_start_rps}qps-{a.ramp_up_end_rps}qps" if ramp else
+                f"{res['request_rate']}qps")  # (vLLM's names: the ramp's in place of the rate)
+        path = a.result_filename or f"{a.label or a.backend}-{rate}{conc}-{model.split('/')[-1]}-{res['date']}.json"
         if a.result_dir:  # (made before the run)
             path = os.path.join(a.result_dir, path)
         try:

@@ -4734,7 +4734,8 @@ def test_bench_serve_vllm_flags(tmp_path, monkeypatch, capsys):
     for argv, want in [(["--backend", "openai-chat"], "error: --backend openai-chat needs a chat endpoint "
                                                       "(--endpoint /v1/chat/completions), not /v1/completions"),
                        (["--percentile-metrics", "ttft,goodput"], "error: --percentile-metrics 'ttft,goodput': use "
-                                                                  "some of ttft,tpot,itl,e2el"),
+                                                                  "some of ttft,tpot,itl,e2el,client_queue_time,"
+                                                                  "e2el_including_client_queue"),
                        (["--metric-percentiles", "99,x"], "error: --metric-percentiles '99,x': numbers in [0, 100], "
                                                           "e.g. 25,50,99"),
                        (["--random-range-ratio", "1.5"], "error: --random-range-ratio must be in [0, 1), not 1.5"),
@@ -10738,7 +10739,7 @@ def test_s49_bench_serve_counts_refused_not_replaced(tmp_path, capsys):
     c = write_lines(tmp_path / "c.jsonl", '{"prompt": "x"}')
     s = write_lines(tmp_path / "s.json", "[]")
     for argv, want in ((["--random-output-len", "0"], "--random-output-len must be at least 1, not 0"),
-                       (["--output-len", "-3"], "--random-output-len must be at least 1, not -3"),
+                       (["--output-len", "-3"], "--output-len must be at least 1, not -3"),
                        (["--dataset-name", "custom", "--dataset-path", c, "--custom-output-len", "0"],
                         "--custom-output-len must be at least 1, not 0"),
                        (["--dataset-name", "sharegpt", "--dataset-path", s, "--sharegpt-output-len", "-2"],
@@ -11139,3 +11140,148 @@ def test_s51_engine_built_directly_checks_its_sizes(field, value):
     with pytest.raises(ConfigError, match=re.escape(f"{field} must be a positive integer, got {value!r}")):
         sd.Engine(llm.engine.runner.model, llm.tokenizer, None, args["max_num_seqs"], args["max_model_len"],
                   torch.float32, torch.device("cpu"), max_num_batched_tokens=args["max_num_batched_tokens"])
+
+
+# ==============================================================================================
+# bench.py serve's lengths, ramp-up and result keys as vllm bench serve's, session 51
+# ==============================================================================================
+# vllm/benchmarks/serve.py (009e6d4): main_async maps --output-len onto every dataset's own length flag (ShareGPT's
+# too) and --input-len onto --random-input-len; get_request paces a ramp-up's arrivals; the result keeps latencies,
+# queue_times and rtfx, with the ramp's flags and rps_change_events.
+
+def test_s51_bench_output_len_sets_every_dataset(tmp_path, monkeypatch, capsys):
+    """--output-len fixes a ShareGPT request's max_tokens (and so skips vLLM's check of the reply's length), over
+    --sharegpt-output-len; --random-output-len is the random dataset's alone; --input-len wins over
+    --random-input-len in either order. Before: --output-len was an alias of --random-output-len, used only where a
+    request had no length (so ShareGPT with a tokenizer kept each reply's), and on custom prompts it was 9, not
+    vLLM's 256."""
+    reply = "It is a list of numbers in the order they were given, one per line."
+    turn = lambda who, text: {"from": who, "value": text}  # noqa: E731
+    sharegpt = tmp_path / "s.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [turn("human", "What does this function return when called?"), turn("gpt", reply)]},
+        {"conversations": [turn("human", "Tell me about the weather today"), turn("gpt", "Ok")]}]))  # reply < 4
+    custom = write_lines(tmp_path / "c.jsonl", json.dumps({"prompt": "def f(x):"}))
+    sent = stub_bench_server(monkeypatch, prompt_tokens=5)
+    share = ["--model", TOY, "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle",
+             "--no-oversample"]
+    n_reply = len(sd.Tokenizer.from_dir(TOY).encode(reply))
+    for flags, want in ((share + ["--output-len", "9"], [9, 9]),
+                        (share + ["--sharegpt-output-len", "20", "--output-len", "7"], [7, 7]),
+                        (share + ["--gen-len", "6"], [6, 6]),                     # (our older name of --output-len)
+                        (share + ["--random-output-len", "9"], [n_reply]),      # the recorded reply's length
+                        (["--dataset-name", "custom", "--dataset-path", custom, "--skip-chat-template",
+                          "--num-prompts", "1", "--random-output-len", "9"], [256]),
+                        (["--dataset-name", "custom", "--dataset-path", custom, "--skip-chat-template",
+                          "--num-prompts", "1", "--output-len", "5", "--custom-output-len", "30"], [5]),
+                        (["--num-prompts", "2", "--output-len", "4", "--random-output-len", "6"], [4, 4])):
+        sent.clear()
+        assert bench.serve_benchmark(flags) == 0, flags
+        capsys.readouterr()
+        assert [b["max_tokens"] for b in sent] == want, flags
+    for flags in (["--input-len", "5", "--random-input-len", "7"], ["--random-input-len", "7", "--prompt-len", "5"]):
+        sent.clear()
+        assert bench.serve_benchmark(["--num-prompts", "2"] + flags) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert [len(b["prompt"]) for b in sent] == [5, 5] and res["prompt_len"] == 5, flags
+    assert serve_fails_at_once(["--output-len", "0"], capsys) == (1, "error: --output-len must be at least 1, not 0")
+
+
+def test_s51_bench_ramp_up_schedule():
+    """vLLM's ramp (get_request): request i of n at start + (end - start) * i / (n - 1) requests/s (exponential:
+    start * (end / start) ** (i / (n - 1))), each request after a gap at its own rate, the first too; a fixed finite
+    rate's gaps are rescaled to end at n / rate seconds, a ramp's are not; rps_change_events lists each whole rate
+    passed, stamped at the arrival of the first request at or above it."""
+    import datetime
+    assert [bench.ramp_rate("linear", 1, 5, i, 5) for i in range(5)] == [1, 2, 3, 4, 5]
+    assert [bench.ramp_rate("exponential", 1, 16, i, 5) for i in range(5)] == pytest.approx([1, 2, 4, 8, 16])
+    assert bench.ramp_rate("linear", 3, 9, 0, 1) == 3                                   # one request: the start rate
+    rng = random.Random(0)
+    offsets, rates = bench.arrival_schedule(4, float("inf"), float("inf"), rng, ("linear", 2, 8))
+    assert rates == [2, 4, 6, 8] and offsets == pytest.approx([1 / 2, 1 / 2 + 1 / 4, 1 / 2 + 1 / 4 + 1 / 6,
+                                                               1 / 2 + 1 / 4 + 1 / 6 + 1 / 8])
+    offsets, rates = bench.arrival_schedule(5, 10.0, 1.0, rng)                          # Poisson, rescaled
+    assert rates == [10.0] * 5 and offsets[-1] == pytest.approx(0.5) and 0 < offsets[0] < offsets[1] < offsets[-1]
+    offsets, _ = bench.arrival_schedule(3, 4.0, float("inf"), rng)
+    assert offsets == pytest.approx([0.25, 0.5, 0.75])
+    assert bench.arrival_schedule(3, float("inf"), 1.0, rng) == ([0.0] * 3, [float("inf")] * 3)
+    wall0 = 1_700_000_000.0
+    events = bench.rps_change_events(2, [2, 2.5, 4.9, 5.0, 7.5], [0.1, 0.2, 0.3, 0.4, 0.5], wall0)
+    stamp = lambda dt: datetime.datetime.fromtimestamp(wall0 + dt).isoformat()  # noqa: E731
+    assert events == [{"rps": 2, "timestamp": stamp(0)}, {"rps": 3, "timestamp": stamp(0.3)},
+                      {"rps": 4, "timestamp": stamp(0.3)}, {"rps": 5, "timestamp": stamp(0.4)},
+                      {"rps": 6, "timestamp": stamp(0.5)}, {"rps": 7, "timestamp": stamp(0.5)}]
+
+
+def test_s51_bench_serve_ramp_up(tmp_path, monkeypatch, capsys):
+    """--ramp-up-strategy / --ramp-up-start-rps / --ramp-up-end-rps: the requests go out on the ramp's schedule, the
+    result records the three flags, request_rate "inf" and rps_change_events, the file is named as vLLM's; vLLM's
+    rules are one `error:` line each (and the two rates without a strategy, which vLLM ignores, are refused).
+    Before: unrecognized arguments."""
+    import datetime
+    stub_bench_server(monkeypatch, prompt_tokens=5)
+    argv = ["--num-prompts", "5", "--random-input-len", "4", "--ramp-up-strategy", "linear", "--ramp-up-start-rps",
+            "20", "--ramp-up-end-rps", "60", "--save-result", "--save-detailed", "--result-dir", str(tmp_path)]
+    t0 = time.perf_counter()
+    assert bench.serve_benchmark(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    offsets = [sum(1 / r for r in (20, 30, 40, 50, 60)[:i + 1]) for i in range(5)]   # rates 20, 30, ... 60 req/s
+    starts = [s - t0 for s in res["start_times"]]
+    assert all(s >= dt - 1e-3 for s, dt in zip(starts, offsets)), (starts, offsets)  # none before its arrival
+    assert (res["ramp_up_strategy"], res["ramp_up_start_rps"], res["ramp_up_end_rps"]) == ("linear", 20, 60)
+    assert res["request_rate"] == "inf" and [e["rps"] for e in res["rps_change_events"]] == list(range(20, 61))
+    stamps = [datetime.datetime.fromisoformat(e["timestamp"]) for e in res["rps_change_events"]]
+    assert stamps == sorted(stamps) and len(set(stamps)) == 5                        # the start, then 4 arrivals
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and re.fullmatch(r"openai-ramp-up-linear-20qps-60qps-m-\d{8}-\d{6}\.json", files[0])
+    ramp = ["--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "2", "--ramp-up-end-rps", "8"]
+    for flags, want in (
+            (ramp + ["--request-rate", "5"], "--ramp-up-strategy sets the request rate: leave out --request-rate 5"),
+            (ramp[:4], "--ramp-up-strategy needs both --ramp-up-start-rps and --ramp-up-end-rps"),
+            (ramp[2:], "--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy (linear or exponential)"),
+            (["--ramp-up-strategy", "linear"] + ramp[2:3] + ["0"] + ramp[4:],
+             "--ramp-up-start-rps must be at least 1 (the first request's rate), not 0"),
+            (ramp[:2] + ["--ramp-up-start-rps", "-1"] + ramp[4:],
+             "--ramp-up-start-rps must be at least 1 (the first request's rate), not -1"),
+            (ramp[:2] + ["--ramp-up-start-rps", "9"] + ramp[4:],
+             "--ramp-up-end-rps 8 is below --ramp-up-start-rps 9: the ramp goes up")):
+        assert serve_fails_at_once(flags, capsys) == (1, "error: " + want), flags
+    monkeypatch.undo()  # (vLLM's check is of a finite rate: --request-rate inf is accepted, and the server asked)
+    code, err = serve_fails_at_once(ramp + ["--request-rate", "inf"], capsys)
+    assert code == 1 and err.startswith("error: cannot reach http://127.0.0.1:1/v1/models")
+
+
+def test_s51_bench_serve_result_keys_of_vllm(monkeypatch, capsys):
+    """The result keys of vLLM's that were missing: latencies and queue_times (kept without --save-detailed, as
+    vLLM's), rtfx (0.0: no audio), and with --max-concurrency the percentile metrics client_queue_time and (at a
+    finite rate) e2el_including_client_queue, in the table under vLLM's headings; asked for without
+    --max-concurrency, they are left out with a warning. Before: missing, and the two names refused."""
+    monkeypatch.setattr(bench, "http_get", lambda url, path, headers, timeout=30: b'{"data": [{"id": "m"}]}')
+    monkeypatch.setattr(bench, "scrape_spec", lambda url, headers, settle=0.0: None)
+
+    def send(url, endpoint, body, headers, timeout):  # 50 ms a request
+        st = time.perf_counter()
+        time.sleep(0.05)
+        return {"ok": True, "start": st, "ttft": 0.01, "itl": [0.01], "latency": time.perf_counter() - st,
+                "output_tokens": 2, "prompt_tokens": 4, "chunks": 2, "error": "", "text": ""}
+    monkeypatch.setattr(bench, "send", send)
+    argv = ["--num-prompts", "3", "--random-input-len", "4", "--request-rate", "1000", "--percentile-metrics",
+            "e2el,client_queue_time,e2el_including_client_queue", "--metric-percentiles", "50"]
+    assert bench.serve_benchmark(argv + ["--max-concurrency", "1"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    q, lat = res["queue_times"], res["latencies"]
+    assert len(q) == len(lat) == 3 and all(x >= 0.05 for x in lat) and res["rtfx"] == 0.0
+    assert q[0] < q[1] and q[1] >= 0.04 and q[2] >= 0.09                             # one at a time: each waits
+    for name, xs in (("client_queue_time", q), ("e2el_including_client_queue", [a + b for a, b in zip(lat, q)])):
+        assert {k: res[f"{k}_{name}_ms"] for k in ("mean", "median", "std", "p50")} == bench.summarize(xs, [50])
+    for row in ("-------------Client-side Queueing--------------", "Mean Client Queue Time (ms):",
+                "P50 Client Queue Time (ms):", "-------Queue-inclusive End-to-end Latency-------",
+                "Median E2EL incl. Client Queue (ms):"):
+        assert row in out, row
+    assert bench.serve_benchmark(argv) == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.strip().splitlines()[-1])
+    assert not any("client_queue" in k for k in res) and "mean_e2el_ms" in res and len(res["queue_times"]) == 3
+    assert "warning: --percentile-metrics client_queue_time needs --max-concurrency; left out, as vLLM does" in cap.err
+    assert "Client-side Queueing" not in cap.out

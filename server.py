@@ -427,6 +427,15 @@ FUNCTION_SHAPE = '{"type": "function", "function": {"name": ...}}'
 TEXT_PARTS = ("text", "input_text", "output_text")
 TEXT_UNDER_TYPE = ("refusal", "thinking")
 TEXT_PART_TYPES = TEXT_PARTS + TEXT_UNDER_TYPE
+# A chat part of these types with no text (null, or no field) is skipped, as vLLM's chat parser skips it (its
+# PART_TYPES_TO_SKIP_NONE_CONTENT): clients send a null text part beside the real ones. An input_text, output_text
+# or thinking part with none is not skipped there (its None goes on, to the template), so it stays a 400 here.
+SKIPPED_WHEN_EMPTY = ("text", "refusal")
+
+
+def part_text(part):
+    """A text part's text: under "text", or under its type's name (a refusal, a thinking part)."""
+    return part.get(part["type"] if part["type"] in TEXT_UNDER_TYPE else "text")
 
 
 def parse_messages(msgs):
@@ -447,9 +456,10 @@ def parse_messages(msgs):
                 f"content part type {short(wrong[0])} is not supported"
             raise bad(f"{where}: {what} (this server takes text parts: {', '.join(TEXT_PART_TYPES)})", "messages")
         if isinstance(content, list):  # a refusal or a thinking part: a text part of its text (vLLM's reading)
-            content = m["content"] = [{"type": "text", "text": p.get(p["type"])}
+            content = m["content"] = [{"type": "text", "text": part_text(p)}
                                       if isinstance(p, dict) and p.get("type") in TEXT_UNDER_TYPE else p
-                                      for p in content]
+                                      for p in content if not (isinstance(p, dict) and p.get("type") in
+                                                               SKIPPED_WHEN_EMPTY and part_text(p) is None)]
         parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                   for p in content)
         if not (content is None or isinstance(content, str) or parts):
@@ -1012,7 +1022,7 @@ def response_messages(body):
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content")
-            if isinstance(content, list):
+            if isinstance(content, list):  # a null text is refused, not skipped: vLLM's request model refuses it
                 if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
                            for p in content):
                     raise bad(f"input[{n}]: content parts must be {{\"type\": \"input_text\", \"text\": ...}} "

@@ -10447,7 +10447,8 @@ def test_s49_server_content_parts_of_other_types(srv_s49):
             check_error(*post(part, path), 400, "messages", "messages[0]: " + fragment)
     for kind in ("text", "input_text", "output_text"):
         assert post({"type": kind, "text": "b"})[0] == 200
-    check_error(*post({"type": "text", "text": None}), 400, "messages", "must be a string or a list of text parts")
+    check_error(*post({"type": "input_text", "text": None}), 400, "messages", "must be a string or a list of text "
+                "parts")  # (a null "text" part is skipped, as vLLM's: test_s51_server_null_text_part_skipped)
 
 
 def test_s49_server_bad_words_tokenized_off_the_engine_thread(srv_s49):
@@ -11120,3 +11121,41 @@ def test_s51_tiny_repetition_penalty_saturates():
     for i, t in enumerate(out.token_ids):
         assert t in prompt + list(out.token_ids[:i]), (i, t, out.token_ids)
         assert math.isfinite(out.logprobs[i][t].logprob)
+
+
+# ==============================================================================================
+# Null text parts and --default-chat-template-kwargs as vLLM reads them, session 51
+# ==============================================================================================
+
+def s51_tokens(srv, messages, **fields):
+    """The chat's prompt ids as /tokenize renders it (the chat endpoint's render_chat)."""
+    status, body = srv.post("/tokenize", {"messages": messages, **fields})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def test_s51_server_null_text_part_skipped(srv):
+    """A chat content part of type text (or refusal) whose text is null, or missing, is skipped, as vLLM's chat
+    parser skips it (PART_TYPES_TO_SKIP_NONE_CONTENT, vllm 0.34.0): the prompt is the one without it, on
+    /tokenize and /v1/chat/completions. Before: a 400 "must be a string or a list of text parts". An input_text,
+    output_text or thinking part with a null text is still a 400 (vLLM does not skip those), and so is a null
+    input_text in the Responses API's input (vLLM's request model refuses it)."""
+    hi = {"type": "text", "text": "hi"}
+    plain = s51_tokens(srv, [{"role": "user", "content": [hi]}])
+    for empty in ({"type": "text", "text": None}, {"type": "text"}, {"type": "refusal", "refusal": None}):
+        assert s51_tokens(srv, [{"role": "user", "content": [empty, hi]}]) == plain, empty
+        assert s51_tokens(srv, [{"role": "user", "content": [hi, empty]}]) == plain, empty
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
+    with_null = [answered[0], {"role": "assistant", "content": [{"type": "refusal", "refusal": None},
+                                                                 {"type": "text", "text": "a"}]}]
+    assert s51_tokens(srv, with_null) == s51_tokens(srv, answered)
+    status, body = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": None}, hi]}], "max_tokens": 1})
+    assert status == 200, body
+    for kind, key in (("input_text", "text"), ("output_text", "text"), ("thinking", "thinking")):
+        check_error(*srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": kind, key: None}, hi]}], "max_tokens": 1}), 400, "messages",
+            "must be a string or a list of text parts")
+    check_error(*srv.post("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": None}, {"type": "input_text", "text": "hi"}]}], "max_output_tokens": 1}),
+        400, "input", "content parts must be")

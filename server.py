@@ -515,7 +515,14 @@ def render_chat(app, body, msgs, tools):
     if body.get("chat_template") is not None:
         raise bad("Chat template is passed with request, but --trust-request-chat-template is not set. "
                   "Refused request with untrusted chat template.", "chat_template")
-    kwargs = {**app.chat_kwargs, **get(body, "chat_template_kwargs", "object", {})}
+    # As vLLM merges them (merge_kwargs): a request's value of null or "auto" sets nothing, so the server's
+    # default (if any) stands. The server's tools (--default-chat-template-kwargs) are the template's only for a
+    # request without tools of its own.
+    own = {k: v for k, v in get(body, "chat_template_kwargs", "object", {}).items() if v is not None and v != "auto"}
+    defaults = {k: v for k, v in app.chat_kwargs.items() if k != "tools"}
+    kwargs = {**defaults, **own}
+    if body.get("tools") is None:
+        tools = app.chat_kwargs.get("tools", tools)
     # as vLLM, they go over the template's own arguments: they may set add_generation_prompt and the tools (what
     # the template shows; the tool parser keeps the request's), not the messages or documents
     from_kwargs = "add_generation_prompt" in kwargs or "continue_final_message" in kwargs
@@ -2397,7 +2404,9 @@ def build_parser():
                     help="a chat template (a file, or the template itself) instead of the model's own")
     ap.add_argument("--default-chat-template-kwargs", default=None,
                     help='JSON object of chat template kwargs for every request, e.g. '
-                    '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it)')
+                    '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it; its '
+                    'tools are the template\'s for requests without tools; add_generation_prompt and '
+                    'continue_final_message there are ignored: the request\'s fields win, as in vLLM)')
     ap.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                               "more get 503")
@@ -2431,7 +2440,12 @@ def chat_options(a):
         raise ConfigError(f"--default-chat-template-kwargs is not valid JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ConfigError("--default-chat-template-kwargs must be a JSON object")
-    clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
+    # vLLM takes any keys here. add_generation_prompt and continue_final_message never reach the template from
+    # it: each request's own fields (true and false unless set) go over these defaults, so they are dropped now;
+    # tools stand in for a request's when it has none (render_chat). The messages and documents are render's own.
+    for key in ("add_generation_prompt", "continue_final_message"):
+        kwargs.pop(key, None)
+    clash = [k for k in ChatTemplate.RESERVED if k in kwargs and k != "tools"]
     if clash:
         raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(clash)} "
                           "(each request's own)")

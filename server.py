@@ -428,8 +428,9 @@ TEXT_PARTS = ("text", "input_text", "output_text")
 TEXT_UNDER_TYPE = ("refusal", "thinking")
 TEXT_PART_TYPES = TEXT_PARTS + TEXT_UNDER_TYPE
 # A chat part of these types with no text (null, or no field) is skipped, as vLLM's chat parser skips it (its
-# PART_TYPES_TO_SKIP_NONE_CONTENT): clients send a null text part beside the real ones. An input_text, output_text
-# or thinking part with none is not skipped there (its None goes on, to the template), so it stays a 400 here.
+# PART_TYPES_TO_SKIP_NONE_CONTENT): clients send a null text part beside the real ones. A message of nothing but such
+# parts stays a 400 (vLLM's request model refuses it), and so does an input_text, output_text or thinking part with
+# none (not skipped there: its None goes on, to the template).
 SKIPPED_WHEN_EMPTY = ("text", "refusal")
 
 
@@ -455,13 +456,15 @@ def parse_messages(msgs):
             what = "a content part has no 'type'" if wrong[0] is None else \
                 f"content part type {short(wrong[0])} is not supported"
             raise bad(f"{where}: {what} (this server takes text parts: {', '.join(TEXT_PART_TYPES)})", "messages")
+        parts = False
         if isinstance(content, list):  # a refusal or a thinking part: a text part of its text (vLLM's reading)
-            content = m["content"] = [{"type": "text", "text": part_text(p)}
-                                      if isinstance(p, dict) and p.get("type") in TEXT_UNDER_TYPE else p
-                                      for p in content if not (isinstance(p, dict) and p.get("type") in
-                                                               SKIPPED_WHEN_EMPTY and part_text(p) is None)]
-        parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
-                                                  for p in content)
+            kept = [{"type": "text", "text": part_text(p)} if isinstance(p, dict) and p.get("type") in TEXT_UNDER_TYPE
+                    else p for p in content if not (isinstance(p, dict) and p.get("type") in SKIPPED_WHEN_EMPTY
+                                                    and part_text(p) is None)]
+            # text parts, not all of them empty ones (SKIPPED_WHEN_EMPTY)
+            parts = (bool(kept) or not content) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                        for p in kept)
+            content = m["content"] = kept
         if not (content is None or isinstance(content, str) or parts):
             raise bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
         calls = m.get("tool_calls")

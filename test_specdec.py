@@ -11148,9 +11148,10 @@ def s51_tokens(srv, messages, **fields):
 def test_s51_server_null_text_part_skipped(srv):
     """A chat content part of type text (or refusal) whose text is null, or missing, is skipped, as vLLM's chat
     parser skips it (PART_TYPES_TO_SKIP_NONE_CONTENT, vllm 0.34.0): the prompt is the one without it, on
-    /tokenize and /v1/chat/completions. Before: a 400 "must be a string or a list of text parts". An input_text,
-    output_text or thinking part with a null text is still a 400 (vLLM does not skip those), and so is a null
-    input_text in the Responses API's input (vLLM's request model refuses it)."""
+    /tokenize and /v1/chat/completions. Before: a 400 "must be a string or a list of text parts". Still a 400: a
+    message of nothing but such parts (vLLM's request model refuses it), an input_text, output_text or thinking part
+    with a null text (vLLM does not skip those), a null input_text in the Responses API's input (vLLM's request
+    model refuses it)."""
     hi = {"type": "text", "text": "hi"}
     plain = s51_tokens(srv, [{"role": "user", "content": [hi]}])
     for empty in ({"type": "text", "text": None}, {"type": "text"}, {"type": "refusal", "refusal": None}):
@@ -11163,6 +11164,9 @@ def test_s51_server_null_text_part_skipped(srv):
     status, body = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": None}, hi]}], "max_tokens": 1})
     assert status == 200, body
+    for only in ([{"type": "text", "text": None}], [{"type": "refusal", "refusal": None}, {"type": "text"}]):
+        check_error(*srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": only}],
+                                                       "max_tokens": 1}), 400, "messages", "must be a string or a list")
     for kind, key in (("input_text", "text"), ("output_text", "text"), ("thinking", "thinking")):
         check_error(*srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": kind, key: None}, hi]}], "max_tokens": 1}), 400, "messages",

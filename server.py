@@ -427,6 +427,16 @@ FUNCTION_SHAPE = '{"type": "function", "function": {"name": ...}}'
 TEXT_PARTS = ("text", "input_text", "output_text")
 TEXT_UNDER_TYPE = ("refusal", "thinking")
 TEXT_PART_TYPES = TEXT_PARTS + TEXT_UNDER_TYPE
+# A chat part of these types with no text (null, or no field) is skipped, as vLLM's chat parser skips it (its
+# PART_TYPES_TO_SKIP_NONE_CONTENT): clients send a null text part beside the real ones. A message of nothing but such
+# parts stays a 400 (vLLM's request model refuses it), and so does an input_text, output_text or thinking part with
+# none (not skipped there: its None goes on, to the template).
+SKIPPED_WHEN_EMPTY = ("text", "refusal")
+
+
+def part_text(part):
+    """A text part's text: under "text", or under its type's name (a refusal, a thinking part)."""
+    return part.get(part["type"] if part["type"] in TEXT_UNDER_TYPE else "text")
 
 
 def parse_messages(msgs):
@@ -446,12 +456,15 @@ def parse_messages(msgs):
             what = "a content part has no 'type'" if wrong[0] is None else \
                 f"content part type {short(wrong[0])} is not supported"
             raise bad(f"{where}: {what} (this server takes text parts: {', '.join(TEXT_PART_TYPES)})", "messages")
+        parts = False
         if isinstance(content, list):  # a refusal or a thinking part: a text part of its text (vLLM's reading)
-            content = m["content"] = [{"type": "text", "text": p.get(p["type"])}
-                                      if isinstance(p, dict) and p.get("type") in TEXT_UNDER_TYPE else p
-                                      for p in content]
-        parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
-                                                  for p in content)
+            kept = [{"type": "text", "text": part_text(p)} if isinstance(p, dict) and p.get("type") in TEXT_UNDER_TYPE
+                    else p for p in content if not (isinstance(p, dict) and p.get("type") in SKIPPED_WHEN_EMPTY
+                                                    and part_text(p) is None)]
+            # text parts, not all of them empty ones (SKIPPED_WHEN_EMPTY)
+            parts = (bool(kept) or not content) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                        for p in kept)
+            content = m["content"] = kept
         if not (content is None or isinstance(content, str) or parts):
             raise bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
         calls = m.get("tool_calls")
@@ -505,7 +518,14 @@ def render_chat(app, body, msgs, tools):
     if body.get("chat_template") is not None:
         raise bad("Chat template is passed with request, but --trust-request-chat-template is not set. "
                   "Refused request with untrusted chat template.", "chat_template")
-    kwargs = {**app.chat_kwargs, **get(body, "chat_template_kwargs", "object", {})}
+    # As vLLM merges them (merge_kwargs): a request's value of null or "auto" sets nothing, so the server's
+    # default (if any) stands. The server's tools (--default-chat-template-kwargs) are the template's only for a
+    # request without tools of its own.
+    own = {k: v for k, v in get(body, "chat_template_kwargs", "object", {}).items() if v is not None and v != "auto"}
+    defaults = {k: v for k, v in app.chat_kwargs.items() if k != "tools"}
+    kwargs = {**defaults, **own}
+    if body.get("tools") is None:
+        tools = app.chat_kwargs.get("tools", tools)
     # as vLLM, they go over the template's own arguments: they may set add_generation_prompt and the tools (what
     # the template shows; the tool parser keeps the request's), not the messages or documents
     from_kwargs = "add_generation_prompt" in kwargs or "continue_final_message" in kwargs
@@ -1012,7 +1032,7 @@ def response_messages(body):
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content")
-            if isinstance(content, list):
+            if isinstance(content, list):  # a null text is refused, not skipped: vLLM's request model refuses it
                 if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
                            for p in content):
                     raise bad(f"input[{n}]: content parts must be {{\"type\": \"input_text\", \"text\": ...}} "
@@ -2387,7 +2407,9 @@ def build_parser():
                     help="a chat template (a file, or the template itself) instead of the model's own")
     ap.add_argument("--default-chat-template-kwargs", default=None,
                     help='JSON object of chat template kwargs for every request, e.g. '
-                    '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it)')
+                    '\'{"preserve_thinking": true}\' (a request\'s chat_template_kwargs go over it; its '
+                    'tools are the template\'s for requests without tools; add_generation_prompt and '
+                    'continue_final_message there are ignored: the request\'s fields win, as in vLLM)')
     ap.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                               "more get 503")
@@ -2421,7 +2443,12 @@ def chat_options(a):
         raise ConfigError(f"--default-chat-template-kwargs is not valid JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ConfigError("--default-chat-template-kwargs must be a JSON object")
-    clash = [k for k in ChatTemplate.RESERVED if k in kwargs]
+    # vLLM takes any keys here. add_generation_prompt and continue_final_message never reach the template from
+    # it: each request's own fields (true and false unless set) go over these defaults, so they are dropped now;
+    # tools stand in for a request's when it has none (render_chat). The messages and documents are render's own.
+    for key in ("add_generation_prompt", "continue_final_message"):
+        kwargs.pop(key, None)
+    clash = [k for k in ChatTemplate.RESERVED if k in kwargs and k != "tools"]
     if clash:
         raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(clash)} "
                           "(each request's own)")

@@ -8480,7 +8480,7 @@ def test_vllm_command_line_spelling_and_refusals(tiny, capsys):
                       (["--tool-call-parser", "llama3_json"], "--tool-call-parser 'llama3_json' is not supported"),
                       (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
                       (["--default-chat-template-kwargs", "{no"], "--default-chat-template-kwargs is not valid JSON"),
-                      (["--default-chat-template-kwargs", '{"tools": []}'], "may not set tools"),
+                      (["--default-chat-template-kwargs", '{"messages": []}'], "may not set messages"),
                       (["--max-model-len", "0"], "max_model_len must be a positive integer"),
                       (["--chat-template", "/no/such.jinja"], "no such file"),
                       (["--generation-config", "/nowhere"], "no generation_config.json there"),
@@ -10448,7 +10448,8 @@ def test_s49_server_content_parts_of_other_types(srv_s49):
             check_error(*post(part, path), 400, "messages", "messages[0]: " + fragment)
     for kind in ("text", "input_text", "output_text"):
         assert post({"type": kind, "text": "b"})[0] == 200
-    check_error(*post({"type": "text", "text": None}), 400, "messages", "must be a string or a list of text parts")
+    check_error(*post({"type": "input_text", "text": None}), 400, "messages", "must be a string or a list of text "
+                "parts")  # (a null "text" part is skipped, as vLLM's: test_s51_server_null_text_part_skipped)
 
 
 def test_s49_server_bad_words_tokenized_off_the_engine_thread(srv_s49):
@@ -11285,3 +11286,91 @@ def test_s51_bench_serve_result_keys_of_vllm(monkeypatch, capsys):
     assert not any("client_queue" in k for k in res) and "mean_e2el_ms" in res and len(res["queue_times"]) == 3
     assert "warning: --percentile-metrics client_queue_time needs --max-concurrency; left out, as vLLM does" in cap.err
     assert "Client-side Queueing" not in cap.out
+
+
+# ==============================================================================================
+# Null text parts and --default-chat-template-kwargs as vLLM reads them, session 51
+# ==============================================================================================
+
+S51_FLAG_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the server's tool",
+                                                     "parameters": {"type": "object", "properties": {}}}}]
+S51_REQUEST_TOOLS = [{"type": "function", "function": {"name": "fetch", "description": "the request's tool",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+# add_generation_prompt / continue_final_message that the request's own fields override, tools that stand in
+# for a request's, and a default that a request's null or "auto" leaves in place
+S51_DEFAULTS = {"add_generation_prompt": False, "continue_final_message": True, "tools": S51_FLAG_TOOLS,
+                "enable_thinking": False}
+srv_s51 = server_fixture("srv_s51", "--max-num-seqs", "2", "--default-chat-template-kwargs", json.dumps(S51_DEFAULTS))
+
+
+def s51_tokens(srv, messages, **fields):
+    """The chat's prompt ids as /tokenize renders it (the chat endpoint's render_chat)."""
+    status, body = srv.post("/tokenize", {"messages": messages, **fields})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def test_s51_server_null_text_part_skipped(srv):
+    """A chat content part of type text (or refusal) whose text is null, or missing, is skipped, as vLLM's chat
+    parser skips it (PART_TYPES_TO_SKIP_NONE_CONTENT, vllm 0.34.0): the prompt is the one without it, on
+    /tokenize and /v1/chat/completions. Before: a 400 "must be a string or a list of text parts". Still a 400: a
+    message of nothing but such parts (vLLM's request model refuses it), an input_text, output_text or thinking part
+    with a null text (vLLM does not skip those), a null input_text in the Responses API's input (vLLM's request
+    model refuses it)."""
+    hi = {"type": "text", "text": "hi"}
+    plain = s51_tokens(srv, [{"role": "user", "content": [hi]}])
+    for empty in ({"type": "text", "text": None}, {"type": "text"}, {"type": "refusal", "refusal": None}):
+        assert s51_tokens(srv, [{"role": "user", "content": [empty, hi]}]) == plain, empty
+        assert s51_tokens(srv, [{"role": "user", "content": [hi, empty]}]) == plain, empty
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
+    with_null = [answered[0], {"role": "assistant", "content": [{"type": "refusal", "refusal": None},
+                                                                 {"type": "text", "text": "a"}]}]
+    assert s51_tokens(srv, with_null) == s51_tokens(srv, answered)
+    status, body = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": None}, hi]}], "max_tokens": 1})
+    assert status == 200, body
+    for only in ([{"type": "text", "text": None}], [{"type": "refusal", "refusal": None}, {"type": "text"}]):
+        check_error(*srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": only}],
+                                                       "max_tokens": 1}), 400, "messages", "must be a string or a list")
+    for kind, key in (("input_text", "text"), ("output_text", "text"), ("thinking", "thinking")):
+        check_error(*srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": kind, key: None}, hi]}], "max_tokens": 1}), 400, "messages",
+            "must be a string or a list of text parts")
+    check_error(*srv.post("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": None}, {"type": "input_text", "text": "hi"}]}], "max_output_tokens": 1}),
+        400, "input", "content parts must be")
+
+
+def test_s51_default_chat_template_kwargs_reserved_keys_taken():
+    """--default-chat-template-kwargs takes add_generation_prompt, continue_final_message and tools, as vLLM
+    does (before: "may not set ..." and no start). The first two are dropped, since each request's own fields go
+    over them in vLLM's merge (ChatParams.with_defaults); the messages and documents are still refused."""
+    parse = lambda value: srvmod.chat_options(srvmod.build_parser().parse_args(  # noqa: E731
+        ["m", "--default-chat-template-kwargs", value]))
+    assert parse(json.dumps(S51_DEFAULTS)).kwargs == {"tools": S51_FLAG_TOOLS, "enable_thinking": False}
+    for key in ("messages", "documents"):
+        with pytest.raises(ConfigError, match=f"may not set {key}"):
+            parse(json.dumps({key: []}))
+
+
+def test_s51_default_chat_template_kwargs_merge_as_vllm(srv_s51):
+    """How the server's default kwargs meet a request, as vLLM 0.34.0 merges them (merge_kwargs over
+    ChatParams.with_defaults, OnlineRenderer.preprocess_chat): the request's add_generation_prompt and
+    continue_final_message fields win over the defaults' (so a plain request gets its generation prompt and a
+    chat completion is not refused as "both"); the defaults' tools are the template's for a request with no tools,
+    a request's own tools replace them; a request's chat_template_kwargs value of null or "auto" leaves the
+    default in place (here enable_thinking false), any other value goes over it."""
+    from specdec import apply_chat_template
+    tok = sd.Tokenizer.from_dir(srv_model(srv_s51))
+    msgs = [{"role": "user", "content": "hello"}]
+    want = lambda gen=True, think=False, tools=S51_FLAG_TOOLS: tok.encode(  # noqa: E731
+        apply_chat_template(msgs, gen, think, False, tools))
+    assert s51_tokens(srv_s51, msgs) == want()
+    assert s51_tokens(srv_s51, msgs, add_generation_prompt=False) == want(gen=False)
+    assert s51_tokens(srv_s51, msgs, tools=S51_REQUEST_TOOLS) == want(tools=S51_REQUEST_TOOLS)
+    assert s51_tokens(srv_s51, msgs, chat_template_kwargs={"tools": None}) == want()
+    for unset in (None, "auto"):
+        assert s51_tokens(srv_s51, msgs, chat_template_kwargs={"enable_thinking": unset}) == want(), unset
+    assert s51_tokens(srv_s51, msgs, chat_template_kwargs={"enable_thinking": True}) == want(think=True)
+    status, body = srv_s51.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(want()), body

@@ -24,15 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import specdec as sd  # noqa: E402
 from eval_toy import held_out_prompts  # noqa: E402  (this folder: sys.path[0] when run as a script)
+from lossless_sweep import METHODS as SWEEP_METHODS  # noqa: E402
 
 M = os.path.join(ROOT, "models")
-METHODS = {
-    "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
-    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-    "draft_model k=4": {"method": "draft_model", "model": os.path.join(M, "toy-draft"), "num_speculative_tokens": 4},
-    "dflash k=7": {"method": "dflash", "model": os.path.join(M, "toy-dflash"), "num_speculative_tokens": 7},
-    "dspark k=8": {"method": "dspark", "model": os.path.join(M, "toy-dspark"), "num_speculative_tokens": 8},
-}
+# one configuration per method, as the gate's sweep writes them
+METHODS = {name: SWEEP_METHODS[name]
+           for name in ("mtp k=3", "ngram k=4", "draft_model k=4", "dflash k=7", "dspark k=8")}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
